@@ -1,0 +1,18 @@
+"""The math: fused lm_head losses on plain tensors (no transformers, no trl imports)."""
+
+from .backends import available_backends, get_backend, register_backend
+from .cross_entropy import linear_cross_entropy
+from .logit_transform import LogitTransform
+from .logprobs import linear_logprobs
+from .tiling import DEFAULT_TILE_BUDGET_BYTES, rows_per_tile
+
+__all__ = [
+    "DEFAULT_TILE_BUDGET_BYTES",
+    "LogitTransform",
+    "available_backends",
+    "get_backend",
+    "linear_cross_entropy",
+    "linear_logprobs",
+    "register_backend",
+    "rows_per_tile",
+]

@@ -1,0 +1,55 @@
+"""Backends implement the tiled math; the public ops choose one per call.
+
+A backend provides ``cross_entropy``, ``logprobs_forward`` and ``logprobs_backward`` with the
+signatures of :class:`~hf_fused.ops.backends.torch_reference.TorchReferenceBackend`. The pure-PyTorch
+reference runs everywhere and is what CI tests; faster GPU backends register here and are chosen
+automatically for CUDA tensors. ``HF_FUSED_BACKEND=<name>`` or the ``backend=`` argument forces one.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import torch
+
+from .torch_reference import HeadGrads, TorchReferenceBackend
+
+_REGISTRY: dict[str, Callable[[], object]] = {"torch": TorchReferenceBackend}
+_INSTANCES: dict[str, object] = {}
+
+
+def register_backend(name: str, factory: Callable[[], object]) -> None:
+    """Make a backend available under ``name`` (used by optional GPU backends)."""
+    _REGISTRY[name] = factory
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_backend(device: torch.device, name: Optional[str] = None):
+    """The backend for tensors on ``device``: ``name``, else ``$HF_FUSED_BACKEND``, else the fastest
+    registered one for the device (the torch reference on CPU).
+
+    Raises:
+        ValueError: if the requested name is not registered.
+    """
+    name = name or os.environ.get("HF_FUSED_BACKEND") or _default_name(device)
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"unknown hf_fused backend {name!r}; available: {available_backends()}. "
+            "Unset HF_FUSED_BACKEND or pass one of these names."
+        )
+    if name not in _INSTANCES:
+        _INSTANCES[name] = _REGISTRY[name]()
+    return _INSTANCES[name]
+
+
+def _default_name(device: torch.device) -> str:
+    if device.type == "cuda" and "triton" in _REGISTRY:
+        return "triton"
+    return "torch"
+
+
+__all__ = ["HeadGrads", "TorchReferenceBackend", "available_backends", "get_backend", "register_backend"]

@@ -1,0 +1,190 @@
+"""Pure-PyTorch backend: the reference implementation of the tiled math, on any device.
+
+Every tile gathers its (non-ignored) token rows, computes fp32 logits ``[rows, V]`` against the full
+vocabulary, and reduces them to per-token statistics or to gradient contributions before the next
+tile starts, so nothing of size ``[N, V]`` exists. Per token ``t`` with logits ``z`` (after the logit
+transform), label ``y``:
+
+    lse = logsumexp(z)        logp = z[y] − lse        p = softmax(z)        H = lse − Σ_j p_j z_j
+    ∂logp/∂z_j = 1[j = y] − p_j                         ∂H/∂z_j = −p_j (log p_j + H)
+
+The logits-gradient ``dz`` then goes through the transform's derivative and the head:
+``dh = dz · W``, ``dW += dzᵀ · h``, ``db += Σ_rows dz``, all accumulated in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from ..logit_transform import LogitTransform
+from ..tiling import tiles
+
+Scalar = Union[float, torch.Tensor]
+
+
+@dataclass
+class HeadGrads:
+    """Gradients of the head's inputs; ``None`` for those not requested.
+
+    hidden: ``[N, H]`` in hidden's dtype (each row is complete after one tile, so no fp32 buffer).
+    weight: ``[V, H]`` fp32 accumulator.  bias: ``[V]`` fp32 accumulator.
+    """
+
+    hidden: Optional[torch.Tensor] = None
+    weight: Optional[torch.Tensor] = None
+    bias: Optional[torch.Tensor] = None
+
+
+class TorchReferenceBackend:
+    """The CPU/CI reference. GPU backends implement the same three methods."""
+
+    name = "torch"
+
+    # -- shared tile steps -------------------------------------------------------------------------
+    @staticmethod
+    def _logits(hidden, weight32, bias, idx, transform: LogitTransform):
+        h32 = hidden.index_select(0, idx).float()
+        raw = h32 @ weight32.t()
+        if bias is not None:
+            raw += bias.float()
+        z, tanh = transform.forward(raw)
+        return h32, z, tanh
+
+    @staticmethod
+    def _new_grads(hidden, weight, bias, need_hidden, need_weight, need_bias) -> HeadGrads:
+        return HeadGrads(
+            hidden=torch.zeros_like(hidden) if need_hidden else None,
+            weight=torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None,
+            bias=torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+            if (need_bias and bias is not None)
+            else None,
+        )
+
+    @staticmethod
+    def _accumulate(grads: HeadGrads, dz_raw, h32, idx, weight32) -> None:
+        if grads.hidden is not None:
+            grads.hidden.index_copy_(0, idx, (dz_raw @ weight32).to(grads.hidden.dtype))
+        if grads.weight is not None:
+            grads.weight.addmm_(dz_raw.t(), h32)
+        if grads.bias is not None:
+            grads.bias += dz_raw.sum(0)
+
+    # -- cross-entropy with gradients in the forward -----------------------------------------------
+    def cross_entropy(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        labels: torch.Tensor,
+        rows: torch.Tensor,
+        grad_scale: Scalar,
+        transform: LogitTransform,
+        tile_rows: int,
+        need_hidden: bool,
+        need_weight: bool,
+        need_bias: bool,
+    ) -> tuple[torch.Tensor, Optional[HeadGrads]]:
+        """Summed cross-entropy over ``rows`` and, if any gradient is requested, the gradients of
+        ``grad_scale · sum`` (so a "mean" needs no second pass over the gradients).
+
+        Shapes: hidden ``[N, H]``, weight ``[V, H]``, bias ``[V]``, labels ``[N]`` int64, rows ``[M]``.
+        Returns ``(loss_sum fp32 scalar, HeadGrads or None)``.
+        """
+        weight32 = weight.float()
+        need_any = need_hidden or need_weight or need_bias
+        grads = self._new_grads(hidden, weight, bias, need_hidden, need_weight, need_bias) if need_any else None
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for idx in tiles(rows, tile_rows):
+            h32, z, tanh = self._logits(hidden, weight32, bias, idx, transform)
+            y = labels.index_select(0, idx).unsqueeze(1)
+            lse = torch.logsumexp(z, dim=1, keepdim=True)
+            loss_sum += (lse - z.gather(1, y)).sum()
+            if grads is None:
+                continue
+            # d(grad_scale · Σ(lse − z_y))/dz = grad_scale · (p − onehot(y))
+            dz = z.sub_(lse).exp_()
+            dz.scatter_add_(1, y, torch.full_like(y, -1, dtype=dz.dtype))
+            dz.mul_(grad_scale)
+            dz = transform.backward(dz, tanh)
+            self._accumulate(grads, dz, h32, idx, weight32)
+        return loss_sum, grads
+
+    # -- log-probabilities: statistics forward, recompute backward ---------------------------------
+    def logprobs_forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        labels: torch.Tensor,
+        rows: torch.Tensor,
+        transform: LogitTransform,
+        tile_rows: int,
+        return_entropy: bool,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """Per-row ``(logprobs [M], entropy [M] or None, lse [M])``, all fp32, for the rows in ``rows``."""
+        weight32 = weight.float()
+        m = rows.numel()
+        out_logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        out_lse = torch.empty_like(out_logp)
+        out_ent = torch.empty_like(out_logp) if return_entropy else None
+        start = 0
+        for idx in tiles(rows, tile_rows):
+            stop = start + idx.numel()
+            _, z, _ = self._logits(hidden, weight32, bias, idx, transform)
+            y = labels.index_select(0, idx).unsqueeze(1)
+            lse = torch.logsumexp(z, dim=1, keepdim=True)
+            out_logp[start:stop] = (z.gather(1, y) - lse).squeeze(1)
+            out_lse[start:stop] = lse.squeeze(1)
+            if out_ent is not None:
+                # H = −Σ p log p, from log p = z − lse (no cancellation between lse and Σ p z)
+                logp = z.sub_(lse)
+                out_ent[start:stop] = -(logp.exp() * logp).sum(1)
+            start = stop
+        return out_logp, out_ent, out_lse
+
+    def logprobs_backward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        labels: torch.Tensor,
+        rows: torch.Tensor,
+        lse: torch.Tensor,
+        entropy: Optional[torch.Tensor],
+        grad_logprobs: Optional[torch.Tensor],
+        grad_entropy: Optional[torch.Tensor],
+        transform: LogitTransform,
+        tile_rows: int,
+        need_hidden: bool,
+        need_weight: bool,
+        need_bias: bool,
+    ) -> HeadGrads:
+        """Gradients from upstream ``grad_logprobs [M]`` / ``grad_entropy [M]`` (fp32, either may be None)."""
+        weight32 = weight.float()
+        grads = self._new_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
+        start = 0
+        for idx in tiles(rows, tile_rows):
+            stop = start + idx.numel()
+            h32, z, tanh = self._logits(hidden, weight32, bias, idx, transform)
+            lse_t = lse[start:stop].unsqueeze(1)
+            logp = z.sub_(lse_t)  # log p_j, in place of z
+            p = logp.exp()
+            dz = torch.zeros_like(p)
+            if grad_entropy is not None:
+                # ∂H/∂z_j = −p_j (log p_j + H)
+                g_h = grad_entropy[start:stop].unsqueeze(1)
+                dz -= g_h * p * (logp + entropy[start:stop].unsqueeze(1))
+            if grad_logprobs is not None:
+                # ∂logp_y/∂z_j = 1[j = y] − p_j
+                g_lp = grad_logprobs[start:stop].unsqueeze(1)
+                dz -= g_lp * p
+                y = labels.index_select(0, idx).unsqueeze(1)
+                dz.scatter_add_(1, y, g_lp)
+            del logp, p
+            dz = transform.backward(dz, tanh)
+            self._accumulate(grads, dz, h32, idx, weight32)
+            start = stop
+        return grads

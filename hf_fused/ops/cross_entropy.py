@@ -1,0 +1,129 @@
+"""Fused linear cross-entropy: the causal-LM loss from hidden states and lm_head, tile by tile."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .backends import get_backend
+from .head_inputs import flatten_head_inputs
+from .logit_transform import LogitTransform
+from .logprobs import linear_logprobs
+from .tiling import rows_per_tile, valid_rows
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """Loss and gradients in one forward pass over the tiles (6·N·H·V FLOPs); backward only scales the
+    stored gradients by the upstream gradient, so gradient accumulation and loss scaling stay exact."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, rows, grad_scale, transform, tile_rows, backend, grad_enabled):
+        need = ctx.needs_input_grad
+        need_hidden, need_weight = grad_enabled and need[0], grad_enabled and need[1]
+        need_bias = grad_enabled and bias is not None and need[2]
+        loss_sum, grads = backend.cross_entropy(
+            hidden, weight, bias, labels, rows, grad_scale, transform, tile_rows,
+            need_hidden, need_weight, need_bias,
+        )
+        ctx.grads = grads
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return loss_sum * grad_scale
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grads, (weight_dtype, bias_dtype) = ctx.grads, ctx.dtypes
+        ctx.grads = None  # free the stored gradients as soon as they are handed over
+        if grads is None:
+            return (None,) * 10
+        d_hidden = d_weight = d_bias = None
+        if grads.hidden is not None:
+            d_hidden = grads.hidden.mul_(grad_output.to(grads.hidden.dtype))
+        if grads.weight is not None:
+            d_weight = grads.weight.mul_(grad_output).to(weight_dtype)
+        if grads.bias is not None:
+            d_bias = grads.bias.mul_(grad_output).to(bias_dtype)
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: Optional[Union[int, float, torch.Tensor]] = None,
+    temperature: float = 1.0,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    tile_budget_bytes: Optional[int] = None,
+    backend: Optional[str] = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``labels`` under the logits of ``hidden @ weight.T + bias``, never materializing
+    the ``[N, V]`` logits.
+
+    Logits per token (the order transformers' models use): ``z = (h·Wᵀ + b) · logit_scale``, then
+    ``softcap · tanh(z / softcap)``, then ``/ temperature``. The loss of a token is
+    ``logsumexp(z) − z[label]``; it equals ``F.cross_entropy`` on those logits.
+
+    Args:
+        hidden: ``[..., H]`` final hidden states (fp32/bf16/fp16). Already aligned with ``labels``:
+            no causal shift happens here.
+        weight: ``[V, H]`` lm_head weight, same dtype and device as ``hidden``.
+        labels: ``[...]`` integer token ids in ``[0, V)`` or ``ignore_index``.
+        bias: optional ``[V]`` lm_head bias.
+        ignore_index: label value that contributes neither loss nor gradient.
+        reduction: ``"mean"`` (over non-ignored tokens), ``"sum"``, or ``"none"`` (per-token losses
+            ``[...]`` fp32, 0 at ignored positions).
+        num_items_in_batch: with ``"mean"``/``"sum"``, return ``sum / num_items_in_batch`` instead
+            (transformers' gradient-accumulation normalization).
+        temperature, softcap, logit_scale: the logit transform above.
+        tile_budget_bytes: memory bound of one tile's fp32 working set (default 256 MiB).
+        backend: force a backend by name (see :mod:`hf_fused.ops.backends`).
+
+    Returns:
+        fp32 scalar for ``"mean"``/``"sum"``, fp32 ``[...]`` for ``"none"``. All-ignored input gives 0
+        and zero gradients.
+
+    Gradients w.r.t. hidden, weight and bias are computed in the forward for ``"mean"``/``"sum"``
+    (accumulated in fp32, scaled by the upstream gradient in backward); ``"none"`` recomputes in
+    backward so per-token upstream weights are exact. A weight with ``requires_grad=False`` skips the
+    weight-gradient matmul.
+
+    Raises:
+        ValueError: unknown reduction, bad shapes, labels out of range, non-positive
+            ``num_items_in_batch``, invalid transform values.
+        TypeError: non-tensor or wrongly typed inputs.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if reduction == "none":
+        if num_items_in_batch is not None:
+            raise ValueError("num_items_in_batch applies to reduction='mean' or 'sum', not 'none'")
+        logprobs, _ = linear_logprobs(
+            hidden, weight, labels, bias, ignore_index=ignore_index, temperature=temperature,
+            softcap=softcap, logit_scale=logit_scale, tile_budget_bytes=tile_budget_bytes, backend=backend,
+        )
+        return -logprobs
+    transform = LogitTransform(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
+    flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index)
+    rows = valid_rows(flat.labels, ignore_index)
+    if num_items_in_batch is not None:
+        if bool(torch.as_tensor(num_items_in_batch).le(0).any()):
+            raise ValueError(f"num_items_in_batch must be > 0, got {num_items_in_batch!r}")
+        grad_scale = 1.0 / num_items_in_batch
+        if isinstance(grad_scale, torch.Tensor):
+            grad_scale = grad_scale.to(device=hidden.device, dtype=torch.float32)
+    elif reduction == "mean":
+        grad_scale = 1.0 / max(rows.numel(), 1)
+    else:
+        grad_scale = 1.0
+    return LinearCrossEntropyFunction.apply(
+        flat.hidden, flat.weight, flat.bias, flat.labels, rows, grad_scale, transform,
+        rows_per_tile(weight.shape[0], tile_budget_bytes), get_backend(hidden.device, backend),
+        torch.is_grad_enabled(),
+    )

@@ -1,0 +1,73 @@
+"""Validation and flattening shared by the public ops: ``[..., H]`` hidden states and ``[...]`` labels
+become ``[N, H]`` and ``[N]``, with errors that say what was wrong."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class FlatHeadInputs:
+    hidden: torch.Tensor  # [N, H]
+    weight: torch.Tensor  # [V, H]
+    bias: Optional[torch.Tensor]  # [V]
+    labels: torch.Tensor  # [N] int64
+    batch_shape: torch.Size  # the leading ``...`` of hidden, to restore per-token outputs
+
+
+def flatten_head_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ignore_index: int,
+) -> FlatHeadInputs:
+    """Check shapes, dtypes, devices and label range; flatten.
+
+    Raises:
+        TypeError: non-tensor inputs, non-floating hidden/weight, non-integer labels.
+        ValueError: shape mismatches or labels outside ``[0, V)`` other than ``ignore_index``.
+    """
+    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not hidden.is_floating_point() or not weight.is_floating_point():
+        raise TypeError(f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor of token ids, got {labels.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [V, H] (lm_head.weight), got shape {tuple(weight.shape)}")
+    vocab_size, hidden_size = weight.shape
+    if hidden.dim() < 1 or hidden.shape[-1] != hidden_size:
+        raise ValueError(
+            f"hidden must be [..., H] with H = weight.shape[1] = {hidden_size}, got shape {tuple(hidden.shape)}"
+        )
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"labels must have hidden's leading shape {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}; "
+            "labels are aligned with hidden (already shifted for causal LM)"
+        )
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (vocab_size,)):
+        raise ValueError(f"bias must be a [V] = [{vocab_size}] tensor or None")
+    if hidden.device != weight.device or labels.device != hidden.device:
+        raise ValueError(
+            f"hidden, weight and labels must be on one device, got {hidden.device}, {weight.device}, {labels.device}"
+        )
+    flat_labels = labels.reshape(-1).long()
+    bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= vocab_size))
+    if bool(bad.any()):
+        first = flat_labels[bad][0].item()
+        raise ValueError(
+            f"labels contain {first}, outside [0, {vocab_size}) and not ignore_index={ignore_index}; "
+            "mask padding with ignore_index or check the tokenizer/vocabulary size"
+        )
+    return FlatHeadInputs(
+        hidden=hidden.reshape(-1, hidden_size),
+        weight=weight,
+        bias=bias,
+        labels=flat_labels,
+        batch_shape=hidden.shape[:-1],
+    )
