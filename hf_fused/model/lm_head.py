@@ -1,0 +1,71 @@
+"""Turn whatever lm_head module a model has into plain ``(hidden, weight, bias)`` for the ops.
+
+A PEFT LoRA adapter on lm_head computes ``h·Wᵀ + s·dropout(h)·Aᵀ·Bᵀ``. That is one linear map of an
+augmented input: ``[h, s·A(dropout(h))] · [W, B]ᵀ``, so the fused ops see the adapter exactly
+(dropout included) and autograd carries the gradient to ``lora_A`` and ``lora_B``. Peers that read
+``lm_head.weight`` silently train without the adapter.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+
+def head_tensors(lm_head: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(hidden', weight [V, H'], bias [V] or None)`` with ``lm_head(hidden) == hidden' · weightᵀ + bias``.
+
+    Supports ``nn.Linear``, PEFT ``lora.Linear`` (any number of active vanilla LoRA adapters, merged or
+    disabled) and PEFT ``ModulesToSaveWrapper``.
+
+    Raises:
+        NotImplementedError: for lm_head types whose map is not a plain linear one (DoRA and other LoRA
+            variants, quantized layers), naming the type.
+    """
+    if _is_modules_to_save(lm_head):
+        if lm_head.disable_adapters or not lm_head.active_adapters:
+            return head_tensors(lm_head.original_module, hidden)
+        return head_tensors(lm_head.modules_to_save[lm_head.active_adapters[0]], hidden)
+    if _is_lora_layer(lm_head):
+        return _lora_head_tensors(lm_head, hidden)
+    if type(lm_head) is nn.Linear or (isinstance(lm_head, nn.Linear) and type(lm_head).forward is nn.Linear.forward):
+        return hidden, lm_head.weight, lm_head.bias
+    raise NotImplementedError(
+        f"hf_fused supports an lm_head that is nn.Linear, a PEFT LoRA layer around one, or PEFT "
+        f"modules_to_save; got {type(lm_head).__module__}.{type(lm_head).__name__}. "
+        "Remove the patch (remove_fused_loss) to train this model with the original loss."
+    )
+
+
+def _is_modules_to_save(module: nn.Module) -> bool:
+    return hasattr(module, "modules_to_save") and hasattr(module, "original_module")
+
+
+def _is_lora_layer(module: nn.Module) -> bool:
+    return all(hasattr(module, name) for name in ("lora_A", "lora_B", "base_layer", "scaling"))
+
+
+def _lora_head_tensors(layer: nn.Module, hidden: torch.Tensor):
+    base_hidden, weight, bias = head_tensors(layer.base_layer, hidden)
+    if layer.disable_adapters or layer.merged:
+        return base_hidden, weight, bias
+    extra_hidden, extra_weight = [], []
+    for name in layer.active_adapters:
+        if name not in layer.lora_A.keys():
+            continue
+        if name in getattr(layer, "lora_variant", {}):
+            raise NotImplementedError(
+                f"hf_fused supports vanilla LoRA on lm_head; adapter {name!r} uses "
+                f"{type(layer.lora_variant[name]).__name__} (e.g. DoRA), whose map is not linear in [h, A h]."
+            )
+        lora_A, lora_B = layer.lora_A[name], layer.lora_B[name]
+        if lora_B.bias is not None:
+            raise NotImplementedError("hf_fused does not support lora_bias=True on lm_head")
+        x = layer.lora_dropout[name](hidden.to(lora_A.weight.dtype))
+        extra_hidden.append((lora_A(x) * layer.scaling[name]).to(hidden.dtype))
+        extra_weight.append(lora_B.weight.to(weight.dtype))
+    if not extra_hidden:
+        return base_hidden, weight, bias
+    return torch.cat([base_hidden, *extra_hidden], dim=-1), torch.cat([weight, *extra_weight], dim=1), bias

@@ -1,0 +1,315 @@
+"""CPU harness for GRPO parity tests: tiny models, a word-level tokenizer, scripted rollouts, and one
+function that runs TRL's own ``_generate_and_score_completions`` + ``_compute_loss`` + backward and
+returns everything a parity claim needs (losses, every parameter gradient, every logged metric, the
+log-prob tensors computed at generation time).
+
+Nothing here depends on hf_fused: the same harness runs ``trl.GRPOTrainer`` against itself (to prove
+the harness is deterministic) and against ``hf_fused.FusedGRPOTrainer``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import split_tensor_dict
+
+SPECIALS = ["[PAD]", "[EOS]", "[UNK]"]
+WORDS = (
+    "the a an one two three four five six seven eight nine ten red green blue cat dog fish bird tree "
+    "river stone cloud rain sun moon star is was are and or not yes no to of in on at by up down left "
+    "right big small hot cold fast slow old new good bad"
+).split()
+PAD_ID, EOS_ID = 0, 1
+NUM_SPECIAL = len(SPECIALS)
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
+    fast.padding_side = "left"
+    return fast
+
+
+VOCAB_SIZE = len(SPECIALS) + len(WORDS)
+
+
+def make_model(arch: str = "llama", seed: int = 0, dtype=torch.float32, tie: bool = False):
+    """A 2-layer, hidden-32 causal LM from a config (random weights, deterministic in ``seed``)."""
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+        bos_token_id=None,
+        tie_word_embeddings=tie,
+    )
+    if arch == "llama":
+        config, cls = LlamaConfig(**common), LlamaForCausalLM
+    elif arch == "qwen3":
+        config, cls = Qwen3Config(head_dim=8, **common), Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(config).to(dtype)
+    # Random init gives near-uniform next-token distributions; scale the head up so log-probs, entropies and
+    # ratios spread out and every branch (clipping, masks) is exercised.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.pad_token_id = PAD_ID
+    return model
+
+
+def length_reward(completions, completion_ids, **kwargs):
+    """Deterministic reward with within-group variance (so advantages are non-zero)."""
+    return [float(sum(ids) % 7) + 0.25 * len(ids) for ids in completion_ids]
+
+
+@torch.no_grad()
+def dense_logps(model, input_ids, attention_mask, logits_to_keep, temperature=1.0, dtype=torch.float64):
+    """Reference per-token log-probs/entropies from the full logits (original forward, no labels)."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask)
+    logits = out.logits[:, -logits_to_keep - 1 : -1].to(dtype) / temperature
+    logp_all = logits.log_softmax(-1)
+    targets = input_ids[:, -logits_to_keep:]
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    keep = attention_mask[:, -logits_to_keep:].bool()
+    return logp.masked_fill(~keep, 0.0), ent.masked_fill(~keep, 0.0)
+
+
+def make_rollout(*, seed: int, max_completion_length: int, sampling_logps: bool = False, sampling_noise=0.3,
+                 nan_token: bool = False, prompt_len=(3, 6)):
+    """A ``rollout_func`` (TRL's public hook) that returns scripted prompts/completions.
+
+    Completions have random lengths; some end with EOS, others are truncated at ``max_completion_length``.
+    With ``sampling_logps`` it also returns "inference-engine" log-probs: the model's own log-probs plus
+    Gaussian noise (like a vLLM mismatch), computed densely from ``trainer.model`` so both trainers get the
+    same numbers. ``nan_token`` replaces one of them by ``None`` (what vLLM returns for an unscorable token).
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def rint(lo, hi):  # inclusive
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    def rollout(prompts, trainer):
+        prompt_ids, completion_ids = [], []
+        for i in range(len(prompts)):
+            p = torch.randint(NUM_SPECIAL, VOCAB_SIZE, (rint(*prompt_len),), generator=gen).tolist()
+            n = rint(1, max_completion_length)
+            c = torch.randint(NUM_SPECIAL, VOCAB_SIZE, (n,), generator=gen).tolist()
+            if n < max_completion_length or rint(0, 1):
+                c[-1] = EOS_ID
+            prompt_ids.append(p)
+            completion_ids.append(c)
+        logprobs = None
+        if sampling_logps:
+            logprobs = []
+            model = trainer.model
+            for p, c in zip(prompt_ids, completion_ids):
+                ids = torch.tensor([p + c])
+                lp, _ = dense_logps(model, ids, torch.ones_like(ids), len(c), trainer.temperature, torch.float32)
+                lp = lp[0] + sampling_noise * torch.randn(len(c), generator=gen)
+                logprobs.append(lp.tolist())
+            if nan_token:
+                logprobs[1][0] = None
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    return rollout
+
+
+PROMPTS = [f"prompt {w} {v}" for w, v in zip(WORDS[:16], WORDS[16:32])]
+
+
+def make_config(tmp_path, **overrides) -> GRPOConfig:
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        gradient_accumulation_steps=1,
+        learning_rate=5e-2,
+        bf16=False,
+        report_to=[],
+        use_vllm=False,
+        logging_steps=1,
+        save_strategy="no",
+        seed=42,
+        gradient_checkpointing=False,
+        dataloader_num_workers=0,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return GRPOConfig(**kwargs)
+
+
+@dataclass
+class Case:
+    """One trainer configuration. ``config`` goes to GRPOConfig; the rest controls the harness."""
+
+    config: dict = field(default_factory=dict)
+    arch: str = "llama"
+    peft: dict | None = None  # LoraConfig kwargs
+    sampling_logps: bool = False  # rollout returns inference log-probs
+    nan_token: bool = False
+    vllm_is: bool = False  # enable TRL's vLLM importance-sampling correction path (use_vllm flipped after init)
+    off_policy_noise: float = 0.0  # replace old_per_token_logps by dense log-probs + noise
+    tie: bool = False
+    dtype: torch.dtype = torch.float32
+
+
+def build_trainer(trainer_cls, case: Case, tmp_path, *, model=None):
+    from peft import LoraConfig
+
+    cfg = make_config(tmp_path, **case.config)
+    if model is None:
+        model = make_model(case.arch, dtype=case.dtype, tie=case.tie)
+    if cfg.beta != 0.0 and case.peft is None:
+        # TRL re-creates the reference model from config._name_or_path. Save a slightly perturbed copy there so
+        # the KL term (and its gradient) is not identically zero at the first step.
+        path = tmp_path / f"ref_src_{trainer_cls.__name__}"
+        ref_src = copy.deepcopy(model)
+        gen = torch.Generator().manual_seed(99)
+        with torch.no_grad():
+            for p in ref_src.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        ref_src.save_pretrained(path)
+        model.config._name_or_path = str(path)
+    peft_config = None
+    if case.peft is not None:
+        peft_config = LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, **case.peft)
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=length_reward,
+        args=cfg,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=make_tokenizer(),
+        peft_config=peft_config,
+        rollout_func=make_rollout(
+            seed=1234,
+            max_completion_length=cfg.max_completion_length,
+            sampling_logps=case.sampling_logps,
+            nan_token=case.nan_token,
+        ),
+    )
+    if case.vllm_is:
+        # Exercise TRL's vLLM importance-sampling correction without vLLM: the rollout supplies the sampling
+        # log-probs, and a no-op generation backend absorbs the weight sync.
+        trainer.use_vllm = True
+        trainer.vllm_generation = _NoVLLM()
+        trainer._last_loaded_step = 0
+    return trainer
+
+
+class _NoVLLM:
+    def sync_weights(self):
+        pass
+
+
+def generation_rows(trainer):
+    """The rows the RepeatSampler would hand to ``_generate_and_score_completions``."""
+    args = trainer.args
+    n_prompts = args.generation_batch_size // args.num_generations
+    return [{"prompt": PROMPTS[i]} for i in range(n_prompts) for _ in range(args.num_generations)]
+
+
+@dataclass
+class StepResult:
+    losses: list
+    grads: dict
+    metrics: dict
+    inputs: dict
+
+
+def run_step(trainer, case: Case, *, noise_seed: int = 7) -> StepResult:
+    """One generation batch: TRL's ``_generate_and_score_completions``, then ``_compute_loss`` + backward on each
+    of its ``steps_per_generation`` micro-batches (gradients accumulate as in ``Trainer.training_step``)."""
+    model = trainer.model
+    model.train()
+    model.zero_grad(set_to_none=True)
+    inputs = trainer._generate_and_score_completions(generation_rows(trainer))
+    if case.off_policy_noise:
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        base, _ = dense_logps(model, ids, am, inputs["completion_ids"].size(1), trainer.temperature, torch.float32)
+        gen = torch.Generator().manual_seed(noise_seed)
+        noise = case.off_policy_noise * torch.randn(base.shape, generator=gen)
+        inputs["old_per_token_logps"] = base + noise * inputs["completion_mask"]
+    saved_inputs = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                    for k, v in inputs.items()}
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    losses = []
+    for mb in split_tensor_dict(inputs, trainer.args.steps_per_generation):
+        loss = trainer._compute_loss(model, mb)
+        loss.backward()
+        losses.append(loss.item())
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    metrics = {k: list(v) for k, v in trainer._metrics["train"].items()}
+    return StepResult(losses, grads, metrics, saved_inputs)
+
+
+def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    denom = b.abs().max().item()
+    diff = (a - b).abs().max().item()
+    return diff / denom if denom > 0 else diff
+
+
+def assert_same_step(a: StepResult, b: StepResult, rtol: float = 1e-5, atol: float = 1e-7, metric_rtol=None):
+    """Loss values, every parameter gradient, every logged metric and every generation-time tensor agree."""
+    metric_rtol = rtol if metric_rtol is None else metric_rtol
+    assert len(a.losses) == len(b.losses)
+    for la, lb in zip(a.losses, b.losses):
+        assert math.isclose(la, lb, rel_tol=rtol, abs_tol=atol), (a.losses, b.losses)
+    assert set(a.grads) == set(b.grads), set(a.grads) ^ set(b.grads)
+    assert len(a.grads) > 0
+    bad = {}
+    for n in a.grads:
+        err = _relerr(a.grads[n], b.grads[n])
+        if err > rtol and (a.grads[n] - b.grads[n]).abs().max().item() > atol:
+            bad[n] = err
+    assert not bad, f"gradient mismatch (rel err): {bad}"
+    skip = {"step_time"}
+    assert set(a.metrics) == set(b.metrics), set(a.metrics) ^ set(b.metrics)
+    for k in a.metrics:
+        if k in skip or "/time" in k:
+            continue
+        va, vb = a.metrics[k], b.metrics[k]
+        assert len(va) == len(vb), (k, va, vb)
+        for x, y in zip(va, vb):
+            if isinstance(x, float) and math.isnan(x):
+                assert math.isnan(y), (k, va, vb)
+            else:
+                assert math.isclose(x, y, rel_tol=metric_rtol, abs_tol=atol), (k, va, vb)
+    assert set(a.inputs) == set(b.inputs)
+    for k, v in a.inputs.items():
+        w = b.inputs[k]
+        if isinstance(v, torch.Tensor):
+            assert v.shape == w.shape, k
+            if v.is_floating_point():
+                assert torch.allclose(v.double(), w.double(), rtol=rtol, atol=1e-6, equal_nan=True), (k, v, w)
+            else:
+                assert torch.equal(v, w), k
+        else:
+            assert v == w, k
+
+
+def max_grad_relerr(a: StepResult, b: StepResult) -> float:
+    return max(_relerr(a.grads[n], b.grads[n]) for n in a.grads)
