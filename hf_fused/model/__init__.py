@@ -3,7 +3,7 @@
 from .forward import FUSED_OUTPUTS, fused_forward
 from .lm_head import head_tensors
 from .logit_transform import logit_transform_for
-from .patch import FusedLossVerificationError, apply_fused_loss, is_fused, remove_fused_loss, verify_patch
+from .patch import FusedLossVerificationError, apply_fused_loss, is_fused, original_forward_only, remove_fused_loss, verify_patch
 from .unwrap import find_causal_lm
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "head_tensors",
     "is_fused",
     "logit_transform_for",
+    "original_forward_only",
     "remove_fused_loss",
     "verify_patch",
 ]

@@ -37,6 +37,7 @@ class FusedLossState:
     transform: LogitTransform
     tile_budget_bytes: Optional[int] = None
     backend: Optional[str] = None
+    enabled: bool = True  # False inside :func:`~hf_fused.model.patch.original_forward_only`
 
 
 @dataclass
@@ -92,6 +93,8 @@ def fused_forward(model: nn.Module, *args, **kwargs):
         ValueError: unknown ``fused_output``; ``"loss"``/``"logprobs"`` without labels.
     """
     state: FusedLossState = model._hf_fused
+    if not state.enabled:
+        return state.original_forward(*args, **kwargs)
     if args:
         if "fused_output" not in kwargs and not _labels_in(state.signature, args, kwargs):
             return state.original_forward(*args, **kwargs)

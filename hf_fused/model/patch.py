@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import types
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -85,6 +86,21 @@ def remove_fused_loss(model: nn.Module) -> nn.Module:
     else:
         del causal_lm.forward
     return model
+
+
+@contextmanager
+def original_forward_only(model: nn.Module):
+    """Within this block a patched model runs its original forward even with labels (logits and all),
+    e.g. for evaluation that needs logits for metrics. No-op for an unpatched model."""
+    state = find_causal_lm(model).__dict__.get("_hf_fused")
+    if state is None:
+        yield model
+        return
+    previous, state.enabled = state.enabled, False
+    try:
+        yield model
+    finally:
+        state.enabled = previous
 
 
 def is_fused(model: nn.Module) -> bool:

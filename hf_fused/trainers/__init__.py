@@ -1,0 +1,17 @@
+"""Trainers: thin subclasses that route the loss through :mod:`hf_fused.model`; no tile math here.
+
+``FusedGRPOTrainer`` needs ``trl`` (``pip install hf_fused[trl]``) and is imported on first use.
+"""
+
+from .sft import FusedTrainer
+
+
+def __getattr__(name):
+    if name == "FusedGRPOTrainer":
+        from .grpo import FusedGRPOTrainer
+
+        return FusedGRPOTrainer
+    raise AttributeError(f"module 'hf_fused.trainers' has no attribute {name!r}")
+
+
+__all__ = ["FusedGRPOTrainer", "FusedTrainer"]

@@ -1,0 +1,52 @@
+"""``FusedTrainer``: transformers.Trainer with the causal-LM loss computed by hf_fused."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.nn as nn
+from transformers import Trainer
+
+from ..model import apply_fused_loss, original_forward_only
+
+
+class FusedTrainer(Trainer):
+    """A drop-in :class:`transformers.Trainer` whose model computes its loss from hidden states.
+
+    The model is patched with :func:`hf_fused.apply_fused_loss` (keyword ``fused_loss_kwargs`` is passed
+    to it, e.g. ``{"tile_budget_bytes": 64 * 2**20}``). Everything else is Trainer's own code, so its
+    semantics hold unchanged: gradient accumulation normalized by ``num_items_in_batch``,
+    ``average_tokens_across_devices``, eval loss, ``prediction_loss_only``. When evaluation needs logits
+    (``compute_metrics`` set and ``prediction_loss_only`` off) it runs the original forward.
+
+    Raises:
+        ValueError: with ``label_smoothing_factor > 0``, ``compute_loss_func`` or ``use_liger_kernel``:
+            each needs the logits (or replaces the loss) that the fused path never builds.
+    """
+
+    def __init__(self, *args, fused_loss_kwargs: Optional[dict[str, Any]] = None, **kwargs):
+        self._fused_loss_kwargs = dict(fused_loss_kwargs or {})
+        super().__init__(*args, **kwargs)
+        if self.args.label_smoothing_factor > 0:
+            raise ValueError(
+                "FusedTrainer computes the loss without logits, so label_smoothing_factor > 0 is not supported; "
+                "set it to 0 or use transformers.Trainer."
+            )
+        if self.compute_loss_func is not None:
+            raise ValueError(
+                "FusedTrainer computes the loss inside the model; compute_loss_func would receive no logits. "
+                "Use transformers.Trainer for a custom loss on logits, or hf_fused.ops in your own loss."
+            )
+        if self.args.use_liger_kernel:
+            raise ValueError("FusedTrainer replaces Liger's fused loss; set use_liger_kernel=False.")
+        if self.model is not None:
+            apply_fused_loss(self.model, **self._fused_loss_kwargs)
+
+    def call_model_init(self, trial=None) -> nn.Module:
+        return apply_fused_loss(super().call_model_init(trial), **self._fused_loss_kwargs)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if prediction_loss_only or self.compute_metrics is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        with original_forward_only(model):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
