@@ -10,7 +10,7 @@ from .backends import get_backend
 from .head_inputs import flatten_head_inputs
 from .logit_transform import LogitTransform
 from .logprobs import linear_logprobs
-from .tiling import rows_per_tile, valid_rows
+from .tiling import check_tile_budget, valid_rows
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -20,12 +20,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     stored gradients by the upstream gradient, so gradient accumulation and loss scaling stay exact."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, rows, grad_scale, transform, tile_rows, backend, grad_enabled):
+    def forward(ctx, hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes, backend, grad_enabled):
         need = ctx.needs_input_grad
         need_hidden, need_weight = grad_enabled and need[0], grad_enabled and need[1]
         need_bias = grad_enabled and bias is not None and need[2]
         loss_sum, grads = backend.cross_entropy(
-            hidden, weight, bias, labels, rows, grad_scale, transform, tile_rows,
+            hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes,
             need_hidden, need_weight, need_bias,
         )
         ctx.grads = grads
@@ -124,6 +124,6 @@ def linear_cross_entropy(
         grad_scale = 1.0
     return LinearCrossEntropyFunction.apply(
         flat.hidden, flat.weight, flat.bias, flat.labels, rows, grad_scale, transform,
-        rows_per_tile(weight.shape[0], tile_budget_bytes), get_backend(hidden.device, backend),
+        check_tile_budget(tile_budget_bytes), get_backend(hidden.device, backend),
         torch.is_grad_enabled(),
     )

@@ -9,7 +9,7 @@ import torch
 from .backends import get_backend
 from .head_inputs import flatten_head_inputs
 from .logit_transform import LogitTransform
-from .tiling import rows_per_tile, valid_rows
+from .tiling import check_tile_budget, valid_rows
 
 
 class LinearLogprobsFunction(torch.autograd.Function):
@@ -17,9 +17,9 @@ class LinearLogprobsFunction(torch.autograd.Function):
     logits (8·N·H·V FLOPs in all), so the loss on top can be any autograd code on ``[N]`` tensors."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, rows, transform, tile_rows, backend, return_entropy):
+    def forward(ctx, hidden, weight, bias, labels, rows, transform, tile_budget_bytes, backend, return_entropy):
         logp_rows, ent_rows, lse = backend.logprobs_forward(
-            hidden, weight, bias, labels, rows, transform, tile_rows, return_entropy
+            hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy
         )
         n = labels.numel()
         logprobs = hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, logp_rows)
@@ -27,13 +27,13 @@ class LinearLogprobsFunction(torch.autograd.Function):
         if return_entropy:
             entropy = hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, ent_rows)
         ctx.save_for_backward(hidden, weight, bias, labels, rows, lse, ent_rows)
-        ctx.config = (transform, tile_rows, backend)
+        ctx.config = (transform, tile_budget_bytes, backend)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, bias, labels, rows, lse, ent_rows = ctx.saved_tensors
-        transform, tile_rows, backend = ctx.config
+        transform, tile_budget_bytes, backend = ctx.config
         need = ctx.needs_input_grad
         # Ignored positions carry no gradient whatever the upstream says.
         g_lp = None if grad_logprobs is None else grad_logprobs.float().index_select(0, rows)
@@ -41,7 +41,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
         if (g_lp is None and g_h is None) or not any(need[:3]):
             return (None,) * 9
         grads = backend.logprobs_backward(
-            hidden, weight, bias, labels, rows, lse, ent_rows, g_lp, g_h, transform, tile_rows,
+            hidden, weight, bias, labels, rows, lse, ent_rows, g_lp, g_h, transform, tile_budget_bytes,
             need[0], need[1], bias is not None and need[2],
         )
         d_weight = None if grads.weight is None else grads.weight.to(weight.dtype)
@@ -94,7 +94,7 @@ def linear_logprobs(
     rows = valid_rows(flat.labels, ignore_index)
     logprobs, entropy = LinearLogprobsFunction.apply(
         flat.hidden, flat.weight, flat.bias, flat.labels, rows, transform,
-        rows_per_tile(weight.shape[0], tile_budget_bytes), get_backend(hidden.device, backend),
+        check_tile_budget(tile_budget_bytes), get_backend(hidden.device, backend),
         bool(return_entropy),
     )
     logprobs = logprobs.view(flat.batch_shape)

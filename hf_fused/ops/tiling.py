@@ -19,16 +19,25 @@ DEFAULT_TILE_BUDGET_BYTES = 256 * 1024**2
 TILE_BUFFERS = 3
 
 
+def check_tile_budget(tile_budget_bytes: Optional[int]) -> int:
+    """The budget in bytes (the default for ``None``).
+
+    Raises:
+        ValueError: if the budget is not a positive integer.
+    """
+    budget = DEFAULT_TILE_BUDGET_BYTES if tile_budget_bytes is None else tile_budget_bytes
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        raise ValueError(f"tile_budget_bytes must be a positive int (bytes), got {budget!r}")
+    return budget
+
+
 def rows_per_tile(vocab_size: int, tile_budget_bytes: Optional[int] = None) -> int:
     """Token rows per tile so that ``TILE_BUFFERS`` fp32 ``[rows, vocab_size]`` arrays fit the budget.
 
     Raises:
         ValueError: if the budget is not a positive integer.
     """
-    budget = DEFAULT_TILE_BUDGET_BYTES if tile_budget_bytes is None else tile_budget_bytes
-    if not isinstance(budget, int) or budget <= 0:
-        raise ValueError(f"tile_budget_bytes must be a positive int (bytes), got {budget!r}")
-    return max(1, budget // (TILE_BUFFERS * 4 * max(1, vocab_size)))
+    return max(1, check_tile_budget(tile_budget_bytes) // (TILE_BUFFERS * 4 * max(1, vocab_size)))
 
 
 def valid_rows(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ automatically for CUDA tensors. ``HF_FUSED_BACKEND=<name>`` or the ``backend=`` 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Callable, Optional
 
@@ -17,6 +18,16 @@ from .torch_reference import HeadGrads, TorchReferenceBackend
 
 _REGISTRY: dict[str, Callable[[], object]] = {"torch": TorchReferenceBackend}
 _INSTANCES: dict[str, object] = {}
+
+
+def _triton_backend():
+    from .triton_cublas import TritonCublasBackend
+
+    return TritonCublasBackend()
+
+
+if importlib.util.find_spec("triton") is not None:
+    _REGISTRY["triton"] = _triton_backend
 
 
 def register_backend(name: str, factory: Callable[[], object]) -> None:

@@ -20,7 +20,7 @@ from typing import Optional, Union
 import torch
 
 from ..logit_transform import LogitTransform
-from ..tiling import tiles
+from ..tiling import rows_per_tile, tiles
 
 Scalar = Union[float, torch.Tensor]
 
@@ -82,7 +82,7 @@ class TorchReferenceBackend:
         rows: torch.Tensor,
         grad_scale: Scalar,
         transform: LogitTransform,
-        tile_rows: int,
+        tile_budget_bytes: Optional[int],
         need_hidden: bool,
         need_weight: bool,
         need_bias: bool,
@@ -97,7 +97,7 @@ class TorchReferenceBackend:
         need_any = need_hidden or need_weight or need_bias
         grads = self._new_grads(hidden, weight, bias, need_hidden, need_weight, need_bias) if need_any else None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for idx in tiles(rows, tile_rows):
+        for idx in tiles(rows, rows_per_tile(weight.shape[0], tile_budget_bytes)):
             h32, z, tanh = self._logits(hidden, weight32, bias, idx, transform)
             y = labels.index_select(0, idx).unsqueeze(1)
             lse = torch.logsumexp(z, dim=1, keepdim=True)
@@ -121,7 +121,7 @@ class TorchReferenceBackend:
         labels: torch.Tensor,
         rows: torch.Tensor,
         transform: LogitTransform,
-        tile_rows: int,
+        tile_budget_bytes: Optional[int],
         return_entropy: bool,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
         """Per-row ``(logprobs [M], entropy [M] or None, lse [M])``, all fp32, for the rows in ``rows``."""
@@ -131,7 +131,7 @@ class TorchReferenceBackend:
         out_lse = torch.empty_like(out_logp)
         out_ent = torch.empty_like(out_logp) if return_entropy else None
         start = 0
-        for idx in tiles(rows, tile_rows):
+        for idx in tiles(rows, rows_per_tile(weight.shape[0], tile_budget_bytes)):
             stop = start + idx.numel()
             _, z, _ = self._logits(hidden, weight32, bias, idx, transform)
             y = labels.index_select(0, idx).unsqueeze(1)
@@ -157,7 +157,7 @@ class TorchReferenceBackend:
         grad_logprobs: Optional[torch.Tensor],
         grad_entropy: Optional[torch.Tensor],
         transform: LogitTransform,
-        tile_rows: int,
+        tile_budget_bytes: Optional[int],
         need_hidden: bool,
         need_weight: bool,
         need_bias: bool,
@@ -166,7 +166,7 @@ class TorchReferenceBackend:
         weight32 = weight.float()
         grads = self._new_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
         start = 0
-        for idx in tiles(rows, tile_rows):
+        for idx in tiles(rows, rows_per_tile(weight.shape[0], tile_budget_bytes)):
             stop = start + idx.numel()
             h32, z, tanh = self._logits(hidden, weight32, bias, idx, transform)
             lse_t = lse[start:stop].unsqueeze(1)

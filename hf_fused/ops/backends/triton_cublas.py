@@ -1,0 +1,177 @@
+"""GPU backend: cuBLAS matmuls for the tiles, Triton epilogues (:mod:`.triton_kernels`) between them.
+
+Loop order: vocabulary chunks outside, token rows inside. Each weight-gradient chunk ``dW[v0:v1]`` is
+complete after its chunk (cuBLAS reduces over all rows in fp32 and rounds once), so the ``[V, H]``
+weight gradient is never held in fp32; the hidden-state gradient is accumulated across chunks in an
+fp32 ``[M, H]`` buffer, the smaller of the two whenever tokens M < vocabulary V (every LLM batch up
+to V tokens).
+
+Passes: statistics (``2·M·H·V`` FLOPs: log-sum-exp, label logit, entropy) then gradients (recompute
+``2·M·H·V`` + ``dX`` ``2·M·H·V`` + ``dW`` ``2·M·H·V``): ``8·M·H·V`` in all, on the non-ignored rows M only.
+A chunk holds ``[rows, V_chunk]`` fp32 logits plus the same in the weight dtype for ``dz``; chunk width
+is chosen so both fit ``tile_budget_bytes``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..logit_transform import LogitTransform
+from ..tiling import DEFAULT_TILE_BUDGET_BYTES
+from .torch_reference import HeadGrads
+
+_COL_ALIGN = 128  # keep cuBLAS tiles whole
+_BLOCK_V = 1024
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with fp32 output; bf16/fp16 operands stay low precision (tensor cores, fp32 accumulate)."""
+    if a.is_cuda and a.dtype != torch.float32:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into an fp32 accumulator without an fp32 copy of the operands."""
+    if a.is_cuda and a.dtype != torch.float32:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
+class TritonCublasBackend:
+    """Same interface as :class:`~hf_fused.ops.backends.torch_reference.TorchReferenceBackend`."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from . import triton_kernels  # imported here so CPU-only installs never need triton
+
+        self.kernels = triton_kernels
+
+    # -- planning ----------------------------------------------------------------------------------
+    @staticmethod
+    def _plan(n_rows: int, vocab_size: int, elem_bytes: int, tile_budget_bytes: Optional[int]):
+        """(rows per block, columns per chunk) so fp32 logits + dz of one block fit the budget."""
+        budget = tile_budget_bytes or DEFAULT_TILE_BUDGET_BYTES
+        per_elem = 4 + elem_bytes
+        cols = budget // (max(n_rows, 1) * per_elem)
+        if cols >= _COL_ALIGN:
+            cols = min(vocab_size, cols // _COL_ALIGN * _COL_ALIGN)
+            return n_rows, cols
+        cols = min(vocab_size, _COL_ALIGN)
+        return max(1, budget // (cols * per_elem)), cols
+
+    @staticmethod
+    def _compact(hidden, weight, labels, rows):
+        hidden = hidden.to(weight.dtype)
+        if rows.numel() == hidden.shape[0]:
+            return hidden, labels
+        return hidden.index_select(0, rows), labels.index_select(0, rows)
+
+    @staticmethod
+    def _scalars(transform: LogitTransform, bias):
+        return dict(
+            logit_scale=float(transform.logit_scale),
+            softcap=float(transform.softcap or 1.0),
+            inv_temperature=1.0 / float(transform.temperature),
+            HAS_BIAS=bias is not None,
+            SOFTCAP=transform.softcap is not None,
+        )
+
+    # -- the interface -----------------------------------------------------------------------------
+    def logprobs_forward(self, hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy):
+        h, y = self._compact(hidden, weight, labels, rows)
+        m_rows, vocab_size = h.shape[0], weight.shape[0]
+        f32 = dict(dtype=torch.float32, device=h.device)
+        run_max = torch.full((m_rows,), float("-inf"), **f32)
+        run_sum, run_zp, label_logit = (torch.zeros(m_rows, **f32) for _ in range(3))
+        block_rows, cols = self._plan(m_rows, vocab_size, weight.element_size(), tile_budget_bytes)
+        scalars = self._scalars(transform, bias)
+        dummy_bias = bias if bias is not None else run_sum
+        for v0 in range(0, vocab_size, cols):
+            w_chunk = weight[v0 : v0 + cols]
+            for r0 in range(0, m_rows, block_rows):
+                r1 = min(r0 + block_rows, m_rows)
+                if r1 <= r0:
+                    continue
+                z = _mm_f32(h[r0:r1], w_chunk.t())
+                self.kernels.stats_kernel[(r1 - r0,)](
+                    z, z.stride(0), z.shape[1], v0, dummy_bias, y[r0:r1],
+                    run_max[r0:r1], run_sum[r0:r1], run_zp[r0:r1], label_logit[r0:r1],
+                    ENTROPY=return_entropy, BLOCK_V=_BLOCK_V, num_warps=8, **scalars,
+                )
+        lse = run_max + run_sum.log()
+        entropy = lse - run_zp / run_sum if return_entropy else None
+        return label_logit - lse, entropy, lse
+
+    def logprobs_backward(
+        self, hidden, weight, bias, labels, rows, lse, entropy, grad_logprobs, grad_entropy,
+        transform, tile_budget_bytes, need_hidden, need_weight, need_bias,
+    ) -> HeadGrads:
+        h, y = self._compact(hidden, weight, labels, rows)
+        m_rows, vocab_size = h.shape[0], weight.shape[0]
+        grads = HeadGrads()
+        d_hidden32 = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_hidden else None
+        if need_weight:
+            grads.weight = torch.zeros_like(weight)
+        if need_bias and bias is not None:
+            grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        zeros = torch.zeros(m_rows, dtype=torch.float32, device=h.device)
+        g_lp = zeros if grad_logprobs is None else grad_logprobs.to(torch.float32).contiguous()
+        g_ent = zeros if grad_entropy is None else grad_entropy.to(torch.float32).contiguous()
+        ent = zeros if entropy is None else entropy
+        block_rows, cols = self._plan(m_rows, vocab_size, weight.element_size(), tile_budget_bytes)
+        scalars = self._scalars(transform, bias)
+        dummy_bias = bias if bias is not None else zeros
+        for v0 in range(0, vocab_size, cols):
+            v1 = min(v0 + cols, vocab_size)
+            w_chunk = weight[v0:v1]
+            d_w_chunk32 = None
+            if need_weight and block_rows < m_rows:  # several row blocks add into this chunk
+                d_w_chunk32 = torch.zeros((v1 - v0, weight.shape[1]), dtype=torch.float32, device=weight.device)
+            for r0 in range(0, m_rows, block_rows):
+                r1 = min(r0 + block_rows, m_rows)
+                z = _mm_f32(h[r0:r1], w_chunk.t())
+                dz = torch.empty(z.shape, dtype=weight.dtype, device=z.device)
+                self.kernels.grad_kernel[(r1 - r0,)](
+                    z, z.stride(0), dz, dz.stride(0), z.shape[1], v0, dummy_bias, y[r0:r1],
+                    lse[r0:r1], ent[r0:r1], g_lp[r0:r1], g_ent[r0:r1],
+                    HAS_G_LP=grad_logprobs is not None, HAS_G_ENT=grad_entropy is not None,
+                    BLOCK_V=_BLOCK_V, num_warps=8, **scalars,
+                )
+                del z
+                if d_hidden32 is not None:
+                    _addmm_f32_(d_hidden32[r0:r1], dz, w_chunk)
+                if d_w_chunk32 is not None:
+                    _addmm_f32_(d_w_chunk32, dz.t(), h[r0:r1])
+                elif need_weight:
+                    grads.weight[v0:v1] = torch.mm(dz.t(), h[r0:r1].to(dz.dtype))
+                if grads.bias is not None:
+                    grads.bias[v0:v1] += dz.float().sum(0)
+            if d_w_chunk32 is not None:
+                grads.weight[v0:v1] = d_w_chunk32
+        if d_hidden32 is not None:
+            if rows.numel() == hidden.shape[0]:
+                grads.hidden = d_hidden32.to(hidden.dtype)
+            else:
+                grads.hidden = torch.zeros_like(hidden).index_copy_(0, rows, d_hidden32.to(hidden.dtype))
+        return grads
+
+    def cross_entropy(
+        self, hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes,
+        need_hidden, need_weight, need_bias,
+    ):
+        """Statistics pass, then the gradient pass with ``∂(grad_scale·Σ loss)/∂logp = −grad_scale``."""
+        logp, _, lse = self.logprobs_forward(hidden, weight, bias, labels, rows, transform, tile_budget_bytes, False)
+        loss_sum = -logp.sum()
+        if not (need_hidden or need_weight or need_bias):
+            return loss_sum, None
+        g_lp = torch.full_like(logp, -1.0) * grad_scale
+        grads = self.logprobs_backward(
+            hidden, weight, bias, labels, rows, lse, None, g_lp, None, transform, tile_budget_bytes,
+            need_hidden, need_weight, need_bias,
+        )
+        return loss_sum, grads
