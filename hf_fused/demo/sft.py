@@ -28,29 +28,12 @@ import transformers
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.trainer_callback import ProgressCallback
 
+from hf_fused import FusedTrainer
 from hf_fused.ops import linear_cross_entropy
 
 from .memory import track_peak_memory
 from .text import IGNORE_INDEX, TokenBlocks, build_sft_blocks
 from .tokenizer import QWEN_MODEL_VOCAB_SIZE, build_qwen_tokenizer
-
-try:
-    from hf_fused import FusedTrainer
-except ImportError:  # TODO(demo): delete this stand-in once hf_fused.FusedTrainer lands.
-
-    class FusedTrainer(transformers.Trainer):
-        """TEMPORARY stand-in for ``hf_fused.FusedTrainer``: loss from hidden states via the fused op."""
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            hidden = model.get_decoder()(
-                input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
-            ).last_hidden_state
-            shifted = F.pad(inputs["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]
-            loss = linear_cross_entropy(
-                hidden, model.get_output_embeddings().weight, shifted, num_items_in_batch=num_items_in_batch
-            )
-            return (loss, None) if return_outputs else loss
-
 
 __all__ = ["parse_args", "tiny_qwen3_config", "train_step_losses", "head_loss_peak_memory", "main"]
 

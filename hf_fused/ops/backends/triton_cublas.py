@@ -60,7 +60,7 @@ class TritonCublasBackend:
         cols = budget // (max(n_rows, 1) * per_elem)
         if cols >= _COL_ALIGN:
             cols = min(vocab_size, cols // _COL_ALIGN * _COL_ALIGN)
-            return n_rows, cols
+            return max(n_rows, 1), cols
         cols = min(vocab_size, _COL_ALIGN)
         return max(1, budget // (cols * per_elem)), cols
 

@@ -1,0 +1,306 @@
+"""One adapter per peer, all with the same interface.
+
+An adapter turns a problem's :class:`~hf_fused.bench.problems.Inputs` into the scalar loss to call
+``backward()`` on, the way that peer is meant to be used:
+
+* ``ce_loss(inputs)``: mean cross-entropy over the non-ignored tokens;
+* ``grpo(inputs)``: ``(loss, logps [B, T] or None, entropy [B, T] or None)``; by default the peer's
+  per-token log-probs (``logprobs``) feed the shared :func:`~hf_fused.bench.problems.dapo_loss`.
+
+``load()`` imports the peer (``ImportError`` → the run records it as skipped); ``unsupported(kind,
+device)`` returns why a problem kind or device is out of the peer's reach (recorded as ``n/a``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .problems import IGNORE_INDEX, EPSILON_HIGH, EPSILON_LOW, Inputs, dapo_loss
+
+#: ``hf_fused (32 MiB tiles)``: the smaller tile budget variant.
+SMALL_TILE_BUDGET = 32 * 1024**2
+
+
+class Peer:
+    key = ""  # CLI name
+    label = ""  # table row
+    dist: Optional[str] = None  # distribution whose version is recorded
+    needs_cuda = False
+    has_entropy = False  # returns the entropy in the GRPO problem
+
+    def __init__(self, with_entropy: bool = True):
+        self.with_entropy = with_entropy
+
+    def load(self) -> None:
+        """Import what the peer needs. Raises ImportError when it is not installed."""
+
+    def version(self) -> Optional[str]:
+        if self.dist is None:
+            return None
+        try:
+            return importlib.metadata.version(self.dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    def describe(self) -> str:
+        """The exact call benchmarked (goes into the JSON)."""
+        return ""
+
+    def unsupported(self, kind: str, device: torch.device) -> Optional[str]:
+        if self.needs_cuda and device.type != "cuda":
+            return "needs a CUDA device"
+        if kind == "ce" and type(self).ce_loss is Peer.ce_loss:
+            return "no cross-entropy entry point"
+        if kind == "grpo" and type(self).grpo is Peer.grpo and type(self).logprobs is Peer.logprobs:
+            return "no per-token log-probs"
+        return None
+
+    def ce_loss(self, inp: Inputs) -> torch.Tensor:
+        raise NotImplementedError
+
+    def logprobs(self, inp: Inputs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        raise NotImplementedError
+
+    def grpo(self, inp: Inputs) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        logps, entropy = self.logprobs(inp)
+        return dapo_loss(logps, inp.mask, inp.advantages), logps, entropy
+
+
+def _flat(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    return inp.hidden.reshape(-1, inp.hidden.shape[-1]), inp.labels.reshape(-1)
+
+
+class EagerPeer(Peer):
+    key, label, dist = "eager", "eager PyTorch", "torch"
+    has_entropy = True
+
+    def describe(self):
+        return ("ce: F.cross_entropy((hidden @ weight.T).float(), labels); grpo: (hidden @ weight.T).float() "
+                "→ log_softmax → gather, entropy under no_grad in 128-row chunks (TRL entropy_from_logits)")
+
+    def ce_loss(self, inp):
+        hidden, labels = _flat(inp)
+        logits = hidden @ inp.weight.t()  # bf16 [N, V], as the model's lm_head
+        return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX)
+
+    def logprobs(self, inp):
+        logits = (inp.hidden @ inp.weight.t()).float()
+        logps = torch.log_softmax(logits, dim=-1).gather(-1, inp.token_ids.unsqueeze(-1)).squeeze(-1)
+        entropy = None
+        if self.with_entropy:
+            with torch.no_grad():
+                flat = logits.view(-1, logits.shape[-1])
+                chunks = []
+                for chunk in flat.split(128):
+                    lse = torch.logsumexp(chunk, dim=-1)
+                    chunks.append(lse - (torch.softmax(chunk, dim=-1) * chunk).sum(-1))
+                entropy = torch.cat(chunks).view(logps.shape)
+        return logps, entropy
+
+
+class LigerPeer(Peer):
+    key, label, dist = "liger", "Liger FLCE", "liger-kernel"
+    needs_cuda = True
+
+    def load(self):
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        self._cls = LigerFusedLinearCrossEntropyLoss
+
+    def describe(self):
+        return ("liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss(ignore_index=-100, reduction=mean | "
+                "none for grpo: logp = -loss)(weight, hidden2d, labels); default accum_dtype (weight grad in bf16)")
+
+    def ce_loss(self, inp):
+        hidden, labels = _flat(inp)
+        return self._cls(ignore_index=IGNORE_INDEX, reduction="mean")(inp.weight, hidden, labels)
+
+    def logprobs(self, inp):
+        hidden, labels = _flat(inp)
+        per_token = self._cls(ignore_index=IGNORE_INDEX, reduction="none")(inp.weight, hidden, labels)
+        return -per_token.view(inp.labels.shape), None
+
+
+class LigerGRPOPeer(Peer):
+    key, label, dist = "liger_grpo", "Liger GRPO loss", "liger-kernel"
+    needs_cuda = True
+
+    def load(self):
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        self._fn = LigerFusedLinearGRPOLoss(
+            beta=0.0, use_ref_model=False, loss_type="dapo", epsilon_low=EPSILON_LOW, epsilon_high=EPSILON_HIGH,
+            compiled=True, chunk_size=1,
+        )
+
+    def describe(self):
+        return ("liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss(beta=0, use_ref_model=False, loss_type='dapo', "
+                "epsilon_low=0.2, epsilon_high=0.28, compiled=True, chunk_size=1)(hidden[B,T,H], weight, ids, "
+                "mask, advantages): the whole loss in one call (TRL's use_liger_kernel path); no log-probs out")
+
+    def grpo(self, inp):
+        loss, _metrics = self._fn(inp.hidden, inp.weight, inp.token_ids, inp.mask.long(), inp.advantages)
+        return loss, None, None
+
+
+class CCEPeer(Peer):
+    key, label, dist = "cce", "Apple CCE", "cut-cross-entropy"
+    needs_cuda = True
+    filter_eps = "high"  # the library default
+
+    def load(self):
+        from cut_cross_entropy import linear_cross_entropy
+
+        self._fn = linear_cross_entropy
+
+    def describe(self):
+        return (f"cut_cross_entropy.linear_cross_entropy(hidden, weight, labels, filter_eps={self.filter_eps!r}, "
+                "reduction=mean | none for grpo: logp = -loss)")
+
+    def ce_loss(self, inp):
+        return self._fn(inp.hidden, inp.weight, inp.labels, ignore_index=IGNORE_INDEX, filter_eps=self.filter_eps)
+
+    def logprobs(self, inp):
+        per_token = self._fn(
+            inp.hidden, inp.weight, inp.labels, ignore_index=IGNORE_INDEX, reduction="none",
+            filter_eps=self.filter_eps,
+        )
+        return -per_token.float(), None
+
+
+class CCEExactPeer(CCEPeer):
+    key, label = "cce_exact", "Apple CCE (no grad filter)"
+    filter_eps = None
+
+
+class TRLPeer(Peer):
+    key, label, dist = "trl", "TRL ChunkedLogProb", "trl"
+    has_entropy = True
+
+    def load(self):
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+        try:  # the vocabulary chunk TRL's own lm_head path uses
+            from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as chunk
+        except ImportError:
+            chunk = 32768
+        self._fn, self._chunk = ChunkedLogProbFunction, int(chunk)
+
+    def describe(self):
+        return (f"trl.kernels.chunked_logprob.ChunkedLogProbFunction.apply(hidden[mask], weight, None, labels[mask], "
+                f"1.0, {getattr(self, '_chunk', 32768)}, None, 1.0, outputs) on the non-ignored rows, as TRL does on "
+                "CUDA; ce loss = -mean(logp); grpo outputs=('entropy',)")
+
+    def _apply(self, inp, outputs):
+        mask = inp.labels != IGNORE_INDEX
+        return mask, self._fn.apply(
+            inp.hidden[mask], inp.weight, None, inp.labels[mask], 1.0, self._chunk, None, 1.0, outputs
+        )
+
+    def ce_loss(self, inp):
+        mask, (logps, *_) = self._apply(inp, ())
+        return -logps.sum() / mask.sum().clamp(min=1)
+
+    def logprobs(self, inp):
+        mask, (logps, entropy, *_) = self._apply(inp, ("entropy",) if self.with_entropy else ())
+        full = logps.new_zeros(mask.shape).masked_scatter(mask, logps)
+        if entropy is not None:
+            entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
+        return full, entropy
+
+
+class TorchPeer(Peer):
+    key, label, dist = "torch", "torch F.linear_cross_entropy", "torch"
+
+    def load(self):
+        if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+            raise ImportError(f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy")
+
+    def describe(self):
+        return ("torch.nn.functional.linear_cross_entropy(hidden2d, weight, labels, ignore_index=-100, "
+                "options=torch.nn.LinearCrossEntropyOptions()) (chunked path; reduction=none for grpo: logp = -loss)")
+
+    def _call(self, inp, reduction):
+        hidden, labels = _flat(inp)
+        return F.linear_cross_entropy(
+            hidden, inp.weight, labels, reduction=reduction, ignore_index=IGNORE_INDEX,
+            options=torch.nn.LinearCrossEntropyOptions(),
+        )
+
+    def ce_loss(self, inp):
+        return self._call(inp, "mean")
+
+    def logprobs(self, inp):
+        return -self._call(inp, "none").view(inp.labels.shape).float(), None
+
+
+class HFFusedPeer(Peer):
+    key, label, dist = "hf_fused", "hf_fused", "hf_fused"
+    has_entropy = True
+    tile_budget_bytes: Optional[int] = None
+
+    def __init__(self, with_entropy: bool = True, backend: Optional[str] = None):
+        super().__init__(with_entropy)
+        self.backend = backend
+
+    def load(self):
+        from hf_fused.ops import linear_cross_entropy, linear_logprobs
+
+        self._ce, self._lp = linear_cross_entropy, linear_logprobs
+
+    def backend_name(self, device: torch.device) -> str:
+        from hf_fused.ops import get_backend
+
+        return getattr(get_backend(device, self.backend), "name", type(get_backend(device, self.backend)).__name__)
+
+    def describe(self):
+        return (f"hf_fused.ops.linear_cross_entropy / linear_logprobs(return_entropy=True)(hidden, weight, labels, "
+                f"tile_budget_bytes={self.tile_budget_bytes}, backend={self.backend!r})")
+
+    def ce_loss(self, inp):
+        return self._ce(inp.hidden, inp.weight, inp.labels, tile_budget_bytes=self.tile_budget_bytes, backend=self.backend)
+
+    def logprobs(self, inp):
+        return self._lp(
+            inp.hidden, inp.weight, inp.labels, return_entropy=self.with_entropy,
+            tile_budget_bytes=self.tile_budget_bytes, backend=self.backend,
+        )
+
+
+class HFFusedSmallTilesPeer(HFFusedPeer):
+    key, label = "hf_fused_32mib", "hf_fused (32 MiB tiles)"
+    tile_budget_bytes = SMALL_TILE_BUDGET
+
+
+#: Every adapter, in table order.
+ALL_PEERS = [EagerPeer, LigerPeer, LigerGRPOPeer, CCEPeer, CCEExactPeer, TRLPeer, TorchPeer, HFFusedPeer,
+             HFFusedSmallTilesPeer]
+#: Run when ``--peers`` is not given (``cce_exact`` only on request).
+DEFAULT_PEERS = [p.key for p in ALL_PEERS if p.key != "cce_exact"]
+
+
+def select_peers(spec: Optional[str], with_entropy: bool = True, hf_backend: Optional[str] = None) -> list[Peer]:
+    """Adapters named by ``spec`` (comma-separated keys, or ``all``), in table order.
+
+    Raises:
+        ValueError: an unknown key (the message lists them).
+    """
+    by_key = {p.key: p for p in ALL_PEERS}
+    if not spec:
+        keys = DEFAULT_PEERS
+    elif spec == "all":
+        keys = list(by_key)
+    else:
+        keys = [k.strip() for k in spec.split(",") if k.strip()]
+        unknown = [k for k in keys if k not in by_key]
+        if unknown:
+            raise ValueError(f"unknown peer(s) {unknown}; choose from: {', '.join(by_key)}")
+    peers = []
+    for cls in ALL_PEERS:
+        if cls.key in keys:
+            peers.append(cls(with_entropy, hf_backend) if issubclass(cls, HFFusedPeer) else cls(with_entropy))
+    return peers
