@@ -68,9 +68,13 @@ def _check(device, dtype, n, h, v, kw, bias, budget, tol):
 
 
 @pytest.mark.parametrize("kw", TRANSFORMS)
-@pytest.mark.parametrize("budget", [None, 128 * 8 * 12])  # one chunk / many vocab chunks and row blocks
-def test_triton_backend_matches_float64_in_fp32(kw, budget):
-    _check("cpu", torch.float32, n=29, h=16, v=300, kw=kw, bias=True, budget=budget, tol=1e-5)
+@pytest.mark.parametrize(
+    "v, budget",
+    [(300, None), (300, 300 * 4 * 10), (5000, 2048 * 4 * 8)],
+    ids=["one-tile", "row-blocks", "vocab-chunks-and-row-blocks"],
+)
+def test_triton_backend_matches_float64_in_fp32(kw, v, budget):
+    _check("cpu", torch.float32, n=29, h=16, v=v, kw=kw, bias=True, budget=budget, tol=1e-5)
 
 
 def test_triton_backend_all_ignored_gives_zero_loss_and_grads():

@@ -8,8 +8,10 @@ to V tokens).
 
 Passes: statistics (``2·M·H·V`` FLOPs: log-sum-exp, label logit, entropy) then gradients (recompute
 ``2·M·H·V`` + ``dX`` ``2·M·H·V`` + ``dW`` ``2·M·H·V``): ``8·M·H·V`` in all, on the non-ignored rows M only.
-A chunk holds ``[rows, V_chunk]`` fp32 logits plus the same in the weight dtype for ``dz``; chunk width
-is chosen so both fit ``tile_budget_bytes``.
+One preallocated ``[rows, V_chunk]`` tile in the weight dtype holds the logits cuBLAS writes (as
+eager transformers and TRL's chunked head round them) and then, in place, ``dz``; every statistic and
+accumulation after the matmul is fp32. Its size is ``tile_budget_bytes``; chunks are at least
+``_MIN_COLS`` wide (more row blocks instead) so cuBLAS runs on large tiles even with small budgets.
 """
 
 from __future__ import annotations
@@ -23,14 +25,8 @@ from ..tiling import DEFAULT_TILE_BUDGET_BYTES
 from .torch_reference import HeadGrads
 
 _COL_ALIGN = 128  # keep cuBLAS tiles whole
+_MIN_COLS = 2048
 _BLOCK_V = 1024
-
-
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` with fp32 output; bf16/fp16 operands stay low precision (tensor cores, fp32 accumulate)."""
-    if a.is_cuda and a.dtype != torch.float32:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
 
 
 def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -54,15 +50,14 @@ class TritonCublasBackend:
     # -- planning ----------------------------------------------------------------------------------
     @staticmethod
     def _plan(n_rows: int, vocab_size: int, elem_bytes: int, tile_budget_bytes: Optional[int]):
-        """(rows per block, columns per chunk) so fp32 logits + dz of one block fit the budget."""
+        """(rows per block, columns per chunk) so one tile of logits (then dz) fits the budget."""
         budget = tile_budget_bytes or DEFAULT_TILE_BUDGET_BYTES
-        per_elem = 4 + elem_bytes
-        cols = budget // (max(n_rows, 1) * per_elem)
-        if cols >= _COL_ALIGN:
-            cols = min(vocab_size, cols // _COL_ALIGN * _COL_ALIGN)
+        cols = budget // (max(n_rows, 1) * elem_bytes)
+        if cols >= min(vocab_size, _MIN_COLS):
+            cols = min(vocab_size, max(_COL_ALIGN, cols // _COL_ALIGN * _COL_ALIGN))
             return max(n_rows, 1), cols
-        cols = min(vocab_size, _COL_ALIGN)
-        return max(1, budget // (cols * per_elem)), cols
+        cols = min(vocab_size, _MIN_COLS)
+        return max(1, min(n_rows, budget // (cols * elem_bytes))), cols
 
     @staticmethod
     def _compact(hidden, weight, labels, rows):
@@ -91,13 +86,12 @@ class TritonCublasBackend:
         block_rows, cols = self._plan(m_rows, vocab_size, weight.element_size(), tile_budget_bytes)
         scalars = self._scalars(transform, bias)
         dummy_bias = bias if bias is not None else run_sum
+        tile_buf = torch.empty((block_rows, cols), dtype=weight.dtype, device=h.device)
         for v0 in range(0, vocab_size, cols):
             w_chunk = weight[v0 : v0 + cols]
             for r0 in range(0, m_rows, block_rows):
                 r1 = min(r0 + block_rows, m_rows)
-                if r1 <= r0:
-                    continue
-                z = _mm_f32(h[r0:r1], w_chunk.t())
+                z = torch.mm(h[r0:r1], w_chunk.t(), out=tile_buf[: r1 - r0, : w_chunk.shape[0]])
                 self.kernels.stats_kernel[(r1 - r0,)](
                     z, z.stride(0), z.shape[1], v0, dummy_bias, y[r0:r1],
                     run_max[r0:r1], run_sum[r0:r1], run_zp[r0:r1], label_logit[r0:r1],
@@ -126,6 +120,7 @@ class TritonCublasBackend:
         block_rows, cols = self._plan(m_rows, vocab_size, weight.element_size(), tile_budget_bytes)
         scalars = self._scalars(transform, bias)
         dummy_bias = bias if bias is not None else zeros
+        tile_buf = torch.empty((block_rows, cols), dtype=weight.dtype, device=h.device)
         for v0 in range(0, vocab_size, cols):
             v1 = min(v0 + cols, vocab_size)
             w_chunk = weight[v0:v1]
@@ -134,21 +129,19 @@ class TritonCublasBackend:
                 d_w_chunk32 = torch.zeros((v1 - v0, weight.shape[1]), dtype=torch.float32, device=weight.device)
             for r0 in range(0, m_rows, block_rows):
                 r1 = min(r0 + block_rows, m_rows)
-                z = _mm_f32(h[r0:r1], w_chunk.t())
-                dz = torch.empty(z.shape, dtype=weight.dtype, device=z.device)
-                self.kernels.grad_kernel[(r1 - r0,)](
-                    z, z.stride(0), dz, dz.stride(0), z.shape[1], v0, dummy_bias, y[r0:r1],
+                dz = torch.mm(h[r0:r1], w_chunk.t(), out=tile_buf[: r1 - r0, : v1 - v0])
+                self.kernels.grad_kernel[(r1 - r0,)](  # overwrites the logits with dz
+                    dz, dz.stride(0), dz, dz.stride(0), dz.shape[1], v0, dummy_bias, y[r0:r1],
                     lse[r0:r1], ent[r0:r1], g_lp[r0:r1], g_ent[r0:r1],
                     HAS_G_LP=grad_logprobs is not None, HAS_G_ENT=grad_entropy is not None,
                     BLOCK_V=_BLOCK_V, num_warps=8, **scalars,
                 )
-                del z
                 if d_hidden32 is not None:
                     _addmm_f32_(d_hidden32[r0:r1], dz, w_chunk)
                 if d_w_chunk32 is not None:
                     _addmm_f32_(d_w_chunk32, dz.t(), h[r0:r1])
                 elif need_weight:
-                    grads.weight[v0:v1] = torch.mm(dz.t(), h[r0:r1].to(dz.dtype))
+                    torch.mm(dz.t(), h[r0:r1], out=grads.weight[v0:v1])
                 if grads.bias is not None:
                     grads.bias[v0:v1] += dz.float().sum(0)
             if d_w_chunk32 is not None:

@@ -1,0 +1,86 @@
+"""Command line: ``python -m hf_fused.bench [--device cuda] [--quick] [--shapes ...] [--peers ...] --out DIR``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .peers import ALL_PEERS, DEFAULT_PEERS, select_peers
+from .problems import FULL_PROBLEMS, QUICK_PROBLEMS, select_problems
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    shapes = ", ".join(p.name for p in FULL_PROBLEMS)
+    quick = ", ".join(p.name for p in QUICK_PROBLEMS)
+    peers = ", ".join(f"{p.key} ({p.label})" for p in ALL_PEERS)
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_fused.bench",
+        description="Fused lm_head cross-entropy / GRPO losses vs eager PyTorch, Liger, Apple CCE, TRL and torch: "
+        "median fwd+bwd time, peak memory above inputs+grads, TFLOP/s vs the matmul ceiling, and loss/gradient "
+        "error against a float64 reference. Writes DIR/bench.json, bench.txt and bench.png.",
+        epilog=f"shapes: {shapes}; with --quick: {quick}. peers: {peers}. Default peers: {', '.join(DEFAULT_PEERS)}.",
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory (default: bench_out)")
+    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    parser.add_argument("--shapes", default=None, help="comma-separated shape names or kinds (ce, grpo); default all")
+    parser.add_argument("--peers", default=None, help="comma-separated peer keys, or 'all' (adds cce_exact)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per pair (median; default 10)")
+    parser.add_argument("--hf-backend", default=None, help="force an hf_fused backend (e.g. torch, triton)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="input dtype (default: bf16 on CUDA, fp32 on CPU where bf16 matmuls are very slow)")
+    parser.add_argument("--no-reference", action="store_true", help="skip the float64 reference (no error columns)")
+    parser.add_argument("--no-entropy", action="store_true", help="GRPO: do not ask peers for the entropy")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep DIR/bench.json and run only the (shape, peer) pairs it does not have yet")
+    parser.add_argument("--matmul-n", type=int, default=None, help="size of the ceiling matmul (default 8192, 256 with --quick)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    parser.add_argument("--list", action="store_true", help="list shapes and peers and exit")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        for p in QUICK_PROBLEMS if args.quick else FULL_PROBLEMS:
+            print(f"shape {p.name:28s} {p.describe()}")
+        for cls in ALL_PEERS:
+            print(f"peer  {cls.key:28s} {cls.label}{'' if cls.key in DEFAULT_PEERS else ' (not default)'}")
+        return 0
+    try:
+        problems = select_problems(args.shapes, args.quick)
+        peers = select_peers(args.peers, with_entropy=not args.no_entropy, hf_backend=args.hf_backend)
+    except ValueError as e:
+        parser.error(str(e))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but torch.cuda.is_available() is False (use --device cpu --quick)")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+    from .report import render_table, write_reports
+    from .runner import RunConfig, run
+
+    cfg = RunConfig(
+        device=device, dtype=DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")], problems=problems, peers=peers, repeats=args.repeats,
+        out_dir=args.out, reference=not args.no_reference, resume=args.resume, seed=args.seed,
+        matmul_n=args.matmul_n or (256 if args.quick else 8192), progress=not args.no_progress, argv=argv,
+    )
+    doc = run(cfg)
+    paths = write_reports(doc, args.out)
+    print(render_table(doc), end="")
+    print("\n".join(f"{k}: {v}" for k, v in paths.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""Run every (problem, peer) pair on one device and collect one record per pair.
+
+For each problem: make the inputs, compute the float64 reference once, then for each peer:
+import it (ImportError → ``skipped``), check it supports the problem (→ ``n/a``), pre-allocate and zero
+the ``.grad`` buffers, run one warm-up forward+backward, measure the peak memory of a second one and
+compare its loss / gradients (/ log-probs, entropy) with the reference, then time it. Out of memory →
+``OOM``; any other exception → ``error`` with its text. Everything the peer allocated is freed before
+the next one. Results are written to the JSON after every pair, so a run cut short keeps what it did
+(and ``--resume`` continues it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from . import measure
+from .peers import HFFusedPeer, Peer
+from .problems import IGNORE_INDEX, Inputs, Problem, make_inputs
+from .reference import Reference, compute_reference, relative_error
+
+FLOP_CONVENTION = (
+    "useful FLOPs = 6·N·H·V for cross-entropy (logits, dX, dW) and 8·N·H·V for GRPO (logits in forward, "
+    "recomputed logits, dX, dW), N = the NON-IGNORED tokens only (the same count for every peer, so "
+    "TFLOP/s is proportional to 1/time; peers that also compute ignored rows get no credit for them)"
+)
+
+OK, SKIPPED, NA, OOM, ERROR = "ok", "skipped", "n/a", "OOM", "error"
+
+
+@dataclass
+class RunConfig:
+    device: torch.device
+    dtype: torch.dtype
+    problems: list[Problem]
+    peers: list[Peer]
+    repeats: int
+    out_dir: Path
+    reference: bool = True
+    resume: bool = False
+    seed: int = 0
+    matmul_n: int = 8192
+    progress: bool = True
+    argv: Optional[list[str]] = None
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for dist in ("triton", "transformers", "trl", "liger-kernel", "cut-cross-entropy", "hf_fused"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
+    return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def load_doc(path: Path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def save_doc(doc: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _zero_grads(inp: Inputs) -> None:
+    for t in (inp.hidden, inp.weight):
+        if t.grad is None or t.grad.shape != t.shape:
+            t.grad = torch.zeros_like(t)
+        else:
+            t.grad.zero_()
+
+
+def _step(peer: Peer, problem: Problem, inp: Inputs):
+    """One forward+backward; returns detached (loss, logps, entropy)."""
+    if problem.kind == "ce":
+        loss, logps, entropy = peer.ce_loss(inp), None, None
+    else:
+        loss, logps, entropy = peer.grpo(inp)
+    loss.backward()
+    detach = lambda t: None if t is None else t.detach()  # noqa: E731
+    return detach(loss), detach(logps), detach(entropy)
+
+
+def _errors(problem: Problem, inp: Inputs, ref: Reference, loss, logps, entropy) -> dict:
+    out = {
+        "loss": float(loss),
+        "loss_ref": ref.loss,
+        "loss_rel_err": abs(float(loss) - ref.loss) / max(abs(ref.loss), 1e-300),
+        "grad_hidden_rel_err": relative_error(inp.hidden.grad, ref.grad_hidden),
+        "grad_weight_rel_err": relative_error(inp.weight.grad, ref.grad_weight),
+    }
+    valid = (inp.labels != IGNORE_INDEX).reshape(-1)
+    if logps is not None and ref.logps is not None:
+        out["logp_rel_err"] = relative_error(logps.reshape(-1).float() * valid, ref.logps)
+    if entropy is not None and ref.entropy is not None:
+        out["entropy_rel_err"] = relative_error(entropy.reshape(-1).float() * valid, ref.entropy)
+    return out
+
+
+def run_pair(peer: Peer, problem: Problem, inp: Inputs, ref: Optional[Reference], cfg: RunConfig, ceiling: float) -> dict:
+    """Measure one peer on one problem; never raises (failures become the record's status)."""
+    rec = {"problem": problem.name, "peer": peer.key, "label": peer.label, "status": OK, "note": ""}
+    try:
+        peer.load()
+    except Exception as e:  # ImportError, or a broken install raising something else on import
+        rec.update(status=SKIPPED, note=f"not installed: {type(e).__name__}: {_short(e)}")
+        return rec
+    rec["version"] = peer.version()
+    rec["call"] = peer.describe()
+    reason = peer.unsupported(problem.kind, cfg.device)
+    if reason:
+        rec.update(status=NA, note=reason)
+        return rec
+    if isinstance(peer, HFFusedPeer):
+        try:
+            rec["backend"] = peer.backend_name(cfg.device)
+        except Exception as e:
+            rec.update(status=ERROR, note=f"backend: {type(e).__name__}: {_short(e)}")
+            return rec
+    rec["has_entropy"] = problem.kind == "grpo" and peer.has_entropy and peer.with_entropy
+    phase = "warm-up"
+    try:
+        _zero_grads(inp)
+        _step(peer, problem, inp)  # compile / autotune / allocator warm-up
+        _zero_grads(inp)
+        phase = "memory"
+        (loss, logps, entropy), peak = measure.peak_memory(lambda: _step(peer, problem, inp), cfg.device)
+        rec["peak_mem_bytes"] = peak
+        rec["loss"] = float(loss)
+        if ref is not None:
+            phase = "errors"
+            rec.update(_errors(problem, inp, ref, loss, logps, entropy))
+        del loss, logps, entropy
+        phase = "timing"
+        ms, timer = measure.median_ms(lambda: _step(peer, problem, inp), cfg.device, cfg.repeats)
+        n_valid = int((inp.labels != IGNORE_INDEX).sum())
+        tflops = problem.flops_per_token_hv * n_valid * problem.H * problem.V / (ms * 1e-3) / 1e12
+        rec.update(time_ms=ms, timer=timer, tflops=tflops, ceiling_tflops=ceiling,
+                   frac_of_ceiling=tflops / ceiling if ceiling else None)
+    except torch.cuda.OutOfMemoryError as e:
+        rec.update(status=OOM, note=f"out of memory in {phase}: {_short(e, 160)}")
+    except Exception as e:
+        rec.update(status=ERROR, note=f"{phase}: {type(e).__name__}: {_short(e)}")
+    finally:
+        inp.hidden.grad = inp.weight.grad = None
+        measure.free_memory(cfg.device)
+    return rec
+
+
+def _short(e: BaseException, n: int = 300) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def run(cfg: RunConfig) -> dict:
+    """Run the benchmark; returns the results document (also written to ``out_dir/bench.json``)."""
+    path = cfg.out_dir / "bench.json"
+    doc = load_doc(path) if cfg.resume and path.exists() else {"runs": [], "problems": {}, "results": []}
+    done = {(r["problem"], r["peer"]) for r in doc["results"]}
+    todo = [(p, peer) for p in cfg.problems for peer in cfg.peers if (p.name, peer.key) not in done]
+
+    ceiling = measure.matmul_tflops(cfg.device, cfg.dtype, cfg.matmul_n, cfg.repeats)
+    run_meta = {
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "argv": cfg.argv if cfg.argv is not None else sys.argv[1:],
+        "device": _device_name(cfg.device),
+        "dtype": str(cfg.dtype).replace("torch.", ""),
+        "versions": _versions(),
+        "matmul_ceiling": ceiling,
+        "timer": measure._timer_name(cfg.device),
+        "repeats": cfg.repeats,
+        "flop_convention": FLOP_CONVENTION,
+        "memory_baseline": measure.MEMORY_BASELINE,
+    }
+    doc["runs"].append(run_meta)
+    run_index = len(doc["runs"]) - 1
+    save_doc(doc, path)
+
+    bar = _progress(len(todo), cfg.progress)
+    for problem in cfg.problems:
+        peers = [peer for peer in cfg.peers if (problem.name, peer.key) not in done]
+        if not peers:
+            continue
+        bar.set_postfix_str(f"{problem.name}: inputs + float64 reference")
+        inp = make_inputs(problem, cfg.device, cfg.dtype, cfg.seed)
+        info = {"kind": problem.kind, "N": problem.N, "H": problem.H, "V": problem.V, "B": problem.B,
+                "T": problem.T, "n_valid": inp.n_valid, "description": problem.describe(), "seed": cfg.seed,
+                "dtype": str(cfg.dtype).replace("torch.", "")}
+        ref = None
+        if cfg.reference:
+            try:
+                ref = compute_reference(problem, inp)
+                info.update(reference="float64", reference_loss=ref.loss, reference_seconds=ref.seconds)
+            except torch.cuda.OutOfMemoryError as e:
+                info.update(reference=f"OOM: {_short(e, 160)}")
+            measure.free_memory(cfg.device)
+        else:
+            info.update(reference="skipped (--no-reference)")
+        doc["problems"][problem.name] = info
+        for peer in peers:
+            bar.set_postfix_str(f"{problem.name} / {peer.key}")
+            rec = run_pair(peer, problem, inp, ref, cfg, ceiling["tflops"])
+            rec["run"] = run_index
+            doc["results"].append(rec)
+            save_doc(doc, path)
+            bar.update(1)
+        del inp, ref
+        measure.free_memory(cfg.device)
+    bar.close()
+    return doc
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, s):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc="bench", unit="pair", dynamic_ncols=True)
