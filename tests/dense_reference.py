@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
+import pytest
 import torch
 
 Number = Union[int, float, torch.Tensor]
@@ -171,3 +172,17 @@ def make_head_inputs(
         raise ValueError(ignore)
     leaves = [t.to(dtype).requires_grad_() if t is not None else None for t in (hidden, weight, b)]
     return leaves[0], leaves[1], leaves[2], labels
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_threaded_torch():
+    """Run a test module's tiny tensors (V ≤ 300, H ≤ 32) on one intra-op thread, then restore.
+
+    Import it into a test module to apply it there. Tiles this small gain nothing from intra-op
+    parallelism, and on a shared 2-core machine OpenMP workers spin-wait for busy cores: the op tests
+    ran ~5× slower with the default thread count under load.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -35,12 +35,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grads, (weight_dtype, bias_dtype) = ctx.grads, ctx.dtypes
-        ctx.grads = None  # free the stored gradients as soon as they are handed over
         if grads is None:
-            return (None,) * 10
+            raise RuntimeError(
+                "linear_cross_entropy computes its gradients in the forward and hands them to backward once; "
+                "to backpropagate twice, call linear_cross_entropy again (or use reduction='none', which recomputes)."
+            )
+        ctx.grads = None  # free the stored gradients as soon as they are handed over
         d_hidden = d_weight = d_bias = None
         if grads.hidden is not None:
-            d_hidden = grads.hidden.mul_(grad_output.to(grads.hidden.dtype))
+            # scale in fp32: rounding the upstream factor (e.g. 1/3 for accumulation) to bf16 would bias dh
+            d_hidden = grads.hidden.float().mul_(grad_output).to(grads.hidden.dtype)
         if grads.weight is not None:
             d_weight = grads.weight.mul_(grad_output).to(weight_dtype)
         if grads.bias is not None:
@@ -73,7 +77,7 @@ def linear_cross_entropy(
     Args:
         hidden: ``[..., H]`` final hidden states (fp32/bf16/fp16). Already aligned with ``labels``:
             no causal shift happens here.
-        weight: ``[V, H]`` lm_head weight, same dtype and device as ``hidden``.
+        weight: ``[V, H]`` lm_head weight on ``hidden``'s device (the GPU backend computes in weight's dtype).
         labels: ``[...]`` integer token ids in ``[0, V)`` or ``ignore_index``.
         bias: optional ``[V]`` lm_head bias.
         ignore_index: label value that contributes neither loss nor gradient.

@@ -50,8 +50,13 @@ def flatten_head_inputs(
             f"labels must have hidden's leading shape {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}; "
             "labels are aligned with hidden (already shifted for causal LM)"
         )
-    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (vocab_size,)):
-        raise ValueError(f"bias must be a [V] = [{vocab_size}] tensor or None")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+            raise TypeError(f"bias must be None or a floating-point tensor, got {type(bias).__name__}")
+        if bias.shape != (vocab_size,):
+            raise ValueError(f"bias must be a [V] = [{vocab_size}] tensor, got shape {tuple(bias.shape)}")
+        if bias.device != weight.device:
+            raise ValueError(f"bias must be on weight's device {weight.device}, got {bias.device}")
     if hidden.device != weight.device or labels.device != hidden.device:
         raise ValueError(
             f"hidden, weight and labels must be on one device, got {hidden.device}, {weight.device}, {labels.device}"

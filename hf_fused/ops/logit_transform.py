@@ -64,11 +64,11 @@ class LogitTransform:
         return z, tanh
 
     def backward(self, grad_logits: torch.Tensor, tanh: Optional[torch.Tensor]) -> torch.Tensor:
-        """Turn d loss / d logits into d loss / d raw, in place."""
+        """Turn d loss / d logits into d loss / d raw, in place (``tanh`` is overwritten)."""
         factor = self.logit_scale / self.temperature
         if tanh is not None:
-            # d/dx softcap·tanh(x/softcap) = 1 − tanh²
-            grad_logits.mul_(1.0 - tanh.square())
+            # d/dx softcap·tanh(x/softcap) = 1 − tanh²; computed in tanh's storage (consumed here)
+            grad_logits.mul_(tanh.square_().neg_().add_(1.0))
         if factor != 1.0:
             grad_logits.mul_(factor)
         return grad_logits

@@ -110,6 +110,7 @@ class TorchReferenceBackend:
             dz.mul_(grad_scale)
             dz = transform.backward(dz, tanh)
             self._accumulate(grads, dz, h32, idx, weight32)
+            del z, tanh, dz
         return loss_sum, grads
 
     # -- log-probabilities: statistics forward, recompute backward ---------------------------------
@@ -133,7 +134,8 @@ class TorchReferenceBackend:
         start = 0
         for idx in tiles(rows, rows_per_tile(weight.shape[0], tile_budget_bytes)):
             stop = start + idx.numel()
-            _, z, _ = self._logits(hidden, weight32, bias, idx, transform)
+            _, z, tanh = self._logits(hidden, weight32, bias, idx, transform)
+            del tanh  # only backward needs it
             y = labels.index_select(0, idx).unsqueeze(1)
             lse = torch.logsumexp(z, dim=1, keepdim=True)
             out_logp[start:stop] = (z.gather(1, y) - lse).squeeze(1)
@@ -141,7 +143,8 @@ class TorchReferenceBackend:
             if out_ent is not None:
                 # H = −Σ p log p, from log p = z − lse (no cancellation between lse and Σ p z)
                 logp = z.sub_(lse)
-                out_ent[start:stop] = -(logp.exp() * logp).sum(1)
+                out_ent[start:stop] = -logp.exp().mul_(logp).sum(1)
+            del z
             start = stop
         return out_logp, out_ent, out_lse
 
@@ -169,22 +172,24 @@ class TorchReferenceBackend:
         for idx in tiles(rows, rows_per_tile(weight.shape[0], tile_budget_bytes)):
             stop = start + idx.numel()
             h32, z, tanh = self._logits(hidden, weight32, bias, idx, transform)
-            lse_t = lse[start:stop].unsqueeze(1)
-            logp = z.sub_(lse_t)  # log p_j, in place of z
+            logp = z.sub_(lse[start:stop].unsqueeze(1))  # log p_j, in place of z
             p = logp.exp()
-            dz = torch.zeros_like(p)
+            # Build dz in the two tile arrays already alive (logp, p): the working set stays 3 tiles.
             if grad_entropy is not None:
                 # ∂H/∂z_j = −p_j (log p_j + H)
                 g_h = grad_entropy[start:stop].unsqueeze(1)
-                dz -= g_h * p * (logp + entropy[start:stop].unsqueeze(1))
-            if grad_logprobs is not None:
-                # ∂logp_y/∂z_j = 1[j = y] − p_j
-                g_lp = grad_logprobs[start:stop].unsqueeze(1)
-                dz -= g_lp * p
-                y = labels.index_select(0, idx).unsqueeze(1)
-                dz.scatter_add_(1, y, g_lp)
+                dz = logp.add_(entropy[start:stop].unsqueeze(1)).mul_(p).mul_(-g_h)
+                if grad_logprobs is not None:
+                    dz.sub_(p.mul_(grad_logprobs[start:stop].unsqueeze(1)))
+            else:
+                dz = p.mul_(-grad_logprobs[start:stop].unsqueeze(1))
             del logp, p
+            if grad_logprobs is not None:
+                # ∂logp_y/∂z_j = 1[j = y] − p_j: the −p_j part is above
+                g_lp = grad_logprobs[start:stop].unsqueeze(1)
+                dz.scatter_add_(1, labels.index_select(0, idx).unsqueeze(1), g_lp)
             dz = transform.backward(dz, tanh)
             self._accumulate(grads, dz, h32, idx, weight32)
+            del z, tanh, dz
             start = stop
         return grads
