@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
     parser.add_argument("--shapes", default=None, help="comma-separated shape names or kinds (ce, grpo); default all")
     parser.add_argument("--peers", default=None, help="comma-separated peer keys, or 'all' (adds cce_exact)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per pair (median; default 10)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per pair (median; default 5)")
     parser.add_argument("--hf-backend", default=None, help="force an hf_fused backend (e.g. torch, triton)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="input dtype (default: bf16 on CUDA, fp32 on CPU where bf16 matmuls are very slow)")
@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-entropy", action="store_true", help="GRPO: do not ask peers for the entropy")
     parser.add_argument("--resume", action="store_true",
                         help="keep DIR/bench.json and run only the (shape, peer) pairs it does not have yet")
-    parser.add_argument("--matmul-n", type=int, default=None, help="size of the ceiling matmul (default 8192, 256 with --quick)")
+    parser.add_argument("--matmul-n", type=int, default=None,
+                        help="size of the ceiling matmul (default 8192, 256 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     parser.add_argument("--list", action="store_true", help="list shapes and peers and exit")
@@ -64,14 +65,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch.cuda.is_available() is False (use --device cpu --quick)")
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
 
     from .report import render_table, write_reports
     from .runner import RunConfig, run
 
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     cfg = RunConfig(
-        device=device, dtype=DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")], problems=problems, peers=peers, repeats=args.repeats,
+        device=device, dtype=dtype, problems=problems, peers=peers, repeats=args.repeats,
         out_dir=args.out, reference=not args.no_reference, resume=args.resume, seed=args.seed,
         matmul_n=args.matmul_n or (256 if args.quick else 8192), progress=not args.no_progress, argv=argv,
     )

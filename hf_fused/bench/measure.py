@@ -19,14 +19,13 @@ from typing import Callable, Optional
 import torch
 
 MEMORY_BASELINE = (
-    "peak memory = torch.cuda.max_memory_allocated() during one forward+backward minus "
-    "torch.cuda.memory_allocated() just before it (after reset_peak_memory_stats). The baseline holds the "
-    "problem's inputs (hidden, weight, labels, GRPO mask/ids/advantages), the .grad buffers of hidden and "
-    "weight pre-allocated and zeroed in the inputs' dtype (so backward accumulates into them), and the "
-    "CUDA caching allocator's persistent blocks from the warm-up call (e.g. the cuBLAS workspace). The "
-    "peak therefore counts the peer's own buffers: logits/tiles, saved tensors, fp32 accumulators, and the "
-    "gradient tensors it returns before autograd adds them into .grad. The float64 reference lives on the "
-    "host, not on the device."
+    "peak memory above inputs and gradients = torch.cuda.max_memory_allocated() during one forward+backward "
+    "minus torch.cuda.memory_allocated() just before it (after reset_peak_memory_stats), minus the bytes of "
+    "the gradients that end up in hidden.grad and weight.grad (which start as None, so the step's own "
+    "gradients become them). The baseline holds the problem's inputs (hidden, weight, labels, GRPO "
+    "mask/ids/advantages) and the CUDA caching allocator's persistent blocks from the warm-up call (e.g. the "
+    "cuBLAS workspace). The figure therefore counts the peer's own buffers: logits/tiles, saved tensors, fp32 "
+    "accumulators, and any gradient copy beyond the final .grad. The float64 reference lives on the host."
 )
 
 
@@ -106,7 +105,7 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, repeats: int
     out = torch.empty(n, n, device=device, dtype=dtype)
     fn = lambda: torch.mm(a, b, out=out)  # noqa: E731
     fn()
-    ms, timer = median_ms(fn, device, max(repeats, 10))
+    ms, timer = median_ms(fn, device, 50 if device.type == "cuda" else max(repeats, 3))
     del a, b, out
     free_memory(device)
     return {"n": n, "dtype": str(dtype).replace("torch.", ""), "ms": ms, "tflops": 2 * n**3 / (ms * 1e-3) / 1e12,

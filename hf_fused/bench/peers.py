@@ -186,7 +186,7 @@ class TRLPeer(Peer):
 
         try:  # the vocabulary chunk TRL's own lm_head path uses
             from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as chunk
-        except ImportError:
+        except Exception:  # backward imports trl.trainer.utils too: a broken import fails the run there
             chunk = 32768
         self._fn, self._chunk = ChunkedLogProbFunction, int(chunk)
 
@@ -217,8 +217,10 @@ class TorchPeer(Peer):
     key, label, dist = "torch", "torch F.linear_cross_entropy", "torch"
 
     def load(self):
-        if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        if not hasattr(F, "linear_cross_entropy"):
             raise ImportError(f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy")
+        if not hasattr(torch.nn, "LinearCrossEntropyOptions"):  # without it there is only the unfused reference path
+            raise ImportError(f"torch {torch.__version__} has no torch.nn.LinearCrossEntropyOptions (chunked path)")
 
     def describe(self):
         return ("torch.nn.functional.linear_cross_entropy(hidden2d, weight, labels, ignore_index=-100, "
@@ -262,7 +264,9 @@ class HFFusedPeer(Peer):
                 f"tile_budget_bytes={self.tile_budget_bytes}, backend={self.backend!r})")
 
     def ce_loss(self, inp):
-        return self._ce(inp.hidden, inp.weight, inp.labels, tile_budget_bytes=self.tile_budget_bytes, backend=self.backend)
+        return self._ce(
+            inp.hidden, inp.weight, inp.labels, tile_budget_bytes=self.tile_budget_bytes, backend=self.backend
+        )
 
     def logprobs(self, inp):
         return self._lp(

@@ -124,7 +124,8 @@ class Inputs:
         return int((self.labels != IGNORE_INDEX).sum())
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.hidden, self.weight, self.labels, self.token_ids, self.mask, self.advantages) if t is not None]
+        all_ = (self.hidden, self.weight, self.labels, self.token_ids, self.mask, self.advantages)
+        return [t for t in all_ if t is not None]
 
 
 def make_inputs(problem: Problem, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Inputs:

@@ -64,15 +64,23 @@ def render_table(doc: dict) -> str:
     problem, plus notes for the peers that did not run."""
     groups = _records(doc)
     lines: list[str] = []
-    run = doc["runs"][-1] if doc["runs"] else {}
-    if run:
+    used = sorted({r.get("run", 0) for r in doc["results"]}) or list(range(len(doc["runs"])))
+    for i in used:
+        run = doc["runs"][i]
         c = run["matmul_ceiling"]
+        tag = f"run {i}: " if len(used) > 1 else ""
         lines += [
-            f"device: {run['device']}   dtype: {run['dtype']}   timer: {run['timer']}   repeats: {run['repeats']}",
-            f"matmul ceiling: {c['tflops']:.1f} TFLOP/s ({c['dtype']} {c['n']}³ median {c['ms']:.3f} ms)",
-            "versions: " + ", ".join(f"{k} {v}" for k, v in run["versions"].items() if v),
-            "FLOPs: " + run["flop_convention"],
+            f"{tag}device: {run['device']}   dtype: {run['dtype']}   timer: {run['timer']}   repeats: {run['repeats']}",
+            f"{tag}matmul ceiling: {c['tflops']:.4g} TFLOP/s ({c['dtype']} {c['n']}³ median {c['ms']:.3f} ms)",
+            f"{tag}versions: " + ", ".join(f"{k} {v}" for k, v in run["versions"].items() if v),
+        ]
+    if doc["runs"]:
+        lines += [
+            "FLOPs: " + doc["runs"][-1]["flop_convention"],
             "memory: peak above inputs + zeroed .grad buffers (see bench.json runs[].memory_baseline)",
+            "% ceil: achieved TFLOP/s / the matmul ceiling measured in the same run",
+            "errors: ‖x − x_ref‖/‖x_ref‖ against the float64 reference (loss: |Δ|/|ref|; logp/entropy over "
+            "unmasked tokens)",
             "",
         ]
     # Summary: peers × problems.
@@ -82,16 +90,16 @@ def render_table(doc: dict) -> str:
     cells = {(r["problem"], r["peer"]): r for rows in groups.values() for r in rows}
     if problems:
         lines.append("median fwd+bwd time / peak memory above inputs+grads")
-        lines += _table(["peer", *problems], [[labels[k], *(_cell(cells.get((p, k))) for p in problems)] for k in peers])
+        body = [[labels[k], *(_cell(cells.get((p, k))) for p in problems)] for k in peers]
+        lines += _table(["peer", *problems], body)
         lines.append("")
     notes: dict[str, set[str]] = {}
     for name, rows in groups.items():
         info = doc["problems"][name]
         ref = info.get("reference_loss")
-        lines.append(
-            f"{name}: {info['description']}, {info['n_valid']} non-ignored tokens, reference "
-            + (f"float64 loss {ref:.6f} ({info['reference_seconds']:.1f} s)" if ref is not None else info.get("reference", "—"))
-        )
+        ref_text = (f"float64 loss {ref:.6f} ({info['reference_seconds']:.1f} s)" if ref is not None
+                    else info.get("reference", "—"))
+        lines.append(f"{name}: {info['description']}, {info['n_valid']} non-ignored tokens, reference {ref_text}")
         grpo = info["kind"] == "grpo"
         header = ["peer", "time ms", "TFLOP/s", "% ceil", "peak GiB", "loss err", "dX err", "dW err"]
         if grpo:
@@ -101,18 +109,20 @@ def render_table(doc: dict) -> str:
         for r in rows:
             ok = r["status"] == "ok"
             row = [
-                r["label"], _f(r.get("time_ms"), ".2f"), _f(r.get("tflops"), ".1f"),
+                r["label"], _f(r.get("time_ms"), ".2f"), _f(r.get("tflops"), ".3g"),
                 _f(None if r.get("frac_of_ceiling") is None else 100 * r["frac_of_ceiling"], ".0f"),
                 _mem(r), _e(r.get("loss_rel_err")), _e(r.get("grad_hidden_rel_err")), _e(r.get("grad_weight_rel_err")),
             ]
             if grpo:
                 ent = _e(r.get("entropy_rel_err")) if r.get("has_entropy") else ("n/a" if ok else "—")
-                row += [_e(r.get("logp_rel_err")) if ok and r.get("logp_rel_err") is not None else ("n/a" if ok else "—"), ent]
+                logp = _e(r.get("logp_rel_err")) if ok and r.get("logp_rel_err") is not None else ("n/a" if ok else "—")
+                row += [logp, ent]
             status = r["status"] + (f" [{r['backend']}]" if r.get("backend") else "")
             row.append(status)
             rows_out.append(row)
             if not ok and r.get("note"):
-                notes.setdefault(f"{r['label']}: {r['status']}", set()).add(r["note"] if r["status"] != "n/a" else f"{r['note']} ({name})")
+                note = r["note"] if r["status"] != "n/a" else f"{r['note']} ({name})"
+                notes.setdefault(f"{r['label']}: {r['status']}", set()).add(note)
         lines += _table(header, rows_out)
         lines.append("")
     if notes:
@@ -160,8 +170,8 @@ def render_plot(doc: dict, path: Path) -> Optional[Path]:
             for r in recs:
                 if r["status"] == "OOM":
                     for ax in (ax_t, ax_m):
-                        ax.annotate(f"OOM: {label}", (xs[r["problem"]], 0.98 - 0.05 * j), xycoords=("data", "axes fraction"),
-                                    ha="center", va="top", fontsize=7, color="red")
+                        ax.annotate(f"OOM: {label}", (xs[r["problem"]], 0.98 - 0.05 * j),
+                                    xycoords=("data", "axes fraction"), ha="center", va="top", fontsize=7, color="red")
         for ax, ylabel in ((ax_t, "median time [ms]"), (ax_m, "peak memory above inputs+grads [GiB]")):
             ax.set_xticks(range(len(names)))
             ax.set_xticklabels([f"{doc['problems'][p]['N']} tok\nH{doc['problems'][p]['H']} V{doc['problems'][p]['V']}"
@@ -173,11 +183,13 @@ def render_plot(doc: dict, path: Path) -> Optional[Path]:
             if ax.lines:
                 ax.set_yscale("log")
         if not any_mem:
-            ax_m.text(0.5, 0.5, "memory not measured on this device", ha="center", va="center", transform=ax_m.transAxes)
-        ax_t.legend(fontsize=8)
+            ax_m.text(0.5, 0.5, "memory not measured on this device", ha="center", va="center",
+                      transform=ax_m.transAxes)
+        if ax_t.lines:
+            ax_t.legend(fontsize=8)
     run = doc["runs"][-1] if doc["runs"] else {}
     if run:
-        fig.suptitle(f"{run['device']}, {run['dtype']}; matmul ceiling {run['matmul_ceiling']['tflops']:.0f} TFLOP/s",
+        fig.suptitle(f"{run['device']}, {run['dtype']}; matmul ceiling {run['matmul_ceiling']['tflops']:.4g} TFLOP/s",
                      fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -197,15 +209,36 @@ def write_reports(doc: dict, out_dir: Path) -> dict[str, Path]:
     return paths
 
 
+def merge_docs(docs: list[dict]) -> dict:
+    """One document from several runs (e.g. ``--shapes ce`` and ``--shapes grpo`` done in separate
+    processes): runs concatenated, later results for the same (problem, peer) win."""
+    out: dict = {"runs": [], "problems": {}, "results": []}
+    for doc in docs:
+        offset = len(out["runs"])
+        out["runs"] += doc["runs"]
+        out["problems"].update(doc["problems"])
+        out["results"] += [{**r, "run": r.get("run", 0) + offset} for r in doc["results"]]
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     import argparse
 
-    from .runner import load_doc
+    from .runner import load_doc, save_doc
 
-    parser = argparse.ArgumentParser(prog="python -m hf_fused.bench.report", description=__doc__)
-    parser.add_argument("out", type=Path, help="directory holding bench.json")
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_fused.bench.report",
+        description="Re-render DIR/bench.txt and bench.png from DIR/bench.json, or with --merge first combine "
+        "several bench.json files into DIR/bench.json.",
+    )
+    parser.add_argument("out", type=Path, help="directory holding (or receiving) bench.json")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON", help="bench.json files to combine, in order")
     args = parser.parse_args(argv)
-    doc = load_doc(args.out / "bench.json")
+    if args.merge:
+        doc = merge_docs([load_doc(p) for p in args.merge])
+        save_doc(doc, args.out / "bench.json")
+    else:
+        doc = load_doc(args.out / "bench.json")
     paths = write_reports(doc, args.out)
     print(render_table(doc), end="")
     print("\n".join(f"{k}: {v}" for k, v in paths.items()))

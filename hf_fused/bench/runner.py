@@ -119,13 +119,15 @@ def _errors(problem: Problem, inp: Inputs, ref: Reference, loss, logps, entropy)
     return out
 
 
-def run_pair(peer: Peer, problem: Problem, inp: Inputs, ref: Optional[Reference], cfg: RunConfig, ceiling: float) -> dict:
+def run_pair(
+    peer: Peer, problem: Problem, inp: Inputs, ref: Optional[Reference], cfg: RunConfig, ceiling: float
+) -> dict:
     """Measure one peer on one problem; never raises (failures become the record's status)."""
     rec = {"problem": problem.name, "peer": peer.key, "label": peer.label, "status": OK, "note": ""}
     try:
         peer.load()
     except Exception as e:  # ImportError, or a broken install raising something else on import
-        rec.update(status=SKIPPED, note=f"not installed: {type(e).__name__}: {_short(e)}")
+        rec.update(status=SKIPPED, note=f"unavailable: {type(e).__name__}: {_short(e)}")
         return rec
     rec["version"] = peer.version()
     rec["call"] = peer.describe()
@@ -144,9 +146,11 @@ def run_pair(peer: Peer, problem: Problem, inp: Inputs, ref: Optional[Reference]
     try:
         _zero_grads(inp)
         _step(peer, problem, inp)  # compile / autotune / allocator warm-up
-        _zero_grads(inp)
+        inp.hidden.grad = inp.weight.grad = None  # the gradients this step produces become .grad
         phase = "memory"
         (loss, logps, entropy), peak = measure.peak_memory(lambda: _step(peer, problem, inp), cfg.device)
+        if peak is not None:
+            peak -= sum(t.grad.numel() * t.grad.element_size() for t in (inp.hidden, inp.weight) if t.grad is not None)
         rec["peak_mem_bytes"] = peak
         rec["loss"] = float(loss)
         if ref is not None:
@@ -204,7 +208,20 @@ def run(cfg: RunConfig) -> dict:
         if not peers:
             continue
         bar.set_postfix_str(f"{problem.name}: inputs + float64 reference")
-        inp = make_inputs(problem, cfg.device, cfg.dtype, cfg.seed)
+        try:
+            inp = make_inputs(problem, cfg.device, cfg.dtype, cfg.seed)
+        except Exception as e:  # e.g. out of memory: every pair of this problem fails the same way
+            status = OOM if isinstance(e, torch.cuda.OutOfMemoryError) else ERROR
+            for peer in peers:
+                doc["results"].append({"problem": problem.name, "peer": peer.key, "label": peer.label, "status": status,
+                                       "note": f"inputs: {type(e).__name__}: {_short(e)}", "run": run_index})
+                bar.update(1)
+            doc["problems"][problem.name] = {"kind": problem.kind, "N": problem.N, "H": problem.H, "V": problem.V,
+                                             "B": problem.B, "T": problem.T, "n_valid": None,
+                                             "description": problem.describe(), "reference": "no inputs"}
+            save_doc(doc, path)
+            measure.free_memory(cfg.device)
+            continue
         info = {"kind": problem.kind, "N": problem.N, "H": problem.H, "V": problem.V, "B": problem.B,
                 "T": problem.T, "n_valid": inp.n_valid, "description": problem.describe(), "seed": cfg.seed,
                 "dtype": str(cfg.dtype).replace("torch.", "")}
@@ -215,6 +232,8 @@ def run(cfg: RunConfig) -> dict:
                 info.update(reference="float64", reference_loss=ref.loss, reference_seconds=ref.seconds)
             except torch.cuda.OutOfMemoryError as e:
                 info.update(reference=f"OOM: {_short(e, 160)}")
+            except Exception as e:
+                info.update(reference=f"error: {type(e).__name__}: {_short(e)}")
             measure.free_memory(cfg.device)
         else:
             info.update(reference="skipped (--no-reference)")

@@ -18,6 +18,8 @@ class LinearLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, rows, transform, tile_budget_bytes, backend, return_entropy):
+        # An entropy returned but unused must not cost a backward term: let its gradient arrive as None.
+        ctx.set_materialize_grads(False)
         logp_rows, ent_rows, lse = backend.logprobs_forward(
             hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy
         )

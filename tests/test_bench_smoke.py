@@ -1,0 +1,68 @@
+"""Smoke test of ``python -m hf_fused.bench`` on CPU: tiny shapes end to end, outputs written, hf_fused
+close to the float64 reference, missing / CUDA-only peers recorded instead of crashing the run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hf_fused.bench.__main__ import main
+from hf_fused.bench.peers import select_peers
+from hf_fused.bench.problems import select_problems
+
+SHAPES = "ce-128-h64-v1k,grpo-2x64-h64-v1k"
+
+
+def _records(doc):
+    return {(r["problem"], r["peer"]): r for r in doc["results"]}
+
+
+def test_bench_quick_cpu(tmp_path, capsys):
+    out = tmp_path / "bench"
+    argv = ["--device", "cpu", "--quick", "--shapes", SHAPES, "--peers", "eager,hf_fused,liger,cce",
+            "--repeats", "2", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+
+    doc = json.loads((out / "bench.json").read_text())
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (out / "bench.txt").read_text()
+    for label in ("eager PyTorch", "hf_fused", "Liger FLCE", "Apple CCE", "ce-128-h64-v1k", "grpo-2x64-h64-v1k"):
+        assert label in table and label in printed
+
+    recs = _records(doc)
+    assert len(recs) == 8
+    for shape in SHAPES.split(","):
+        assert doc["problems"][shape]["reference"] == "float64"
+        for peer in ("liger", "cce"):  # not installed here, or installed but CUDA-only
+            assert recs[(shape, peer)]["status"] in ("skipped", "n/a"), recs[(shape, peer)]
+            assert recs[(shape, peer)]["note"]
+        for peer in ("eager", "hf_fused"):
+            r = recs[(shape, peer)]
+            assert r["status"] == "ok", r
+            assert r["time_ms"] > 0 and r["tflops"] > 0
+            assert r["peak_mem_bytes"] is None  # not measured on CPU
+        r = recs[(shape, "hf_fused")]
+        assert r["backend"] == "torch"
+        # fp32 inputs on CPU: hf_fused accumulates in fp32, so errors are at fp32 rounding level.
+        for key in ("loss_rel_err", "grad_hidden_rel_err", "grad_weight_rel_err"):
+            assert r[key] < 1e-4, (shape, key, r[key])
+    grpo = recs[("grpo-2x64-h64-v1k", "hf_fused")]
+    assert grpo["has_entropy"] and grpo["logp_rel_err"] < 1e-5 and grpo["entropy_rel_err"] < 1e-4
+
+    # --resume keeps what is there and adds only the new pairs.
+    assert main(["--device", "cpu", "--quick", "--shapes", "ce-128-h64-v1k", "--peers", "hf_fused,hf_fused_32mib",
+                 "--repeats", "1", "--out", str(out), "--no-progress", "--resume"]) == 0
+    doc2 = json.loads((out / "bench.json").read_text())
+    assert len(doc2["results"]) == 9 and len(doc2["runs"]) == 2
+    assert _records(doc2)[("ce-128-h64-v1k", "hf_fused_32mib")]["status"] == "ok"
+    assert "hf_fused (32 MiB tiles)" in (out / "bench.txt").read_text()
+
+
+def test_bench_selection_errors():
+    with pytest.raises(ValueError, match="unknown shape"):
+        select_problems("nope", quick=True)
+    with pytest.raises(ValueError, match="unknown peer"):
+        select_peers("eager,nope")
+    assert [p.kind for p in select_problems("grpo", quick=False)] == ["grpo", "grpo"]
