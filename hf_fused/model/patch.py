@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import types
 from contextlib import contextmanager
@@ -64,6 +65,7 @@ def apply_fused_loss(
         )
         causal_lm._hf_fused = state
         causal_lm.forward = types.MethodType(make_fused_forward(original), causal_lm)
+        causal_lm._replicate_for_data_parallel = types.MethodType(_replicate_patched, causal_lm)
     state.tile_budget_bytes = tile_budget_bytes
     state.backend = backend
     if verify:
@@ -85,7 +87,29 @@ def remove_fused_loss(model: nn.Module) -> nn.Module:
         causal_lm.forward = state.instance_forward
     else:
         del causal_lm.forward
+    causal_lm.__dict__.pop("_replicate_for_data_parallel", None)
     return model
+
+
+def _rebind(method, old: nn.Module, new: nn.Module):
+    if isinstance(method, types.MethodType) and method.__self__ is old:
+        return types.MethodType(method.__func__, new)
+    return method
+
+
+def _replicate_patched(self: nn.Module) -> nn.Module:
+    """``nn.DataParallel`` replicas are shallow copies of the instance: rebind the patched forward (and
+    the original it wraps) to each replica so it computes with the replica's own parameters."""
+    replica = type(self)._replicate_for_data_parallel(self)
+    state = self.__dict__["_hf_fused"]
+    replica.__dict__["_hf_fused"] = dataclasses.replace(
+        state,
+        original_forward=_rebind(state.original_forward, self, replica),
+        instance_forward=_rebind(state.instance_forward, self, replica),
+    )
+    for name in ("forward", "_replicate_for_data_parallel"):
+        replica.__dict__[name] = _rebind(self.__dict__[name], self, replica)
+    return replica
 
 
 @contextmanager

@@ -39,7 +39,10 @@ class FusedGRPOTrainer(GRPOTrainer):
     gradients and metrics. Differences: log-probs and entropies are computed tile by tile by hf_fused
     inside the model's forward, and a PEFT adapter on ``lm_head`` is supported and trained."""
 
-    def __init__(self, model, *args, **kwargs):
+    def __init__(self, model, *args, fused_options: Optional[dict] = None, **kwargs):
+        """Same arguments as :class:`trl.GRPOTrainer`, plus ``fused_options``: keyword arguments for
+        :func:`hf_fused.apply_fused_loss` (``tile_budget_bytes``, ``backend``, ``verify``)."""
+        self._fused_options = dict(fused_options or {})
         peft_config = kwargs.get("peft_config")
         if isinstance(model, str) and peft_config is not None and _targets_lm_head(peft_config):
             # The lm_head guard below needs the model instance before TRL wraps it with PEFT.
@@ -57,7 +60,7 @@ class FusedGRPOTrainer(GRPOTrainer):
             if target is None:
                 continue
             _remove_trl_fused_head(target)
-            apply_fused_loss(target)
+            apply_fused_loss(target, **self._fused_options)
 
     # ------------------------------------------------------------------------------------------------
     # Override 2: the single place TRL computes log-probs and entropies (policy, old policy, reference).

@@ -16,8 +16,10 @@ class FusedTrainer(Trainer):
     The model is patched with :func:`hf_fused.apply_fused_loss` (keyword ``fused_loss_kwargs`` is passed
     to it, e.g. ``{"tile_budget_bytes": 64 * 2**20}``). Everything else is Trainer's own code, so its
     semantics hold unchanged: gradient accumulation normalized by ``num_items_in_batch``,
-    ``average_tokens_across_devices``, eval loss, ``prediction_loss_only``. When evaluation needs logits
-    (``compute_metrics`` set and ``prediction_loss_only`` off) it runs the original forward.
+    ``average_tokens_across_devices``, eval loss, ``prediction_loss_only``. Whenever Trainer gathers
+    predictions (``prediction_loss_only`` off: ``evaluate()`` with ``compute_metrics``, ``predict()``) it runs
+    the original forward, so predictions are the logits; ``evaluate()`` without ``compute_metrics`` (which
+    Trainer runs with ``prediction_loss_only=True``) keeps the fused, logit-free loss.
 
     Raises:
         ValueError: with ``label_smoothing_factor > 0``, ``compute_loss_func`` or ``use_liger_kernel``:
@@ -46,7 +48,8 @@ class FusedTrainer(Trainer):
         return apply_fused_loss(super().call_model_init(trial), **self._fused_loss_kwargs)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        if prediction_loss_only or self.compute_metrics is None:
+        # Not `or self.compute_metrics is None`: predict() needs the logits without compute_metrics too.
+        if prediction_loss_only:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         with original_forward_only(model):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
