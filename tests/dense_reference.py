@@ -186,3 +186,25 @@ def single_threaded_torch():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+# -- shared test parameters ----------------------------------------------------------------------
+from hf_fused.ops.tiling import TILE_BUFFERS, rows_per_tile  # noqa: E402
+
+RTOL = 1e-5  # fp32 vs float64; never loosen (see module docstring)
+H = 16
+
+TRANSFORMS = {
+    "identity": {},
+    "softcap": {"softcap": 3.0},
+    "logit_scale": {"logit_scale": 0.4},
+    "temperature": {"temperature": 0.7},
+    "combined": {"logit_scale": 1.5, "softcap": 4.0, "temperature": 0.8},
+}
+
+
+def budget_for(tile_rows: int, vocab_size: int) -> int:
+    """The smallest ``tile_budget_bytes`` whose tiles hold exactly ``tile_rows`` token rows."""
+    budget = tile_rows * TILE_BUFFERS * 4 * vocab_size
+    assert rows_per_tile(vocab_size, budget) == tile_rows
+    return budget

@@ -14,26 +14,9 @@ import torch
 
 from dense_reference import dense_logprobs, leaf64, make_head_inputs, rel_err
 from dense_reference import single_threaded_torch  # noqa: F401  (autouse fixture)
+from dense_reference import H, RTOL, TRANSFORMS, budget_for
 from hf_fused.ops import linear_cross_entropy, linear_logprobs
-from hf_fused.ops.tiling import TILE_BUFFERS, rows_per_tile
 
-RTOL = 1e-5  # fp32 vs float64; never loosen
-H = 16
-
-TRANSFORMS = {
-    "identity": {},
-    "softcap": {"softcap": 3.0},
-    "logit_scale": {"logit_scale": 0.4},
-    "temperature": {"temperature": 0.7},
-    "combined": {"logit_scale": 1.5, "softcap": 4.0, "temperature": 0.8},
-}
-
-
-def budget_for(tile_rows: int, vocab_size: int) -> int:
-    """The smallest ``tile_budget_bytes`` whose tiles hold exactly ``tile_rows`` token rows."""
-    budget = tile_rows * TILE_BUFFERS * 4 * vocab_size
-    assert rows_per_tile(vocab_size, budget) == tile_rows
-    return budget
 
 
 def upstream_weights(shape, seed: int) -> torch.Tensor:

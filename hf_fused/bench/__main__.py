@@ -68,7 +68,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
 
-    from .report import render_table, write_reports
+    from .report import publish
     from .runner import RunConfig, run
 
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
@@ -78,9 +78,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         matmul_n=args.matmul_n or (256 if args.quick else 8192), progress=not args.no_progress, argv=argv,
     )
     doc = run(cfg)
-    paths = write_reports(doc, args.out)
-    print(render_table(doc), end="")
-    print("\n".join(f"{k}: {v}" for k, v in paths.items()))
+    publish(doc, args.out)
     return 0
 
 

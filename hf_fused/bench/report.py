@@ -221,6 +221,13 @@ def merge_docs(docs: list[dict]) -> dict:
     return out
 
 
+def publish(doc: dict, out_dir: Path) -> None:
+    """Write the table, JSON and plot into ``out_dir`` and print the table and the paths."""
+    paths = write_reports(doc, out_dir)
+    print(render_table(doc), end="")
+    print("\n".join(f"{k}: {v}" for k, v in paths.items()))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     import argparse
 
@@ -239,9 +246,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         save_doc(doc, args.out / "bench.json")
     else:
         doc = load_doc(args.out / "bench.json")
-    paths = write_reports(doc, args.out)
-    print(render_table(doc), end="")
-    print("\n".join(f"{k}: {v}" for k, v in paths.items()))
+    publish(doc, args.out)
     return 0
 
 
