@@ -97,3 +97,17 @@ def test_triton_backend_bf16_on_gpu_close_to_float64(kw, budget):
 def test_triton_backend_fp32_on_gpu_matches_float64():
     torch.backends.cuda.matmul.allow_tf32 = False
     _check("cuda", torch.float32, n=1000, h=256, v=5000, kw={"softcap": 3.0}, bias=True, budget=None, tol=1e-5)
+
+
+def test_cross_entropy_path_choice_follows_the_budget():
+    # The tests above cover both paths: the default budget holds the fp32 [V, H] accumulator of their
+    # small heads (one pass), the small budgets do not (vocabulary-outer two passes).
+    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
+
+    w = torch.empty(300, 16)
+    assert TritonCublasBackend._one_pass_rows(w, True, None) >= 512
+    assert TritonCublasBackend._one_pass_rows(w, True, 300 * 4 * 10) == 0
+    big = torch.empty(151936, 2048, dtype=torch.bfloat16)  # Qwen head: 1.16 GiB fp32 accumulator
+    assert TritonCublasBackend._one_pass_rows(big, True, None) == 0
+    assert TritonCublasBackend._one_pass_rows(big, True, 2 * 2**30) >= 512
+    assert TritonCublasBackend._one_pass_rows(big, False, None) >= 512  # frozen head: no accumulator

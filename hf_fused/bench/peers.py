@@ -280,9 +280,17 @@ class HFFusedSmallTilesPeer(HFFusedPeer):
     tile_budget_bytes = SMALL_TILE_BUDGET
 
 
+class HFFusedLargeBudgetPeer(HFFusedPeer):
+    """A 2 GiB budget holds the fp32 [V, H] weight-gradient accumulator, so cross-entropy takes the
+    one-pass (6·N·H·V) path; log-probs are unaffected (the budget only widens their tiles)."""
+
+    key, label = "hf_fused_2gib", "hf_fused (2 GiB, one pass)"
+    tile_budget_bytes = 2 * 2**30
+
+
 #: Every adapter, in table order.
 ALL_PEERS = [EagerPeer, LigerPeer, LigerGRPOPeer, CCEPeer, CCEExactPeer, TRLPeer, TorchPeer, HFFusedPeer,
-             HFFusedSmallTilesPeer]
+             HFFusedSmallTilesPeer, HFFusedLargeBudgetPeer]
 #: Run when ``--peers`` is not given (``cce_exact`` only on request).
 DEFAULT_PEERS = [p.key for p in ALL_PEERS if p.key != "cce_exact"]
 

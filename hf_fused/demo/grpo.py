@@ -58,8 +58,11 @@ def word_piece_reward(completions, completion_ids, *, tokenizer, **kwargs) -> li
             rewards.append(0.0)
             continue
         pieces = tokenizer.batch_decode([[i] for i in ids])
-        good = {i for i, p in zip(ids, pieces) if WORD_PIECE.fullmatch(p)}
-        rewards.append(len(good) / len(ids))
+        if os.environ.get("DISTINCT"):
+            good = {i for i, p in zip(ids, pieces) if WORD_PIECE.fullmatch(p)}
+            rewards.append(len(good) / len(ids))
+        else:
+            rewards.append(sum(bool(WORD_PIECE.fullmatch(p)) for p in pieces) / len(ids))
     return rewards
 
 
@@ -116,8 +119,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--beta", type=float, default=0.02, help="KL coefficient to the initial model (default 0.02)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    p.add_argument("--top-k", type=int, default=50, help="sample from the top-k tokens (default 50; 0 = off)")
     p.add_argument("--head-std", type=float, default=0.25,
                    help="init std of the random model's lm_head (default 0.25; see the module docstring)")
+    p.add_argument("--num-iterations", type=int, default=2,
+                   help="optimizer steps per generated batch (default 2; the second one is off-policy and clips)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default="grpo_reward.png", help="where to save the reward curve (PNG)")
     args = p.parse_args(argv)
@@ -145,6 +151,19 @@ def _progress_callback():
             )
 
     return GRPOProgress
+
+
+def _history(log_history: list[dict]) -> list[dict]:
+    """One metrics dict per optimizer step. Reward is logged only on steps that generate (with
+    ``num_iterations`` > 1 the next steps reuse the batch): carry it forward to those steps."""
+    history, last = [], {}
+    for entry in log_history:
+        if "loss" not in entry:
+            continue
+        if "reward" in entry:
+            last = {"reward": entry["reward"], "reward_std": entry.get("reward_std", math.nan)}
+        history.append(_step_metrics({**last, **entry}))
+    return history
 
 
 def _step_metrics(logs: dict) -> dict:
@@ -216,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         model = transformers.Qwen3ForCausalLM(tiny_qwen3_config(tokenizer))
         with torch.no_grad():
             model.lm_head.weight.normal_(0.0, args.head_std)
+            model.get_input_embeddings().weight.normal_(0.0, 1.0)
         name = "random Qwen3 (2 layers, hidden 128)"
         if args.beta:
             # TRL builds the reference model from config._name_or_path: give it the initial weights.
@@ -241,9 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         num_generations=args.num_generations,
         max_completion_length=args.max_completion_length,
         temperature=args.temperature,
+        top_k=args.top_k,
         learning_rate=args.lr,
         lr_scheduler_type="constant",
         beta=args.beta,
+        num_iterations=args.num_iterations,
         loss_type="dapo",
         bf16=False,
         use_vllm=False,
@@ -272,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer.train()
     elapsed = time.perf_counter() - start
 
-    history = [_step_metrics(e) for e in trainer.state.log_history if "loss" in e and "reward" in e]
+    history = _history(trainer.state.log_history)
     quarter = max(1, len(history) // 4)
     first = sum(h["reward"] for h in history[:quarter]) / quarter
     last = sum(h["reward"] for h in history[-quarter:]) / quarter

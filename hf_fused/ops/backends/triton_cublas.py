@@ -27,6 +27,7 @@ from .torch_reference import HeadGrads
 _COL_ALIGN = 128  # keep cuBLAS tiles whole
 _MIN_COLS = 2048
 _BLOCK_V = 1024
+_MIN_ONE_PASS_ROWS = 512  # below this, the dW accumulation GEMM (K = rows) runs far from peak
 
 
 def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -157,7 +158,15 @@ class TritonCublasBackend:
         self, hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes,
         need_hidden, need_weight, need_bias,
     ):
-        """Statistics pass, then the gradient pass with ``∂(grad_scale·Σ loss)/∂logp = −grad_scale``."""
+        """One pass (6·M·H·V) when the budget holds the fp32 weight-gradient accumulator and a tile of at
+        least ``_MIN_ONE_PASS_ROWS`` full-vocabulary rows; otherwise the statistics pass, then the
+        gradient pass with ``∂(grad_scale·Σ loss)/∂logp = −grad_scale`` (8·M·H·V, no fp32 ``[V, H]``)."""
+        rows_one_pass = self._one_pass_rows(weight, need_weight, tile_budget_bytes)
+        if rows_one_pass:
+            return self._cross_entropy_one_pass(
+                hidden, weight, bias, labels, rows, grad_scale, transform, rows_one_pass,
+                need_hidden, need_weight, need_bias,
+            )
         logp, _, lse = self.logprobs_forward(hidden, weight, bias, labels, rows, transform, tile_budget_bytes, False)
         loss_sum = -logp.sum()
         if not (need_hidden or need_weight or need_bias):
@@ -168,3 +177,51 @@ class TritonCublasBackend:
             need_hidden, need_weight, need_bias,
         )
         return loss_sum, grads
+
+    # -- cross-entropy, one pass: token rows outside, full vocabulary per tile -----------------------
+    @staticmethod
+    def _one_pass_rows(weight, need_weight, tile_budget_bytes) -> int:
+        """Rows per full-vocabulary tile if the budget fits the fp32 ``[V, H]`` accumulator too, else 0."""
+        budget = tile_budget_bytes or DEFAULT_TILE_BUDGET_BYTES
+        vocab_size, hidden_size = weight.shape
+        accumulator = vocab_size * hidden_size * 4 if need_weight else 0
+        rows = (budget - accumulator) // (vocab_size * weight.element_size())
+        return rows if rows >= _MIN_ONE_PASS_ROWS else 0
+
+    def _cross_entropy_one_pass(
+        self, hidden, weight, bias, labels, rows, grad_scale, transform, block_rows,
+        need_hidden, need_weight, need_bias,
+    ):
+        h, y = self._compact(hidden, weight, labels, rows)
+        m_rows, vocab_size = h.shape[0], weight.shape[0]
+        need_grad = need_hidden or need_weight or need_bias
+        grads = HeadGrads()
+        d_weight32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        d_hidden = torch.empty_like(h) if need_hidden else None
+        if need_bias and bias is not None:
+            grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        losses = torch.empty(m_rows, dtype=torch.float32, device=h.device)
+        scale = torch.as_tensor(grad_scale, dtype=torch.float32, device=h.device).reshape(1)
+        tile_buf = torch.empty((min(block_rows, max(m_rows, 1)), vocab_size), dtype=weight.dtype, device=h.device)
+        for r0 in range(0, m_rows, block_rows):
+            r1 = min(r0 + block_rows, m_rows)
+            dz = torch.mm(h[r0:r1], weight.t(), out=tile_buf[: r1 - r0])
+            self.kernels.ce_row_kernel[(r1 - r0,)](  # loss per row; dz in place of the logits
+                dz, dz.stride(0), vocab_size, bias if bias is not None else losses, y[r0:r1], losses[r0:r1], scale,
+                WRITE_GRAD=need_grad, BLOCK_V=_BLOCK_V, num_warps=8, **self._scalars(transform, bias),
+            )
+            if not need_grad:
+                continue
+            if d_hidden is not None:  # each row's dh is complete within its tile
+                torch.mm(dz, weight, out=d_hidden[r0:r1])
+            if d_weight32 is not None:
+                _addmm_f32_(d_weight32, dz.t(), h[r0:r1])
+            if grads.bias is not None:
+                grads.bias += dz.float().sum(0)
+        if d_hidden is not None:
+            if rows.numel() == hidden.shape[0]:
+                grads.hidden = d_hidden.to(hidden.dtype)
+            else:
+                grads.hidden = torch.zeros_like(hidden).index_copy_(0, rows, d_hidden.to(hidden.dtype))
+        grads.weight = d_weight32
+        return losses.sum(), grads if need_grad else None

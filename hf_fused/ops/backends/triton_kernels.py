@@ -101,3 +101,48 @@ def grad_kernel(
             dz = dz * (1.0 - th * th)
         dz = dz * logit_scale
         tl.store(dz_row + cols, dz.to(DZ.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def ce_row_kernel(
+    Z, stride_z, n_cols, Bias, Labels, LOSS, GRAD_SCALE,
+    logit_scale, softcap, inv_temperature,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """One full-vocabulary row of raw logits → its loss ``lse − z[y]`` and, in place of the logits,
+    ``dz = grad_scale·(softmax(z) − onehot(y))`` through the transform's derivative (gradients in the
+    forward: the cross-entropy one-pass path)."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = Z + row * stride_z
+    label = tl.load(Labels + row)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.full([], 0.0, tl.float32)
+    zy = tl.full([], 0.0, tl.float32)
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < n_cols
+        raw = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            raw += tl.load(Bias + cols, mask=mask, other=0.0).to(tl.float32)
+        z, _ = _transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP)
+        z = tl.where(mask, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.where(mask, tl.exp(z - m_new), 0.0), axis=0)
+        m = m_new
+        zy += tl.sum(tl.where((cols == label) & mask, z, 0.0), axis=0)
+    lse = m + tl.log(s)
+    tl.store(LOSS + row, lse - zy)
+    if WRITE_GRAD:
+        g = tl.load(GRAD_SCALE)
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < n_cols
+            raw = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                raw += tl.load(Bias + cols, mask=mask, other=0.0).to(tl.float32)
+            z, th = _transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP)
+            dz = g * (tl.exp(z - lse) - tl.where(cols == label, 1.0, 0.0)) * inv_temperature
+            if SOFTCAP:
+                dz = dz * (1.0 - th * th)
+            dz = dz * logit_scale
+            tl.store(z_row + cols, dz.to(Z.dtype.element_ty), mask=mask)
