@@ -88,7 +88,7 @@ def test_triton_backend_all_ignored_gives_zero_loss_and_grads():
     assert loss.item() == 0.0 and hid.grad.abs().sum() == 0 and w.grad.abs().sum() == 0
 
 
-def _eager_bf16(hid, w, b, y, kw):
+def _eager_bf16(hid, w, b, kw):
     """What transformers does in bf16: logits rounded to bf16 by the matmul, then fp32 from there."""
     z = hid @ w.T
     if b is not None:
@@ -129,8 +129,11 @@ def test_triton_backend_bf16_on_gpu_no_worse_than_eager(kw, budget):
         g_eager = torch.autograd.grad(eager, eager_params, retain_graph=True)
         g_ours = torch.autograd.grad(ours, (hid, w), retain_graph=True)
         for g, ge, gr in zip(g_ours, g_eager, g_ref):
-            assert _rel(g, gr) <= 1.1 * _rel(ge, gr) + 1e-6, (_rel(g, gr), _rel(ge, gr))
-        assert abs(ours.item() - ref.item()) <= 1.1 * abs(eager.item() - ref.item()) + 1e-5 * abs(ref.item())
+            assert _rel(g, gr) <= 1.1 * _rel(ge, gr) + 1e-6, (_rel(g, gr), _rel(ge, gr), g.shape)
+        # A summed loss's error is a sum of signed per-token roundings (it can cancel by chance in either
+        # implementation), so it is bounded rather than compared: logits rounded to bf16 move each token's
+        # term by about 2⁻⁹·|z| with random sign; 1e-4 relative is far above that sum and far below a bias.
+        assert abs(ours.item() - ref.item()) <= 1e-4 * abs(ref.item()), (ours.item(), ref.item(), eager.item())
 
 
 @pytest.mark.gpu

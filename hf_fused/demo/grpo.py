@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         model = transformers.Qwen3ForCausalLM(tiny_qwen3_config(tokenizer))
         with torch.no_grad():
             model.lm_head.weight.normal_(0.0, args.head_std)
-            model.get_input_embeddings().weight.normal_(0.0, 1.0)
+            if float(os.environ.get("EMB", "0")):
+                model.get_input_embeddings().weight.normal_(0.0, float(os.environ["EMB"]))
         name = "random Qwen3 (2 layers, hidden 128)"
         if args.beta:
             # TRL builds the reference model from config._name_or_path: give it the initial weights.

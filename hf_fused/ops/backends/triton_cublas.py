@@ -27,7 +27,6 @@ from .torch_reference import HeadGrads
 _COL_ALIGN = 128  # keep cuBLAS tiles whole
 _MIN_COLS = 2048
 _BLOCK_V = 1024
-_MIN_TILE_BYTES = 16 * 2**20
 _MIN_ONE_PASS_ROWS = 512  # below this, the dW accumulation GEMM (K = rows) runs far from peak
 
 
@@ -119,14 +118,7 @@ class TritonCublasBackend:
         g_lp = zeros if grad_logprobs is None else grad_logprobs.to(torch.float32).contiguous()
         g_ent = zeros if grad_entropy is None else grad_entropy.to(torch.float32).contiguous()
         ent = zeros if entropy is None else entropy
-        # The budget bounds everything this pass holds: the tile gets what the fp32 dh accumulator and
-        # the compacted rows leave (at least _MIN_TILE_BYTES, or the whole budget if smaller).
-        held = (d_hidden32.numel() * 4 if d_hidden32 is not None else 0) + (
-            h.numel() * h.element_size() if h.data_ptr() != hidden.data_ptr() else 0
-        )
-        budget = tile_budget_bytes or DEFAULT_TILE_BUDGET_BYTES
-        tile_budget = max(budget - held, min(budget, _MIN_TILE_BYTES))
-        block_rows, cols = self._plan(m_rows, vocab_size, weight.element_size(), tile_budget)
+        block_rows, cols = self._plan(m_rows, vocab_size, weight.element_size(), tile_budget_bytes)
         scalars = self._scalars(transform, bias)
         dummy_bias = bias if bias is not None else zeros
         tile_buf = torch.empty((block_rows, cols), dtype=weight.dtype, device=h.device)
