@@ -130,10 +130,10 @@ def test_triton_backend_bf16_on_gpu_no_worse_than_eager(kw, budget):
         g_ours = torch.autograd.grad(ours, (hid, w), retain_graph=True)
         for g, ge, gr in zip(g_ours, g_eager, g_ref):
             assert _rel(g, gr) <= 1.1 * _rel(ge, gr) + 1e-6, (_rel(g, gr), _rel(ge, gr), g.shape)
-        # A summed loss's error is a sum of signed per-token roundings (it can cancel by chance in either
-        # implementation), so it is bounded rather than compared: logits rounded to bf16 move each token's
-        # term by about 2⁻⁹·|z| with random sign; 1e-4 relative is far above that sum and far below a bias.
-        assert abs(ours.item() - ref.item()) <= 1e-4 * abs(ref.item()), (ours.item(), ref.item(), eager.item())
+        # The objective's value: eager's own bf16 rounding of the logits moves a summed objective far from
+        # float64 (measured 1.2% for the entropy-weighted sum), so the value is pinned to eager's, which
+        # it must reproduce up to fp32 summation order.
+        assert abs(ours.item() - eager.item()) <= 1e-4 * abs(ref.item()), (ours.item(), eager.item(), ref.item())
 
 
 @pytest.mark.gpu
