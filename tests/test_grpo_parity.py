@@ -256,7 +256,7 @@ def test_lora_on_lm_head_trains_end_to_end(tmp_path):
 
 E2E = Case(
     config=dict(max_steps=3, num_iterations=2, gradient_accumulation_steps=2, per_device_train_batch_size=4,
-                beta=0.1, loss_type="dapo", entropy_coef=0.01, top_entropy_quantile=0.8),
+                beta=0.1, loss_type="dapo", entropy_coef=0.01, top_entropy_quantile=0.8, learning_rate=3e-3),
     scripted=False,
 )
 

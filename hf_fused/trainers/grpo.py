@@ -46,7 +46,8 @@ class FusedGRPOTrainer(GRPOTrainer):
         peft_config = kwargs.get("peft_config")
         if isinstance(model, str) and peft_config is not None and _targets_lm_head(peft_config):
             # The lm_head guard below needs the model instance before TRL wraps it with PEFT.
-            model = _load_model_like_trl(model, kwargs.get("args"), kwargs.get("quantization_config"))
+            config = kwargs.get("args", args[1] if len(args) > 1 else None)
+            model = _load_model_like_trl(model, config, kwargs.get("quantization_config"))
         with _hide_lm_head_adapter_from_trl(model):
             super().__init__(model, *args, **kwargs)
         self._install_fused_heads()
