@@ -55,7 +55,7 @@ import warnings
 
 import torch
 
-__all__ = ["WORD_PIECE", "word_piece_reward", "build_prompts", "tiny_qwen3_config", "parse_args", "main"]
+__all__ = ["WORD_PIECE", "word_piece_reward", "build_prompts", "parse_args", "main"]
 
 #: A plain English word piece: optional leading space, then ASCII letters only.
 WORD_PIECE = re.compile(r" ?[A-Za-z]+")
@@ -93,28 +93,6 @@ def build_prompts(tokenizer, prompt_tokens: int, num_prompts: int) -> list[str]:
     if not prompts:
         raise ValueError(f"no pydoc topic has {prompt_tokens} tokens")
     return prompts
-
-
-def tiny_qwen3_config(tokenizer):
-    """A 2-layer, 128-wide Qwen3 with Qwen's padded 151,936-row vocabulary and tied embeddings."""
-    import transformers
-
-    from .tokenizer import QWEN_MODEL_VOCAB_SIZE
-
-    return transformers.Qwen3Config(
-        vocab_size=QWEN_MODEL_VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -246,6 +224,7 @@ def _run(args: argparse.Namespace, workdir: str) -> int:
 
     from hf_fused import FusedGRPOTrainer
 
+    from .model import tiny_qwen3_config
     from .tokenizer import build_qwen_tokenizer
 
     transformers.set_seed(args.seed)
@@ -256,7 +235,7 @@ def _run(args: argparse.Namespace, workdir: str) -> int:
         name = args.model
     else:
         tokenizer = build_qwen_tokenizer()
-        model = transformers.Qwen3ForCausalLM(tiny_qwen3_config(tokenizer))
+        model = transformers.Qwen3ForCausalLM(tiny_qwen3_config(tokenizer, tie_word_embeddings=False, max_position_embeddings=1024))
         with torch.no_grad():  # see the module docstring: a peaked random model
             model.lm_head.weight.normal_(0.0, args.head_std)
             model.get_input_embeddings().weight.normal_(0.0, args.embed_std)

@@ -33,9 +33,10 @@ from hf_fused.ops import linear_cross_entropy
 
 from .memory import track_peak_memory
 from .text import IGNORE_INDEX, TokenBlocks, build_sft_blocks
-from .tokenizer import QWEN_MODEL_VOCAB_SIZE, build_qwen_tokenizer
+from .model import tiny_qwen3_config
+from .tokenizer import build_qwen_tokenizer
 
-__all__ = ["parse_args", "tiny_qwen3_config", "train_step_losses", "head_loss_peak_memory", "main"]
+__all__ = ["parse_args", "train_step_losses", "head_loss_peak_memory", "main"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,28 +64,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def tiny_qwen3_config(tokenizer) -> transformers.Qwen3Config:
-    """A 2-layer, 128-wide Qwen3 with Qwen's padded 151,936-row vocabulary.
-
-    The vocabulary dominates (19.4M of ~20M parameters), which is the regime the fused loss is
-    for: logits of ``tokens x 151,936`` fp32 dwarf everything else.
-    """
-    return transformers.Qwen3Config(
-        vocab_size=QWEN_MODEL_VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        use_cache=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-
-
 def _model_factory(args: argparse.Namespace) -> tuple[Callable[[], torch.nn.Module], object]:
     """``(make_model, tokenizer)``; each ``make_model()`` returns identical fresh fp32 weights."""
     if args.model:
@@ -96,7 +75,7 @@ def _model_factory(args: argparse.Namespace) -> tuple[Callable[[], torch.nn.Modu
             return model
     else:
         tokenizer = build_qwen_tokenizer()
-        config = tiny_qwen3_config(tokenizer)
+        config = tiny_qwen3_config(tokenizer, use_cache=False)
 
         def make_model():
             transformers.set_seed(args.seed)  # same seed -> same random init for both runs
