@@ -25,6 +25,16 @@ def _transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP: tl.constexpr
 
 
 @triton.jit
+def _load_logits(z_row, cols, mask, Bias, col_offset, logit_scale, softcap, inv_temperature,
+                 HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One column block of a row: raw matmul output (+ bias) in fp32, through the logit transform."""
+    raw = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        raw += tl.load(Bias + col_offset + cols, mask=mask, other=0.0).to(tl.float32)
+    return _transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP)
+
+
+@triton.jit
 def stats_kernel(
     Z, stride_z, n_cols, col_offset,
     Bias, Labels, M, S, T, ZY,
@@ -42,10 +52,8 @@ def stats_kernel(
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
-        raw = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            raw += tl.load(Bias + col_offset + cols, mask=mask, other=0.0).to(tl.float32)
-        z, _ = _transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP)
+        z, _ = _load_logits(z_row, cols, mask, Bias, col_offset, logit_scale, softcap, inv_temperature,
+                             HAS_BIAS, SOFTCAP)
         z = tl.where(mask, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=0))
         alpha = tl.exp(m - m_new)
@@ -85,10 +93,8 @@ def grad_kernel(
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
-        raw = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            raw += tl.load(Bias + col_offset + cols, mask=mask, other=0.0).to(tl.float32)
-        z, th = _transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP)
+        z, th = _load_logits(z_row, cols, mask, Bias, col_offset, logit_scale, softcap, inv_temperature,
+                             HAS_BIAS, SOFTCAP)
         logp = z - lse
         p = tl.exp(logp)
         dz = tl.zeros_like(p)
@@ -121,10 +127,8 @@ def ce_row_kernel(
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
-        raw = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            raw += tl.load(Bias + cols, mask=mask, other=0.0).to(tl.float32)
-        z, _ = _transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP)
+        z, _ = _load_logits(z_row, cols, mask, Bias, 0, logit_scale, softcap, inv_temperature,
+                             HAS_BIAS, SOFTCAP)
         z = tl.where(mask, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=0))
         s = s * tl.exp(m - m_new) + tl.sum(tl.where(mask, tl.exp(z - m_new), 0.0), axis=0)
@@ -137,10 +141,8 @@ def ce_row_kernel(
         for start in range(0, n_cols, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < n_cols
-            raw = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                raw += tl.load(Bias + cols, mask=mask, other=0.0).to(tl.float32)
-            z, th = _transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP)
+            z, th = _load_logits(z_row, cols, mask, Bias, 0, logit_scale, softcap, inv_temperature,
+                                 HAS_BIAS, SOFTCAP)
             dz = g * (tl.exp(z - lse) - tl.where(cols == label, 1.0, 0.0)) * inv_temperature
             if SOFTCAP:
                 dz = dz * (1.0 - th * th)
