@@ -188,6 +188,22 @@ def single_threaded_torch():
     torch.set_num_threads(previous)
 
 
+def assert_head_grads(fused_inputs, dense_inputs, grad_tol: float) -> None:
+    """The fused op's .grad of (hidden, weight, bias) against the float64 dense ones: frozen inputs get
+    none, the others a finite gradient of the input's dtype and shape within ``grad_tol`` (rel_err)."""
+    for name, fused, dense in zip(("hidden", "weight", "bias"), fused_inputs, dense_inputs):
+        if fused is None:
+            continue
+        if not fused.requires_grad:
+            assert fused.grad is None, f"frozen {name} got a gradient"
+            continue
+        assert fused.grad is not None, f"no gradient for {name}"
+        assert fused.grad.dtype == fused.dtype and fused.grad.shape == fused.shape
+        assert torch.isfinite(fused.grad).all()
+        err = rel_err(fused.grad, dense.grad)
+        assert err <= grad_tol, f"d{name}: relative error {err:.2e} > {grad_tol:.0e}"
+
+
 # -- shared test parameters ----------------------------------------------------------------------
 from hf_fused.ops.tiling import TILE_BUFFERS, rows_per_tile  # noqa: E402
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dense_reference import dense_cross_entropy, leaf64, make_head_inputs, rel_err
+from dense_reference import assert_head_grads, dense_cross_entropy, leaf64, make_head_inputs, rel_err
 from dense_reference import single_threaded_torch  # noqa: F401  (autouse fixture)
 from dense_reference import H, RTOL, TRANSFORMS, budget_for
 from hf_fused.ops import linear_cross_entropy
@@ -59,17 +59,7 @@ def check_ce(
     if any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         backward(loss, upstream)
         backward(ref, upstream)
-        for name, fused, dense in (("hidden", hidden, h64), ("weight", weight, w64), ("bias", bias, b64)):
-            if fused is None:
-                continue
-            if not fused.requires_grad:
-                assert fused.grad is None, f"frozen {name} got a gradient"
-                continue
-            assert fused.grad is not None, f"no gradient for {name}"
-            assert fused.grad.dtype == fused.dtype and fused.grad.shape == fused.shape
-            assert torch.isfinite(fused.grad).all()
-            err = rel_err(fused.grad, dense.grad)
-            assert err <= grad_tol, f"d{name}: relative error {err:.2e} > {grad_tol:.0e}"
+        assert_head_grads((hidden, weight, bias), (h64, w64, b64), grad_tol)
     return loss
 
 
