@@ -68,6 +68,13 @@ class TritonCublasBackend:
         return hidden.index_select(0, rows), labels.index_select(0, rows)
 
     @staticmethod
+    def _scatter_rows(d_rows, hidden, rows):
+        """Gradients of the kept rows ``[M, H]`` as hidden's gradient ``[N, H]`` (0 on ignored rows)."""
+        if rows.numel() == hidden.shape[0]:
+            return d_rows.to(hidden.dtype)
+        return torch.zeros_like(hidden).index_copy_(0, rows, d_rows.to(hidden.dtype))
+
+    @staticmethod
     def _scalars(transform: LogitTransform, bias):
         return dict(
             logit_scale=float(transform.logit_scale),
@@ -148,10 +155,7 @@ class TritonCublasBackend:
             if d_w_chunk32 is not None:
                 grads.weight[v0:v1] = d_w_chunk32
         if d_hidden32 is not None:
-            if rows.numel() == hidden.shape[0]:
-                grads.hidden = d_hidden32.to(hidden.dtype)
-            else:
-                grads.hidden = torch.zeros_like(hidden).index_copy_(0, rows, d_hidden32.to(hidden.dtype))
+            grads.hidden = self._scatter_rows(d_hidden32, hidden, rows)
         return grads
 
     def cross_entropy(
@@ -167,15 +171,20 @@ class TritonCublasBackend:
                 hidden, weight, bias, labels, rows, grad_scale, transform, rows_one_pass,
                 need_hidden, need_weight, need_bias,
             )
-        logp, _, lse = self.logprobs_forward(hidden, weight, bias, labels, rows, transform, tile_budget_bytes, False)
+        # Both passes run on the kept rows, gathered once.
+        h, y = self._compact(hidden, weight, labels, rows)
+        kept = torch.arange(h.shape[0], device=h.device)
+        logp, _, lse = self.logprobs_forward(h, weight, bias, y, kept, transform, tile_budget_bytes, False)
         loss_sum = -logp.sum()
         if not (need_hidden or need_weight or need_bias):
             return loss_sum, None
         g_lp = torch.full_like(logp, -1.0) * grad_scale
         grads = self.logprobs_backward(
-            hidden, weight, bias, labels, rows, lse, None, g_lp, None, transform, tile_budget_bytes,
+            h, weight, bias, y, kept, lse, None, g_lp, None, transform, tile_budget_bytes,
             need_hidden, need_weight, need_bias,
         )
+        if grads.hidden is not None:
+            grads.hidden = self._scatter_rows(grads.hidden, hidden, rows)
         return loss_sum, grads
 
     # -- cross-entropy, one pass: token rows outside, full vocabulary per tile -----------------------
@@ -219,9 +228,6 @@ class TritonCublasBackend:
             if grads.bias is not None:
                 grads.bias += dz.float().sum(0)
         if d_hidden is not None:
-            if rows.numel() == hidden.shape[0]:
-                grads.hidden = d_hidden.to(hidden.dtype)
-            else:
-                grads.hidden = torch.zeros_like(hidden).index_copy_(0, rows, d_hidden.to(hidden.dtype))
+            grads.hidden = self._scatter_rows(d_hidden, hidden, rows)
         grads.weight = d_weight32
         return losses.sum(), grads if need_grad else None
