@@ -209,3 +209,41 @@ def test_bf16_inputs_match_dense_on_the_rounded_inputs(transform, on):
     )
     check_logprobs(hidden, weight, bias, labels, on=on, grad_tol=BF16_GRAD_TOL,
                    tile_budget_bytes=budget_for(4, 97), **TRANSFORMS[transform])
+
+
+# -- rows with no upstream gradient -----------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    "triton" not in __import__("hf_fused.ops", fromlist=["available_backends"]).available_backends(),
+    reason="triton not importable"))])
+def test_rows_without_upstream_gradient_are_skipped_and_grads_exact(backend, monkeypatch):
+    """A GRPO completion's padding: logp and entropy both get 0 upstream on some rows. Backward must skip
+    exactly those rows (one output's 0 alone is not enough) and still match float64."""
+    from hf_fused.ops import get_backend
+
+    hidden, weight, bias, labels = make_head_inputs((4, 6), H, 50, ignore="some", seed=40)
+    h64, w64, b64 = leaf64(hidden), leaf64(weight), leaf64(bias)
+    logp, ent = linear_logprobs(hidden, weight, labels, bias, return_entropy=True, backend=backend)
+    ref_logp, ref_ent = dense_logprobs(h64, w64, labels, b64)
+    g_lp, g_h = upstream_weights(labels.shape, 41), upstream_weights(labels.shape, 42)
+    g_lp[:, 4:] = 0.0  # padding: no gradient on either output
+    g_h[:, 4:] = 0.0
+    g_lp[0, :2] = 0.0  # entropy-only rows still count
+    g_h[1, :2] = 0.0  # logprob-only rows still count
+    seen = []
+    impl = get_backend(hidden.device, backend)
+    original = impl.logprobs_backward
+    monkeypatch.setattr(impl, "logprobs_backward", lambda *a, **k: seen.append(a[4].numel()) or original(*a, **k))
+    ((logp * g_lp).sum() + (ent * g_h).sum()).backward()
+    ((ref_logp * g_lp.double()).sum() + (ref_ent * g_h.double()).sum()).backward()
+    assert_head_grads((hidden, weight, bias), (h64, w64, b64), RTOL)
+    expected = int(((labels != -100) & ((g_lp != 0) | (g_h != 0))).sum())
+    assert seen == [expected] and expected < int((labels != -100).sum())
+
+
+def test_all_rows_without_upstream_gradient_give_zero_grads():
+    hidden, weight, bias, labels = make_head_inputs((2, 5), H, 50, seed=43)
+    logp, ent = linear_logprobs(hidden, weight, labels, bias, return_entropy=True)
+    ((logp * 0.0).sum() + (ent * 0.0).sum()).backward()
+    for t in (hidden, weight, bias):
+        assert t.grad is not None and torch.count_nonzero(t.grad) == 0

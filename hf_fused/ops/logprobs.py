@@ -42,6 +42,15 @@ class LinearLogprobsFunction(torch.autograd.Function):
         g_h = None if grad_entropy is None else grad_entropy.float().index_select(0, rows)
         if (g_lp is None and g_h is None) or not any(need[:3]):
             return (None,) * 9
+        # Rows whose upstream gradients are all 0 (a GRPO completion's padding, say) add nothing: skip them.
+        live = (g_lp if g_lp is not None else g_h) != 0
+        if g_lp is not None and g_h is not None:
+            live |= g_h != 0
+        if not bool(live.all()):
+            keep = live.nonzero().squeeze(1)
+            rows, lse, ent_rows = rows[keep], lse[keep], None if ent_rows is None else ent_rows[keep]
+            g_lp = None if g_lp is None else g_lp[keep]
+            g_h = None if g_h is None else g_h[keep]
         grads = backend.logprobs_backward(
             hidden, weight, bias, labels, rows, lse, ent_rows, g_lp, g_h, transform, tile_budget_bytes,
             need[0], need[1], bias is not None and need[2],

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from triton import cdiv as triton_cdiv
 
 from ..logit_transform import LogitTransform
 from ..tiling import DEFAULT_TILE_BUDGET_BYTES
@@ -26,7 +27,10 @@ from .torch_reference import HeadGrads
 
 _COL_ALIGN = 128  # keep cuBLAS tiles whole
 _MIN_COLS = 2048
-_BLOCK_V = 1024
+# Triton launch shapes, measured on an H200 (docs/gpu_results.md).
+_STATS_BLOCK_M, _STATS_BLOCK_N, _STATS_WARPS = 4, 1024, 4
+_COMBINE_BLOCK = 1024
+_GRAD_BLOCK_V, _GRAD_WARPS = 2048, 8
 _MIN_ONE_PASS_ROWS = 512  # below this, the dW accumulation GEMM (K = rows) runs far from peak
 
 
@@ -85,26 +89,49 @@ class TritonCublasBackend:
         )
 
     # -- the interface -----------------------------------------------------------------------------
+    def _stats(self, z, col_offset, bias, labels, stats, scalars, return_entropy):
+        """Fold the raw logits ``z [rows, cols]`` (columns from ``col_offset``) into ``stats`` =
+        (running max, Σexp, Σexp·z, label logit), each fp32 ``[rows]``."""
+        n_rows, n_cols = z.shape
+        grid = (triton_cdiv(n_rows, _STATS_BLOCK_M), triton_cdiv(n_cols, _STATS_BLOCK_N))
+        partials = torch.empty((4, grid[1], n_rows), dtype=torch.float32, device=z.device)
+        self.kernels.stats_partial_kernel[grid](
+            z, z.stride(0), n_rows, n_cols, col_offset, bias if bias is not None else partials, labels,
+            partials, partials.stride(1), ENTROPY=return_entropy, BLOCK_M=_STATS_BLOCK_M,
+            BLOCK_N=_STATS_BLOCK_N, num_warps=_STATS_WARPS, **scalars,
+        )
+        self.kernels.stats_combine_kernel[(triton_cdiv(n_rows, _COMBINE_BLOCK),)](
+            partials, partials.stride(1), grid[1], n_rows, n_cols, col_offset, labels, *stats,
+            ENTROPY=return_entropy, BLOCK=_COMBINE_BLOCK, num_warps=4,
+        )
+
+    def _grad(self, z, col_offset, bias, labels, lse, ent, g_lp, g_ent, scalars, has_g_lp, has_g_ent):
+        """Overwrite the raw logits ``z [rows, cols]`` with ``dz`` (see ``grad_kernel``)."""
+        self.kernels.grad_kernel[(z.shape[0],)](
+            z, z.stride(0), z, z.stride(0), z.shape[1], col_offset, bias if bias is not None else lse, labels,
+            lse, ent, g_lp, g_ent, HAS_G_LP=has_g_lp, HAS_G_ENT=has_g_ent, BLOCK_V=_GRAD_BLOCK_V,
+            num_warps=_GRAD_WARPS, **scalars,
+        )
+
+    @staticmethod
+    def _new_stats(m_rows, device):
+        f32 = dict(dtype=torch.float32, device=device)
+        return (torch.full((m_rows,), float("-inf"), **f32),) + tuple(torch.zeros(m_rows, **f32) for _ in range(3))
+
     def logprobs_forward(self, hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy):
         h, y = self._compact(hidden, weight, labels, rows)
         m_rows, vocab_size = h.shape[0], weight.shape[0]
-        f32 = dict(dtype=torch.float32, device=h.device)
-        run_max = torch.full((m_rows,), float("-inf"), **f32)
-        run_sum, run_zp, label_logit = (torch.zeros(m_rows, **f32) for _ in range(3))
+        stats = self._new_stats(m_rows, h.device)
         block_rows, cols = self._plan(m_rows, vocab_size, weight.element_size(), tile_budget_bytes)
         scalars = self._scalars(transform, bias)
-        dummy_bias = bias if bias is not None else run_sum
         tile_buf = torch.empty((block_rows, cols), dtype=weight.dtype, device=h.device)
         for v0 in range(0, vocab_size, cols):
             w_chunk = weight[v0 : v0 + cols]
             for r0 in range(0, m_rows, block_rows):
                 r1 = min(r0 + block_rows, m_rows)
                 z = torch.mm(h[r0:r1], w_chunk.t(), out=tile_buf[: r1 - r0, : w_chunk.shape[0]])
-                self.kernels.stats_kernel[(r1 - r0,)](
-                    z, z.stride(0), z.shape[1], v0, dummy_bias, y[r0:r1],
-                    run_max[r0:r1], run_sum[r0:r1], run_zp[r0:r1], label_logit[r0:r1],
-                    ENTROPY=return_entropy, BLOCK_V=_BLOCK_V, num_warps=8, **scalars,
-                )
+                self._stats(z, v0, bias, y[r0:r1], tuple(t[r0:r1] for t in stats), scalars, return_entropy)
+        run_max, run_sum, run_zp, label_logit = stats
         lse = run_max + run_sum.log()
         entropy = lse - run_zp / run_sum if return_entropy else None
         return label_logit - lse, entropy, lse
@@ -127,7 +154,6 @@ class TritonCublasBackend:
         ent = zeros if entropy is None else entropy
         block_rows, cols = self._plan(m_rows, vocab_size, weight.element_size(), tile_budget_bytes)
         scalars = self._scalars(transform, bias)
-        dummy_bias = bias if bias is not None else zeros
         tile_buf = torch.empty((block_rows, cols), dtype=weight.dtype, device=h.device)
         for v0 in range(0, vocab_size, cols):
             v1 = min(v0 + cols, vocab_size)
@@ -138,11 +164,9 @@ class TritonCublasBackend:
             for r0 in range(0, m_rows, block_rows):
                 r1 = min(r0 + block_rows, m_rows)
                 dz = torch.mm(h[r0:r1], w_chunk.t(), out=tile_buf[: r1 - r0, : v1 - v0])
-                self.kernels.grad_kernel[(r1 - r0,)](  # overwrites the logits with dz
-                    dz, dz.stride(0), dz, dz.stride(0), dz.shape[1], v0, dummy_bias, y[r0:r1],
-                    lse[r0:r1], ent[r0:r1], g_lp[r0:r1], g_ent[r0:r1],
-                    HAS_G_LP=grad_logprobs is not None, HAS_G_ENT=grad_entropy is not None,
-                    BLOCK_V=_BLOCK_V, num_warps=8, **scalars,
+                self._grad(
+                    dz, v0, bias, y[r0:r1], lse[r0:r1], ent[r0:r1], g_lp[r0:r1], g_ent[r0:r1], scalars,
+                    grad_logprobs is not None, grad_entropy is not None,
                 )
                 if d_hidden32 is not None:
                     _addmm_f32_(d_hidden32[r0:r1], dz, w_chunk)
@@ -209,18 +233,19 @@ class TritonCublasBackend:
         d_hidden = torch.empty_like(h) if need_hidden else None
         if need_bias and bias is not None:
             grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-        losses = torch.empty(m_rows, dtype=torch.float32, device=h.device)
-        scale = torch.as_tensor(grad_scale, dtype=torch.float32, device=h.device).reshape(1)
+        stats = self._new_stats(m_rows, h.device)
+        g_lp = torch.as_tensor(grad_scale, dtype=torch.float32, device=h.device).neg().expand(m_rows).contiguous()
+        scalars = self._scalars(transform, bias)
         tile_buf = torch.empty((min(block_rows, max(m_rows, 1)), vocab_size), dtype=weight.dtype, device=h.device)
         for r0 in range(0, m_rows, block_rows):
             r1 = min(r0 + block_rows, m_rows)
             dz = torch.mm(h[r0:r1], weight.t(), out=tile_buf[: r1 - r0])
-            self.kernels.ce_row_kernel[(r1 - r0,)](  # loss per row; dz in place of the logits
-                dz, dz.stride(0), vocab_size, bias if bias is not None else losses, y[r0:r1], losses[r0:r1], scale,
-                WRITE_GRAD=need_grad, BLOCK_V=_BLOCK_V, num_warps=8, **self._scalars(transform, bias),
-            )
+            row_stats = tuple(t[r0:r1] for t in stats)
+            self._stats(dz, 0, bias, y[r0:r1], row_stats, scalars, False)
             if not need_grad:
                 continue
+            lse = row_stats[0] + row_stats[1].log()  # dz = −grad_scale·∂logp/∂z, in place of the logits
+            self._grad(dz, 0, bias, y[r0:r1], lse, lse, g_lp[r0:r1], lse, scalars, True, False)
             if d_hidden is not None:  # each row's dh is complete within its tile
                 torch.mm(dz, weight, out=d_hidden[r0:r1])
             if d_weight32 is not None:
@@ -230,4 +255,5 @@ class TritonCublasBackend:
         if d_hidden is not None:
             grads.hidden = self._scatter_rows(d_hidden, hidden, rows)
         grads.weight = d_weight32
-        return losses.sum(), grads if need_grad else None
+        run_max, run_sum, _, label_logit = stats
+        return (run_max + run_sum.log() - label_logit).sum(), grads if need_grad else None
