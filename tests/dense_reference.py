@@ -79,6 +79,7 @@ def dense_cross_entropy(
     logit_scale: float = 1.0,
     softcap: Optional[float] = None,
     temperature: float = 1.0,
+    token_weights: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Float64 cross-entropy with the contract of :func:`hf_fused.ops.linear_cross_entropy`:
 
@@ -86,10 +87,12 @@ def dense_cross_entropy(
     - ``"sum"``: sum over non-ignored tokens; ``"mean"``: that sum / number of non-ignored tokens
       (0 when every token is ignored, where ``F.cross_entropy`` would give NaN);
     - with ``num_items_in_batch`` (``"mean"``/``"sum"``): sum / num_items_in_batch (transformers'
-      gradient-accumulation normalization).
+      gradient-accumulation normalization);
+    - ``token_weights``: each token's loss times its weight, before the reduction (the "mean" still
+      divides by the number of non-ignored tokens).
     """
     logp, _, mask = _token_stats(hidden, weight, labels, bias, ignore_index, logit_scale, softcap, temperature)
-    per_token = -logp
+    per_token = -logp if token_weights is None else -logp * token_weights.double()
     if reduction == "none":
         return per_token
     total = per_token.sum()

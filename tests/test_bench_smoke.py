@@ -66,3 +66,16 @@ def test_bench_selection_errors():
     with pytest.raises(ValueError, match="unknown peer"):
         select_peers("eager,nope")
     assert [p.kind for p in select_problems("grpo", quick=False)] == ["grpo", "grpo"]
+
+
+def test_one_pass_grpo_peer_matches_float64_and_skips_cross_entropy(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["--device", "cpu", "--quick", "--shapes", SHAPES, "--peers", "hf_fused_1pass",
+                 "--repeats", "1", "--out", str(out), "--no-progress"]) == 0
+    recs = _records(json.loads((out / "bench.json").read_text()))
+    assert recs[("ce-128-h64-v1k", "hf_fused_1pass")]["status"] == "n/a"
+    r = recs[("grpo-2x64-h64-v1k", "hf_fused_1pass")]
+    assert r["status"] == "ok", r
+    # the DAPO loss value at ratio 1 and its gradients, against the float64 logps → dapo_loss → backward
+    for key in ("loss_rel_err", "grad_hidden_rel_err", "grad_weight_rel_err"):
+        assert r[key] < 1e-5, (key, r[key])

@@ -154,3 +154,26 @@ def test_cross_entropy_path_choice_follows_the_budget():
     assert TritonCublasBackend._one_pass_rows(big, True, None) == 0
     assert TritonCublasBackend._one_pass_rows(big, True, 2 * 2**30) >= 512
     assert TritonCublasBackend._one_pass_rows(big, False, None) >= 512  # frozen head: no accumulator
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", [None, 8 * 2**20])  # one pass / vocabulary-outer with row blocks
+def test_triton_token_weights_on_gpu_match_float64(budget):
+    """Token-weighted cross-entropy (GRPO's on-policy gradient) on the GPU, fp32, against float64."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    n, h, v = 1000, 256, 5000
+    hid, w, b, y = _inputs(n, h, v, "cuda", torch.float32, bias=True)
+    tw = torch.randn(n, generator=torch.Generator().manual_seed(3)).cuda()
+    tw[::7] = 0.0
+    params = [hid, w, b]
+    ref_params = [t.detach().double().requires_grad_() for t in params]
+    z = _dense_logits(*ref_params, {"softcap": 3.0})
+    weighted = F.cross_entropy(z, y, ignore_index=-100, reduction="none") * tw.double()
+    ref = weighted.sum() / 123
+    loss = linear_cross_entropy(hid, w, y, b, backend="triton", tile_budget_bytes=budget, softcap=3.0,
+                                token_weights=tw, reduction="sum", num_items_in_batch=123)
+    # Signed weights cancel in the sum (here |Σ| ≈ 1/700 of Σ|·|), so fp32 rounding is bounded relative
+    # to Σ|w·loss|, the scale the terms are summed at, not to the cancelled result.
+    assert abs(loss.item() - ref.item()) <= 1e-5 * weighted.abs().sum().item() / 123
+    for g, rg in zip(torch.autograd.grad(loss, params), torch.autograd.grad(ref, ref_params)):
+        assert _rel(g, rg) <= 1e-5

@@ -289,9 +289,42 @@ class HFFusedLargeBudgetPeer(HFFusedPeer):
     tile_budget_bytes = 4 * 2**30
 
 
+class HFFusedOnePassGRPOPeer(HFFusedPeer):
+    """The GRPO problem's DAPO loss, on-policy and KL-free, as token-weighted cross-entropy: its gradient
+    is ``−Σ A·mask·∇logp / Σ mask`` = that of ``Σ (A·mask)·CE / Σ mask``, which
+    ``linear_cross_entropy(token_weights=A·mask)`` computes in its forward (one pass, 6·N·H·V) with a
+    budget holding the fp32 ``[V, H]`` weight-gradient accumulator plus 2048 full-vocabulary rows. The
+    loss value is DAPO's at ratio 1, ``−Σ A·mask / Σ mask``, with that gradient attached. No log-probs or
+    entropy come out (like Liger's fused GRPO loss)."""
+
+    key, label = "hf_fused_1pass", "hf_fused (one pass, token weights)"
+    has_entropy = False
+    rows_per_tile = 2048
+
+    def describe(self):
+        return ("hf_fused.ops.linear_cross_entropy(hidden, weight, labels, token_weights=advantages·mask, "
+                "reduction='sum', num_items_in_batch=mask.sum(), tile_budget_bytes=4·V·H + 2048·V·2): "
+                "the on-policy KL-free DAPO gradient in one pass; loss value −Σ A·mask / Σ mask")
+
+    def unsupported(self, kind, device):
+        return "GRPO problem only (its cross-entropy is the hf_fused rows)" if kind != "grpo" else None
+
+    def grpo(self, inp):
+        vocab_size, hidden_size = inp.weight.shape
+        budget = vocab_size * hidden_size * 4 + self.rows_per_tile * vocab_size * inp.weight.element_size()
+        n_tokens = inp.mask.sum().clamp(min=1)
+        token_weights = inp.advantages[:, None].float() * inp.mask
+        surrogate = self._ce(
+            inp.hidden, inp.weight, inp.labels, token_weights=token_weights, reduction="sum",
+            num_items_in_batch=n_tokens, tile_budget_bytes=budget, backend=self.backend,
+        )
+        dapo_at_ratio_one = -token_weights.sum() / n_tokens
+        return surrogate + (dapo_at_ratio_one - surrogate).detach(), None, None
+
+
 #: Every adapter, in table order.
 ALL_PEERS = [EagerPeer, LigerPeer, LigerGRPOPeer, CCEPeer, CCEExactPeer, TRLPeer, TorchPeer, HFFusedPeer,
-             HFFusedSmallTilesPeer, HFFusedLargeBudgetPeer]
+             HFFusedSmallTilesPeer, HFFusedLargeBudgetPeer, HFFusedOnePassGRPOPeer]
 #: Run when ``--peers`` is not given (``cce_exact`` only on request).
 DEFAULT_PEERS = [p.key for p in ALL_PEERS if p.key != "cce_exact"]
 

@@ -20,13 +20,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     stored gradients by the upstream gradient, so gradient accumulation and loss scaling stay exact."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes, backend, grad_enabled):
+    def forward(ctx, hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes, backend,
+                grad_enabled, row_weights):
         need = ctx.needs_input_grad
         need_hidden, need_weight = grad_enabled and need[0], grad_enabled and need[1]
         need_bias = grad_enabled and bias is not None and need[2]
+        kwargs = {} if row_weights is None else {"row_weights": row_weights}  # only when given: backends without it keep working
         loss_sum, grads = backend.cross_entropy(
             hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes,
-            need_hidden, need_weight, need_bias,
+            need_hidden, need_weight, need_bias, **kwargs,
         )
         ctx.grads = grads
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
@@ -53,7 +55,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         d_hidden = None if grads.hidden is None else scaled(grads.hidden, grads.hidden.dtype)
         d_weight = None if grads.weight is None else scaled(grads.weight, weight_dtype)
         d_bias = None if grads.bias is None else scaled(grads.bias, bias_dtype)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -70,6 +72,7 @@ def linear_cross_entropy(
     logit_scale: float = 1.0,
     tile_budget_bytes: Optional[int] = None,
     backend: Optional[str] = None,
+    token_weights: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``labels`` under the logits of ``hidden @ weight.T + bias``, never materializing
     the ``[N, V]`` logits.
@@ -92,6 +95,12 @@ def linear_cross_entropy(
         temperature, softcap, logit_scale: the logit transform above.
         tile_budget_bytes: memory bound of one tile's fp32 working set (default 256 MiB).
         backend: force a backend by name (see :mod:`hf_fused.ops.backends`).
+        token_weights: optional ``[...]`` floating tensor shaped like ``labels``: each token's loss is
+            multiplied by its weight before the reduction (``"mean"`` still divides by the number of
+            non-ignored tokens, or by ``num_items_in_batch``). Not differentiated. Tokens of weight 0
+            are skipped like ignored ones. With ``weight_t = A_t·mask_t`` this is the on-policy,
+            KL-free policy-gradient objective ``−Σ A_t·logp_t`` (GRPO/DAPO's gradient at ratio 1),
+            with the gradients computed in the forward.
 
     Returns:
         fp32 scalar for ``"mean"``/``"sum"``, fp32 ``[...]`` for ``"none"``. All-ignored input gives 0
@@ -104,7 +113,8 @@ def linear_cross_entropy(
 
     Raises:
         ValueError: unknown reduction, bad shapes, labels out of range, non-positive
-            ``num_items_in_batch``, invalid transform values.
+            ``num_items_in_batch``, invalid transform values, ``token_weights`` not shaped like labels
+            or on another device.
         TypeError: non-tensor or wrongly typed inputs.
     """
     if reduction not in _REDUCTIONS:
@@ -116,10 +126,18 @@ def linear_cross_entropy(
             hidden, weight, labels, bias, ignore_index=ignore_index, temperature=temperature,
             softcap=softcap, logit_scale=logit_scale, tile_budget_bytes=tile_budget_bytes, backend=backend,
         )
-        return -logprobs
+        return -logprobs if token_weights is None else -logprobs * _check_token_weights(token_weights, labels)
     transform = LogitTransform(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
     flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index)
     rows = valid_rows(flat.labels, ignore_index)
+    n_valid = rows.numel()
+    row_weights = None
+    if token_weights is not None:
+        row_weights = _check_token_weights(token_weights, labels).reshape(-1).index_select(0, rows)
+        nonzero = row_weights != 0
+        if not bool(nonzero.all()):  # e.g. a GRPO group whose advantages are all 0
+            keep = nonzero.nonzero().squeeze(1)
+            rows, row_weights = rows[keep], row_weights[keep]
     if num_items_in_batch is not None:
         if bool(torch.as_tensor(num_items_in_batch).le(0).any()):
             raise ValueError(f"num_items_in_batch must be > 0, got {num_items_in_batch!r}")
@@ -127,11 +145,23 @@ def linear_cross_entropy(
         if isinstance(grad_scale, torch.Tensor):
             grad_scale = grad_scale.to(device=hidden.device, dtype=torch.float32)
     elif reduction == "mean":
-        grad_scale = 1.0 / max(rows.numel(), 1)
+        grad_scale = 1.0 / max(n_valid, 1)
     else:
         grad_scale = 1.0
     return LinearCrossEntropyFunction.apply(
         flat.hidden, flat.weight, flat.bias, flat.labels, rows, grad_scale, transform,
         check_tile_budget(tile_budget_bytes), get_backend(hidden.device, backend),
-        torch.is_grad_enabled(),
+        torch.is_grad_enabled(), row_weights,
     )
+
+
+def _check_token_weights(token_weights, labels: torch.Tensor) -> torch.Tensor:
+    """``token_weights`` as fp32, detached, after checking it against ``labels``."""
+    if not isinstance(token_weights, torch.Tensor) or not token_weights.is_floating_point():
+        raise TypeError(f"token_weights must be a floating-point tensor shaped like labels, got {token_weights!r}")
+    if token_weights.shape != labels.shape or token_weights.device != labels.device:
+        raise ValueError(
+            f"token_weights must have labels' shape {tuple(labels.shape)} on {labels.device}, "
+            f"got {tuple(token_weights.shape)} on {token_weights.device}"
+        )
+    return token_weights.detach().float()

@@ -86,9 +86,11 @@ class TorchReferenceBackend:
         need_hidden: bool,
         need_weight: bool,
         need_bias: bool,
+        row_weights: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[HeadGrads]]:
-        """Summed cross-entropy over ``rows`` and, if any gradient is requested, the gradients of
-        ``grad_scale · sum`` (so a "mean" needs no second pass over the gradients).
+        """Summed cross-entropy over ``rows`` (each row's loss times ``row_weights``, fp32 ``[M]``, when
+        given) and, if any gradient is requested, the gradients of ``grad_scale · sum`` (so a "mean"
+        needs no second pass over the gradients).
 
         Shapes: hidden ``[N, H]``, weight ``[V, H]``, bias ``[V]``, labels ``[N]`` int64, rows ``[M]``.
         Returns ``(loss_sum fp32 scalar, HeadGrads or None)``.
@@ -97,17 +99,22 @@ class TorchReferenceBackend:
         need_any = need_hidden or need_weight or need_bias
         grads = self._new_grads(hidden, weight, bias, need_hidden, need_weight, need_bias) if need_any else None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for idx in tiles(rows, rows_per_tile(weight.shape[0], tile_budget_bytes)):
+        tile_rows = rows_per_tile(weight.shape[0], tile_budget_bytes)
+        for start, idx in zip(range(0, rows.numel(), tile_rows), tiles(rows, tile_rows)):
             h32, z, tanh = self._logits(hidden, weight32, bias, idx, transform)
             y = labels.index_select(0, idx).unsqueeze(1)
             lse = torch.logsumexp(z, dim=1, keepdim=True)
-            loss_sum += (lse - z.gather(1, y)).sum()
+            w = None if row_weights is None else row_weights[start : start + idx.numel()].unsqueeze(1)
+            losses = lse - z.gather(1, y)
+            loss_sum += (losses if w is None else losses * w).sum()
             if grads is None:
                 continue
-            # d(grad_scale · Σ(lse − z_y))/dz = grad_scale · (p − onehot(y))
+            # d(grad_scale · Σ w·(lse − z_y))/dz = grad_scale · w · (p − onehot(y))
             dz = z.sub_(lse).exp_()
             dz.scatter_add_(1, y, torch.full_like(y, -1, dtype=dz.dtype))
             dz.mul_(grad_scale)
+            if w is not None:
+                dz.mul_(w)
             dz = transform.backward(dz, tanh)
             self._accumulate(grads, dz, h32, idx, weight32)
             del z, tanh, dz

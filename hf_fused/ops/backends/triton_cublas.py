@@ -30,6 +30,8 @@ _MIN_COLS = 2048
 # Triton launch shapes, measured on an H200 (docs/gpu_results.md).
 _STATS_BLOCK_M, _STATS_BLOCK_N, _STATS_WARPS = 4, 1024, 4
 _COMBINE_BLOCK = 1024
+_STATS_IMPL = "row"  # or "blocks": stats_partial_kernel + stats_combine_kernel
+_STATS_ROW_BLOCK_V, _STATS_ROW_WARPS = 2048, 8
 _GRAD_BLOCK_V, _GRAD_WARPS = 2048, 8
 _MIN_ONE_PASS_ROWS = 512  # below this, the dW accumulation GEMM (K = rows) runs far from peak
 
@@ -86,6 +88,7 @@ class TritonCublasBackend:
             inv_temperature=1.0 / float(transform.temperature),
             HAS_BIAS=bias is not None,
             SOFTCAP=transform.softcap is not None,
+            SCALED=float(transform.logit_scale) != 1.0 or float(transform.temperature) != 1.0,
         )
 
     # -- the interface -----------------------------------------------------------------------------
@@ -93,6 +96,12 @@ class TritonCublasBackend:
         """Fold the raw logits ``z [rows, cols]`` (columns from ``col_offset``) into ``stats`` =
         (running max, Σexp, Σexp·z, label logit), each fp32 ``[rows]``."""
         n_rows, n_cols = z.shape
+        if _STATS_IMPL == "row":
+            self.kernels.stats_row_kernel[(n_rows,)](
+                z, z.stride(0), n_cols, col_offset, bias if bias is not None else labels, labels, *stats,
+                ENTROPY=return_entropy, BLOCK_V=_STATS_ROW_BLOCK_V, num_warps=_STATS_ROW_WARPS, **scalars,
+            )
+            return
         grid = (triton_cdiv(n_rows, _STATS_BLOCK_M), triton_cdiv(n_cols, _STATS_BLOCK_N))
         partials = torch.empty((4, grid[1], n_rows), dtype=torch.float32, device=z.device)
         self.kernels.stats_partial_kernel[grid](
@@ -184,25 +193,25 @@ class TritonCublasBackend:
 
     def cross_entropy(
         self, hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes,
-        need_hidden, need_weight, need_bias,
+        need_hidden, need_weight, need_bias, row_weights=None,
     ):
-        """One pass (6·M·H·V) when the budget holds the fp32 weight-gradient accumulator and a tile of at
+        """Like :meth:`TorchReferenceBackend.cross_entropy`. One pass (6·M·H·V) when the budget holds the fp32 weight-gradient accumulator and a tile of at
         least ``_MIN_ONE_PASS_ROWS`` full-vocabulary rows; otherwise the statistics pass, then the
         gradient pass with ``∂(grad_scale·Σ loss)/∂logp = −grad_scale`` (8·M·H·V, no fp32 ``[V, H]``)."""
         rows_one_pass = self._one_pass_rows(weight, need_weight, tile_budget_bytes)
         if rows_one_pass:
             return self._cross_entropy_one_pass(
                 hidden, weight, bias, labels, rows, grad_scale, transform, rows_one_pass,
-                need_hidden, need_weight, need_bias,
+                need_hidden, need_weight, need_bias, row_weights,
             )
         # Both passes run on the kept rows, gathered once.
         h, y = self._compact(hidden, weight, labels, rows)
         kept = torch.arange(h.shape[0], device=h.device)
         logp, _, lse = self.logprobs_forward(h, weight, bias, y, kept, transform, tile_budget_bytes, False)
-        loss_sum = -logp.sum()
+        loss_sum = -(logp if row_weights is None else logp * row_weights).sum()
         if not (need_hidden or need_weight or need_bias):
             return loss_sum, None
-        g_lp = torch.full_like(logp, -1.0) * grad_scale
+        g_lp = self._ce_grad_logprobs(grad_scale, row_weights, h.shape[0], h.device)
         grads = self.logprobs_backward(
             h, weight, bias, y, kept, lse, None, g_lp, None, transform, tile_budget_bytes,
             need_hidden, need_weight, need_bias,
@@ -210,6 +219,12 @@ class TritonCublasBackend:
         if grads.hidden is not None:
             grads.hidden = self._scatter_rows(grads.hidden, hidden, rows)
         return loss_sum, grads
+
+    @staticmethod
+    def _ce_grad_logprobs(grad_scale, row_weights, m_rows, device):
+        """``∂(grad_scale · Σ w·loss)/∂logp = −grad_scale·w`` per kept row, fp32 ``[M]``."""
+        g = torch.as_tensor(grad_scale, dtype=torch.float32, device=device).neg()
+        return g.expand(m_rows).contiguous() if row_weights is None else g * row_weights
 
     # -- cross-entropy, one pass: token rows outside, full vocabulary per tile -----------------------
     @staticmethod
@@ -223,7 +238,7 @@ class TritonCublasBackend:
 
     def _cross_entropy_one_pass(
         self, hidden, weight, bias, labels, rows, grad_scale, transform, block_rows,
-        need_hidden, need_weight, need_bias,
+        need_hidden, need_weight, need_bias, row_weights,
     ):
         h, y = self._compact(hidden, weight, labels, rows)
         m_rows, vocab_size = h.shape[0], weight.shape[0]
@@ -234,7 +249,7 @@ class TritonCublasBackend:
         if need_bias and bias is not None:
             grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
         stats = self._new_stats(m_rows, h.device)
-        g_lp = torch.as_tensor(grad_scale, dtype=torch.float32, device=h.device).neg().expand(m_rows).contiguous()
+        g_lp = self._ce_grad_logprobs(grad_scale, row_weights, m_rows, h.device)
         scalars = self._scalars(transform, bias)
         tile_buf = torch.empty((min(block_rows, max(m_rows, 1)), vocab_size), dtype=weight.dtype, device=h.device)
         for r0 in range(0, m_rows, block_rows):
@@ -256,4 +271,5 @@ class TritonCublasBackend:
             grads.hidden = self._scatter_rows(d_hidden, hidden, rows)
         grads.weight = d_weight32
         run_max, run_sum, _, label_logit = stats
-        return (run_max + run_sum.log() - label_logit).sum(), grads if need_grad else None
+        losses = run_max + run_sum.log() - label_logit
+        return (losses if row_weights is None else losses * row_weights).sum(), grads if need_grad else None
