@@ -12,6 +12,10 @@ One preallocated ``[rows, V_chunk]`` tile in the weight dtype holds the logits c
 eager transformers and TRL's chunked head round them) and then, in place, ``dz``; every statistic and
 accumulation after the matmul is fp32. Its size is ``tile_budget_bytes``; chunks are at least
 ``_MIN_COLS`` wide (more row blocks instead) so cuBLAS runs on large tiles even with small budgets.
+
+Cross-entropy (plain or token-weighted) takes a one-pass path instead (token rows outside, whole
+vocabulary rows per tile, gradients right after each row's log-sum-exp: ``6·M·H·V``) when the budget
+also holds the fp32 ``[V, H]`` weight-gradient accumulator; see :meth:`TritonCublasBackend.cross_entropy`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from triton import cdiv as triton_cdiv
 
 from ..logit_transform import LogitTransform
 from ..tiling import DEFAULT_TILE_BUDGET_BYTES
@@ -28,10 +31,7 @@ from .torch_reference import HeadGrads
 _COL_ALIGN = 128  # keep cuBLAS tiles whole
 _MIN_COLS = 2048
 # Triton launch shapes, measured on an H200 (docs/gpu_results.md).
-_STATS_BLOCK_M, _STATS_BLOCK_N, _STATS_WARPS = 4, 1024, 4
-_COMBINE_BLOCK = 1024
-_STATS_IMPL = "row"  # or "blocks": stats_partial_kernel + stats_combine_kernel
-_STATS_ROW_BLOCK_V, _STATS_ROW_WARPS = 2048, 8
+_STATS_BLOCK_V, _STATS_WARPS = 512, 2
 _GRAD_BLOCK_V, _GRAD_WARPS = 2048, 8
 _MIN_ONE_PASS_ROWS = 512  # below this, the dW accumulation GEMM (K = rows) runs far from peak
 
@@ -91,27 +91,13 @@ class TritonCublasBackend:
             SCALED=float(transform.logit_scale) != 1.0 or float(transform.temperature) != 1.0,
         )
 
-    # -- the interface -----------------------------------------------------------------------------
+    # -- kernel launches ---------------------------------------------------------------------------
     def _stats(self, z, col_offset, bias, labels, stats, scalars, return_entropy):
         """Fold the raw logits ``z [rows, cols]`` (columns from ``col_offset``) into ``stats`` =
         (running max, Σexp, Σexp·z, label logit), each fp32 ``[rows]``."""
-        n_rows, n_cols = z.shape
-        if _STATS_IMPL == "row":
-            self.kernels.stats_row_kernel[(n_rows,)](
-                z, z.stride(0), n_cols, col_offset, bias if bias is not None else labels, labels, *stats,
-                ENTROPY=return_entropy, BLOCK_V=_STATS_ROW_BLOCK_V, num_warps=_STATS_ROW_WARPS, **scalars,
-            )
-            return
-        grid = (triton_cdiv(n_rows, _STATS_BLOCK_M), triton_cdiv(n_cols, _STATS_BLOCK_N))
-        partials = torch.empty((4, grid[1], n_rows), dtype=torch.float32, device=z.device)
-        self.kernels.stats_partial_kernel[grid](
-            z, z.stride(0), n_rows, n_cols, col_offset, bias if bias is not None else partials, labels,
-            partials, partials.stride(1), ENTROPY=return_entropy, BLOCK_M=_STATS_BLOCK_M,
-            BLOCK_N=_STATS_BLOCK_N, num_warps=_STATS_WARPS, **scalars,
-        )
-        self.kernels.stats_combine_kernel[(triton_cdiv(n_rows, _COMBINE_BLOCK),)](
-            partials, partials.stride(1), grid[1], n_rows, n_cols, col_offset, labels, *stats,
-            ENTROPY=return_entropy, BLOCK=_COMBINE_BLOCK, num_warps=4,
+        self.kernels.stats_kernel[(z.shape[0],)](
+            z, z.stride(0), z.shape[1], col_offset, bias if bias is not None else labels, labels, *stats,
+            ENTROPY=return_entropy, BLOCK_V=_STATS_BLOCK_V, num_warps=_STATS_WARPS, **scalars,
         )
 
     def _grad(self, z, col_offset, bias, labels, lse, ent, g_lp, g_ent, scalars, has_g_lp, has_g_ent):
@@ -127,6 +113,7 @@ class TritonCublasBackend:
         f32 = dict(dtype=torch.float32, device=device)
         return (torch.full((m_rows,), float("-inf"), **f32),) + tuple(torch.zeros(m_rows, **f32) for _ in range(3))
 
+    # -- the interface -----------------------------------------------------------------------------
     def logprobs_forward(self, hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy):
         h, y = self._compact(hidden, weight, labels, rows)
         m_rows, vocab_size = h.shape[0], weight.shape[0]

@@ -1,16 +1,15 @@
 """Triton epilogues for one ``[rows, V_chunk]`` tile of raw logits written by cuBLAS.
 
-The statistics kernels fold a chunk into running per-row statistics (online log-sum-exp, the label
-logit, and Σ p·z for the entropy); ``grad_kernel`` turns a chunk into the logits-gradient ``dz`` that the two
+``stats_kernel`` folds a chunk into running per-row statistics (online log-sum-exp, the label logit,
+and Σ p·z for the entropy); ``grad_kernel`` turns a chunk into the logits-gradient ``dz`` that the two
 gradient matmuls consume. Both apply the logit transform (bias, scale, soft-cap, temperature) on the
-fly, so raw matmul output is read once per kernel. Runs on CPU tensors under ``TRITON_INTERPRET=1``
-(used by CI).
+fly, so raw matmul output is read once per kernel. One program per row, streaming the row in
+``BLOCK_V`` column blocks. Runs on CPU tensors under ``TRITON_INTERPRET=1`` (used by CI).
 
-Statistics take two launches: ``stats_partial_kernel`` reduces independent ``[BLOCK_M, BLOCK_N]`` blocks
-(one read, one reduction each, so many blocks are in flight at once: a one-program-per-row online
-log-sum-exp loop measured 0.8–1.5 TB/s on an H200, its loop-carried reductions exposing the load
-latency), then ``stats_combine_kernel`` folds the per-block maxima and sums into the running
-statistics. ``grad_kernel`` needs no reduction and streams one row per program.
+Measured on an H200 (docs/gpu_results.md): these kernels are bound by instructions per logit, not by
+memory. A statistics kernel with a reduction per column block, or one program per block followed by a
+combine, read 1.1–1.5 TB/s; keeping the online log-sum-exp per lane with one exponential per logit
+(below) reads 2.0–2.3 TB/s.
 """
 
 from __future__ import annotations
@@ -18,8 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Below every finite fp32 value: stands in for masked-out positions. Finite (unlike −inf) so that a
-# block's maximum is finite and ``exp(z − max)`` is never ``exp(−inf + inf)``.
+# Below every finite fp32 value: a lane's max before its first column, and the value of masked-out
+# columns. Finite (unlike −inf) so that ``exp(−|z − m|)`` is never ``exp(nan)``.
 _NO_MAX = tl.constexpr(-3.4028234663852886e38)
 
 
@@ -49,84 +48,18 @@ def _load_logits(z_row, cols, mask, Bias, col_offset, logit_scale, softcap, inv_
 
 
 @triton.jit
-def stats_partial_kernel(
-    Z, stride_z, n_rows, n_cols, col_offset,
-    Bias, Labels, PART, stride_part,
-    logit_scale, softcap, inv_temperature,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, ENTROPY: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """Program ``(i, j)``: statistics of rows ``[BLOCK_M·i, BLOCK_M·(i+1))`` over columns
-    ``[BLOCK_N·j, BLOCK_N·(j+1))`` of a chunk: max ``m``, Σexp(z−m), Σexp(z−m)·z and the label's logit if it
-    lies in those columns (else 0), written to ``PART[0..3, j, row]`` for :func:`stats_combine_kernel`.
-    Every program reads one block once and reduces it once: no loop, so no loop-carried latency."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < n_rows
-    mask = rmask[:, None] & (cols < n_cols)[None, :]
-    labels = tl.load(Labels + rows, mask=rmask, other=-1)
-    z, _ = _load_logits(Z + rows.to(tl.int64)[:, None] * stride_z, cols[None, :], mask, Bias, col_offset,
-                        logit_scale, softcap, inv_temperature, HAS_BIAS, SOFTCAP, SCALED)
-    z = tl.where(mask, z, _NO_MAX)
-    m = tl.max(z, axis=1)
-    e = tl.where(mask, tl.exp(z - m[:, None]), 0.0)
-    part = PART + tl.program_id(1) * stride_part + rows
-    plane = stride_part * tl.num_programs(1)
-    tl.store(part, m, mask=rmask)
-    tl.store(part + plane, tl.sum(e, axis=1), mask=rmask)
-    if ENTROPY:
-        tl.store(part + 2 * plane, tl.sum(tl.where(e > 0.0, e * z, 0.0), axis=1), mask=rmask)  # p·z = 0 at z = −inf
-    hit = (cols[None, :] + col_offset) == labels[:, None]
-    tl.store(part + 3 * plane, tl.sum(tl.where(hit & mask, z, 0.0), axis=1), mask=rmask)
-
-
-@triton.jit
-def stats_combine_kernel(
-    PART, stride_part, n_parts, n_rows, n_cols, col_offset, Labels, M, S, T, ZY,
-    ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Fold the ``n_parts`` column-block statistics of a chunk into the running per-row statistics:
-    max ``M`` (starts at −inf), Σexp(z−M) ``S`` and Σexp(z−M)·z ``T`` (start at 0), and the label logit
-    ``ZY`` for rows whose label lies in the chunk's columns ``[col_offset, col_offset + n_cols)``."""
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    rmask = rows < n_rows
-    plane = stride_part * n_parts
-    m = tl.load(M + rows, mask=rmask, other=0.0)
-    m_new = m
-    for j in range(0, n_parts):
-        m_new = tl.maximum(m_new, tl.load(PART + j * stride_part + rows, mask=rmask, other=0.0))
-    alpha = tl.exp(m - m_new)
-    s = tl.load(S + rows, mask=rmask, other=0.0) * alpha
-    t = tl.load(T + rows, mask=rmask, other=0.0) * alpha
-    zy = tl.zeros([BLOCK], tl.float32)
-    for j in range(0, n_parts):
-        part = PART + j * stride_part + rows
-        w = tl.exp(tl.load(part, mask=rmask, other=0.0) - m_new)
-        s += tl.load(part + plane, mask=rmask, other=0.0) * w
-        if ENTROPY:
-            t += tl.load(part + 2 * plane, mask=rmask, other=0.0) * w
-        zy += tl.load(part + 3 * plane, mask=rmask, other=0.0)
-    tl.store(M + rows, m_new, mask=rmask)
-    tl.store(S + rows, s, mask=rmask)
-    if ENTROPY:
-        tl.store(T + rows, t, mask=rmask)
-    labels = tl.load(Labels + rows, mask=rmask, other=-1)
-    tl.store(ZY + rows, zy, mask=rmask & (labels >= col_offset) & (labels < col_offset + n_cols))
-
-
-@triton.jit
-def stats_row_kernel(
+def stats_kernel(
     Z, stride_z, n_cols, col_offset,
     Bias, Labels, M, S, T, ZY,
     logit_scale, softcap, inv_temperature,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, ENTROPY: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """One program per row, same contract as the two statistics kernels together.
+    """Per row r: update the running max ``M[r]`` (starts at −inf), Σexp(z−M) ``S[r]`` and Σexp(z−M)·z
+    ``T[r]`` (start at 0); set ``ZY[r]`` to the transformed logit of ``Labels[r]`` if it falls in this
+    chunk's columns ``[col_offset, col_offset + n_cols)``.
 
-    The kernel is instruction-bound, not memory-bound (measured 1.1–1.5 TB/s on an H200 with ~30
-    instructions per logit), so each lane keeps its own running max ``m`` and sums and rescales only
-    when its max grows: with ``e = exp(−|z − m|)``, ``s ← s·e + 1`` if ``z > m`` else ``s + e`` (one
+    Each lane keeps its own running max ``m`` and sums and rescales only when its max grows: with ``e = exp(−|z − m|)``, ``s ← s·e + 1`` if ``z > m`` else ``s + e`` (one
     exponential per logit, no cross-lane reduction until the end); full column blocks are read
     without masks; the label's logit is one scalar load instead of a compare per logit."""
     row = tl.program_id(0).to(tl.int64)
