@@ -79,3 +79,21 @@ def test_one_pass_grpo_peer_matches_float64_and_skips_cross_entropy(tmp_path):
     # the DAPO loss value at ratio 1 and its gradients, against the float64 logps → dapo_loss → backward
     for key in ("loss_rel_err", "grad_hidden_rel_err", "grad_weight_rel_err"):
         assert r[key] < 1e-5, (key, r[key])
+
+
+def test_grpo_loss_types_run_against_their_own_float64_reference(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["--device", "cpu", "--quick", "--shapes", "grpo-loss-types", "--peers", "hf_fused,hf_fused_1pass",
+                 "--repeats", "1", "--out", str(out), "--no-progress"]) == 0
+    doc = json.loads((out / "bench.json").read_text())
+    assert sorted(doc["problems"]) == ["grpo-2x64-h64-v1k-bnpo", "grpo-2x64-h64-v1k-dr_grpo", "grpo-2x64-h64-v1k-grpo"]
+    ref = {}
+    for r in doc["results"]:
+        assert r["status"] == "ok", r
+        for key in ("loss_rel_err", "grad_hidden_rel_err", "grad_weight_rel_err"):
+            assert r[key] < 1e-5, (r["problem"], r["peer"], key, r[key])
+        ref[r["problem"].rsplit("-", 1)[1]] = r["loss_ref"]
+    # every completion has the same length here, so grpo's per-sequence mean equals bnpo's token mean,
+    # while dr_grpo divides by B·T including the masked tail
+    assert ref["grpo"] == pytest.approx(ref["bnpo"], rel=1e-12)
+    assert ref["dr_grpo"] == pytest.approx(ref["bnpo"] * 7 / 8, rel=1e-12)

@@ -13,7 +13,7 @@ import torch
 from dense_reference import assert_head_grads, dense_cross_entropy, dense_logprobs, leaf64, make_head_inputs, rel_err
 from dense_reference import single_threaded_torch  # noqa: F401  (autouse fixture)
 from dense_reference import H, RTOL, TRANSFORMS, budget_for
-from hf_fused.bench.problems import dapo_loss
+from hf_fused.bench.problems import GRPO_LOSS_TYPES, grpo_loss, token_weights_at_ratio_one
 from hf_fused.ops import available_backends, get_backend, linear_cross_entropy, linear_logprobs
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
@@ -84,18 +84,24 @@ def test_unit_weights_equal_unweighted():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_weighted_sum_has_the_on_policy_dapo_gradient(backend):
-    """GRPO's dapo loss on-policy (ratio 1, no KL): its gradient is that of Σ A·mask·CE / Σ mask."""
+@pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
+def test_weighted_sum_has_the_on_policy_grpo_gradient(backend, loss_type):
+    """TRL's clipped-ratio losses on-policy (ratio 1, no KL): their value is −Σ w and their gradient that of
+    Σ w·CE, with w = A·mask / the loss type's normalizer."""
     hidden, weight, _, labels = make_head_inputs((4, 6), H, V, seed=56)
     mask = torch.ones(labels.shape, dtype=torch.bool)
     mask[:, 4:] = False
+    mask[1, 2:] = False  # sequences of different lengths: "grpo" normalizes per sequence
     advantages = torch.randn(4, generator=torch.Generator().manual_seed(57))
     h64, w64 = leaf64(hidden), leaf64(weight)
     logp, _ = dense_logprobs(h64, w64, labels.masked_fill(~mask, -100))
-    dapo_loss(logp, mask, advantages.double()).backward()
+    ref = grpo_loss(logp, mask, advantages.double(), loss_type)
+    ref.backward()
+    token_weights = token_weights_at_ratio_one(mask, advantages, loss_type)
+    assert abs(-token_weights.sum().item() - ref.item()) <= RTOL * abs(ref.item())
     linear_cross_entropy(
-        hidden, weight, labels.masked_fill(~mask, -100), token_weights=advantages[:, None] * mask,
-        reduction="sum", num_items_in_batch=mask.sum(), backend=backend,
+        hidden, weight, labels.masked_fill(~mask, -100), token_weights=token_weights, reduction="sum",
+        backend=backend,
     ).backward()
     assert_head_grads((hidden, weight, None), (h64, w64, None), RTOL)
 

@@ -10,26 +10,28 @@ from typing import Optional
 import torch
 
 from .peers import ALL_PEERS, DEFAULT_PEERS, select_peers
-from .problems import FULL_PROBLEMS, QUICK_PROBLEMS, select_problems
+from .problems import FULL_PROBLEMS, LOSS_TYPE_PROBLEMS, QUICK_LOSS_TYPE_PROBLEMS, QUICK_PROBLEMS, select_problems
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    shapes = ", ".join(p.name for p in FULL_PROBLEMS)
-    quick = ", ".join(p.name for p in QUICK_PROBLEMS)
+    shapes = ", ".join(p.name for p in FULL_PROBLEMS + LOSS_TYPE_PROBLEMS)
+    quick = ", ".join(p.name for p in QUICK_PROBLEMS + QUICK_LOSS_TYPE_PROBLEMS)
     peers = ", ".join(f"{p.key} ({p.label})" for p in ALL_PEERS)
     parser = argparse.ArgumentParser(
         prog="python -m hf_fused.bench",
         description="Fused lm_head cross-entropy / GRPO losses vs eager PyTorch, Liger, Apple CCE, TRL and torch: "
         "median fwd+bwd time, peak memory above inputs+grads, TFLOP/s vs the matmul ceiling, and loss/gradient "
         "error against a float64 reference. Writes DIR/bench.json, bench.txt and bench.png.",
-        epilog=f"shapes: {shapes}; with --quick: {quick}. peers: {peers}. Default peers: {', '.join(DEFAULT_PEERS)}.",
+        epilog=f"shapes: {shapes} (kinds: ce, grpo, grpo-loss-types); with --quick: {quick}. peers: {peers}. "
+        f"Default peers: {', '.join(DEFAULT_PEERS)}.",
     )
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory (default: bench_out)")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
-    parser.add_argument("--shapes", default=None, help="comma-separated shape names or kinds (ce, grpo); default all")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated shape names or kinds (ce, grpo, grpo-loss-types); default ce and grpo")
     parser.add_argument("--peers", default=None, help="comma-separated peer keys, or 'all' (adds cce_exact)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per pair (median; default 5)")
     parser.add_argument("--hf-backend", default=None, help="force an hf_fused backend (e.g. torch, triton)")
@@ -52,10 +54,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.list:
-        for p in QUICK_PROBLEMS if args.quick else FULL_PROBLEMS:
-            print(f"shape {p.name:28s} {p.describe()}")
+        for p in QUICK_PROBLEMS + QUICK_LOSS_TYPE_PROBLEMS if args.quick else FULL_PROBLEMS + LOSS_TYPE_PROBLEMS:
+            print(f"shape {p.name:32s} {p.describe()}")
         for cls in ALL_PEERS:
-            print(f"peer  {cls.key:28s} {cls.label}{'' if cls.key in DEFAULT_PEERS else ' (not default)'}")
+            print(f"peer  {cls.key:32s} {cls.label}{'' if cls.key in DEFAULT_PEERS else ' (not default)'}")
         return 0
     try:
         problems = select_problems(args.shapes, args.quick)

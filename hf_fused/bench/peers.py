@@ -5,7 +5,7 @@ An adapter turns a problem's :class:`~hf_fused.bench.problems.Inputs` into the s
 
 * ``ce_loss(inputs)``: mean cross-entropy over the non-ignored tokens;
 * ``grpo(inputs)``: ``(loss, logps [B, T] or None, entropy [B, T] or None)``; by default the peer's
-  per-token log-probs (``logprobs``) feed the shared :func:`~hf_fused.bench.problems.dapo_loss`.
+  per-token log-probs (``logprobs``) feed the shared :func:`~hf_fused.bench.problems.grpo_loss`.
 
 ``load()`` imports the peer (``ImportError`` → the run records it as skipped); ``unsupported(kind,
 device)`` returns why a problem kind or device is out of the peer's reach (recorded as ``n/a``).
@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .problems import IGNORE_INDEX, EPSILON_HIGH, EPSILON_LOW, Inputs, dapo_loss
+from .problems import IGNORE_INDEX, EPSILON_HIGH, EPSILON_LOW, Inputs, grpo_loss, token_weights_at_ratio_one
 
 #: ``hf_fused (32 MiB tiles)``: the smaller tile budget variant.
 SMALL_TILE_BUDGET = 32 * 1024**2
@@ -67,7 +67,7 @@ class Peer:
 
     def grpo(self, inp: Inputs) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         logps, entropy = self.logprobs(inp)
-        return dapo_loss(logps, inp.mask, inp.advantages), logps, entropy
+        return grpo_loss(logps, inp.mask, inp.advantages, inp.loss_type), logps, entropy
 
 
 def _flat(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,18 +132,22 @@ class LigerGRPOPeer(Peer):
     def load(self):
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
-        self._fn = LigerFusedLinearGRPOLoss(
-            beta=0.0, use_ref_model=False, loss_type="dapo", epsilon_low=EPSILON_LOW, epsilon_high=EPSILON_HIGH,
-            compiled=True, chunk_size=1,
-        )
+        self._cls, self._fns = LigerFusedLinearGRPOLoss, {}
 
     def describe(self):
-        return ("liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss(beta=0, use_ref_model=False, loss_type='dapo', "
-                "epsilon_low=0.2, epsilon_high=0.28, compiled=True, chunk_size=1)(hidden[B,T,H], weight, ids, "
-                "mask, advantages): the whole loss in one call (TRL's use_liger_kernel path); no log-probs out")
+        return ("liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss(beta=0, use_ref_model=False, loss_type=<the "
+                "problem's>, max_completion_length=T, epsilon_low=0.2, epsilon_high=0.28, compiled=True, "
+                "chunk_size=1)(hidden[B,T,H], weight, ids, mask, advantages): the whole loss in one call (TRL's "
+                "use_liger_kernel path); no log-probs out")
 
     def grpo(self, inp):
-        loss, _metrics = self._fn(inp.hidden, inp.weight, inp.token_ids, inp.mask.long(), inp.advantages)
+        key = (inp.loss_type, inp.mask.shape[1])
+        if key not in self._fns:
+            self._fns[key] = self._cls(
+                beta=0.0, use_ref_model=False, loss_type=inp.loss_type, max_completion_length=inp.mask.shape[1],
+                epsilon_low=EPSILON_LOW, epsilon_high=EPSILON_HIGH, compiled=True, chunk_size=1,
+            )
+        loss, _metrics = self._fns[key](inp.hidden, inp.weight, inp.token_ids, inp.mask.long(), inp.advantages)
         return loss, None, None
 
 
@@ -290,21 +294,22 @@ class HFFusedLargeBudgetPeer(HFFusedPeer):
 
 
 class HFFusedOnePassGRPOPeer(HFFusedPeer):
-    """The GRPO problem's DAPO loss, on-policy and KL-free, as token-weighted cross-entropy: its gradient
-    is ``−Σ A·mask·∇logp / Σ mask`` = that of ``Σ (A·mask)·CE / Σ mask``, which
-    ``linear_cross_entropy(token_weights=A·mask)`` computes in its forward (one pass, 6·N·H·V) with a
-    budget holding the fp32 ``[V, H]`` weight-gradient accumulator plus 2048 full-vocabulary rows. The
-    loss value is DAPO's at ratio 1, ``−Σ A·mask / Σ mask``, with that gradient attached. No log-probs or
-    entropy come out (like Liger's fused GRPO loss)."""
+    """The GRPO problem's loss, on-policy and KL-free, as token-weighted cross-entropy. At ratio 1 no clip
+    is active, so the gradient is ``−Σ A·mask·∇logp / normalizer`` = that of ``Σ w·CE`` with
+    ``w = A·mask / normalizer`` (:func:`~hf_fused.bench.problems.token_weights_at_ratio_one`), which
+    ``linear_cross_entropy(token_weights=w)`` computes in its forward (one pass, 6·N·H·V) with a budget
+    holding the fp32 ``[V, H]`` weight-gradient accumulator plus 2048 full-vocabulary rows. The loss
+    value is the loss at ratio 1, ``−Σ w``, with that gradient attached. No log-probs or entropy come out
+    (like Liger's fused GRPO loss)."""
 
     key, label = "hf_fused_1pass", "hf_fused (one pass, token weights)"
     has_entropy = False
     rows_per_tile = 2048
 
     def describe(self):
-        return ("hf_fused.ops.linear_cross_entropy(hidden, weight, labels, token_weights=advantages·mask, "
-                "reduction='sum', num_items_in_batch=mask.sum(), tile_budget_bytes=4·V·H + 2048·V·2): "
-                "the on-policy KL-free DAPO gradient in one pass; loss value −Σ A·mask / Σ mask")
+        return ("hf_fused.ops.linear_cross_entropy(hidden, weight, labels, token_weights=A·mask/normalizer, "
+                "reduction='sum', tile_budget_bytes=4·V·H + 2048·V·2): the on-policy KL-free gradient of the "
+                "problem's loss type in one pass; loss value −Σ token_weights (the loss at ratio 1)")
 
     def unsupported(self, kind, device):
         return "GRPO problem only (its cross-entropy is the hf_fused rows)" if kind != "grpo" else None
@@ -312,14 +317,13 @@ class HFFusedOnePassGRPOPeer(HFFusedPeer):
     def grpo(self, inp):
         vocab_size, hidden_size = inp.weight.shape
         budget = vocab_size * hidden_size * 4 + self.rows_per_tile * vocab_size * inp.weight.element_size()
-        n_tokens = inp.mask.sum().clamp(min=1)
-        token_weights = inp.advantages[:, None].float() * inp.mask
+        token_weights = token_weights_at_ratio_one(inp.mask, inp.advantages, inp.loss_type)
         surrogate = self._ce(
             inp.hidden, inp.weight, inp.labels, token_weights=token_weights, reduction="sum",
-            num_items_in_batch=n_tokens, tile_budget_bytes=budget, backend=self.backend,
+            tile_budget_bytes=budget, backend=self.backend,
         )
-        dapo_at_ratio_one = -token_weights.sum() / n_tokens
-        return surrogate + (dapo_at_ratio_one - surrogate).detach(), None, None
+        at_ratio_one = -token_weights.sum()
+        return surrogate + (at_ratio_one - surrogate).detach(), None, None
 
 
 #: Every adapter, in table order.

@@ -6,7 +6,8 @@ Two kinds:
   at random positions, are ``-100``); backward gives the gradients of ``hidden [N, H]`` and
   ``weight [V, H]``.
 * ``grpo``: per-token log-probabilities of ``B`` completions of ``T`` tokens (the last ``T/8`` of each
-  completion masked out as padding), the DAPO loss on top (:func:`dapo_loss`), then backward.
+  completion masked out as padding), a GRPO-family loss on top (:func:`grpo_loss`; DAPO unless the
+  problem names another ``loss_type``), then backward.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ GRPO_MASKED_TAIL = 1 / 8
 EPSILON_LOW, EPSILON_HIGH = 0.2, 0.28
 #: Target standard deviation of the logits: peaked enough to look like a trained LM head.
 LOGIT_STD = 4.0
+#: TRL loss types with the clipped-ratio per-token loss; they differ only in the normalization.
+GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class Problem:
     V: int
     B: Optional[int] = None
     T: Optional[int] = None
+    loss_type: str = "dapo"
 
     @property
     def flops_per_token_hv(self) -> int:
@@ -48,15 +52,16 @@ class Problem:
     def describe(self) -> str:
         if self.kind == "ce":
             return f"cross-entropy N×H×V = {self.N}×{self.H}×{self.V}"
-        return f"GRPO/DAPO B×T×H×V = {self.B}×{self.T}×{self.H}×{self.V}"
+        return f"GRPO ({self.loss_type}) B×T×H×V = {self.B}×{self.T}×{self.H}×{self.V}"
 
 
 def _ce(n: int, h: int, v: int) -> Problem:
     return Problem(f"ce-{_k(n)}-h{h}-v{_k(v)}", "ce", n, h, v)
 
 
-def _grpo(b: int, t: int, h: int, v: int) -> Problem:
-    return Problem(f"grpo-{b}x{_k(t)}-h{h}-v{_k(v)}", "grpo", b * t, h, v, b, t)
+def _grpo(b: int, t: int, h: int, v: int, loss_type: str = "dapo") -> Problem:
+    suffix = "" if loss_type == "dapo" else f"-{loss_type}"
+    return Problem(f"grpo-{b}x{_k(t)}-h{h}-v{_k(v)}{suffix}", "grpo", b * t, h, v, b, t, loss_type)
 
 
 def _k(x: int) -> str:
@@ -71,6 +76,8 @@ FULL_PROBLEMS = [
     _grpo(16, 2048, 2048, 151936),
     _grpo(8, 4096, 4096, 151936),
 ]
+#: The first GRPO shape under TRL's other clipped-ratio loss types (``--shapes grpo-loss-types``).
+LOSS_TYPE_PROBLEMS = [_grpo(16, 2048, 2048, 151936, lt) for lt in GRPO_LOSS_TYPES[1:]]
 
 #: Tiny problems for ``--quick`` (CPU smoke tests, CI).
 QUICK_PROBLEMS = [
@@ -79,22 +86,27 @@ QUICK_PROBLEMS = [
     _grpo(2, 64, 64, 1000),
     _grpo(4, 64, 64, 1000),
 ]
+QUICK_LOSS_TYPE_PROBLEMS = [_grpo(2, 64, 64, 1000, lt) for lt in GRPO_LOSS_TYPES[1:]]
 
 
 def select_problems(spec: Optional[str], quick: bool) -> list[Problem]:
-    """Problems named by ``spec``: comma-separated names, kinds (``ce``, ``grpo``) or ``all``.
+    """Problems named by ``spec``: comma-separated names, kinds (``ce``, ``grpo``: the DAPO shapes),
+    ``grpo-loss-types`` (the other loss types) or ``all`` (every shape, DAPO for GRPO).
 
     Raises:
         ValueError: a name that matches no problem (the message lists them).
     """
     pool = QUICK_PROBLEMS if quick else FULL_PROBLEMS
+    loss_types = QUICK_LOSS_TYPE_PROBLEMS if quick else LOSS_TYPE_PROBLEMS
     if not spec or spec == "all":
         return list(pool)
     chosen: list[Problem] = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
-        matches = [p for p in pool if item in (p.name, p.kind)]
+        matches = loss_types if item == "grpo-loss-types" else [p for p in pool + loss_types if item == p.name]
+        matches = matches or [p for p in pool if item == p.kind]
         if not matches:
-            raise ValueError(f"unknown shape {item!r}; choose from: all, ce, grpo, {', '.join(p.name for p in pool)}")
+            names = ", ".join(p.name for p in pool + loss_types)
+            raise ValueError(f"unknown shape {item!r}; choose from: all, ce, grpo, grpo-loss-types, {names}")
         chosen += [p for p in matches if p not in chosen]
     return chosen
 
@@ -109,6 +121,7 @@ class Inputs:
     token_ids: ``[B, T]`` the completion ids without masking (grpo; peers that take a separate mask).
     mask: ``[B, T]`` bool, True where the token counts (grpo).
     advantages: ``[B]`` fp32 (grpo).
+    loss_type: the GRPO loss on top (:func:`grpo_loss`).
     """
 
     hidden: torch.Tensor
@@ -117,6 +130,7 @@ class Inputs:
     token_ids: Optional[torch.Tensor] = None
     mask: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
+    loss_type: str = "dapo"
     extras: dict = field(default_factory=dict)
 
     @property
@@ -148,16 +162,45 @@ def make_inputs(problem: Problem, device: torch.device, dtype: torch.dtype, seed
     labels = token_ids.masked_fill(~mask, IGNORE_INDEX)
     advantages = torch.randn(b, generator=gen, device=device, dtype=torch.float32)
     return Inputs(
-        hidden.view(b, t, h).requires_grad_(), weight.requires_grad_(), labels, token_ids, mask, advantages
+        hidden.view(b, t, h).requires_grad_(), weight.requires_grad_(), labels, token_ids, mask, advantages,
+        problem.loss_type,
     )
 
 
-def dapo_loss(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
-    """TRL's ``loss_type="dapo"`` on-policy (old log-probs = ``logps.detach()``, no KL term):
-    ``−min(r·A, clamp(r, 1−0.2, 1+0.28)·A)`` summed over unmasked tokens / their number, with
-    ``r = exp(logp − old)``. Works in the dtype of ``logps`` (the reference runs it in float64)."""
+def _normalize(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """TRL 1.16 ``GRPOTrainer._compute_loss``'s reduction of a ``[B, T]`` per-token loss (one process, no
+    gradient accumulation): ``grpo`` mean over sequences of each one's token mean; ``bnpo`` and ``dapo``
+    sum / unmasked tokens; ``dr_grpo`` sum / (B·T)."""
+    m = mask.to(per_token.dtype)
+    if loss_type == "grpo":
+        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    if loss_type in ("bnpo", "dapo"):
+        return (per_token * m).sum() / m.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return (per_token * m).sum() / per_token.numel()
+    raise ValueError(f"unknown loss_type {loss_type!r}; choose from {GRPO_LOSS_TYPES}")
+
+
+def grpo_loss(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, loss_type: str = "dapo") -> torch.Tensor:
+    """TRL's clipped-ratio loss on-policy (old log-probs = ``logps.detach()``, no KL term):
+    ``−min(r·A, clamp(r, 1−0.2, 1+0.28)·A)`` per token with ``r = exp(logp − old)``, reduced as
+    ``loss_type`` says (:func:`_normalize`). Works in the dtype of ``logps`` (the reference runs it in
+    float64).
+
+    Raises:
+        ValueError: an unknown ``loss_type``.
+    """
     ratio = torch.exp(logps - logps.detach())
     adv = advantages.to(logps.dtype).unsqueeze(-1)
     per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - EPSILON_LOW, 1 + EPSILON_HIGH) * adv)
-    m = mask.to(logps.dtype)
-    return (per_token * m).sum() / m.sum().clamp(min=1.0)
+    return _normalize(per_token, mask, loss_type)
+
+
+def token_weights_at_ratio_one(mask: torch.Tensor, advantages: torch.Tensor, loss_type: str = "dapo") -> torch.Tensor:
+    """``[B, T]`` fp32 weights ``w`` with ``∇ grpo_loss = ∇ Σ w·CE`` on-policy: at ratio 1 neither clip is
+    active, so ``∂loss/∂logp = −A·mask / normalizer``, i.e. ``w = A·mask / normalizer``; and
+    ``grpo_loss = −Σ w`` there."""
+    ones = torch.ones(mask.shape, dtype=torch.float32, device=mask.device, requires_grad=True)
+    with torch.enable_grad():
+        (per_token,) = torch.autograd.grad(_normalize(ones, mask, loss_type), ones)  # linear: mask / normalizer
+    return per_token * advantages.float().unsqueeze(-1)

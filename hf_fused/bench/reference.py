@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .problems import IGNORE_INDEX, Inputs, Problem, dapo_loss
+from .problems import IGNORE_INDEX, Inputs, Problem, grpo_loss
 
 #: Memory for one tile's float64 temporaries (three ``[rows, V]`` arrays).
 REFERENCE_TILE_BYTES = 3 * 1024**3
@@ -94,7 +94,7 @@ def compute_reference(problem: Problem, inputs: Inputs, tile_bytes: int = REFERE
             del z, p
         with torch.enable_grad():
             lp = logps.view(problem.B, problem.T).clone().requires_grad_()
-            loss_t = dapo_loss(lp, inputs.mask, inputs.advantages.double())
+            loss_t = grpo_loss(lp, inputs.mask, inputs.advantages.double(), problem.loss_type)
             (g_logp,) = torch.autograd.grad(loss_t, lp)
         loss = float(loss_t)
         g_logp = g_logp.reshape(-1)
