@@ -155,7 +155,9 @@ def verify_patch(causal_lm: nn.Module) -> None:
     modes = {m: m.training for m in causal_lm.modules()}
     causal_lm.eval()
     try:
-        ref_logits = state.original_forward(input_ids=input_ids, use_cache=False).logits
+        # Both through the module call (without labels the patched forward is the original one), so the
+        # hooks of a wrapper such as FSDP2's fully_shard gather the parameters for the reference too.
+        ref_logits = causal_lm(input_ids=input_ids, use_cache=False).logits
         out = causal_lm(input_ids=input_ids, labels=input_ids, fused_output="logprobs", use_cache=False)
     finally:
         for module, training in modes.items():

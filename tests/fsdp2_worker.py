@@ -1,0 +1,58 @@
+"""One rank of tests/test_fsdp2.py (run by ``torch.distributed.run`` with the gloo backend on CPU).
+
+Builds the same tiny model twice: an unpatched reference on every rank, and a copy patched with
+``apply_fused_loss`` and sharded with FSDP2 (``fully_shard`` per decoder layer and at the root, so the
+lm_head weight is a sharded DTensor that FSDP2 all-gathers around lm_head's own call). Each rank feeds its
+own batch; the reference sees the concatenation of all ranks' batches (FSDP2 averages gradients over
+ranks, transformers' loss is a mean over each rank's tokens). Rank 0 writes the largest relative errors
+of the loss and of every parameter gradient (full tensors) to the JSON file named on the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from tiny_models import make_batch, make_model, rel_err
+from hf_fused import apply_fused_loss
+
+
+def main(out_path: str, arch: str, tied: bool, patch_before_sharding: bool) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    reference = make_model(arch, tie_word_embeddings=tied)
+    model = make_model(arch, tie_word_embeddings=tied)
+    if patch_before_sharding:
+        apply_fused_loss(model)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    if not patch_before_sharding:
+        apply_fused_loss(model)  # the patch-time probe runs collectively through the sharded model
+
+    batches = [make_batch(seed=10 + r) for r in range(world)]
+    ids, attention_mask, labels = batches[rank]
+    loss = model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
+    loss.backward()
+    # FSDP2 reduce-scatters the mean of the ranks' gradients: the reference is the mean of per-batch losses.
+    ref_losses = [reference(input_ids=i, attention_mask=m, labels=y).loss for i, m, y in batches]
+    (sum(ref_losses) / world).backward()
+
+    errors = {"loss": rel_err(loss.detach(), ref_losses[rank].detach())}
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        errors[name] = rel_err(grad, ref_params[name].grad)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"errors": errors, "world": world, "lm_head_sharded": hasattr(model.lm_head.weight, "full_tensor")}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3] == "tied", sys.argv[4] == "before")
