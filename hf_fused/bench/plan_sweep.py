@@ -1,0 +1,126 @@
+"""Tile-plan sweep for the GPU backend: ``python -m hf_fused.bench.plan_sweep --device cuda``.
+
+A developer's tool, not a peer comparison. For each shape it times the GPU backend's forward+backward
+with the planner forced to several ``(rows per block, columns per chunk)`` plans, and the three cuBLAS
+GEMMs of one vocabulary chunk alone (logits ``z = h·W_cᵀ``, the fp32 hidden-state accumulation
+``dh += dz·W_c`` and the weight-gradient chunk ``dW_c = dzᵀ·h``), so that the time spent outside the
+GEMMs (Triton epilogues, launches) and each GEMM's rate at that chunk width can be read off one table.
+Shapes name the kept (non-ignored) rows M directly: ``ce:M:H:V`` (cross-entropy) or ``lp:M:H:V``
+(log-probs + entropy, backward with both upstream gradients, as GRPO runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Optional
+
+import torch
+
+from ..ops import linear_cross_entropy, linear_logprobs
+from ..ops.backends.triton_cublas import TritonCublasBackend, _addmm_f32_
+from .measure import median_ms
+
+DEFAULT_SHAPES = "ce:7373:2048:151936,ce:29491:2048:151936,ce:14746:4096:128256,lp:28672:2048:151936,lp:28672:4096:151936"
+
+
+def _inputs(kind: str, m: int, h: int, v: int, device: torch.device, seed: int = 0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(m, h, generator=gen, device=device).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(v, h, generator=gen, device=device) * (4.0 / h**0.5)).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, v, (m,), generator=gen, device=device)
+    g_lp = torch.randn(m, generator=gen, device=device) if kind == "lp" else None
+    g_ent = torch.randn(m, generator=gen, device=device) if kind == "lp" else None
+    return hidden, weight, labels, g_lp, g_ent
+
+
+def _step(kind, hidden, weight, labels, g_lp, g_ent, budget):
+    hidden.grad = weight.grad = None
+    if kind == "ce":
+        linear_cross_entropy(hidden, weight, labels, reduction="sum", tile_budget_bytes=budget).backward()
+    else:
+        logp, ent = linear_logprobs(hidden, weight, labels, return_entropy=True, tile_budget_bytes=budget)
+        torch.autograd.backward([logp, ent], [g_lp, g_ent])
+
+
+def _forced_plan(plan):
+    """Replace the planner for one measurement (``None`` keeps the real one)."""
+    original = TritonCublasBackend.__dict__["_plan"]  # the staticmethod object itself
+    if plan is not None:
+        TritonCublasBackend._plan = staticmethod(lambda *a, **k: plan)
+    return original
+
+
+def _gemm_ms(m, h, cols, device, repeats):
+    """Median ms of the three GEMMs of one full-height chunk ``[m, cols]``."""
+    a = torch.randn(m, h, device=device, dtype=torch.bfloat16)
+    w = torch.randn(cols, h, device=device, dtype=torch.bfloat16) * 0.02
+    tile = torch.randn(m, cols, device=device, dtype=torch.bfloat16)
+    acc = torch.zeros(m, h, device=device, dtype=torch.float32)
+    dw = torch.empty(cols, h, device=device, dtype=torch.bfloat16)
+    fns = {
+        "z": lambda: torch.mm(a, w.t(), out=tile),
+        "dh": lambda: _addmm_f32_(acc, tile, w),
+        "dW": lambda: torch.mm(tile.t(), a, out=dw),
+    }
+    out = {}
+    for name, fn in fns.items():
+        fn()
+        out[name] = median_ms(fn, device, repeats)[0]
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hf_fused.bench.plan_sweep", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"comma-separated kind:M:H:V (default {DEFAULT_SHAPES})")
+    parser.add_argument("--cols", default="2112,4096,4224,6336,8192,8448",
+                        help="chunk widths to force (rows per block = M), besides the default plan and 'split2'")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--budget", type=int, default=None, help="tile_budget_bytes for the default plan")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    rows = []
+    for spec in args.shapes.split(","):
+        kind, m, h, v = spec.split(":")
+        m, h, v = int(m), int(h), int(v)
+        hidden, weight, labels, g_lp, g_ent = _inputs(kind, m, h, v, device)
+        default_plan = TritonCublasBackend._plan(m, v, 2, args.budget)
+        plans = {"default": None, "split2": (math.ceil(m / 2), min(v, default_plan[1] * 2))}
+        plans.update({f"cols={c}": (m, c) for c in map(int, args.cols.split(","))})
+        flops = (6 if kind == "ce" else 8) * m * h * v
+        for label, plan in plans.items():
+            block_rows, cols = plan or default_plan
+            original = _forced_plan(plan)
+            try:
+                fn = lambda: _step(kind, hidden, weight, labels, g_lp, g_ent, args.budget)  # noqa: E731
+                fn()
+                peak = float("nan")
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                    base = torch.cuda.memory_allocated(device)
+                    fn()
+                    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+                ms = median_ms(fn, device, args.repeats)[0]
+            finally:
+                TritonCublasBackend._plan = original
+            g = _gemm_ms(block_rows, h, cols, device, args.repeats)
+            chunks = math.ceil(v / cols) * math.ceil(m / block_rows)
+            gemm_total = chunks * (2 * g["z"] + g["dh"] + g["dW"])  # z twice: statistics pass + recompute
+            tf = lambda t: 2 * block_rows * h * cols / t / 1e9  # noqa: E731
+            rows.append((spec, label, block_rows, cols, ms, flops / ms / 1e9, peak, gemm_total,
+                         tf(g["z"]), tf(g["dh"]), tf(g["dW"])))
+            print(rows[-1], flush=True)
+        del hidden, weight
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"\n{'shape':24s} {'plan':10s} {'rows':>6s} {'cols':>6s} {'ms':>8s} {'TF/s':>6s} {'GiB':>5s} "
+          f"{'gemm ms':>8s} {'z TF':>5s} {'dh TF':>5s} {'dW TF':>5s}")
+    for r in rows:
+        print(f"{r[0]:24s} {r[1]:10s} {r[2]:6d} {r[3]:6d} {r[4]:8.2f} {r[5]:6.0f} {r[6]:5.2f} {r[7]:8.2f} "
+              f"{r[8]:5.0f} {r[9]:5.0f} {r[10]:5.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
