@@ -76,3 +76,21 @@ def flatten_head_inputs(
         labels=flat_labels,
         batch_shape=hidden.shape[:-1],
     )
+
+
+def check_token_weights(values, labels: torch.Tensor, name: str) -> torch.Tensor:
+    """``values`` (a per-token tensor such as ``token_weights`` or ``grad_hint``) as fp32, detached, after
+    checking it against ``labels``.
+
+    Raises:
+        TypeError: not a floating-point tensor.
+        ValueError: not shaped like ``labels`` or on another device.
+    """
+    if not isinstance(values, torch.Tensor) or not values.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor shaped like labels, got {values!r}")
+    if values.shape != labels.shape or values.device != labels.device:
+        raise ValueError(
+            f"{name} must have labels' shape {tuple(labels.shape)} on {labels.device}, "
+            f"got {tuple(values.shape)} on {values.device}"
+        )
+    return values.detach().float()

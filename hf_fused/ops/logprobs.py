@@ -2,27 +2,51 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
 
 from .backends import get_backend
-from .head_inputs import flatten_head_inputs
+from .head_inputs import check_token_weights, flatten_head_inputs
 from .logit_transform import LogitTransform
 from .tiling import check_tile_budget, valid_rows
 
 
+#: ``max |g − c·hint| ≤ HINT_RTOL · max |g|`` for the forward's gradients to stand in for the upstream ``g``:
+#: a few fp32 roundings of the same products (TRL's normalizers), far below bf16 gradient noise.
+HINT_RTOL = 1e-6
+
+
 class LinearLogprobsFunction(torch.autograd.Function):
     """Forward keeps per-token statistics only (log-sum-exp, entropy); backward recomputes each tile's
-    logits (8·N·H·V FLOPs in all), so the loss on top can be any autograd code on ``[N]`` tensors."""
+    logits (8·N·H·V FLOPs in all), so the loss on top can be any autograd code on ``[N]`` tensors.
+
+    With a gradient hint (and a backend budget that holds the one-pass working set) forward also
+    computes the gradients of ``Σ hint·logprobs`` from the same logits (6·N·H·V in all); backward hands
+    them over, times ``c``, when the upstream gradient is ``c·hint`` and the entropy gets none, and
+    otherwise recomputes as above."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, rows, transform, tile_budget_bytes, backend, return_entropy):
+    def forward(ctx, hidden, weight, bias, labels, rows, transform, tile_budget_bytes, backend, return_entropy,
+                grad_hint, grad_enabled):
         # An entropy returned but unused must not cost a backward term: let its gradient arrive as None.
         ctx.set_materialize_grads(False)
-        logp_rows, ent_rows, lse = backend.logprobs_forward(
-            hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy
-        )
+        need = ctx.needs_input_grad
+        ctx.hinted = None
+        one_pass = None
+        if grad_hint is not None and grad_enabled and any(need[:3]):
+            one_pass = backend.logprobs_with_grads(
+                hidden, weight, bias, labels, rows, grad_hint, transform, tile_budget_bytes, return_entropy,
+                need[0], need[1], bias is not None and need[2],
+            )
+        if one_pass is not None:
+            logp_rows, ent_rows, lse, grads = one_pass
+            ctx.hinted = (grad_hint, grads)
+        else:
+            logp_rows, ent_rows, lse = backend.logprobs_forward(
+                hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy
+            )
         n = labels.numel()
         logprobs = hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, logp_rows)
         entropy = None
@@ -37,11 +61,16 @@ class LinearLogprobsFunction(torch.autograd.Function):
         hidden, weight, bias, labels, rows, lse, ent_rows = ctx.saved_tensors
         transform, tile_budget_bytes, backend = ctx.config
         need = ctx.needs_input_grad
+        hinted, ctx.hinted = ctx.hinted, None  # handed over once; a second backward recomputes
         # Ignored positions carry no gradient whatever the upstream says.
         g_lp = None if grad_logprobs is None else grad_logprobs.float().index_select(0, rows)
         g_h = None if grad_entropy is None else grad_entropy.float().index_select(0, rows)
         if (g_lp is None and g_h is None) or not any(need[:3]):
-            return (None,) * 9
+            return (None,) * 11
+        if hinted is not None:
+            grads = _hinted_grads(hinted, g_lp, g_h)
+            if grads is not None:
+                return _outputs(grads, weight, bias)
         # Rows whose upstream gradients are all 0 (a GRPO completion's padding, say) add nothing: skip them.
         live = (g_lp if g_lp is not None else g_h) != 0
         if g_lp is not None and g_h is not None:
@@ -55,9 +84,50 @@ class LinearLogprobsFunction(torch.autograd.Function):
             hidden, weight, bias, labels, rows, lse, ent_rows, g_lp, g_h, transform, tile_budget_bytes,
             need[0], need[1], bias is not None and need[2],
         )
-        d_weight = None if grads.weight is None else grads.weight.to(weight.dtype)
-        d_bias = None if grads.bias is None else grads.bias.to(bias.dtype)
-        return grads.hidden, d_weight, d_bias, None, None, None, None, None, None
+        return _outputs(grads, weight, bias)
+
+
+def _outputs(grads, weight, bias):
+    d_weight = None if grads.weight is None else grads.weight.to(weight.dtype)
+    d_bias = None if grads.bias is None else grads.bias.to(bias.dtype)
+    return grads.hidden, d_weight, d_bias, None, None, None, None, None, None, None, None
+
+
+def _hinted_grads(hinted, g_lp, g_h):
+    """The forward's gradients of ``Σ hint·logp`` times ``c`` if the upstream gradient is ``c·hint`` (and
+    none reaches the entropy), else ``None`` (the caller recomputes). One host sync."""
+    hint, grads = hinted
+    if g_h is not None and bool(g_h.ne(0).any()):
+        return _hint_missed("the entropy receives a gradient")
+    if hint.numel() == 0:  # every token ignored: the gradients are zeros
+        return grads
+    g = torch.zeros_like(hint) if g_lp is None else g_lp
+    hh = hint.dot(hint)
+    c = torch.where(hh > 0, g.dot(hint) / hh.clamp_min(torch.finfo(torch.float32).tiny), 0.0)  # least squares
+    matches = (g - c * hint).abs().max() <= HINT_RTOL * g.abs().max()
+    factor, ok = torch.stack([c, matches.float()]).tolist()
+    if not ok:
+        return _hint_missed("the upstream gradient is not a multiple of the hint")
+    if factor != 1.0:
+        # fp32 accumulators scale exactly; hidden's rows are in its dtype, as in the cross-entropy op
+        for name in ("hidden", "weight", "bias"):
+            if getattr(grads, name) is not None:
+                getattr(grads, name).mul_(factor)
+    return grads
+
+
+def _hint_missed(why: str):
+    # Python's default filter shows this once per call site, not once per training step.
+    warnings.warn(
+        f"linear_logprobs(grad_hint=...): {why}, so the gradients computed in the forward were dropped and "
+        "recomputed (8·N·H·V FLOPs instead of 6). The gradients are exact; pass no grad_hint for this loss.",
+        HintMissedWarning, stacklevel=4,
+    )
+    return None
+
+
+class HintMissedWarning(UserWarning):
+    """``linear_logprobs(grad_hint=...)`` recomputed its gradients: the hint did not match the loss."""
 
 
 def linear_logprobs(
@@ -73,6 +143,7 @@ def linear_logprobs(
     return_entropy: bool = False,
     tile_budget_bytes: Optional[int] = None,
     backend: Optional[str] = None,
+    grad_hint: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token log-probabilities of ``labels`` (and optionally the entropy of the whole distribution)
     under the logits of ``hidden @ weight.T + bias``, never materializing the ``[N, V]`` logits.
@@ -89,24 +160,39 @@ def linear_logprobs(
         return_entropy: also return the (differentiable) entropy.
         temperature, softcap, logit_scale, tile_budget_bytes, backend: as in
             :func:`~hf_fused.ops.linear_cross_entropy`.
+        grad_hint: optional float tensor shaped like ``labels``: the gradient the loss will send to
+            ``logprobs``, up to one scalar factor ``c`` (not differentiated). On-policy GRPO without KL or
+            entropy terms sends ``−A·mask/normalizer`` (TRL's loss at ratio 1), so ``A·mask`` is a hint.
+            With it, and a budget that holds the fp32 ``[V, H]`` weight-gradient accumulator plus
+            512 full-vocabulary rows (the cross-entropy one-pass condition; always on the torch
+            backend), the forward also computes the gradients of ``Σ hint·logprobs`` from the same
+            logits, 6·N·H·V FLOPs in all instead of 8, and holds them until backward. Backward uses
+            them, times ``c``, when the upstream gradient is ``c·hint`` to ``1e-6`` of its largest entry
+            and the entropy receives no gradient; otherwise it recomputes as without a hint (exact
+            either way; a warning says so once).
 
     Returns:
         ``(logprobs, entropy)``: fp32 ``[...]`` each (``entropy`` is ``None`` unless requested); 0 with
         no gradient at ignored positions.
 
-    Backward recomputes each tile from ``hidden``/``weight`` and accepts any upstream gradient on both
-    outputs; gradients for hidden, weight and bias are accumulated in fp32.
+    Backward recomputes each tile from ``hidden``/``weight`` (unless a matching ``grad_hint`` made it
+    unnecessary) and accepts any upstream gradient on both outputs; gradients for hidden, weight and
+    bias are accumulated in fp32.
 
     Raises:
-        ValueError / TypeError: as :func:`~hf_fused.ops.linear_cross_entropy`.
+        ValueError / TypeError: as :func:`~hf_fused.ops.linear_cross_entropy`; ``grad_hint`` not a
+            floating-point tensor shaped like ``labels`` on its device.
     """
     transform = LogitTransform(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
     flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index)
     rows = valid_rows(flat.labels, ignore_index)
+    hint_rows = None
+    if grad_hint is not None:
+        hint_rows = check_token_weights(grad_hint, labels, "grad_hint").reshape(-1).index_select(0, rows)
     logprobs, entropy = LinearLogprobsFunction.apply(
         flat.hidden, flat.weight, flat.bias, flat.labels, rows, transform,
         check_tile_budget(tile_budget_bytes), get_backend(hidden.device, backend),
-        bool(return_entropy),
+        bool(return_entropy), hint_rows, torch.is_grad_enabled(),
     )
     logprobs = logprobs.view(flat.batch_shape)
     if entropy is not None:

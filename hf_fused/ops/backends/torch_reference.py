@@ -95,30 +95,67 @@ class TorchReferenceBackend:
         Shapes: hidden ``[N, H]``, weight ``[V, H]``, bias ``[V]``, labels ``[N]`` int64, rows ``[M]``.
         Returns ``(loss_sum fp32 scalar, HeadGrads or None)``.
         """
+        # loss = −Σ w·logp, so ∂(grad_scale · loss)/∂logp = −grad_scale·w per row.
+        g_lp = -torch.as_tensor(grad_scale, dtype=torch.float32, device=hidden.device).expand(rows.numel())
+        if row_weights is not None:
+            g_lp = g_lp * row_weights
+        logp, _, _, grads = self.logprobs_with_grads(
+            hidden, weight, bias, labels, rows, g_lp, transform, tile_budget_bytes, False,
+            need_hidden, need_weight, need_bias,
+        )
+        loss_sum = -(logp if row_weights is None else logp * row_weights).sum()
+        return loss_sum, grads
+
+    # -- log-probabilities and the gradients of Σ g·logp, in one pass --------------------------------
+    def logprobs_with_grads(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        labels: torch.Tensor,
+        rows: torch.Tensor,
+        grad_logprobs: torch.Tensor,
+        transform: LogitTransform,
+        tile_budget_bytes: Optional[int],
+        return_entropy: bool,
+        need_hidden: bool,
+        need_weight: bool,
+        need_bias: bool,
+    ) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[HeadGrads]]]:
+        """Per-row ``(logprobs [M], entropy [M] or None, lse [M], grads)`` and, from the same logits, the
+        gradients of ``Σ grad_logprobs · logprobs`` (``grad_logprobs`` fp32 ``[M]``): each tile's
+        ``dz = g·(onehot(y) − p)`` right after its log-sum-exp. ``grads`` is ``None`` when none is
+        requested. A GPU backend returns ``None`` instead when its budget cannot hold this one-pass
+        working set; the reference always can (its backward holds the same fp32 ``[V, H]``)."""
         weight32 = weight.float()
         need_any = need_hidden or need_weight or need_bias
         grads = self._new_grads(hidden, weight, bias, need_hidden, need_weight, need_bias) if need_any else None
-        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        tile_rows = rows_per_tile(weight.shape[0], tile_budget_bytes)
-        for start, idx in zip(range(0, rows.numel(), tile_rows), tiles(rows, tile_rows)):
+        m = rows.numel()
+        out_logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        out_lse = torch.empty_like(out_logp)
+        out_ent = torch.empty_like(out_logp) if return_entropy else None
+        start = 0
+        for idx in tiles(rows, rows_per_tile(weight.shape[0], tile_budget_bytes)):
+            stop = start + idx.numel()
             h32, z, tanh = self._logits(hidden, weight32, bias, idx, transform)
             y = labels.index_select(0, idx).unsqueeze(1)
             lse = torch.logsumexp(z, dim=1, keepdim=True)
-            w = None if row_weights is None else row_weights[start : start + idx.numel()].unsqueeze(1)
-            losses = lse - z.gather(1, y)
-            loss_sum += (losses if w is None else losses * w).sum()
-            if grads is None:
-                continue
-            # d(grad_scale · Σ w·(lse − z_y))/dz = grad_scale · w · (p − onehot(y))
-            dz = z.sub_(lse).exp_()
-            dz.scatter_add_(1, y, torch.full_like(y, -1, dtype=dz.dtype))
-            dz.mul_(grad_scale)
-            if w is not None:
-                dz.mul_(w)
-            dz = transform.backward(dz, tanh)
-            self._accumulate(grads, dz, h32, idx, weight32)
-            del z, tanh, dz
-        return loss_sum, grads
+            out_logp[start:stop] = (z.gather(1, y) - lse).squeeze(1)
+            out_lse[start:stop] = lse.squeeze(1)
+            logp = z.sub_(lse)  # log p_j, in place of z
+            if out_ent is not None:
+                out_ent[start:stop] = -logp.exp().mul_(logp).sum(1)
+            if grads is not None:
+                # ∂(Σ g·logp_y)/∂z_j = g·(1[j = y] − p_j)
+                g = grad_logprobs[start:stop].unsqueeze(1)
+                dz = logp.exp_().mul_(-g)
+                dz.scatter_add_(1, y, g)
+                dz = transform.backward(dz, tanh)
+                self._accumulate(grads, dz, h32, idx, weight32)
+                del dz
+            del z, tanh, logp
+            start = stop
+        return out_logp, out_ent, out_lse, grads
 
     # -- log-probabilities: statistics forward, recompute backward ---------------------------------
     def logprobs_forward(

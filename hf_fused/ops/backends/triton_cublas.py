@@ -185,10 +185,9 @@ class TritonCublasBackend:
         """Like :meth:`TorchReferenceBackend.cross_entropy`. One pass (6·M·H·V) when the budget holds the fp32 weight-gradient accumulator and a tile of at
         least ``_MIN_ONE_PASS_ROWS`` full-vocabulary rows; otherwise the statistics pass, then the
         gradient pass with ``∂(grad_scale·Σ loss)/∂logp = −grad_scale`` (8·M·H·V, no fp32 ``[V, H]``)."""
-        rows_one_pass = self._one_pass_rows(weight, need_weight, tile_budget_bytes)
-        if rows_one_pass:
+        if self._one_pass_rows(weight, need_weight, tile_budget_bytes):
             return self._cross_entropy_one_pass(
-                hidden, weight, bias, labels, rows, grad_scale, transform, rows_one_pass,
+                hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes,
                 need_hidden, need_weight, need_bias, row_weights,
             )
         # Both passes run on the kept rows, gathered once.
@@ -224,9 +223,26 @@ class TritonCublasBackend:
         return rows if rows >= _MIN_ONE_PASS_ROWS else 0
 
     def _cross_entropy_one_pass(
-        self, hidden, weight, bias, labels, rows, grad_scale, transform, block_rows,
+        self, hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes,
         need_hidden, need_weight, need_bias, row_weights,
     ):
+        g_lp = self._ce_grad_logprobs(grad_scale, row_weights, rows.numel(), hidden.device)
+        logp, _, _, grads = self.logprobs_with_grads(
+            hidden, weight, bias, labels, rows, g_lp, transform, tile_budget_bytes, False,
+            need_hidden, need_weight, need_bias,
+        )
+        return -(logp if row_weights is None else logp * row_weights).sum(), grads
+
+    def logprobs_with_grads(
+        self, hidden, weight, bias, labels, rows, grad_logprobs, transform, tile_budget_bytes, return_entropy,
+        need_hidden, need_weight, need_bias,
+    ):
+        """Like :meth:`TorchReferenceBackend.logprobs_with_grads`: one pass (6·M·H·V), token rows outside
+        and whole vocabulary rows per tile, or ``None`` when the budget cannot hold the fp32 ``[V, H]``
+        accumulator plus ``_MIN_ONE_PASS_ROWS`` full-vocabulary rows."""
+        block_rows = self._one_pass_rows(weight, need_weight, tile_budget_bytes)
+        if not block_rows:
+            return None
         h, y = self._compact(hidden, weight, labels, rows)
         m_rows, vocab_size = h.shape[0], weight.shape[0]
         need_grad = need_hidden or need_weight or need_bias
@@ -236,17 +252,17 @@ class TritonCublasBackend:
         if need_bias and bias is not None:
             grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
         stats = self._new_stats(m_rows, h.device)
-        g_lp = self._ce_grad_logprobs(grad_scale, row_weights, m_rows, h.device)
+        g_lp = grad_logprobs.to(torch.float32).contiguous()
         scalars = self._scalars(transform, bias)
         tile_buf = torch.empty((min(block_rows, max(m_rows, 1)), vocab_size), dtype=weight.dtype, device=h.device)
         for r0 in range(0, m_rows, block_rows):
             r1 = min(r0 + block_rows, m_rows)
             dz = torch.mm(h[r0:r1], weight.t(), out=tile_buf[: r1 - r0])
             row_stats = tuple(t[r0:r1] for t in stats)
-            self._stats(dz, 0, bias, y[r0:r1], row_stats, scalars, False)
+            self._stats(dz, 0, bias, y[r0:r1], row_stats, scalars, return_entropy)
             if not need_grad:
                 continue
-            lse = row_stats[0] + row_stats[1].log()  # dz = −grad_scale·∂logp/∂z, in place of the logits
+            lse = row_stats[0] + row_stats[1].log()  # dz = g·∂logp/∂z, in place of the logits
             self._grad(dz, 0, bias, y[r0:r1], lse, lse, g_lp[r0:r1], lse, scalars, True, False)
             if d_hidden is not None:  # each row's dh is complete within its tile
                 torch.mm(dz, weight, out=d_hidden[r0:r1])
@@ -257,6 +273,7 @@ class TritonCublasBackend:
         if d_hidden is not None:
             grads.hidden = self._scatter_rows(d_hidden, hidden, rows)
         grads.weight = d_weight32
-        run_max, run_sum, _, label_logit = stats
-        losses = run_max + run_sum.log() - label_logit
-        return (losses if row_weights is None else losses * row_weights).sum(), grads if need_grad else None
+        run_max, run_sum, run_zp, label_logit = stats
+        lse = run_max + run_sum.log()
+        entropy = lse - run_zp / run_sum if return_entropy else None
+        return label_logit - lse, entropy, lse, grads if need_grad else None
