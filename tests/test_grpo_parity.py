@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from grpo_helpers import (  # noqa: E402
+    DEVICE,
     VOCAB_SIZE,
     Case,
     assert_same_step,
@@ -41,7 +42,12 @@ CASES = {
     # every loss type, off-policy so the ratio is not 1
     **{f"{lt}-offpolicy": Case(config=dict(loss_type=lt), off_policy_noise=OFF)
        for lt in ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]},
-    "dapo-onpolicy": Case(config=dict(loss_type="dapo")),
+    # on-policy: the policy log-probs get a gradient hint (one pass on the head), see test_grad_hint_*
+    **{f"{lt}-onpolicy": Case(config=dict(loss_type=lt))
+       for lt in ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]},
+    "sapo-onpolicy-temps": Case(config=dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0)),
+    "dapo-onpolicy-grad_accum": Case(config=dict(loss_type="dapo", gradient_accumulation_steps=2,
+                                                 per_device_train_batch_size=4, steps_per_generation=2)),
     "grpo-onpolicy-qwen3": Case(config=dict(loss_type="grpo"), arch="qwen3"),
     # sequence-level importance sampling (GSPO)
     "grpo-sequence": Case(config=dict(loss_type="grpo", importance_sampling_level="sequence"), off_policy_noise=OFF),
@@ -133,6 +139,52 @@ def test_cases_exercise_the_branches(tmp_path):
     assert ref.metrics["clip_ratio/region_mean"][0] > 0
     onp = run_step(build_trainer(GRPOTrainer, CASES["dapo-onpolicy"], tmp_path), CASES["dapo-onpolicy"])
     assert onp.metrics["clip_ratio/region_mean"][0] == 0
+
+
+def _backend_calls(monkeypatch):
+    """Count the torch backend's one-pass forwards and recompute backwards."""
+    from hf_fused.ops import get_backend
+
+    backend = get_backend(torch.device("cpu"), "torch")
+    calls = {"logprobs_with_grads": 0, "logprobs_backward": 0}
+    for name in calls:
+        original = getattr(backend, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(backend, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["grpo-onpolicy-qwen3", "dapo-onpolicy", "cispo-onpolicy", "sapo-onpolicy",
+                                  "luspo-onpolicy", "dapo-onpolicy-grad_accum"])
+def test_grad_hint_gives_the_head_gradients_in_the_forward(name, tmp_path, monkeypatch):
+    """On-policy without KL/entropy terms: every policy forward takes the hinted one pass and no backward
+    recomputes (a wrong hint would warn, which the test configuration turns into an error)."""
+    if DEVICE != "cpu":
+        pytest.skip("counts the CPU backend's calls")
+    case = CASES[name]
+    calls = _backend_calls(monkeypatch)
+    trainer = build_trainer(FusedGRPOTrainer, case, tmp_path)
+    run_step(trainer, case)
+    assert calls["logprobs_with_grads"] == trainer.args.steps_per_generation
+    assert calls["logprobs_backward"] == 0
+
+
+@pytest.mark.parametrize("name", ["grpo-offpolicy", "vespo-onpolicy", "beta-biascorr", "entropy_bonus",
+                                  "entropy_bonus-top_entropy-grpo", "num_iterations", "opsm-sampling",
+                                  "is-token_mask", "grpo-sequence"])
+def test_no_grad_hint_where_the_loss_gradient_is_not_known_before_the_forward(name, tmp_path, monkeypatch):
+    if DEVICE != "cpu":
+        pytest.skip("counts the CPU backend's calls")
+    case = CASES[name]
+    calls = _backend_calls(monkeypatch)
+    trainer = build_trainer(FusedGRPOTrainer, case, tmp_path)
+    run_step(trainer, case)
+    assert calls["logprobs_with_grads"] == 0
+    assert calls["logprobs_backward"] == trainer.args.steps_per_generation
 
 
 def test_generation_logprobs_match_dense_float64(tmp_path):

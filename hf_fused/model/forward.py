@@ -51,6 +51,7 @@ class FusedRequest:
     num_items_in_batch: Any = None
     temperature: float = 1.0
     return_entropy: bool = False
+    grad_hint: Optional[torch.Tensor] = None  # aligned with labels, see linear_logprobs
     result: Any = None
     called: bool = False
 
@@ -79,6 +80,8 @@ def fused_forward(model: nn.Module, *args, **kwargs):
         fused_output: ``"loss"`` (default when ``labels`` is given), ``"logprobs"`` or ``"hidden_states"``.
         temperature: logits divisor for ``"logprobs"`` (TRL's sampling temperature). Default 1.
         return_entropy: with ``"logprobs"``, also return the per-token entropy.
+        grad_hint: with ``"logprobs"``, the gradient the loss will send to ``out.logprobs`` up to a scalar
+            (shaped like the aligned labels); see :func:`hf_fused.ops.linear_logprobs`.
 
     With ``labels`` (``[B, T]``, shifted inside like transformers' causal-LM loss) or ``shift_labels``
     (``[B, L]``, already aligned with the positions that reach lm_head):
@@ -115,6 +118,7 @@ def fused_forward(model: nn.Module, *args, **kwargs):
     if mode == "logprobs":
         request.temperature = kwargs.pop("temperature", 1.0)
         request.return_entropy = bool(kwargs.pop("return_entropy", False))
+        request.grad_hint = kwargs.pop("grad_hint", None)
     request.num_items_in_batch = kwargs.get("num_items_in_batch")
     kwargs["labels"] = None
     return_dict = kwargs.pop("return_dict", None)
@@ -216,7 +220,7 @@ def _head_forward(lm_head: nn.Module, request: FusedRequest, hidden: torch.Tenso
     else:
         request.result = linear_logprobs(
             head_hidden, weight, labels, bias, temperature=request.temperature,
-            return_entropy=request.return_entropy, **common,
+            return_entropy=request.return_entropy, grad_hint=_on(request.grad_hint, weight.device), **common,
         )
     return placeholder
 
@@ -239,3 +243,7 @@ def _as_kwargs(signature: inspect.Signature, args, kwargs) -> dict:
         else:
             out[name] = value
     return out
+
+
+def _on(tensor: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    return None if tensor is None else tensor.to(device)

@@ -6,7 +6,7 @@ which calls ``model(**inputs, labels=labels, fused_lm_head=True)`` on a forward 
 ``trl.trainer.utils.add_fused_lm_head``. Everything downstream (ratios, clipping, KL, entropy masks and
 bonus, importance-sampling corrections, normalizers, metrics) is plain ``[B, T]`` tensor code.
 
-This subclass therefore changes three things and nothing else:
+This subclass therefore changes four things and nothing else:
 
 1. ``__init__``: lets a PEFT adapter sit on ``lm_head`` (TRL raises, because its head reads
    ``lm_head.weight`` and would silently skip the adapter; hf_fused folds the adapter into the head),
@@ -19,6 +19,14 @@ This subclass therefore changes three things and nothing else:
    positions (``logits_to_keep``) reach the head and no ``[B, T, V]`` tensor exists.
 3. Nothing in the loss: ``_compute_loss`` is TRL's, unchanged, so objective, gradients and logged
    metrics are TRL's by construction.
+4. Speed only: when the policy's log-probs are on-policy (ratio ≡ 1) and nothing else of the loss depends
+   on them (β = 0, no entropy bonus or mask, no off-policy mask, no vLLM correction, token-level
+   importance sampling, a loss type listed in ``_HINTED_LOSS_TYPES``), TRL's loss sends them the gradient
+   ``−A·mask`` times a per-sequence or global constant, known before the forward. ``_compute_loss`` then
+   passes that as ``grad_hint`` (:func:`hf_fused.ops.linear_logprobs`): with a ``tile_budget_bytes`` that
+   holds the fp32 ``[V, H]`` weight-gradient accumulator the head's gradients come out of the forward's
+   single pass (6·N·H·V FLOPs instead of 8). Backward checks that the gradient TRL's loss really sends
+   matches and recomputes if not, so this can cost time, never exactness.
 """
 
 from __future__ import annotations
@@ -32,6 +40,12 @@ import torch.nn.functional as F
 from trl import GRPOTrainer
 
 __all__ = ["FusedGRPOTrainer"]
+
+#: ``∂loss/∂logp`` at ratio 1, up to one constant, for TRL 1.16's loss types whose policy term is linear in
+#: the ratio there: ``−A·mask/|o_i|`` for the per-sequence means, ``−A·mask`` for the token sums
+#: (``cispo``'s clamped ratio is a detached constant; ``sapo``'s soft clip has slope 1 at ratio 1).
+_HINTED_LOSS_TYPES = {"grpo": True, "sapo": True, "bnpo": False, "dr_grpo": False, "dapo": False, "cispo": False,
+                      "luspo": False}  # value: divide by the completion length
 
 
 class FusedGRPOTrainer(GRPOTrainer):
@@ -68,11 +82,47 @@ class FusedGRPOTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
     ):
-        fused_model = _FusedHeadCall(model, logits_to_keep, self.temperature, compute_entropy)
+        hint = None
+        if getattr(self, "_loss_inputs", None) is not None:  # the policy's call inside _compute_loss
+            hint = self._policy_grad_hint(self._loss_inputs)
+        fused_model = _FusedHeadCall(model, logits_to_keep, self.temperature, compute_entropy, hint)
         return super()._get_per_token_logps_and_entropies(
             fused_model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
             compute_entropy=compute_entropy, **kwargs,
         )
+
+
+    # ------------------------------------------------------------------------------------------------
+    # Override 4 (speed only): the gradient TRL's loss will send to the policy log-probs, when it is known.
+    def _compute_loss(self, model, inputs):
+        self._loss_inputs = inputs
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._loss_inputs = None
+
+    def _policy_grad_hint(self, inputs) -> Optional[torch.Tensor]:
+        """``A·mask`` (``/|o_i|`` for per-sequence means) ``[B, T]`` when TRL 1.16's ``_compute_loss`` sends
+        the policy log-probs a gradient proportional to it, else ``None``. See the module docstring (4)."""
+        per_sequence = _HINTED_LOSS_TYPES.get(self.loss_type)
+        if (
+            per_sequence is None
+            or inputs.get("old_per_token_logps") is not None  # ratio ≠ 1 once the policy has moved
+            or self.beta != 0.0
+            or self.top_entropy_quantile < 1.0
+            or getattr(self, "_entropy_bonus_enabled", True)
+            or self.off_policy_mask_threshold is not None
+            or self.importance_sampling_level != "token"
+            or (self.use_vllm and self.vllm_importance_sampling_correction)
+        ):
+            return None
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        mask = mask.float()
+        advantages = inputs["advantages"].float()
+        hint = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) * mask
+        return hint / mask.sum(-1, keepdim=True).clamp(min=1.0) if per_sequence else hint
 
 
 class _FusedHeadCall:
@@ -89,11 +139,14 @@ class _FusedHeadCall:
     Scores of ignored positions are 0, as in TRL.
     """
 
-    def __init__(self, model, logits_to_keep: int, temperature: float, compute_entropy: bool):
+    def __init__(self, model, logits_to_keep: int, temperature: float, compute_entropy: bool,
+                 grad_hint: Optional[torch.Tensor] = None):
         self.model = model
         self.k = int(logits_to_keep)
         self.temperature = temperature
         self.compute_entropy = compute_entropy
+        self.grad_hint = grad_hint  # [B, k] for the whole batch; TRL calls once per chunk of rows, in order
+        self.row = 0
 
     def __call__(self, *, labels: torch.Tensor, fused_lm_head: bool = True, **model_inputs: Any):
         if not fused_lm_head:  # pragma: no cover - TRL 1.16 always asks for the fused head
@@ -102,6 +155,11 @@ class _FusedHeadCall:
         if k + 1 > labels.size(1):
             raise ValueError(f"logits_to_keep={k} needs at least one prompt token (sequence length {labels.size(1)})")
         shift_labels = F.pad(labels[:, -k:], (0, 1), value=-100)
+        hint = {}
+        if self.grad_hint is not None:
+            rows = slice(self.row, self.row + labels.size(0))
+            hint["grad_hint"] = F.pad(self.grad_hint[rows].to(labels.device), (0, 1))
+            self.row = rows.stop
         out = self.model(
             **model_inputs,
             logits_to_keep=k + 1,
@@ -109,6 +167,7 @@ class _FusedHeadCall:
             fused_output="logprobs",
             temperature=self.temperature,
             return_entropy=self.compute_entropy,
+            **hint,
         )
         aux_loss = getattr(out, "aux_loss", None)
         if model_inputs.get("output_router_logits") and aux_loss is None:
