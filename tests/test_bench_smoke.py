@@ -68,22 +68,25 @@ def test_bench_selection_errors():
     assert [p.kind for p in select_problems("grpo", quick=False)] == ["grpo", "grpo"]
 
 
-def test_one_pass_grpo_peer_matches_float64_and_skips_cross_entropy(tmp_path):
+@pytest.mark.parametrize("peer", ["hf_fused_1pass", "hf_fused_hint"])
+def test_one_pass_grpo_peers_match_float64_and_skip_cross_entropy(tmp_path, peer):
     out = tmp_path / "bench"
-    assert main(["--device", "cpu", "--quick", "--shapes", SHAPES, "--peers", "hf_fused_1pass",
+    assert main(["--device", "cpu", "--quick", "--shapes", SHAPES, "--peers", peer,
                  "--repeats", "1", "--out", str(out), "--no-progress"]) == 0
     recs = _records(json.loads((out / "bench.json").read_text()))
-    assert recs[("ce-128-h64-v1k", "hf_fused_1pass")]["status"] == "n/a"
-    r = recs[("grpo-2x64-h64-v1k", "hf_fused_1pass")]
+    assert recs[("ce-128-h64-v1k", peer)]["status"] == "n/a"
+    r = recs[("grpo-2x64-h64-v1k", peer)]
     assert r["status"] == "ok", r
     # the DAPO loss value at ratio 1 and its gradients, against the float64 logps → dapo_loss → backward
-    for key in ("loss_rel_err", "grad_hidden_rel_err", "grad_weight_rel_err"):
+    keys = ("loss_rel_err", "grad_hidden_rel_err", "grad_weight_rel_err")
+    keys += ("logp_rel_err", "entropy_rel_err") if peer == "hf_fused_hint" else ()
+    for key in keys:
         assert r[key] < 1e-5, (key, r[key])
 
 
 def test_grpo_loss_types_run_against_their_own_float64_reference(tmp_path):
     out = tmp_path / "bench"
-    assert main(["--device", "cpu", "--quick", "--shapes", "grpo-loss-types", "--peers", "hf_fused,hf_fused_1pass",
+    assert main(["--device", "cpu", "--quick", "--shapes", "grpo-loss-types", "--peers", "hf_fused,hf_fused_1pass,hf_fused_hint",
                  "--repeats", "1", "--out", str(out), "--no-progress"]) == 0
     doc = json.loads((out / "bench.json").read_text())
     assert sorted(doc["problems"]) == ["grpo-2x64-h64-v1k-bnpo", "grpo-2x64-h64-v1k-dr_grpo", "grpo-2x64-h64-v1k-grpo"]

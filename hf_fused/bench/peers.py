@@ -326,9 +326,35 @@ class HFFusedOnePassGRPOPeer(HFFusedPeer):
         return surrogate + (at_ratio_one - surrogate).detach(), None, None
 
 
+class HFFusedHintGRPOPeer(HFFusedPeer):
+    """What ``FusedGRPOTrainer`` runs on-policy with a budget holding the fp32 ``[V, H]`` accumulator plus
+    2048 full-vocabulary rows: ``linear_logprobs(grad_hint=A·mask/normalizer, return_entropy=True)``, so
+    the head's gradients come out of the forward's single pass (6·N·H·V); then the problem's own loss on
+    those log-probs, whose backward sends a multiple of the hint and so recomputes nothing. Unlike the
+    token-weights row it returns log-probs and entropy and runs the unchanged loss code."""
+
+    key, label = "hf_fused_hint", "hf_fused (one pass, grad_hint)"
+    rows_per_tile = 2048
+
+    def describe(self):
+        return ("hf_fused.ops.linear_logprobs(hidden, weight, labels, return_entropy=True, grad_hint=A·mask/normalizer, "
+                "tile_budget_bytes=4·V·H + 2048·V·2), then the problem's GRPO loss")
+
+    def unsupported(self, kind, device):
+        return "GRPO problem only (its cross-entropy is the hf_fused rows)" if kind != "grpo" else None
+
+    def logprobs(self, inp):
+        vocab_size, hidden_size = inp.weight.shape
+        budget = vocab_size * hidden_size * 4 + self.rows_per_tile * vocab_size * inp.weight.element_size()
+        return self._lp(
+            inp.hidden, inp.weight, inp.labels, return_entropy=self.with_entropy, tile_budget_bytes=budget,
+            backend=self.backend, grad_hint=token_weights_at_ratio_one(inp.mask, inp.advantages, inp.loss_type),
+        )
+
+
 #: Every adapter, in table order.
 ALL_PEERS = [EagerPeer, LigerPeer, LigerGRPOPeer, CCEPeer, CCEExactPeer, TRLPeer, TorchPeer, HFFusedPeer,
-             HFFusedSmallTilesPeer, HFFusedLargeBudgetPeer, HFFusedOnePassGRPOPeer]
+             HFFusedSmallTilesPeer, HFFusedLargeBudgetPeer, HFFusedOnePassGRPOPeer, HFFusedHintGRPOPeer]
 #: Run when ``--peers`` is not given (``cce_exact`` only on request).
 DEFAULT_PEERS = [p.key for p in ALL_PEERS if p.key != "cce_exact"]
 
