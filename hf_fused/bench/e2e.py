@@ -35,6 +35,9 @@ returns (``prompt_ids``, ``prompt_mask``, ``completion_ids``, ``completion_mask`
 ``--grpo-completion-len`` completion tokens, every token valid, loss ``dapo``, beta 0, one iteration
 per generation (so, as in TRL, there is no ``old_per_token_logps``: the loss uses the detached current
 log-probs). Reports the median fwd+bwd time of the timed steps (no optimizer step) and the peak memory.
+Variants: ``trl``, ``hf_fused`` (default budget) and ``hf_fused_one_pass`` (``fused_options`` with a
+``tile_budget_bytes`` holding the fp32 ``[V, H]`` accumulator + 2048 vocabulary rows, so the on-policy
+``grad_hint`` gives the head's gradients in the forward pass).
 
 Writes ``DIR/e2e.json`` after every run (a command cut short keeps what it measured) and
 ``DIR/e2e.txt`` (the table printed last). ``--time-budget`` (seconds since start) skips the runs that
@@ -65,7 +68,7 @@ import torch
 
 SFT_VARIANTS = ("plain", "liger", "hf_fused")
 ALL_SFT_VARIANTS = SFT_VARIANTS + ("liger_flce",)
-GRPO_VARIANTS = ("trl", "hf_fused")
+GRPO_VARIANTS = ("trl", "hf_fused", "hf_fused_one_pass")
 GIB = 2**30
 
 # Qwen3-1.7B and Qwen3-0.6B shapes (random init; only the shapes matter here).
@@ -381,8 +384,13 @@ def build_grpo_trainer(variant: str, model, out_dir: str, args, device: torch.de
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    if variant == "hf_fused":
+    extra = {}
+    if variant.startswith("hf_fused"):
         from hf_fused import FusedGRPOTrainer as cls
+
+        if variant == "hf_fused_one_pass":  # room for the fp32 [V, H] accumulator + 2048 vocabulary rows
+            v, h = model.get_output_embeddings().weight.shape
+            extra["fused_options"] = {"tile_budget_bytes": v * h * 4 + 2048 * v * 2}
     else:
         cls = GRPOTrainer
     g = args.grpo_completions
@@ -406,7 +414,7 @@ def build_grpo_trainer(variant: str, model, out_dir: str, args, device: torch.de
         **checkpointing_kwargs(GRPOConfig),
     )
     return cls(model=model, reward_funcs=constant_reward, args=cfg, processing_class=word_tokenizer(),
-               train_dataset=Dataset.from_dict({"prompt": ["the red cat"] * g}))
+               train_dataset=Dataset.from_dict({"prompt": ["the red cat"] * g}), **extra)
 
 
 def grpo_inputs(args, vocab_size: int, device: torch.device) -> dict:
