@@ -155,8 +155,10 @@ def test_bad_hints_raise_clear_errors():
 
 @pytest.mark.gpu
 def test_hint_on_gpu_bf16_matches_the_recompute_path():
-    """bf16 on the GPU: the one-pass gradients (hint) against the recompute path's on the same inputs,
-    both against float64 — the hint changes which pass computes dz, not how it is rounded."""
+    """bf16 on the GPU: the one-pass path (hint) against the recompute path on the same inputs, both
+    against float64. Their logits tiles have different shapes (whole vocabulary rows vs vocabulary
+    chunks), so cuBLAS may round a logit to bf16 differently: each output's error is pinned to the
+    recompute path's own, not bit-equality (measured: entropy differed by more than 1e-6 relative)."""
     n, h, v = 4096, 1024, 32000
     gen = torch.Generator().manual_seed(0)
     hid = torch.randn(n, h, generator=gen).cuda().bfloat16().requires_grad_()
@@ -172,10 +174,8 @@ def test_hint_on_gpu_bf16_matches_the_recompute_path():
         (lp * hint * 0.5).sum().backward()
         results.append((lp.detach(), ent.detach(), hid.grad.clone(), w.grad.clone()))
     h64, w64 = hid.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    ref_lp, _ = dense_logprobs(h64, w64, y)
+    ref_lp, ref_ent = dense_logprobs(h64, w64, y)
     (ref_lp * hint.double() * 0.5).sum().backward()
     (lp1, ent1, dh1, dw1), (lp2, ent2, dh2, dw2) = results
-    assert torch.equal(lp1, lp2) or rel_err(lp1, lp2) <= 1e-6
-    assert rel_err(ent1, ent2) <= 1e-6
-    for ours, theirs, ref in ((dh1, dh2, h64.grad), (dw1, dw2, w64.grad)):
+    for ours, theirs, ref in ((lp1, lp2, ref_lp), (ent1, ent2, ref_ent), (dh1, dh2, h64.grad), (dw1, dw2, w64.grad)):
         assert rel_err(ours, ref) <= 1.1 * rel_err(theirs, ref) + 1e-6, (rel_err(ours, ref), rel_err(theirs, ref))
