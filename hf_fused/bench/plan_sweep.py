@@ -7,6 +7,10 @@ GEMMs of one vocabulary chunk alone (logits ``z = h·W_cᵀ``, the fp32 hidden-s
 GEMMs (Triton epilogues, launches) and each GEMM's rate at that chunk width can be read off one table.
 Shapes name the kept (non-ignored) rows M directly: ``ce:M:H:V`` (cross-entropy) or ``lp:M:H:V``
 (log-probs + entropy, backward with both upstream gradients, as GRPO runs it).
+
+``--one-pass-shapes M:H:V,...`` times the one-pass path instead (``linear_logprobs`` with a matching
+``grad_hint``) at forced rows per tile, with each of its per-tile steps alone: the logits GEMM, the
+statistics and gradient kernels, the ``dh`` GEMM and the fp32 ``dW`` accumulation.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ..ops import linear_cross_entropy, linear_logprobs
+from ..ops import LogitTransform, linear_cross_entropy, linear_logprobs
 from ..ops.backends.triton_cublas import TritonCublasBackend, _addmm_f32_
 from .measure import median_ms
 
@@ -41,6 +45,17 @@ def _step(kind, hidden, weight, labels, g_lp, g_ent, budget):
     else:
         logp, ent = linear_logprobs(hidden, weight, labels, return_entropy=True, tile_budget_bytes=budget)
         torch.autograd.backward([logp, ent], [g_lp, g_ent])
+
+
+def _peak_gib(fn, device) -> float:
+    """Run ``fn`` twice (warm-up, then measured); GiB allocated above the start at the second's peak."""
+    fn()
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**30
 
 
 def _forced_plan(plan):
@@ -70,6 +85,75 @@ def _gemm_ms(m, h, cols, device, repeats):
     return out
 
 
+def _one_pass_rows_forced(rows):
+    original = TritonCublasBackend.__dict__["_one_pass_rows"]
+    TritonCublasBackend._one_pass_rows = staticmethod(lambda *a, **k: rows)
+    return original
+
+
+def _one_pass_parts_ms(rows, h, v, device, repeats):
+    """Median ms of each per-tile step of the one-pass path on one ``[rows, V]`` tile."""
+    backend = TritonCublasBackend()
+    a = torch.randn(rows, h, device=device, dtype=torch.bfloat16)
+    w = torch.randn(v, h, device=device, dtype=torch.bfloat16) * (4.0 / h**0.5)
+    y = torch.randint(0, v, (rows,), device=device)
+    tile = torch.empty(rows, v, device=device, dtype=torch.bfloat16)
+    dh = torch.empty(rows, h, device=device, dtype=torch.bfloat16)
+    acc = torch.zeros(v, h, device=device, dtype=torch.float32)
+    g = torch.randn(rows, device=device)
+    scalars = backend._scalars(LogitTransform(), None)
+    stats = backend._new_stats(rows, device)
+    torch.mm(a, w.t(), out=tile)
+    backend._stats(tile, 0, None, y, stats, scalars, True)
+    lse = stats[0] + stats[1].log()
+    fns = {
+        "z": lambda: torch.mm(a, w.t(), out=tile),
+        "stats": lambda: backend._stats(tile, 0, None, y, backend._new_stats(rows, device), scalars, True),
+        "grad": lambda: backend._grad(tile, 0, None, y, lse, lse, g, lse, scalars, True, False),
+        "dh": lambda: torch.mm(tile, w, out=dh),
+        "dW": lambda: _addmm_f32_(acc, tile.t(), a),
+    }
+    out = {}
+    for name, fn in fns.items():
+        fn()
+        out[name] = median_ms(fn, device, repeats)[0]
+    return out
+
+
+def one_pass_sweep(specs: str, rows_list: list[int], device, repeats) -> list[tuple]:
+    out = []
+    for spec in specs.split(","):
+        m, h, v = map(int, spec.split(":"))
+        hidden, weight, labels, _, _ = _inputs("lp", m, h, v, device)
+        hint = torch.randn(m, device=device)
+        for rows in rows_list:
+            original = _one_pass_rows_forced(rows)
+            try:
+                def fn():
+                    hidden.grad = weight.grad = None
+                    logp, _ = linear_logprobs(hidden, weight, labels, return_entropy=True, grad_hint=hint)
+                    logp.backward(hint)
+
+                peak = _peak_gib(fn, device)
+                ms = median_ms(fn, device, repeats)[0]
+            finally:
+                TritonCublasBackend._one_pass_rows = original
+            parts = _one_pass_parts_ms(rows, h, v, device, repeats)
+            tiles = math.ceil(m / rows)
+            out.append((spec, rows, ms, 6 * m * h * v / ms / 1e9, peak,
+                        *(tiles * parts[k] for k in ("z", "stats", "grad", "dh", "dW"))))
+            print(out[-1], flush=True)
+        del hidden, weight
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"\n{'one pass M:H:V':22s} {'rows':>5s} {'ms':>7s} {'TF/s':>5s} {'GiB':>5s} | summed over tiles, ms: "
+          f"{'z':>6s} {'stats':>6s} {'grad':>6s} {'dh':>6s} {'dW+=':>6s} {'sum':>6s}")
+    for r in out:
+        print(f"{r[0]:22s} {r[1]:5d} {r[2]:7.2f} {r[3]:5.0f} {r[4]:5.2f} |                        "
+              f"{r[5]:6.2f} {r[6]:6.2f} {r[7]:6.2f} {r[8]:6.2f} {r[9]:6.2f} {sum(r[5:10]):6.2f}")
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_fused.bench.plan_sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -78,8 +162,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="chunk widths to force (rows per block = M), besides the default plan and 'split2'")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--budget", type=int, default=None, help="tile_budget_bytes for the default plan")
+    parser.add_argument("--one-pass-shapes", default=None, help="M:H:V,... : sweep the one-pass path instead")
+    parser.add_argument("--one-pass-rows", default="1024,2048,4096", help="rows per tile for --one-pass-shapes")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.one_pass_shapes:
+        one_pass_sweep(args.one_pass_shapes, [int(r) for r in args.one_pass_rows.split(",")], device, args.repeats)
+        return 0
     rows = []
     for spec in args.shapes.split(","):
         kind, m, h, v = spec.split(":")
@@ -94,13 +183,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             original = _forced_plan(plan)
             try:
                 fn = lambda: _step(kind, hidden, weight, labels, g_lp, g_ent, args.budget)  # noqa: E731
-                fn()
-                peak = float("nan")
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                    base = torch.cuda.memory_allocated(device)
-                    fn()
-                    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+                peak = _peak_gib(fn, device)
                 ms = median_ms(fn, device, args.repeats)[0]
             finally:
                 TritonCublasBackend._plan = original
