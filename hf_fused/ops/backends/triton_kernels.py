@@ -2,9 +2,10 @@
 
 ``stats_kernel`` folds a chunk into running per-row statistics (online log-sum-exp, the label logit,
 and Σ p·z for the entropy); ``grad_kernel`` turns a chunk into the logits-gradient ``dz`` that the two
-gradient matmuls consume. Both apply the logit transform (bias, scale, soft-cap, temperature) on the
-fly, so raw matmul output is read once per kernel. One program per row, streaming the row in
-``BLOCK_V`` column blocks. Runs on CPU tensors under ``TRITON_INTERPRET=1`` (used by CI).
+gradient matmuls consume; ``stats_grad_kernel`` does both on whole-vocabulary rows in one launch (the
+one-pass path). All apply the logit transform (bias, scale, soft-cap, temperature) on the fly, so raw
+matmul output is read once per pass, streaming each row in ``BLOCK_V`` column blocks. Runs on CPU
+tensors under ``TRITON_INTERPRET=1`` (used by CI).
 
 Measured on an H200 (docs/gpu_results.md): these kernels are bound by instructions per logit, not by
 memory. A statistics kernel with a reduction per column block, or one program per block followed by a
@@ -48,22 +49,14 @@ def _load_logits(z_row, cols, mask, Bias, col_offset, logit_scale, softcap, inv_
 
 
 @triton.jit
-def stats_kernel(
-    Z, stride_z, n_cols, col_offset,
-    Bias, Labels, M, S, T, ZY,
-    logit_scale, softcap, inv_temperature,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, ENTROPY: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    """Per row r: update the running max ``M[r]`` (starts at −inf), Σexp(z−M) ``S[r]`` and Σexp(z−M)·z
-    ``T[r]`` (start at 0); set ``ZY[r]`` to the transformed logit of ``Labels[r]`` if it falls in this
-    chunk's columns ``[col_offset, col_offset + n_cols)``.
+def _row_lanes(z_row, n_cols, col_offset, Bias, logit_scale, softcap, inv_temperature,
+               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, ENTROPY: tl.constexpr,
+               BLOCK_V: tl.constexpr):
+    """One row's columns folded into per-lane (running max, Σexp(z−m), Σexp(z−m)·z), ``[BLOCK_V]`` each.
 
-    Each lane keeps its own running max ``m`` and sums and rescales only when its max grows: with ``e = exp(−|z − m|)``, ``s ← s·e + 1`` if ``z > m`` else ``s + e`` (one
-    exponential per logit, no cross-lane reduction until the end); full column blocks are read
-    without masks; the label's logit is one scalar load instead of a compare per logit."""
-    row = tl.program_id(0).to(tl.int64)
-    z_row = Z + row * stride_z
+    Each lane keeps its own running max ``m`` and sums and rescales only when its max grows: with
+    ``e = exp(−|z − m|)``, ``s ← s·e + 1`` if ``z > m`` else ``s + e`` (one exponential per logit, no
+    cross-lane reduction until the end); full column blocks are read without masks."""
     m_lane = tl.full([BLOCK_V], _NO_MAX, tl.float32)
     s_lane = tl.zeros([BLOCK_V], tl.float32)
     t_lane = tl.zeros([BLOCK_V], tl.float32)
@@ -85,43 +78,28 @@ def stats_kernel(
         if ENTROPY:  # Σ exp(z − m)·z; masked columns add e·_NO_MAX with e = 0
             t_lane = tl.where(grows, t_lane * e + z, t_lane + tl.where(e > 0.0, e * z, 0.0))
         m_lane = tl.maximum(m_lane, z)
-    m_old = tl.load(M + row)
-    m = tl.maximum(m_old, tl.max(m_lane, axis=0))
-    w = tl.exp(m_lane - m)
-    alpha = tl.exp(m_old - m)
-    tl.store(M + row, m)
-    tl.store(S + row, tl.load(S + row) * alpha + tl.sum(s_lane * w, axis=0))
-    if ENTROPY:
-        tl.store(T + row, tl.load(T + row) * alpha + tl.sum(t_lane * w, axis=0))
-    label = tl.load(Labels + row)
-    if (label >= col_offset) & (label < col_offset + n_cols):
-        raw_y = tl.load(z_row + (label - col_offset)).to(tl.float32)
-        if HAS_BIAS:
-            raw_y += tl.load(Bias + label).to(tl.float32)
-        z_y, _ = _transform(raw_y, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
-        tl.store(ZY + row, z_y)
+    return m_lane, s_lane, t_lane
 
 
 @triton.jit
-def grad_kernel(
-    Z, stride_z, DZ, stride_dz, n_cols, col_offset,
-    Bias, Labels, LSE, ENT, G_LP, G_ENT,
-    logit_scale, softcap, inv_temperature,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, HAS_G_LP: tl.constexpr,
-    HAS_G_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """``dz = ∂L/∂raw`` for one chunk, one program per row: with ``logp = z − lse``, ``p = exp(logp)``:
+def _label_logit(z_row, label, col_offset, Bias, logit_scale, softcap, inv_temperature,
+                 HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr):
+    """The transformed logit of column ``label`` (one scalar load instead of a compare per logit)."""
+    raw_y = tl.load(z_row + (label - col_offset)).to(tl.float32)
+    if HAS_BIAS:
+        raw_y += tl.load(Bias + label).to(tl.float32)
+    z_y, _ = _transform(raw_y, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
+    return z_y
+
+
+@triton.jit
+def _row_grad(z_row, dz_row, n_cols, col_offset, Bias, label, lse, ent, g_lp, g_ent,
+              logit_scale, softcap, inv_temperature,
+              HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, HAS_G_LP: tl.constexpr,
+              HAS_G_ENT: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One row's ``dz = ∂L/∂raw``: with ``logp = z − lse``, ``p = exp(logp)``:
     ``∂L/∂z_c = g_lp·(1[c=y] − p_c) − g_ent·p_c·(logp_c + H)``, then × 1/temperature, × (1 − tanh²) for the
-    soft-cap, × logit_scale. ``DZ`` may alias ``Z``."""
-    row = tl.program_id(0).to(tl.int64)
-    z_row = Z + row * stride_z
-    dz_row = DZ + row * stride_dz
-    lse = tl.load(LSE + row)
-    label = tl.load(Labels + row)
-    # G_LP, G_ENT and ENT are always valid pointers (zeros when a gradient is absent)
-    g_lp = tl.load(G_LP + row)
-    g_ent = tl.load(G_ENT + row)
-    ent = tl.load(ENT + row)
+    soft-cap, × logit_scale. ``dz_row`` may alias ``z_row``."""
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
@@ -140,4 +118,82 @@ def grad_kernel(
             dz = dz * (1.0 - th * th)
         if SCALED:
             dz = dz * logit_scale
-        tl.store(dz_row + cols, dz.to(DZ.dtype.element_ty), mask=mask)
+        tl.store(dz_row + cols, dz.to(dz_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def stats_kernel(
+    Z, stride_z, n_cols, col_offset,
+    Bias, Labels, M, S, T, ZY,
+    logit_scale, softcap, inv_temperature,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Per row r (one program each): update the running max ``M[r]`` (starts at −inf), Σexp(z−M) ``S[r]``
+    and Σexp(z−M)·z ``T[r]`` (start at 0); set ``ZY[r]`` to the transformed logit of ``Labels[r]`` if it
+    falls in this chunk's columns ``[col_offset, col_offset + n_cols)``."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = Z + row * stride_z
+    m_lane, s_lane, t_lane = _row_lanes(z_row, n_cols, col_offset, Bias, logit_scale, softcap, inv_temperature,
+                                        HAS_BIAS, SOFTCAP, SCALED, ENTROPY, BLOCK_V)
+    m_old = tl.load(M + row)
+    m = tl.maximum(m_old, tl.max(m_lane, axis=0))
+    w = tl.exp(m_lane - m)
+    alpha = tl.exp(m_old - m)
+    tl.store(M + row, m)
+    tl.store(S + row, tl.load(S + row) * alpha + tl.sum(s_lane * w, axis=0))
+    if ENTROPY:
+        tl.store(T + row, tl.load(T + row) * alpha + tl.sum(t_lane * w, axis=0))
+    label = tl.load(Labels + row)
+    if (label >= col_offset) & (label < col_offset + n_cols):
+        tl.store(ZY + row, _label_logit(z_row, label, col_offset, Bias, logit_scale, softcap, inv_temperature,
+                                        HAS_BIAS, SOFTCAP, SCALED))
+
+
+@triton.jit
+def grad_kernel(
+    Z, stride_z, DZ, stride_dz, n_cols, col_offset,
+    Bias, Labels, LSE, ENT, G_LP, G_ENT,
+    logit_scale, softcap, inv_temperature,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, HAS_G_LP: tl.constexpr,
+    HAS_G_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """``dz`` for one chunk (see ``_row_grad``), one program per row. ``DZ`` may alias ``Z``.
+    G_LP, G_ENT and ENT are always valid pointers (zeros when a gradient is absent)."""
+    row = tl.program_id(0).to(tl.int64)
+    _row_grad(Z + row * stride_z, DZ + row * stride_dz, n_cols, col_offset, Bias, tl.load(Labels + row),
+              tl.load(LSE + row), tl.load(ENT + row), tl.load(G_LP + row), tl.load(G_ENT + row),
+              logit_scale, softcap, inv_temperature, HAS_BIAS, SOFTCAP, SCALED, HAS_G_LP, HAS_G_ENT, BLOCK_V)
+
+
+@triton.jit
+def stats_grad_kernel(
+    Z, stride_z, n_rows, n_cols,
+    Bias, Labels, M, S, T, ZY, G_LP,
+    logit_scale, softcap, inv_temperature,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Whole-vocabulary rows (the one-pass path): each row's statistics (``M``, ``S``, ``T``, ``ZY`` as
+    ``stats_kernel`` leaves them from scratch), then its ``dz = g·(1[c=y] − p_c)`` (× the transform's
+    derivative) in place of ``Z``, in one launch. Persistent: a grid of a few programs per
+    multiprocessor walks the rows ``pid, pid + grid, …``, so the rows being read a second time (a
+    ``[V]`` bf16 row is 0.3 MB) are few enough to still be in L2."""
+    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        row = r + tl.zeros([], tl.int64)  # int64 offsets (also under the interpreter, where r is an int)
+        z_row = Z + row * stride_z
+        m_lane, s_lane, t_lane = _row_lanes(z_row, n_cols, 0, Bias, logit_scale, softcap, inv_temperature,
+                                            HAS_BIAS, SOFTCAP, SCALED, ENTROPY, BLOCK_V)
+        m = tl.max(m_lane, axis=0)
+        w = tl.exp(m_lane - m)
+        s = tl.sum(s_lane * w, axis=0)
+        label = tl.load(Labels + row)
+        tl.store(M + row, m)
+        tl.store(S + row, s)
+        if ENTROPY:
+            tl.store(T + row, tl.sum(t_lane * w, axis=0))
+        tl.store(ZY + row, _label_logit(z_row, label, 0, Bias, logit_scale, softcap, inv_temperature,
+                                        HAS_BIAS, SOFTCAP, SCALED))
+        lse = m + tl.log(s)
+        _row_grad(z_row, z_row, n_cols, 0, Bias, label, lse, lse, tl.load(G_LP + row), lse,
+                  logit_scale, softcap, inv_temperature, HAS_BIAS, SOFTCAP, SCALED, True, False, BLOCK_V)
