@@ -22,7 +22,6 @@ from typing import Optional
 import torch
 
 from ..ops import LogitTransform, linear_cross_entropy, linear_logprobs
-from ..ops.backends import triton_cublas
 from ..ops.backends.triton_cublas import TritonCublasBackend, _addmm_f32_
 from .measure import median_ms
 
@@ -111,7 +110,6 @@ def _one_pass_parts_ms(rows, h, v, device, repeats):
         "z": lambda: torch.mm(a, w.t(), out=tile),
         "stats": lambda: backend._stats(tile, 0, None, y, backend._new_stats(rows, device), scalars, True),
         "grad": lambda: backend._grad(tile, 0, None, y, lse, lse, g, lse, scalars, True, False),
-        "stats_grad": lambda: backend._stats_grad(tile, None, y, backend._new_stats(rows, device), g, scalars, True),
         "dh": lambda: torch.mm(tile, w, out=dh),
         "dW": lambda: _addmm_f32_(acc, tile.t(), a),
     }
@@ -122,14 +120,13 @@ def _one_pass_parts_ms(rows, h, v, device, repeats):
     return out
 
 
-def one_pass_sweep(specs: str, rows_list: list[int], device, repeats, fused_configs=(None,)) -> list[tuple]:
+def one_pass_sweep(specs: str, rows_list: list[int], device, repeats) -> list[tuple]:
     out = []
     for spec in specs.split(","):
         m, h, v = map(int, spec.split(":"))
         hidden, weight, labels, _, _ = _inputs("lp", m, h, v, device)
         hint = torch.randn(m, device=device)
-        for rows, fused in [(r, f) for r in rows_list for f in fused_configs]:
-            triton_cublas._FUSED_ROW_PASS = fused
+        for rows in rows_list:
             original = _one_pass_rows_forced(rows)
             try:
                 def fn():
@@ -143,18 +140,17 @@ def one_pass_sweep(specs: str, rows_list: list[int], device, repeats, fused_conf
                 TritonCublasBackend._one_pass_rows = original
             parts = _one_pass_parts_ms(rows, h, v, device, repeats)
             tiles = math.ceil(m / rows)
-            label = "two kernels" if fused is None else "fused " + ":".join(map(str, fused))
             out.append((spec, rows, ms, 6 * m * h * v / ms / 1e9, peak,
-                        *(tiles * parts[k] for k in ("z", "stats", "grad", "dh", "dW", "stats_grad")), label))
+                        *(tiles * parts[k] for k in ("z", "stats", "grad", "dh", "dW"))))
             print(out[-1], flush=True)
         del hidden, weight
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print(f"\n{'one pass M:H:V':22s} {'rows':>5s} {'stats+grad launch':18s} {'ms':>7s} {'TF/s':>5s} {'GiB':>5s} | "
-          f"summed over tiles, ms: {'z':>6s} {'stats':>6s} {'grad':>6s} {'dh':>6s} {'dW+=':>6s} {'fused':>6s}")
+    print(f"\n{'one pass M:H:V':22s} {'rows':>5s} {'ms':>7s} {'TF/s':>5s} {'GiB':>5s} | summed over tiles, ms: "
+          f"{'z':>6s} {'stats':>6s} {'grad':>6s} {'dh':>6s} {'dW+=':>6s} {'sum':>6s}")
     for r in out:
-        print(f"{r[0]:22s} {r[1]:5d} {r[11]:18s} {r[2]:7.2f} {r[3]:5.0f} {r[4]:5.2f} |                        "
-              f"{r[5]:6.2f} {r[6]:6.2f} {r[7]:6.2f} {r[8]:6.2f} {r[9]:6.2f} {r[10]:6.2f}")
+        print(f"{r[0]:22s} {r[1]:5d} {r[2]:7.2f} {r[3]:5.0f} {r[4]:5.2f} |                        "
+              f"{r[5]:6.2f} {r[6]:6.2f} {r[7]:6.2f} {r[8]:6.2f} {r[9]:6.2f} {sum(r[5:10]):6.2f}")
     return out
 
 
@@ -168,17 +164,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--budget", type=int, default=None, help="tile_budget_bytes for the default plan")
     parser.add_argument("--one-pass-shapes", default=None, help="M:H:V,... : sweep the one-pass path instead")
     parser.add_argument("--one-pass-rows", default="1024,2048,4096", help="rows per tile for --one-pass-shapes")
-    parser.add_argument("--fused-configs", default=None,
-                        help="stats_grad_kernel launches to compare, BLOCK_V:warps:programs-per-SM or 'none' (two "
-                             "kernels), comma-separated (default: the backend's)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.one_pass_shapes:
-        fused = [triton_cublas._FUSED_ROW_PASS]
-        if args.fused_configs:
-            fused = [None if c == "none" else tuple(map(int, c.split(":"))) for c in args.fused_configs.split(",")]
-        one_pass_sweep(args.one_pass_shapes, [int(r) for r in args.one_pass_rows.split(",")], device, args.repeats,
-                       fused)
+        one_pass_sweep(args.one_pass_shapes, [int(r) for r in args.one_pass_rows.split(",")], device, args.repeats)
         return 0
     rows = []
     for spec in args.shapes.split(","):

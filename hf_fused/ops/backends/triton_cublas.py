@@ -34,9 +34,6 @@ _MIN_COLS = 2048
 _STATS_BLOCK_V, _STATS_WARPS = 512, 2
 _GRAD_BLOCK_V, _GRAD_WARPS = 2048, 8
 _MIN_ONE_PASS_ROWS = 512  # below this, the dW accumulation GEMM (K = rows) runs far from peak
-# The one-pass path's fused statistics + gradient launch (stats_grad_kernel): column block, warps, and
-# programs per multiprocessor of its persistent grid; None runs the two kernels instead.
-_FUSED_ROW_PASS: Optional[tuple[int, int, int]] = (2048, 8, 1)
 
 
 def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -45,12 +42,6 @@ def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
         acc.addmm_(a.float(), b.float())
-
-
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: any small grid exercises the persistent loop
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class TritonCublasBackend:
@@ -115,21 +106,6 @@ class TritonCublasBackend:
             z, z.stride(0), z, z.stride(0), z.shape[1], col_offset, bias if bias is not None else lse, labels,
             lse, ent, g_lp, g_ent, HAS_G_LP=has_g_lp, HAS_G_ENT=has_g_ent, BLOCK_V=_GRAD_BLOCK_V,
             num_warps=_GRAD_WARPS, **scalars,
-        )
-
-    def _stats_grad(self, z, bias, labels, stats, g_lp, scalars, return_entropy):
-        """Whole-vocabulary rows: ``stats`` from scratch, then ``dz`` for the upstream ``g_lp`` in place
-        of the logits (``stats_grad_kernel``, or the two kernels when ``_FUSED_ROW_PASS`` is None)."""
-        if _FUSED_ROW_PASS is None:
-            self._stats(z, 0, bias, labels, stats, scalars, return_entropy)
-            lse = stats[0] + stats[1].log()
-            self._grad(z, 0, bias, labels, lse, lse, g_lp, lse, scalars, True, False)
-            return
-        block_v, warps, per_sm = _FUSED_ROW_PASS
-        programs = min(z.shape[0], per_sm * _multiprocessors(z.device))
-        self.kernels.stats_grad_kernel[(programs,)](
-            z, z.stride(0), z.shape[0], z.shape[1], bias if bias is not None else labels, labels, *stats, g_lp,
-            ENTROPY=return_entropy, BLOCK_V=block_v, num_warps=warps, **scalars,
         )
 
     @staticmethod
@@ -283,11 +259,11 @@ class TritonCublasBackend:
             r1 = min(r0 + block_rows, m_rows)
             dz = torch.mm(h[r0:r1], weight.t(), out=tile_buf[: r1 - r0])
             row_stats = tuple(t[r0:r1] for t in stats)
+            self._stats(dz, 0, bias, y[r0:r1], row_stats, scalars, return_entropy)
             if not need_grad:
-                self._stats(dz, 0, bias, y[r0:r1], row_stats, scalars, return_entropy)
                 continue
-            # dz = g·∂logp/∂z, in place of the logits
-            self._stats_grad(dz, bias, y[r0:r1], row_stats, g_lp[r0:r1], scalars, return_entropy)
+            lse = row_stats[0] + row_stats[1].log()  # dz = g·∂logp/∂z, in place of the logits
+            self._grad(dz, 0, bias, y[r0:r1], lse, lse, g_lp[r0:r1], lse, scalars, True, False)
             if d_hidden is not None:  # each row's dh is complete within its tile
                 torch.mm(dz, weight, out=d_hidden[r0:r1])
             if d_weight32 is not None:

@@ -2,15 +2,16 @@
 
 ``stats_kernel`` folds a chunk into running per-row statistics (online log-sum-exp, the label logit,
 and Σ p·z for the entropy); ``grad_kernel`` turns a chunk into the logits-gradient ``dz`` that the two
-gradient matmuls consume; ``stats_grad_kernel`` does both on whole-vocabulary rows in one launch (the
-one-pass path). All apply the logit transform (bias, scale, soft-cap, temperature) on the fly, so raw
-matmul output is read once per pass, streaming each row in ``BLOCK_V`` column blocks. Runs on CPU
-tensors under ``TRITON_INTERPRET=1`` (used by CI).
+gradient matmuls consume. Both apply the logit transform (bias, scale, soft-cap, temperature) on the
+fly, so raw matmul output is read once per kernel. One program per row, streaming the row in
+``BLOCK_V`` column blocks. Runs on CPU tensors under ``TRITON_INTERPRET=1`` (used by CI).
 
 Measured on an H200 (docs/gpu_results.md): these kernels are bound by instructions per logit, not by
 memory. A statistics kernel with a reduction per column block, or one program per block followed by a
 combine, read 1.1–1.5 TB/s; keeping the online log-sum-exp per lane with one exponential per logit
-(below) reads 2.0–2.3 TB/s.
+(below) reads 2.0–2.3 TB/s. Fusing the two for whole-vocabulary rows (statistics, then ``dz`` from a
+second read of the row, in one persistent launch meant to find that row still in L2) was no faster on
+an H100 in any launch shape tried (10.8 ms for the two kernels vs 11.0–23.5 ms fused, docs/gpu_results.md).
 """
 
 from __future__ import annotations
@@ -164,36 +165,3 @@ def grad_kernel(
     _row_grad(Z + row * stride_z, DZ + row * stride_dz, n_cols, col_offset, Bias, tl.load(Labels + row),
               tl.load(LSE + row), tl.load(ENT + row), tl.load(G_LP + row), tl.load(G_ENT + row),
               logit_scale, softcap, inv_temperature, HAS_BIAS, SOFTCAP, SCALED, HAS_G_LP, HAS_G_ENT, BLOCK_V)
-
-
-@triton.jit
-def stats_grad_kernel(
-    Z, stride_z, n_rows, n_cols,
-    Bias, Labels, M, S, T, ZY, G_LP,
-    logit_scale, softcap, inv_temperature,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, ENTROPY: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    """Whole-vocabulary rows (the one-pass path): each row's statistics (``M``, ``S``, ``T``, ``ZY`` as
-    ``stats_kernel`` leaves them from scratch), then its ``dz = g·(1[c=y] − p_c)`` (× the transform's
-    derivative) in place of ``Z``, in one launch. Persistent: a grid of a few programs per
-    multiprocessor walks the rows ``pid, pid + grid, …``, so the rows being read a second time (a
-    ``[V]`` bf16 row is 0.3 MB) are few enough to still be in L2."""
-    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-        row = r + tl.zeros([], tl.int64)  # int64 offsets (also under the interpreter, where r is an int)
-        z_row = Z + row * stride_z
-        m_lane, s_lane, t_lane = _row_lanes(z_row, n_cols, 0, Bias, logit_scale, softcap, inv_temperature,
-                                            HAS_BIAS, SOFTCAP, SCALED, ENTROPY, BLOCK_V)
-        m = tl.max(m_lane, axis=0)
-        w = tl.exp(m_lane - m)
-        s = tl.sum(s_lane * w, axis=0)
-        label = tl.load(Labels + row)
-        tl.store(M + row, m)
-        tl.store(S + row, s)
-        if ENTROPY:
-            tl.store(T + row, tl.sum(t_lane * w, axis=0))
-        tl.store(ZY + row, _label_logit(z_row, label, 0, Bias, logit_scale, softcap, inv_temperature,
-                                        HAS_BIAS, SOFTCAP, SCALED))
-        lse = m + tl.log(s)
-        _row_grad(z_row, z_row, n_cols, 0, Bias, label, lse, lse, tl.load(G_LP + row), lse,
-                  logit_scale, softcap, inv_temperature, HAS_BIAS, SOFTCAP, SCALED, True, False, BLOCK_V)
