@@ -141,8 +141,18 @@ def test_cases_exercise_the_branches(tmp_path):
     assert onp.metrics["clip_ratio/region_mean"][0] == 0
 
 
+def _step_counting_backend_calls(case, tmp_path, monkeypatch):
+    """One ``run_step`` of FusedGRPOTrainer, counting the torch backend's one-pass forwards that compute
+    gradients and its recompute backwards."""
+    if DEVICE != "cpu":
+        pytest.skip("counts the CPU backend's calls")
+    calls = _backend_calls(monkeypatch)
+    trainer = build_trainer(FusedGRPOTrainer, case, tmp_path)
+    run_step(trainer, case)
+    return calls, trainer
+
+
 def _backend_calls(monkeypatch):
-    """Count the torch backend's one-pass forwards and recompute backwards."""
     from hf_fused.ops import get_backend
 
     backend = get_backend(torch.device("cpu"), "torch")
@@ -151,7 +161,8 @@ def _backend_calls(monkeypatch):
         original = getattr(backend, name)
 
         def counted(*args, _name=name, _original=original, **kwargs):
-            calls[_name] += 1
+            if _name == "logprobs_backward" or any(args[-3:]):  # one-pass calls that compute gradients
+                calls[_name] += 1
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(backend, name, counted)
@@ -163,12 +174,7 @@ def _backend_calls(monkeypatch):
 def test_grad_hint_gives_the_head_gradients_in_the_forward(name, tmp_path, monkeypatch):
     """On-policy without KL/entropy terms: every policy forward takes the hinted one pass and no backward
     recomputes (a wrong hint would warn, which the test configuration turns into an error)."""
-    if DEVICE != "cpu":
-        pytest.skip("counts the CPU backend's calls")
-    case = CASES[name]
-    calls = _backend_calls(monkeypatch)
-    trainer = build_trainer(FusedGRPOTrainer, case, tmp_path)
-    run_step(trainer, case)
+    calls, trainer = _step_counting_backend_calls(CASES[name], tmp_path, monkeypatch)
     assert calls["logprobs_with_grads"] == trainer.args.steps_per_generation
     assert calls["logprobs_backward"] == 0
 
@@ -177,12 +183,7 @@ def test_grad_hint_gives_the_head_gradients_in_the_forward(name, tmp_path, monke
                                   "entropy_bonus-top_entropy-grpo", "num_iterations", "opsm-sampling",
                                   "is-token_mask", "grpo-sequence"])
 def test_no_grad_hint_where_the_loss_gradient_is_not_known_before_the_forward(name, tmp_path, monkeypatch):
-    if DEVICE != "cpu":
-        pytest.skip("counts the CPU backend's calls")
-    case = CASES[name]
-    calls = _backend_calls(monkeypatch)
-    trainer = build_trainer(FusedGRPOTrainer, case, tmp_path)
-    run_step(trainer, case)
+    calls, trainer = _step_counting_backend_calls(CASES[name], tmp_path, monkeypatch)
     assert calls["logprobs_with_grads"] == 0
     assert calls["logprobs_backward"] == trainer.args.steps_per_generation
 

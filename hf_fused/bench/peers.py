@@ -293,6 +293,13 @@ class HFFusedLargeBudgetPeer(HFFusedPeer):
     tile_budget_bytes = 4 * 2**30
 
 
+def _one_pass_budget(weight: torch.Tensor, rows: int) -> int:
+    """``tile_budget_bytes`` holding the fp32 ``[V, H]`` weight-gradient accumulator and ``rows``
+    full-vocabulary rows of logits (the GPU backend's one-pass condition)."""
+    vocab_size, hidden_size = weight.shape
+    return vocab_size * hidden_size * 4 + rows * vocab_size * weight.element_size()
+
+
 class HFFusedOnePassGRPOPeer(HFFusedPeer):
     """The GRPO problem's loss, on-policy and KL-free, as token-weighted cross-entropy. At ratio 1 no clip
     is active, so the gradient is ``−Σ A·mask·∇logp / normalizer`` = that of ``Σ w·CE`` with
@@ -315,8 +322,7 @@ class HFFusedOnePassGRPOPeer(HFFusedPeer):
         return "GRPO problem only (its cross-entropy is the hf_fused rows)" if kind != "grpo" else None
 
     def grpo(self, inp):
-        vocab_size, hidden_size = inp.weight.shape
-        budget = vocab_size * hidden_size * 4 + self.rows_per_tile * vocab_size * inp.weight.element_size()
+        budget = _one_pass_budget(inp.weight, self.rows_per_tile)
         token_weights = token_weights_at_ratio_one(inp.mask, inp.advantages, inp.loss_type)
         surrogate = self._ce(
             inp.hidden, inp.weight, inp.labels, token_weights=token_weights, reduction="sum",
@@ -344,8 +350,7 @@ class HFFusedHintGRPOPeer(HFFusedPeer):
         return "GRPO problem only (its cross-entropy is the hf_fused rows)" if kind != "grpo" else None
 
     def logprobs(self, inp):
-        vocab_size, hidden_size = inp.weight.shape
-        budget = vocab_size * hidden_size * 4 + self.rows_per_tile * vocab_size * inp.weight.element_size()
+        budget = _one_pass_budget(inp.weight, self.rows_per_tile)
         return self._lp(
             inp.hidden, inp.weight, inp.labels, return_entropy=self.with_entropy, tile_budget_bytes=budget,
             backend=self.backend, grad_hint=token_weights_at_ratio_one(inp.mask, inp.advantages, inp.loss_type),

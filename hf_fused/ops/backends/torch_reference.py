@@ -114,7 +114,7 @@ class TorchReferenceBackend:
         bias: Optional[torch.Tensor],
         labels: torch.Tensor,
         rows: torch.Tensor,
-        grad_logprobs: torch.Tensor,
+        grad_logprobs: Optional[torch.Tensor],
         transform: LogitTransform,
         tile_budget_bytes: Optional[int],
         return_entropy: bool,
@@ -125,7 +125,7 @@ class TorchReferenceBackend:
         """Per-row ``(logprobs [M], entropy [M] or None, lse [M], grads)`` and, from the same logits, the
         gradients of ``Σ grad_logprobs · logprobs`` (``grad_logprobs`` fp32 ``[M]``): each tile's
         ``dz = g·(onehot(y) − p)`` right after its log-sum-exp. ``grads`` is ``None`` when none is
-        requested. A GPU backend returns ``None`` instead when its budget cannot hold this one-pass
+        requested (then ``grad_logprobs`` may be ``None``: the statistics forward). A GPU backend returns ``None`` instead when its budget cannot hold this one-pass
         working set; the reference always can (its backward holds the same fp32 ``[V, H]``)."""
         weight32 = weight.float()
         need_any = need_hidden or need_weight or need_bias
@@ -138,6 +138,9 @@ class TorchReferenceBackend:
         for idx in tiles(rows, rows_per_tile(weight.shape[0], tile_budget_bytes)):
             stop = start + idx.numel()
             h32, z, tanh = self._logits(hidden, weight32, bias, idx, transform)
+            if grads is None:
+                del tanh  # only a gradient needs it
+                tanh = None
             y = labels.index_select(0, idx).unsqueeze(1)
             lse = torch.logsumexp(z, dim=1, keepdim=True)
             out_logp[start:stop] = (z.gather(1, y) - lse).squeeze(1)
@@ -170,27 +173,11 @@ class TorchReferenceBackend:
         return_entropy: bool,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
         """Per-row ``(logprobs [M], entropy [M] or None, lse [M])``, all fp32, for the rows in ``rows``."""
-        weight32 = weight.float()
-        m = rows.numel()
-        out_logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
-        out_lse = torch.empty_like(out_logp)
-        out_ent = torch.empty_like(out_logp) if return_entropy else None
-        start = 0
-        for idx in tiles(rows, rows_per_tile(weight.shape[0], tile_budget_bytes)):
-            stop = start + idx.numel()
-            _, z, tanh = self._logits(hidden, weight32, bias, idx, transform)
-            del tanh  # only backward needs it
-            y = labels.index_select(0, idx).unsqueeze(1)
-            lse = torch.logsumexp(z, dim=1, keepdim=True)
-            out_logp[start:stop] = (z.gather(1, y) - lse).squeeze(1)
-            out_lse[start:stop] = lse.squeeze(1)
-            if out_ent is not None:
-                # H = −Σ p log p, from log p = z − lse (no cancellation between lse and Σ p z)
-                logp = z.sub_(lse)
-                out_ent[start:stop] = -logp.exp().mul_(logp).sum(1)
-            del z
-            start = stop
-        return out_logp, out_ent, out_lse
+        logp, entropy, lse, _ = self.logprobs_with_grads(
+            hidden, weight, bias, labels, rows, None, transform, tile_budget_bytes, return_entropy,
+            False, False, False,
+        )
+        return logp, entropy, lse
 
     def logprobs_backward(
         self,
