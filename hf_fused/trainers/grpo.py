@@ -55,7 +55,9 @@ class FusedGRPOTrainer(GRPOTrainer):
 
     def __init__(self, model, *args, fused_options: Optional[dict] = None, **kwargs):
         """Same arguments as :class:`trl.GRPOTrainer`, plus ``fused_options``: keyword arguments for
-        :func:`hf_fused.apply_fused_loss` (``tile_budget_bytes``, ``backend``, ``verify``)."""
+        :func:`hf_fused.apply_fused_loss` (``tile_budget_bytes``, ``backend``, ``verify``). A
+        ``tile_budget_bytes`` of at least ``4·V·H + 512·V·2`` (``2048·V·2`` for full speed) lets on-policy
+        steps compute the head's gradients in the forward pass (module docstring, point 4)."""
         self._fused_options = dict(fused_options or {})
         peft_config = kwargs.get("peft_config")
         if isinstance(model, str) and peft_config is not None and _targets_lm_head(peft_config):
