@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from hf_fused.bench.__main__ import main
 from hf_fused.bench.peers import select_peers
@@ -100,3 +101,23 @@ def test_grpo_loss_types_run_against_their_own_float64_reference(tmp_path):
     # while dr_grpo divides by B·T including the masked tail
     assert ref["grpo"] == pytest.approx(ref["bnpo"], rel=1e-12)
     assert ref["dr_grpo"] == pytest.approx(ref["bnpo"] * 7 / 8, rel=1e-12)
+
+
+def test_torch_peer_matches_float64_where_torch_has_linear_cross_entropy(tmp_path):
+    """The ``torch`` peer (``F.linear_cross_entropy``, torch ≥ 2.13's chunked path) on CPU: the GPU image's
+    torch 2.11 lacks it, so this is where the adapter itself is checked against the float64 reference."""
+    import torch.nn.functional as F
+
+    if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        pytest.skip(f"torch {torch.__version__} has no F.linear_cross_entropy chunked path")
+    out = tmp_path / "bench"
+    assert main(["--device", "cpu", "--quick", "--shapes", SHAPES, "--peers", "torch", "--no-entropy",
+                 "--repeats", "1", "--out", str(out), "--no-progress"]) == 0
+    recs = _records(json.loads((out / "bench.json").read_text()))
+    for shape in SHAPES.split(","):
+        r = recs[(shape, "torch")]
+        assert r["status"] == "ok", r
+        keys = ("loss_rel_err", "grad_hidden_rel_err", "grad_weight_rel_err")
+        keys += ("logp_rel_err",) if shape.startswith("grpo") else ()
+        for key in keys:
+            assert r[key] < 1e-4, (shape, key, r[key])
