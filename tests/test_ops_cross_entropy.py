@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from dense_reference import assert_head_grads, dense_cross_entropy, leaf64, make_head_inputs, rel_err
 from dense_reference import single_threaded_torch  # noqa: F401  (autouse fixture)
 from dense_reference import H, RTOL, TRANSFORMS, budget_for
-from hf_fused.ops import linear_cross_entropy
+from hf_fused.ops import linear_cross_entropy, linear_logprobs
 
 
 
@@ -366,3 +366,35 @@ def test_bf16_hidden_grad_is_not_biased_by_rounding_the_upstream_factor(upstream
         a, b = fused.double().flatten(), exact.flatten()
         scale = float(a @ b / (b @ b))
         assert abs(scale - 1) <= 2.0**-10, f"d{name} is scaled by {scale:.5f} instead of 1"
+
+
+@pytest.mark.parametrize("backend, budget", [("torch", None), ("triton", None), ("triton", 97 * 4 * 64)],
+                         ids=["torch", "triton-one-pass", "triton-two-passes"])
+def test_bf16_gradients_under_an_upstream_factor_are_rounded_once(backend, budget):
+    """Gradient accumulation sends ``1/k``: the gradients are scaled before their one rounding to bf16.
+    Torch backend: bit-for-bit the rounding of log-probs backpropagated with that factor from the start.
+    Triton backend (bf16 logits-gradient tile): error against float64 no worse than that path's (the
+    two-pass path folds the factor in before the tile, so it is that path)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    hidden, weight, _, labels = make_head_inputs((8, 16), 64, 97, bias=False, ignore="some", seed=31,
+                                                 dtype=torch.bfloat16)
+    h64, w64 = leaf64(hidden), leaf64(weight)
+    (dense_cross_entropy(h64, w64, labels, reduction="sum") / 3).backward()
+    results = []
+    for use_ce in (True, False):
+        hidden.grad = weight.grad = None
+        if use_ce:
+            loss = linear_cross_entropy(hidden, weight, labels, reduction="sum", backend=backend,
+                                        tile_budget_bytes=budget)
+        else:
+            logp, _ = linear_logprobs(hidden, weight, labels, backend=backend, tile_budget_bytes=budget)
+            loss = -logp.sum()
+        (loss / 3).backward()
+        results.append((hidden.grad.clone(), weight.grad.clone()))
+    for ours, theirs, exact in zip(*results, (h64.grad, w64.grad)):
+        assert ours.dtype == torch.bfloat16
+        if backend == "torch":
+            assert (ours != theirs).float().mean() <= 0.01, (ours != theirs).float().mean()
+        else:
+            assert rel_err(ours, exact) <= 1.03 * rel_err(theirs, exact), (rel_err(ours, exact), rel_err(theirs, exact))

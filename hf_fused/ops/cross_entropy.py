@@ -16,8 +16,11 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Loss and gradients in one forward pass over the tiles (6·N·H·V FLOPs); backward only scales the
-    stored gradients by the upstream gradient, so gradient accumulation and loss scaling stay exact."""
+    """Loss and gradients in one forward pass over the tiles (6·N·H·V FLOPs) when the backend's budget
+    holds the one-pass working set; backward then only scales the stored fp32 gradients by the
+    upstream gradient before rounding them once, so gradient accumulation and loss scaling stay exact.
+    Otherwise forward keeps per-token statistics and backward runs the gradient pass with the upstream
+    factor folded in (8·N·H·V in all, nothing gradient-sized held between the two)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes, backend,
@@ -26,35 +29,45 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         need_hidden, need_weight = grad_enabled and need[0], grad_enabled and need[1]
         need_bias = grad_enabled and bias is not None and need[2]
         kwargs = {} if row_weights is None else {"row_weights": row_weights}  # only when given: backends without it keep working
-        loss_sum, grads = backend.cross_entropy(
+        one_pass = backend.cross_entropy(
             hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes,
             need_hidden, need_weight, need_bias, **kwargs,
         )
-        ctx.grads = grads
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.config = (grad_scale, transform, tile_budget_bytes, backend, (need_hidden, need_weight, need_bias))
+        ctx.grads, lse = None, None
+        if one_pass is not None:
+            loss_sum, ctx.grads = one_pass
+        else:
+            logp, _, lse = backend.logprobs_forward(hidden, weight, bias, labels, rows, transform, tile_budget_bytes, False)
+            loss_sum = -(logp if row_weights is None else logp * row_weights).sum()
+        ctx.save_for_backward(hidden, weight, bias, labels, rows, lse, row_weights)
         return loss_sum * grad_scale
 
     @staticmethod
     def backward(ctx, grad_output):
-        grads, (weight_dtype, bias_dtype) = ctx.grads, ctx.dtypes
-        if grads is None:
-            raise RuntimeError(
-                "linear_cross_entropy computes its gradients in the forward and hands them to backward once; "
-                "to backpropagate twice, call linear_cross_entropy again (or use reduction='none', which recomputes)."
-            )
-        ctx.grads = None  # free the stored gradients as soon as they are handed over
+        hidden, weight, bias, labels, rows, lse, row_weights = ctx.saved_tensors
+        grad_scale, transform, tile_budget_bytes, backend, need = ctx.config
         # One host sync for the upstream factor: ``loss.backward()`` sends 1, and then the pass over the
         # [V, H] weight gradient is skipped (1.2 ms for a Qwen head on an H200). A Python float keeps the
         # factor in fp32 inside bf16 kernels, where a tensor would be rounded to bf16 (e.g. 1/3 for
         # gradient accumulation: a biased gradient).
         factor = float(grad_output)
-
-        def scaled(grad, dtype):
-            return (grad if factor == 1.0 else grad.mul_(factor)).to(dtype)
-
-        d_hidden = None if grads.hidden is None else scaled(grads.hidden, grads.hidden.dtype)
-        d_weight = None if grads.weight is None else scaled(grads.weight, weight_dtype)
-        d_bias = None if grads.bias is None else scaled(grads.bias, bias_dtype)
+        if lse is None:  # one pass: the gradients were computed in the forward
+            if ctx.grads is None:
+                raise RuntimeError(
+                    "linear_cross_entropy computed its gradients in the forward and handed them to backward once; "
+                    "to backpropagate twice, call linear_cross_entropy again (or use reduction='none', which "
+                    "recomputes)."
+                )
+            grads, ctx.grads = ctx.grads, None  # free the stored gradients as soon as they are handed over
+        else:
+            g_lp = -torch.as_tensor(grad_scale, dtype=torch.float32, device=hidden.device) * factor
+            g_lp = g_lp.expand(rows.numel()).contiguous() if row_weights is None else g_lp * row_weights
+            grads = backend.logprobs_backward(
+                hidden, weight, bias, labels, rows, lse, None, g_lp, None, transform, tile_budget_bytes, *need
+            )
+            factor = 1.0
+        d_hidden, d_weight, d_bias = grads.input_grads(hidden, weight, bias, rows, factor)
         return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None, None
 
 
@@ -99,17 +112,20 @@ def linear_cross_entropy(
             multiplied by its weight before the reduction (``"mean"`` still divides by the number of
             non-ignored tokens, or by ``num_items_in_batch``). Not differentiated. Tokens of weight 0
             are skipped like ignored ones. With ``weight_t = A_t·mask_t`` this is the on-policy,
-            KL-free policy-gradient objective ``−Σ A_t·logp_t`` (GRPO/DAPO's gradient at ratio 1),
-            with the gradients computed in the forward.
+            KL-free policy-gradient objective ``−Σ A_t·logp_t`` (GRPO/DAPO's gradient at ratio 1).
 
     Returns:
         fp32 scalar for ``"mean"``/``"sum"``, fp32 ``[...]`` for ``"none"``. All-ignored input gives 0
         and zero gradients.
 
-    Gradients w.r.t. hidden, weight and bias are computed in the forward for ``"mean"``/``"sum"``
-    (accumulated in fp32, scaled by the upstream gradient in backward); ``"none"`` recomputes in
-    backward so per-token upstream weights are exact. A weight with ``requires_grad=False`` skips the
-    weight-gradient matmul.
+    Gradients w.r.t. hidden, weight and bias, for ``"mean"``/``"sum"``: when the backend's budget holds
+    the one-pass working set (always on the torch backend; on the GPU, room for the fp32 ``[V, H]``
+    weight-gradient accumulator) they are computed in the forward's single pass (6·N·H·V FLOPs), kept in
+    fp32 and scaled by the upstream gradient in backward before their one rounding to the inputs'
+    dtypes; otherwise forward computes per-token statistics only and backward the gradients, with the
+    upstream factor folded in (8·N·H·V). Either way gradient accumulation and loss scaling stay exact.
+    ``"none"`` recomputes in backward so per-token upstream weights are exact. A weight with
+    ``requires_grad=False`` skips the weight-gradient matmul.
 
     Raises:
         ValueError: unknown reduction, bad shapes, labels out of range, non-positive

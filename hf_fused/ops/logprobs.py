@@ -68,9 +68,9 @@ class LinearLogprobsFunction(torch.autograd.Function):
         if (g_lp is None and g_h is None) or not any(need[:3]):
             return (None,) * 11
         if hinted is not None:
-            grads = _hinted_grads(hinted, g_lp, g_h)
-            if grads is not None:
-                return _outputs(grads, weight, bias)
+            factor = _hint_factor(hinted[0], g_lp, g_h)
+            if factor is not None:
+                return _outputs(hinted[1], hidden, weight, bias, rows, factor)
         # Rows whose upstream gradients are all 0 (a GRPO completion's padding, say) add nothing: skip them.
         live = (g_lp if g_lp is not None else g_h) != 0
         if g_lp is not None and g_h is not None:
@@ -84,23 +84,21 @@ class LinearLogprobsFunction(torch.autograd.Function):
             hidden, weight, bias, labels, rows, lse, ent_rows, g_lp, g_h, transform, tile_budget_bytes,
             need[0], need[1], bias is not None and need[2],
         )
-        return _outputs(grads, weight, bias)
+        return _outputs(grads, hidden, weight, bias, rows)
 
 
-def _outputs(grads, weight, bias):
-    d_weight = None if grads.weight is None else grads.weight.to(weight.dtype)
-    d_bias = None if grads.bias is None else grads.bias.to(bias.dtype)
-    return grads.hidden, d_weight, d_bias, None, None, None, None, None, None, None, None
+def _outputs(grads, hidden, weight, bias, rows, factor: float = 1.0):
+    return grads.input_grads(hidden, weight, bias, rows, factor) + (None,) * 8
 
 
-def _hinted_grads(hinted, g_lp, g_h):
-    """The forward's gradients of ``Σ hint·logp`` times ``c`` if the upstream gradient is ``c·hint`` (and
-    none reaches the entropy), else ``None`` (the caller recomputes). One host sync."""
-    hint, grads = hinted
+def _hint_factor(hint, g_lp, g_h):
+    """``c`` if the upstream gradient is ``c·hint`` and none reaches the entropy, so that the forward's
+    gradients of ``Σ hint·logp``, times ``c``, are the gradients; else ``None`` (the caller recomputes).
+    One host sync."""
     if g_h is not None and bool(g_h.ne(0).any()):
         return _hint_missed("the entropy receives a gradient")
     if hint.numel() == 0:  # every token ignored: the gradients are zeros
-        return grads
+        return 1.0
     g = torch.zeros_like(hint) if g_lp is None else g_lp
     hh = hint.dot(hint)
     c = torch.where(hh > 0, g.dot(hint) / hh.clamp_min(torch.finfo(torch.float32).tiny), 0.0)  # least squares
@@ -108,12 +106,7 @@ def _hinted_grads(hinted, g_lp, g_h):
     factor, ok = torch.stack([c, matches.float()]).tolist()
     if not ok:
         return _hint_missed("the upstream gradient is not a multiple of the hint")
-    if factor != 1.0:
-        # fp32 accumulators scale exactly; hidden's rows are in its dtype, as in the cross-entropy op
-        for name in ("hidden", "weight", "bias"):
-            if getattr(grads, name) is not None:
-                getattr(grads, name).mul_(factor)
-    return grads
+    return factor
 
 
 def _hint_missed(why: str):

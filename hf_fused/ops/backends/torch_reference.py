@@ -27,15 +27,39 @@ Scalar = Union[float, torch.Tensor]
 
 @dataclass
 class HeadGrads:
-    """Gradients of the head's inputs; ``None`` for those not requested.
+    """Gradients of the head's inputs; ``None`` for those not requested. All fp32, so that the op can
+    scale them by the upstream gradient before their one rounding to the inputs' dtypes
+    (:meth:`input_grads`).
 
-    hidden: ``[N, H]`` in hidden's dtype (each row is complete after one tile, so no fp32 buffer).
-    weight: ``[V, H]`` fp32 accumulator.  bias: ``[V]`` fp32 accumulator.
+    hidden: ``[M, H]``, the gradients of the token rows ``rows`` the backend was given, in that order.
+    weight: ``[V, H]``.  bias: ``[V]``.
     """
 
     hidden: Optional[torch.Tensor] = None
     weight: Optional[torch.Tensor] = None
     bias: Optional[torch.Tensor] = None
+
+    def input_grads(self, hidden, weight, bias, rows, factor: float = 1.0):
+        """``(d_hidden [N, H], d_weight, d_bias)`` in the inputs' dtypes (``None`` where not computed):
+        each times ``factor`` in fp32 (in place), then rounded once; hidden's rows scattered to ``rows``
+        (0 elsewhere)."""
+        if factor != 1.0:
+            for grad in (self.hidden, self.weight, self.bias):
+                if grad is not None:
+                    grad.mul_(factor)
+        return (
+            None if self.hidden is None else _scatter_rows(self.hidden, hidden, rows),
+            None if self.weight is None else self.weight.to(weight.dtype),
+            None if self.bias is None else self.bias.to(bias.dtype),
+        )
+
+
+def _scatter_rows(d_rows: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The gradients of ``rows`` (``[M, H]``) as hidden's gradient ``[N, H]`` in hidden's dtype (0 on the
+    rows not in ``rows``: ignored tokens)."""
+    if rows.numel() == hidden.shape[0]:  # every row, in order (rows come from nonzero(): sorted)
+        return d_rows.to(hidden.dtype)
+    return torch.zeros_like(hidden).index_copy_(0, rows, d_rows.to(hidden.dtype))
 
 
 class TorchReferenceBackend:
@@ -54,9 +78,11 @@ class TorchReferenceBackend:
         return h32, z, tanh
 
     @staticmethod
-    def _new_grads(hidden, weight, bias, need_hidden, need_weight, need_bias) -> HeadGrads:
+    def _new_grads(m_rows, hidden, weight, bias, need_hidden, need_weight, need_bias) -> HeadGrads:
         return HeadGrads(
-            hidden=torch.zeros_like(hidden) if need_hidden else None,
+            hidden=torch.zeros((m_rows, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
+            if need_hidden
+            else None,
             weight=torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None,
             bias=torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
             if (need_bias and bias is not None)
@@ -64,9 +90,9 @@ class TorchReferenceBackend:
         )
 
     @staticmethod
-    def _accumulate(grads: HeadGrads, dz_raw, h32, idx, weight32) -> None:
+    def _accumulate(grads: HeadGrads, dz_raw, h32, start, stop, weight32) -> None:
         if grads.hidden is not None:
-            grads.hidden.index_copy_(0, idx, (dz_raw @ weight32).to(grads.hidden.dtype))
+            torch.mm(dz_raw, weight32, out=grads.hidden[start:stop])
         if grads.weight is not None:
             grads.weight.addmm_(dz_raw.t(), h32)
         if grads.bias is not None:
@@ -93,7 +119,8 @@ class TorchReferenceBackend:
         needs no second pass over the gradients).
 
         Shapes: hidden ``[N, H]``, weight ``[V, H]``, bias ``[V]``, labels ``[N]`` int64, rows ``[M]``.
-        Returns ``(loss_sum fp32 scalar, HeadGrads or None)``.
+        Returns ``(loss_sum fp32 scalar, HeadGrads or None)``. A GPU backend may return ``None`` instead
+        when its budget cannot hold the one-pass working set (the op then recomputes in backward).
         """
         # loss = −Σ w·logp, so ∂(grad_scale · loss)/∂logp = −grad_scale·w per row.
         g_lp = -torch.as_tensor(grad_scale, dtype=torch.float32, device=hidden.device).expand(rows.numel())
@@ -129,7 +156,7 @@ class TorchReferenceBackend:
         working set; the reference always can (its backward holds the same fp32 ``[V, H]``)."""
         weight32 = weight.float()
         need_any = need_hidden or need_weight or need_bias
-        grads = self._new_grads(hidden, weight, bias, need_hidden, need_weight, need_bias) if need_any else None
+        grads = self._new_grads(rows.numel(), hidden, weight, bias, need_hidden, need_weight, need_bias) if need_any else None
         m = rows.numel()
         out_logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
         out_lse = torch.empty_like(out_logp)
@@ -154,7 +181,7 @@ class TorchReferenceBackend:
                 dz = logp.exp_().mul_(-g)
                 dz.scatter_add_(1, y, g)
                 dz = transform.backward(dz, tanh)
-                self._accumulate(grads, dz, h32, idx, weight32)
+                self._accumulate(grads, dz, h32, start, stop, weight32)
                 del dz
             del z, tanh, logp
             start = stop
@@ -198,7 +225,7 @@ class TorchReferenceBackend:
     ) -> HeadGrads:
         """Gradients from upstream ``grad_logprobs [M]`` / ``grad_entropy [M]`` (fp32, either may be None)."""
         weight32 = weight.float()
-        grads = self._new_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
+        grads = self._new_grads(rows.numel(), hidden, weight, bias, need_hidden, need_weight, need_bias)
         start = 0
         for idx in tiles(rows, rows_per_tile(weight.shape[0], tile_budget_bytes)):
             stop = start + idx.numel()
@@ -220,7 +247,7 @@ class TorchReferenceBackend:
                 g_lp = grad_logprobs[start:stop].unsqueeze(1)
                 dz.scatter_add_(1, labels.index_select(0, idx).unsqueeze(1), g_lp)
             dz = transform.backward(dz, tanh)
-            self._accumulate(grads, dz, h32, idx, weight32)
+            self._accumulate(grads, dz, h32, start, stop, weight32)
             del z, tanh, dz
             start = stop
         return grads

@@ -13,9 +13,11 @@ eager transformers and TRL's chunked head round them) and then, in place, ``dz``
 accumulation after the matmul is fp32. Its size is ``tile_budget_bytes``; chunks are at least
 ``_MIN_COLS`` wide (more row blocks instead) so cuBLAS runs on large tiles even with small budgets.
 
-Cross-entropy (plain or token-weighted) takes a one-pass path instead (token rows outside, whole
-vocabulary rows per tile, gradients right after each row's log-sum-exp: ``6·M·H·V``) when the budget
-also holds the fp32 ``[V, H]`` weight-gradient accumulator; see :meth:`TritonCublasBackend.cross_entropy`.
+Cross-entropy (plain or token-weighted) and log-probs given a ``grad_hint`` take a one-pass path
+instead (token rows outside, whole vocabulary rows per tile, gradients right after each row's
+log-sum-exp: ``6·M·H·V``) when the budget also holds the fp32 ``[V, H]`` weight-gradient accumulator;
+see :meth:`TritonCublasBackend.logprobs_with_grads`. Otherwise they return ``None`` and the op falls
+back to the two passes above, the gradient pass in its backward.
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
         acc.addmm_(a.float(), b.float())
+
+
+def _mm_f32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b`` into an fp32 buffer (cuBLAS writes fp32 from bf16 operands: no rounding to bf16)."""
+    if a.is_cuda and a.dtype != torch.float32:
+        torch.addmm(out, a, b, beta=0, out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(a.float(), b.float(), out=out)
 
 
 class TritonCublasBackend:
@@ -72,13 +82,6 @@ class TritonCublasBackend:
         if rows.numel() == hidden.shape[0]:
             return hidden, labels
         return hidden.index_select(0, rows), labels.index_select(0, rows)
-
-    @staticmethod
-    def _scatter_rows(d_rows, hidden, rows):
-        """Gradients of the kept rows ``[M, H]`` as hidden's gradient ``[N, H]`` (0 on ignored rows)."""
-        if rows.numel() == hidden.shape[0]:
-            return d_rows.to(hidden.dtype)
-        return torch.zeros_like(hidden).index_copy_(0, rows, d_rows.to(hidden.dtype))
 
     @staticmethod
     def _scalars(transform: LogitTransform, bias):
@@ -174,37 +177,26 @@ class TritonCublasBackend:
                     grads.bias[v0:v1] += dz.float().sum(0)
             if d_w_chunk32 is not None:
                 grads.weight[v0:v1] = d_w_chunk32
-        if d_hidden32 is not None:
-            grads.hidden = self._scatter_rows(d_hidden32, hidden, rows)
+        grads.hidden = d_hidden32  # fp32 [M, H], rows in the order of ``rows``
         return grads
 
     def cross_entropy(
         self, hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes,
         need_hidden, need_weight, need_bias, row_weights=None,
     ):
-        """Like :meth:`TorchReferenceBackend.cross_entropy`. One pass (6·M·H·V) when the budget holds the fp32 weight-gradient accumulator and a tile of at
-        least ``_MIN_ONE_PASS_ROWS`` full-vocabulary rows; otherwise the statistics pass, then the
-        gradient pass with ``∂(grad_scale·Σ loss)/∂logp = −grad_scale`` (8·M·H·V, no fp32 ``[V, H]``)."""
-        if self._one_pass_rows(weight, need_weight, tile_budget_bytes):
-            return self._cross_entropy_one_pass(
-                hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes,
-                need_hidden, need_weight, need_bias, row_weights,
-            )
-        # Both passes run on the kept rows, gathered once.
-        h, y = self._compact(hidden, weight, labels, rows)
-        kept = torch.arange(h.shape[0], device=h.device)
-        logp, _, lse = self.logprobs_forward(h, weight, bias, y, kept, transform, tile_budget_bytes, False)
-        loss_sum = -(logp if row_weights is None else logp * row_weights).sum()
-        if not (need_hidden or need_weight or need_bias):
-            return loss_sum, None
-        g_lp = self._ce_grad_logprobs(grad_scale, row_weights, h.shape[0], h.device)
-        grads = self.logprobs_backward(
-            h, weight, bias, y, kept, lse, None, g_lp, None, transform, tile_budget_bytes,
+        """Like :meth:`TorchReferenceBackend.cross_entropy`, in one pass (6·M·H·V) when the budget holds
+        the fp32 weight-gradient accumulator and a tile of at least ``_MIN_ONE_PASS_ROWS``
+        full-vocabulary rows (or no weight gradient is needed); otherwise ``None``, and the op runs the
+        statistics pass in its forward and the gradient pass in its backward (8·M·H·V, no fp32
+        ``[V, H]``)."""
+        if not self._one_pass_rows(weight, need_weight, tile_budget_bytes):
+            return None
+        g_lp = self._ce_grad_logprobs(grad_scale, row_weights, rows.numel(), hidden.device)
+        logp, _, _, grads = self.logprobs_with_grads(
+            hidden, weight, bias, labels, rows, g_lp, transform, tile_budget_bytes, False,
             need_hidden, need_weight, need_bias,
         )
-        if grads.hidden is not None:
-            grads.hidden = self._scatter_rows(grads.hidden, hidden, rows)
-        return loss_sum, grads
+        return -(logp if row_weights is None else logp * row_weights).sum(), grads
 
     @staticmethod
     def _ce_grad_logprobs(grad_scale, row_weights, m_rows, device):
@@ -222,17 +214,6 @@ class TritonCublasBackend:
         rows = (budget - accumulator) // (vocab_size * weight.element_size())
         return rows if rows >= _MIN_ONE_PASS_ROWS else 0
 
-    def _cross_entropy_one_pass(
-        self, hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes,
-        need_hidden, need_weight, need_bias, row_weights,
-    ):
-        g_lp = self._ce_grad_logprobs(grad_scale, row_weights, rows.numel(), hidden.device)
-        logp, _, _, grads = self.logprobs_with_grads(
-            hidden, weight, bias, labels, rows, g_lp, transform, tile_budget_bytes, False,
-            need_hidden, need_weight, need_bias,
-        )
-        return -(logp if row_weights is None else logp * row_weights).sum(), grads
-
     def logprobs_with_grads(
         self, hidden, weight, bias, labels, rows, grad_logprobs, transform, tile_budget_bytes, return_entropy,
         need_hidden, need_weight, need_bias,
@@ -248,7 +229,7 @@ class TritonCublasBackend:
         need_grad = need_hidden or need_weight or need_bias
         grads = HeadGrads()
         d_weight32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        d_hidden = torch.empty_like(h) if need_hidden else None
+        d_hidden = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_hidden else None
         if need_bias and bias is not None:
             grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
         stats = self._new_stats(m_rows, h.device)
@@ -265,13 +246,12 @@ class TritonCublasBackend:
             lse = row_stats[0] + row_stats[1].log()  # dz = g·∂logp/∂z, in place of the logits
             self._grad(dz, 0, bias, y[r0:r1], lse, lse, g_lp[r0:r1], lse, scalars, True, False)
             if d_hidden is not None:  # each row's dh is complete within its tile
-                torch.mm(dz, weight, out=d_hidden[r0:r1])
+                _mm_f32_(d_hidden[r0:r1], dz, weight)
             if d_weight32 is not None:
                 _addmm_f32_(d_weight32, dz.t(), h[r0:r1])
             if grads.bias is not None:
                 grads.bias += dz.float().sum(0)
-        if d_hidden is not None:
-            grads.hidden = self._scatter_rows(d_hidden, hidden, rows)
+        grads.hidden = d_hidden
         grads.weight = d_weight32
         run_max, run_sum, run_zp, label_logit = stats
         lse = run_max + run_sum.log()
