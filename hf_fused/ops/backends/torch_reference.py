@@ -42,16 +42,20 @@ class HeadGrads:
     def input_grads(self, hidden, weight, bias, rows, factor: float = 1.0):
         """``(d_hidden [N, H], d_weight, d_bias)`` in the inputs' dtypes (``None`` where not computed):
         each times ``factor`` in fp32 (in place), then rounded once; hidden's rows scattered to ``rows``
-        (0 elsewhere)."""
-        if factor != 1.0:
-            for grad in (self.hidden, self.weight, self.bias):
-                if grad is not None:
-                    grad.mul_(factor)
-        return (
-            None if self.hidden is None else _scatter_rows(self.hidden, hidden, rows),
-            None if self.weight is None else self.weight.to(weight.dtype),
-            None if self.bias is None else self.bias.to(bias.dtype),
-        )
+        (0 elsewhere). Consumes the fp32 buffers: each is released as soon as its result exists, so
+        the fp32 ``[M, H]`` is gone before the ``[V, H]`` one is cast."""
+        out = []
+        for name, like in (("hidden", hidden), ("weight", weight), ("bias", bias)):
+            grad = getattr(self, name)
+            setattr(self, name, None)
+            if grad is None:
+                out.append(None)
+                continue
+            if factor != 1.0:
+                grad.mul_(factor)
+            out.append(_scatter_rows(grad, hidden, rows) if name == "hidden" else grad.to(like.dtype))
+            del grad
+        return tuple(out)
 
 
 def _scatter_rows(d_rows: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
