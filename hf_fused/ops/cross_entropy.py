@@ -26,21 +26,20 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes, backend,
                 grad_enabled, row_weights):
         need = ctx.needs_input_grad
-        need_hidden, need_weight = grad_enabled and need[0], grad_enabled and need[1]
-        need_bias = grad_enabled and bias is not None and need[2]
-        kwargs = {} if row_weights is None else {"row_weights": row_weights}  # only when given: backends without it keep working
-        one_pass = backend.cross_entropy(
-            hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes,
-            need_hidden, need_weight, need_bias, **kwargs,
-        )
-        ctx.config = (grad_scale, transform, tile_budget_bytes, backend, (need_hidden, need_weight, need_bias))
-        ctx.grads, lse = None, None
+        need = (grad_enabled and need[0], grad_enabled and need[1], grad_enabled and bias is not None and need[2])
+        ctx.config = (grad_scale, transform, tile_budget_bytes, backend, need)
+        ctx.grads, lse, one_pass = None, None, None
+        if any(need):
+            one_pass = backend.logprobs_with_grads(
+                hidden, weight, bias, labels, rows, _grad_logprobs(grad_scale, 1.0, row_weights, rows),
+                transform, tile_budget_bytes, False, *need,
+            )
         if one_pass is not None:
-            loss_sum, ctx.grads = one_pass
+            logp, _, _, ctx.grads = one_pass
         else:
             logp, _, lse = backend.logprobs_forward(hidden, weight, bias, labels, rows, transform, tile_budget_bytes, False)
-            loss_sum = -(logp if row_weights is None else logp * row_weights).sum()
         ctx.save_for_backward(hidden, weight, bias, labels, rows, lse, row_weights)
+        loss_sum = -(logp if row_weights is None else logp * row_weights).sum()
         return loss_sum * grad_scale
 
     @staticmethod
@@ -61,14 +60,19 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 )
             grads, ctx.grads = ctx.grads, None  # free the stored gradients as soon as they are handed over
         else:
-            g_lp = -torch.as_tensor(grad_scale, dtype=torch.float32, device=hidden.device) * factor
-            g_lp = g_lp.expand(rows.numel()).contiguous() if row_weights is None else g_lp * row_weights
             grads = backend.logprobs_backward(
-                hidden, weight, bias, labels, rows, lse, None, g_lp, None, transform, tile_budget_bytes, *need
+                hidden, weight, bias, labels, rows, lse, None, _grad_logprobs(grad_scale, factor, row_weights, rows),
+                None, transform, tile_budget_bytes, *need,
             )
             factor = 1.0
         d_hidden, d_weight, d_bias = grads.input_grads(hidden, weight, bias, rows, factor)
         return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None, None
+
+
+def _grad_logprobs(grad_scale, factor: float, row_weights, rows) -> torch.Tensor:
+    """``∂(factor · grad_scale · Σ w·loss)/∂logp = −factor·grad_scale·w`` per row, fp32 ``[M]`` (loss = −logp)."""
+    g = torch.as_tensor(grad_scale, dtype=torch.float32, device=rows.device).neg() * factor
+    return g.expand(rows.numel()).contiguous() if row_weights is None else g * row_weights
 
 
 def linear_cross_entropy(

@@ -1,6 +1,6 @@
 """Backends implement the tiled math; the public ops choose one per call.
 
-A backend provides ``cross_entropy``, ``logprobs_forward`` and ``logprobs_backward`` with the
+A backend provides ``logprobs_with_grads``, ``logprobs_forward`` and ``logprobs_backward`` with the
 signatures of :class:`~hf_fused.ops.backends.torch_reference.TorchReferenceBackend`. The pure-PyTorch
 reference runs everywhere and is what CI tests; faster GPU backends register here and are chosen
 automatically for CUDA tensors. ``HF_FUSED_BACKEND=<name>`` or the ``backend=`` argument forces one.

@@ -15,15 +15,12 @@ The logits-gradient ``dz`` then goes through the transform's derivative and the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
 from ..logit_transform import LogitTransform
 from ..tiling import rows_per_tile, tiles
-
-Scalar = Union[float, torch.Tensor]
-
 
 @dataclass
 class HeadGrads:
@@ -67,7 +64,9 @@ def _scatter_rows(d_rows: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor
 
 
 class TorchReferenceBackend:
-    """The CPU/CI reference. GPU backends implement the same three methods."""
+    """The CPU/CI reference. GPU backends implement the same three methods: ``logprobs_with_grads``
+    (one pass, with the gradients of a known upstream), ``logprobs_forward`` (statistics) and
+    ``logprobs_backward`` (recompute)."""
 
     name = "torch"
 
@@ -102,41 +101,6 @@ class TorchReferenceBackend:
         if grads.bias is not None:
             grads.bias += dz_raw.sum(0)
 
-    # -- cross-entropy with gradients in the forward -----------------------------------------------
-    def cross_entropy(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: Optional[torch.Tensor],
-        labels: torch.Tensor,
-        rows: torch.Tensor,
-        grad_scale: Scalar,
-        transform: LogitTransform,
-        tile_budget_bytes: Optional[int],
-        need_hidden: bool,
-        need_weight: bool,
-        need_bias: bool,
-        row_weights: Optional[torch.Tensor] = None,
-    ) -> tuple[torch.Tensor, Optional[HeadGrads]]:
-        """Summed cross-entropy over ``rows`` (each row's loss times ``row_weights``, fp32 ``[M]``, when
-        given) and, if any gradient is requested, the gradients of ``grad_scale · sum`` (so a "mean"
-        needs no second pass over the gradients).
-
-        Shapes: hidden ``[N, H]``, weight ``[V, H]``, bias ``[V]``, labels ``[N]`` int64, rows ``[M]``.
-        Returns ``(loss_sum fp32 scalar, HeadGrads or None)``. A GPU backend may return ``None`` instead
-        when its budget cannot hold the one-pass working set (the op then recomputes in backward).
-        """
-        # loss = −Σ w·logp, so ∂(grad_scale · loss)/∂logp = −grad_scale·w per row.
-        g_lp = -torch.as_tensor(grad_scale, dtype=torch.float32, device=hidden.device).expand(rows.numel())
-        if row_weights is not None:
-            g_lp = g_lp * row_weights
-        logp, _, _, grads = self.logprobs_with_grads(
-            hidden, weight, bias, labels, rows, g_lp, transform, tile_budget_bytes, False,
-            need_hidden, need_weight, need_bias,
-        )
-        loss_sum = -(logp if row_weights is None else logp * row_weights).sum()
-        return loss_sum, grads
-
     # -- log-probabilities and the gradients of Σ g·logp, in one pass --------------------------------
     def logprobs_with_grads(
         self,
@@ -156,8 +120,9 @@ class TorchReferenceBackend:
         """Per-row ``(logprobs [M], entropy [M] or None, lse [M], grads)`` and, from the same logits, the
         gradients of ``Σ grad_logprobs · logprobs`` (``grad_logprobs`` fp32 ``[M]``): each tile's
         ``dz = g·(onehot(y) − p)`` right after its log-sum-exp. ``grads`` is ``None`` when none is
-        requested (then ``grad_logprobs`` may be ``None``: the statistics forward). A GPU backend returns ``None`` instead when its budget cannot hold this one-pass
-        working set; the reference always can (its backward holds the same fp32 ``[V, H]``)."""
+        requested (then ``grad_logprobs`` may be ``None``: the statistics forward). A GPU backend
+        returns ``None`` instead when its budget cannot hold this one-pass working set; the reference
+        always can (its backward holds the same fp32 ``[V, H]``)."""
         weight32 = weight.float()
         need_any = need_hidden or need_weight or need_bias
         grads = self._new_grads(rows.numel(), hidden, weight, bias, need_hidden, need_weight, need_bias) if need_any else None

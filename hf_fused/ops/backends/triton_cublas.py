@@ -180,31 +180,7 @@ class TritonCublasBackend:
         grads.hidden = d_hidden32  # fp32 [M, H], rows in the order of ``rows``
         return grads
 
-    def cross_entropy(
-        self, hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes,
-        need_hidden, need_weight, need_bias, row_weights=None,
-    ):
-        """Like :meth:`TorchReferenceBackend.cross_entropy`, in one pass (6·M·H·V) when the budget holds
-        the fp32 weight-gradient accumulator and a tile of at least ``_MIN_ONE_PASS_ROWS``
-        full-vocabulary rows (or no weight gradient is needed); otherwise ``None``, and the op runs the
-        statistics pass in its forward and the gradient pass in its backward (8·M·H·V, no fp32
-        ``[V, H]``)."""
-        if not self._one_pass_rows(weight, need_weight, tile_budget_bytes):
-            return None
-        g_lp = self._ce_grad_logprobs(grad_scale, row_weights, rows.numel(), hidden.device)
-        logp, _, _, grads = self.logprobs_with_grads(
-            hidden, weight, bias, labels, rows, g_lp, transform, tile_budget_bytes, False,
-            need_hidden, need_weight, need_bias,
-        )
-        return -(logp if row_weights is None else logp * row_weights).sum(), grads
-
-    @staticmethod
-    def _ce_grad_logprobs(grad_scale, row_weights, m_rows, device):
-        """``∂(grad_scale · Σ w·loss)/∂logp = −grad_scale·w`` per kept row, fp32 ``[M]``."""
-        g = torch.as_tensor(grad_scale, dtype=torch.float32, device=device).neg()
-        return g.expand(m_rows).contiguous() if row_weights is None else g * row_weights
-
-    # -- cross-entropy, one pass: token rows outside, full vocabulary per tile -----------------------
+    # -- one pass: token rows outside, full vocabulary per tile --------------------------------------
     @staticmethod
     def _one_pass_rows(weight, need_weight, tile_budget_bytes) -> int:
         """Rows per full-vocabulary tile if the budget fits the fp32 ``[V, H]`` accumulator too, else 0."""
