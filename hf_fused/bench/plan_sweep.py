@@ -23,7 +23,8 @@ import torch
 
 from ..ops import LogitTransform, linear_cross_entropy, linear_logprobs
 from ..ops.backends.triton_cublas import TritonCublasBackend, _addmm_f32_
-from .measure import median_ms
+from .measure import free_memory, median_ms
+from .report import text_table
 
 DEFAULT_SHAPES = "ce:7373:2048:151936,ce:29491:2048:151936,ce:14746:4096:128256,lp:28672:2048:151936,lp:28672:4096:151936"
 
@@ -144,13 +145,11 @@ def one_pass_sweep(specs: str, rows_list: list[int], device, repeats) -> list[tu
                         *(tiles * parts[k] for k in ("z", "stats", "grad", "dh", "dW"))))
             print(out[-1], flush=True)
         del hidden, weight
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    print(f"\n{'one pass M:H:V':22s} {'rows':>5s} {'ms':>7s} {'TF/s':>5s} {'GiB':>5s} | summed over tiles, ms: "
-          f"{'z':>6s} {'stats':>6s} {'grad':>6s} {'dh':>6s} {'dW+=':>6s} {'sum':>6s}")
-    for r in out:
-        print(f"{r[0]:22s} {r[1]:5d} {r[2]:7.2f} {r[3]:5.0f} {r[4]:5.2f} |                        "
-              f"{r[5]:6.2f} {r[6]:6.2f} {r[7]:6.2f} {r[8]:6.2f} {r[9]:6.2f} {sum(r[5:10]):6.2f}")
+        free_memory(device)
+    header = ["one pass M:H:V", "rows", "ms", "TF/s", "GiB", "z ms", "stats ms", "grad ms", "dh ms", "dW+= ms", "sum ms"]
+    body = [[r[0], r[1], f"{r[2]:.2f}", f"{r[3]:.0f}", f"{r[4]:.2f}", *(f"{t:.2f}" for t in (*r[5:10], sum(r[5:10])))]
+            for r in out]
+    print("\n(step times summed over tiles)\n" + "\n".join(text_table(header, body)))
     return out
 
 
@@ -195,13 +194,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                          tf(g["z"]), tf(g["dh"]), tf(g["dW"])))
             print(rows[-1], flush=True)
         del hidden, weight
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    print(f"\n{'shape':24s} {'plan':10s} {'rows':>6s} {'cols':>6s} {'ms':>8s} {'TF/s':>6s} {'GiB':>5s} "
-          f"{'gemm ms':>8s} {'z TF':>5s} {'dh TF':>5s} {'dW TF':>5s}")
-    for r in rows:
-        print(f"{r[0]:24s} {r[1]:10s} {r[2]:6d} {r[3]:6d} {r[4]:8.2f} {r[5]:6.0f} {r[6]:5.2f} {r[7]:8.2f} "
-              f"{r[8]:5.0f} {r[9]:5.0f} {r[10]:5.0f}")
+        free_memory(device)
+    header = ["shape", "plan", "rows", "cols", "ms", "TF/s", "GiB", "gemm ms", "z TF", "dh TF", "dW TF"]
+    body = [[r[0], r[1], r[2], r[3], f"{r[4]:.2f}", f"{r[5]:.0f}", f"{r[6]:.2f}", f"{r[7]:.2f}",
+             *(f"{t:.0f}" for t in r[8:11])] for r in rows]
+    print("\n" + "\n".join(text_table(header, body, align_left=2)))
     return 0
 
 

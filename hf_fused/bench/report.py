@@ -51,7 +51,8 @@ def _cell(r: Optional[dict]) -> str:
     return f"{r['time_ms']:.1f} ms" + ("" if mem is None else f" / {mem / GIB:.2f} GiB")
 
 
-def _table(header: list[str], rows: list[list[str]], align_left: int = 1) -> list[str]:
+def text_table(header: list[str], rows: list[list[str]], align_left: int = 1) -> list[str]:
+    """Lines of a plain-text table: a header, a rule, the rows; the first ``align_left`` columns left-aligned."""
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
     fmt_row = lambda cells: "  ".join(  # noqa: E731
         str(c).ljust(w) if i < align_left else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
@@ -91,7 +92,7 @@ def render_table(doc: dict) -> str:
     if problems:
         lines.append("median fwd+bwd time / peak memory above inputs+grads")
         body = [[labels[k], *(_cell(cells.get((p, k))) for p in problems)] for k in peers]
-        lines += _table(["peer", *problems], body)
+        lines += text_table(["peer", *problems], body)
         lines.append("")
     notes: dict[str, set[str]] = {}
     for name, rows in groups.items():
@@ -123,7 +124,7 @@ def render_table(doc: dict) -> str:
             if not ok and r.get("note"):
                 note = r["note"] if r["status"] != "n/a" else f"{r['note']} ({name})"
                 notes.setdefault(f"{r['label']}: {r['status']}", set()).add(note)
-        lines += _table(header, rows_out)
+        lines += text_table(header, rows_out)
         lines.append("")
     if notes:
         lines.append("notes:")

@@ -7,7 +7,7 @@ from typing import Optional, Union
 import torch
 
 from .backends import get_backend
-from .head_inputs import check_token_weights, flatten_head_inputs
+from .head_inputs import check_per_token, flatten_head_inputs
 from .logit_transform import LogitTransform
 from .logprobs import linear_logprobs
 from .tiling import check_tile_budget, valid_rows
@@ -146,14 +146,14 @@ def linear_cross_entropy(
             hidden, weight, labels, bias, ignore_index=ignore_index, temperature=temperature,
             softcap=softcap, logit_scale=logit_scale, tile_budget_bytes=tile_budget_bytes, backend=backend,
         )
-        return -logprobs if token_weights is None else -logprobs * check_token_weights(token_weights, labels, "token_weights")
+        return -logprobs if token_weights is None else -logprobs * check_per_token(token_weights, labels, "token_weights")
     transform = LogitTransform(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
     flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index)
     rows = valid_rows(flat.labels, ignore_index)
     n_valid = rows.numel()
     row_weights = None
     if token_weights is not None:
-        row_weights = check_token_weights(token_weights, labels, "token_weights").reshape(-1).index_select(0, rows)
+        row_weights = check_per_token(token_weights, labels, "token_weights").reshape(-1).index_select(0, rows)
         nonzero = row_weights != 0
         if not bool(nonzero.all()):  # e.g. a GRPO group whose advantages are all 0
             keep = nonzero.nonzero().squeeze(1)

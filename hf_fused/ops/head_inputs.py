@@ -78,9 +78,9 @@ def flatten_head_inputs(
     )
 
 
-def check_token_weights(values, labels: torch.Tensor, name: str) -> torch.Tensor:
-    """``values`` (a per-token tensor such as ``token_weights`` or ``grad_hint``) as fp32, detached, after
-    checking it against ``labels``.
+def check_per_token(values, labels: torch.Tensor, name: str) -> torch.Tensor:
+    """A per-token tensor such as ``token_weights`` or ``grad_hint``, named ``name`` in errors, as fp32 and
+    detached, after checking it against ``labels``.
 
     Raises:
         TypeError: not a floating-point tensor.

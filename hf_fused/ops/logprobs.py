@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from .backends import get_backend
-from .head_inputs import check_token_weights, flatten_head_inputs
+from .head_inputs import check_per_token, flatten_head_inputs
 from .logit_transform import LogitTransform
 from .tiling import check_tile_budget, valid_rows
 
@@ -181,7 +181,7 @@ def linear_logprobs(
     rows = valid_rows(flat.labels, ignore_index)
     hint_rows = None
     if grad_hint is not None:
-        hint_rows = check_token_weights(grad_hint, labels, "grad_hint").reshape(-1).index_select(0, rows)
+        hint_rows = check_per_token(grad_hint, labels, "grad_hint").reshape(-1).index_select(0, rows)
     logprobs, entropy = LinearLogprobsFunction.apply(
         flat.hidden, flat.weight, flat.bias, flat.labels, rows, transform,
         check_tile_budget(tile_budget_bytes), get_backend(hidden.device, backend),
