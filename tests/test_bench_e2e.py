@@ -1,4 +1,4 @@
-"""Smoke test of ``python -m hf_fused.bench.e2e --tiny`` on CPU: both parts run end to end, the JSON and
+"""Smoke test of ``python -m benchmarks.e2e --tiny`` on CPU: both parts run end to end, the JSON and
 table are written, Liger is skipped with a note, and the variants agree on the first loss."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from hf_fused.bench.e2e import main
+from benchmarks.e2e.__main__ import main
 
 
 def test_e2e_tiny_cpu(tmp_path, capsys):

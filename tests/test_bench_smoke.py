@@ -1,4 +1,4 @@
-"""Smoke test of ``python -m hf_fused.bench`` on CPU: tiny shapes end to end, outputs written, hf_fused
+"""Smoke test of ``python -m benchmarks`` on CPU: tiny shapes end to end, outputs written, hf_fused
 close to the float64 reference, missing / CUDA-only peers recorded instead of crashing the run."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from hf_fused.bench.__main__ import main
-from hf_fused.bench.peers import select_peers
-from hf_fused.bench.problems import select_problems
+from benchmarks.__main__ import main
+from benchmarks.peers import select_peers
+from benchmarks.problems import select_problems
 
 SHAPES = "ce-128-h64-v1k,grpo-2x64-h64-v1k"
 
@@ -31,6 +31,7 @@ def test_bench_quick_cpu(tmp_path, capsys):
     table = (out / "bench.txt").read_text()
     for label in ("eager PyTorch", "hf_fused", "Liger FLCE", "Apple CCE", "ce-128-h64-v1k", "grpo-2x64-h64-v1k"):
         assert label in table and label in printed
+    assert "% ceil" not in table and "MiB" in table and doc["runs"][0]["matmul_ceiling"] is None
 
     recs = _records(doc)
     assert len(recs) == 8
@@ -43,7 +44,12 @@ def test_bench_quick_cpu(tmp_path, capsys):
             r = recs[(shape, peer)]
             assert r["status"] == "ok", r
             assert r["time_ms"] > 0 and r["tflops"] > 0
-            assert r["peak_mem_bytes"] is None  # not measured on CPU
+            assert r["frac_of_ceiling"] is None  # no GPU ceiling on CPU
+            assert r["peak_mem_bytes"] > 0  # read through track_peak_memory's dispatch mode on CPU
+        p = doc["problems"][shape]
+        logits_bytes = p["N"] * p["V"] * 4
+        # eager materializes the fp32 logits and their gradient; the dispatch-mode count must see both
+        assert recs[(shape, "eager")]["peak_mem_bytes"] >= 2 * logits_bytes
         r = recs[(shape, "hf_fused")]
         assert r["backend"] == "torch"
         # fp32 inputs on CPU: hf_fused accumulates in fp32, so errors are at fp32 rounding level.

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from hf_fused.demo import grpo
+from examples import grpo
 
 sys.path.insert(0, os.path.dirname(__file__))
 from grpo_helpers import EOS_ID, make_tokenizer  # noqa: E402

@@ -4,8 +4,8 @@ import pytest
 import torch
 import transformers
 
-from hf_fused.demo import __main__ as cli
-from hf_fused.demo import sft
+from examples import __main__ as cli
+from examples import sft
 
 
 def test_args_defaults_and_validation():
@@ -40,7 +40,7 @@ def test_head_loss_memory_fused_vs_unfused():
 
 
 def test_main_end_to_end_on_a_local_checkpoint(tmp_path, tmp_path_factory, capsys):
-    from hf_fused.demo import tokenizer as qt
+    from examples import tokenizer as qt
 
     if qt.importlib.util.find_spec("dashscope") is None:
         pytest.skip("needs `pip install --no-deps dashscope`")

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_fused.demo.text import IGNORE_INDEX, TokenBlocks, build_sft_blocks, pydoc_documents, pydoc_topics
+from examples.text import IGNORE_INDEX, TokenBlocks, build_sft_blocks, pydoc_documents, pydoc_topics
 
 
 class ByteTokenizer:
@@ -85,7 +85,7 @@ def test_errors():
 
 
 def test_real_qwen_tokenizer(tmp_path_factory):
-    from hf_fused.demo import tokenizer as qt
+    from examples import tokenizer as qt
 
     if qt.importlib.util.find_spec("dashscope") is None:
         pytest.skip("needs `pip install --no-deps dashscope`")

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from hf_fused.demo import tokenizer as qt
-from hf_fused.demo.text import pydoc_documents
+from examples import tokenizer as qt
+from examples.text import pydoc_documents
 
 pytest.importorskip("tiktoken")
 if not qt.importlib.util.find_spec("dashscope"):

@@ -1,4 +1,4 @@
-"""``python -m hf_fused.bench``: fused lm_head losses, side by side, on one device.
+"""``python -m benchmarks``: fused lm_head losses, side by side, on one device.
 
 Modules (one job each): :mod:`.problems` (shapes, inputs, the DAPO loss), :mod:`.peers` (one adapter per
 implementation), :mod:`.reference` (float64 ground truth), :mod:`.measure` (time, memory, matmul

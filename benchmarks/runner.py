@@ -52,7 +52,7 @@ class RunConfig:
     argv: Optional[list[str]] = None
 
 
-def _versions() -> dict:
+def versions() -> dict:
     import importlib.metadata as md
 
     out = {"python": platform.python_version(), "torch": torch.__version__}
@@ -64,7 +64,7 @@ def _versions() -> dict:
     return out
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
@@ -120,14 +120,14 @@ def _errors(problem: Problem, inp: Inputs, ref: Reference, loss, logps, entropy)
 
 
 def run_pair(
-    peer: Peer, problem: Problem, inp: Inputs, ref: Optional[Reference], cfg: RunConfig, ceiling: float
+    peer: Peer, problem: Problem, inp: Inputs, ref: Optional[Reference], cfg: RunConfig, ceiling: Optional[float]
 ) -> dict:
     """Measure one peer on one problem; never raises (failures become the record's status)."""
     rec = {"problem": problem.name, "peer": peer.key, "label": peer.label, "status": OK, "note": ""}
     try:
         peer.load()
     except Exception as e:  # ImportError, or a broken install raising something else on import
-        rec.update(status=SKIPPED, note=f"unavailable: {type(e).__name__}: {_short(e)}")
+        rec.update(status=SKIPPED, note=f"unavailable: {measure.short_error(e)}")
         return rec
     rec["version"] = peer.version()
     rec["call"] = peer.describe()
@@ -139,7 +139,7 @@ def run_pair(
         try:
             rec["backend"] = peer.backend_name(cfg.device)
         except Exception as e:
-            rec.update(status=ERROR, note=f"backend: {type(e).__name__}: {_short(e)}")
+            rec.update(status=ERROR, note=f"backend: {measure.short_error(e)}")
             return rec
     rec["has_entropy"] = problem.kind == "grpo" and peer.has_entropy and peer.with_entropy
     phase = "warm-up"
@@ -149,8 +149,7 @@ def run_pair(
         inp.hidden.grad = inp.weight.grad = None  # the gradients this step produces become .grad
         phase = "memory"
         (loss, logps, entropy), peak = measure.peak_memory(lambda: _step(peer, problem, inp), cfg.device)
-        if peak is not None:
-            peak -= sum(t.grad.numel() * t.grad.element_size() for t in (inp.hidden, inp.weight) if t.grad is not None)
+        peak -= sum(t.grad.numel() * t.grad.element_size() for t in (inp.hidden, inp.weight) if t.grad is not None)
         rec["peak_mem_bytes"] = peak
         rec["loss"] = float(loss)
         if ref is not None:
@@ -162,20 +161,15 @@ def run_pair(
         n_valid = int((inp.labels != IGNORE_INDEX).sum())
         tflops = problem.flops_per_token_hv * n_valid * problem.H * problem.V / (ms * 1e-3) / 1e12
         rec.update(time_ms=ms, timer=timer, tflops=tflops, ceiling_tflops=ceiling,
-                   frac_of_ceiling=tflops / ceiling if ceiling else None)
+                   frac_of_ceiling=tflops / ceiling if ceiling else None)  # no ceiling on CPU: no fraction
     except torch.cuda.OutOfMemoryError as e:
-        rec.update(status=OOM, note=f"out of memory in {phase}: {_short(e, 160)}")
+        rec.update(status=OOM, note=f"out of memory in {phase}: {measure.short_error(e, 160)}")
     except Exception as e:
-        rec.update(status=ERROR, note=f"{phase}: {type(e).__name__}: {_short(e)}")
+        rec.update(status=ERROR, note=f"{phase}: {measure.short_error(e)}")
     finally:
         inp.hidden.grad = inp.weight.grad = None
         measure.free_memory(cfg.device)
     return rec
-
-
-def _short(e: BaseException, n: int = 300) -> str:
-    text = " ".join(str(e).split())
-    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 def run(cfg: RunConfig) -> dict:
@@ -185,15 +179,18 @@ def run(cfg: RunConfig) -> dict:
     done = {(r["problem"], r["peer"]) for r in doc["results"]}
     todo = [(p, peer) for p in cfg.problems for peer in cfg.peers if (p.name, peer.key) not in done]
 
-    ceiling = measure.matmul_tflops(cfg.device, cfg.dtype, cfg.matmul_n, cfg.repeats)
+    # A matmul ceiling is a GPU's (tensor-core peak); on CPU a small probe matmul is no ceiling for a tiled loss
+    # whose tiles are larger, so fractions of it (4,000-7,000% in practice) would mislead: none is measured.
+    ceiling = (measure.matmul_tflops(cfg.device, cfg.dtype, cfg.matmul_n, cfg.repeats)
+               if cfg.device.type == "cuda" else None)
     run_meta = {
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "argv": cfg.argv if cfg.argv is not None else sys.argv[1:],
-        "device": _device_name(cfg.device),
+        "device": device_name(cfg.device),
         "dtype": str(cfg.dtype).replace("torch.", ""),
-        "versions": _versions(),
+        "versions": versions(),
         "matmul_ceiling": ceiling,
-        "timer": measure._timer_name(cfg.device),
+        "timer": measure.timer_name(cfg.device),
         "repeats": cfg.repeats,
         "flop_convention": FLOP_CONVENTION,
         "memory_baseline": measure.MEMORY_BASELINE,
@@ -214,7 +211,7 @@ def run(cfg: RunConfig) -> dict:
             status = OOM if isinstance(e, torch.cuda.OutOfMemoryError) else ERROR
             for peer in peers:
                 doc["results"].append({"problem": problem.name, "peer": peer.key, "label": peer.label, "status": status,
-                                       "note": f"inputs: {type(e).__name__}: {_short(e)}", "run": run_index})
+                                       "note": f"inputs: {measure.short_error(e)}", "run": run_index})
                 bar.update(1)
             doc["problems"][problem.name] = {"kind": problem.kind, "N": problem.N, "H": problem.H, "V": problem.V,
                                              "B": problem.B, "T": problem.T, "n_valid": None,
@@ -231,16 +228,16 @@ def run(cfg: RunConfig) -> dict:
                 ref = compute_reference(problem, inp)
                 info.update(reference="float64", reference_loss=ref.loss, reference_seconds=ref.seconds)
             except torch.cuda.OutOfMemoryError as e:
-                info.update(reference=f"OOM: {_short(e, 160)}")
+                info.update(reference=f"OOM: {measure.short_error(e, 160)}")
             except Exception as e:
-                info.update(reference=f"error: {type(e).__name__}: {_short(e)}")
+                info.update(reference=f"error: {measure.short_error(e)}")
             measure.free_memory(cfg.device)
         else:
             info.update(reference="skipped (--no-reference)")
         doc["problems"][problem.name] = info
         for peer in peers:
             bar.set_postfix_str(f"{problem.name} / {peer.key}")
-            rec = run_pair(peer, problem, inp, ref, cfg, ceiling["tflops"])
+            rec = run_pair(peer, problem, inp, ref, cfg, ceiling["tflops"] if ceiling else None)
             rec["run"] = run_index
             doc["results"].append(rec)
             save_doc(doc, path)

@@ -1,11 +1,11 @@
 """One adapter per peer, all with the same interface.
 
-An adapter turns a problem's :class:`~hf_fused.bench.problems.Inputs` into the scalar loss to call
+An adapter turns a problem's :class:`~benchmarks.problems.Inputs` into the scalar loss to call
 ``backward()`` on, the way that peer is meant to be used:
 
 * ``ce_loss(inputs)``: mean cross-entropy over the non-ignored tokens;
 * ``grpo(inputs)``: ``(loss, logps [B, T] or None, entropy [B, T] or None)``; by default the peer's
-  per-token log-probs (``logprobs``) feed the shared :func:`~hf_fused.bench.problems.grpo_loss`.
+  per-token log-probs (``logprobs``) feed the shared :func:`~benchmarks.problems.grpo_loss`.
 
 ``load()`` imports the peer (``ImportError`` → the run records it as skipped); ``unsupported(kind,
 device)`` returns why a problem kind or device is out of the peer's reach (recorded as ``n/a``).
@@ -303,7 +303,7 @@ def _one_pass_budget(weight: torch.Tensor, rows: int) -> int:
 class HFFusedOnePassGRPOPeer(HFFusedPeer):
     """The GRPO problem's loss, on-policy and KL-free, as token-weighted cross-entropy. At ratio 1 no clip
     is active, so the gradient is ``−Σ A·mask·∇logp / normalizer`` = that of ``Σ w·CE`` with
-    ``w = A·mask / normalizer`` (:func:`~hf_fused.bench.problems.token_weights_at_ratio_one`), which
+    ``w = A·mask / normalizer`` (:func:`~benchmarks.problems.token_weights_at_ratio_one`), which
     ``linear_cross_entropy(token_weights=w)`` computes in its forward (one pass, 6·N·H·V) with a budget
     holding the fp32 ``[V, H]`` weight-gradient accumulator plus 2048 full-vocabulary rows. The loss
     value is the loss at ratio 1, ``−Σ w``, with that gradient attached. No log-probs or entropy come out

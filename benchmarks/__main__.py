@@ -1,4 +1,4 @@
-"""Command line: ``python -m hf_fused.bench [--device cuda] [--quick] [--shapes ...] [--peers ...] --out DIR``."""
+"""Command line: ``python -m benchmarks [--device cuda] [--quick] [--shapes ...] [--peers ...] --out DIR``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     quick = ", ".join(p.name for p in QUICK_PROBLEMS + QUICK_LOSS_TYPE_PROBLEMS)
     peers = ", ".join(f"{p.key} ({p.label})" for p in ALL_PEERS)
     parser = argparse.ArgumentParser(
-        prog="python -m hf_fused.bench",
+        prog="python -m benchmarks",
         description="Fused lm_head cross-entropy / GRPO losses vs eager PyTorch, Liger, Apple CCE, TRL and torch: "
         "median fwd+bwd time, peak memory above inputs+grads, TFLOP/s vs the matmul ceiling, and loss/gradient "
         "error against a float64 reference. Writes DIR/bench.json, bench.txt and bench.png.",

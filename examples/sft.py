@@ -1,11 +1,11 @@
 """SFT demo: the same training run with ``hf_fused.FusedTrainer`` and with ``transformers.Trainer``.
 
-``python -m hf_fused.demo sft [--model PATH] [--steps N] [--seq-len L] [--batch-size B]
+``python -m examples sft [--model PATH] [--steps N] [--seq-len L] [--batch-size B]
 [--device cpu|cuda] [--lr LR] [--seed S] [--rtol R]``
 
 1. Model: a small random Qwen3 (real Qwen vocabulary of 151,936 rows, tied embeddings as in
    Qwen3-0.6B) with the real Qwen tokenizer, or a local HF checkpoint given by ``--model``.
-2. Data: the pydoc help topics as prompt/completion SFT blocks (``hf_fused.demo.text``).
+2. Data: the pydoc help topics as prompt/completion SFT blocks (``examples.text``).
 3. Trains twice in fp32 from the same initial weights, seed and batch order, and prints the
    per-step losses of both and their relative difference.
 4. Measures, on one batch, the peak memory of the lm_head loss alone (hidden states -> loss ->
@@ -41,7 +41,7 @@ __all__ = ["parse_args", "train_step_losses", "head_loss_peak_memory", "main"]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m hf_fused.demo sft",
+        prog="python -m examples sft",
         description="Train with hf_fused.FusedTrainer and transformers.Trainer; compare losses and memory.",
     )
     p.add_argument("--model", metavar="PATH", help="local HF checkpoint dir (default: a small random Qwen3)")

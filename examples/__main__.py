@@ -1,4 +1,4 @@
-"""``python -m hf_fused.demo {sft,grpo} [options]``: dispatch to a demo's ``main(argv)``."""
+"""``python -m examples {sft,grpo} [options]``: dispatch to a demo's ``main(argv)``."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import sys
 # Demo name -> module with ``main(argv: list[str]) -> int | None``.  Imported only when chosen:
 # each pulls in transformers (and grpo also trl), which take seconds to import.
 DEMOS = {
-    "sft": "hf_fused.demo.sft",
-    "grpo": "hf_fused.demo.grpo",
+    "sft": "examples.sft",
+    "grpo": "examples.grpo",
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
-        prog="python -m hf_fused.demo",
+        prog="python -m examples",
         description="hf_fused demos; options after the demo name go to it (try `sft --help`).",
     )
     parser.add_argument("demo", choices=sorted(DEMOS))

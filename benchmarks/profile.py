@@ -1,6 +1,6 @@
-"""Where one peer's step spends its GPU time: ``python -m hf_fused.bench.profile --shape S --peer P``.
+"""Where one peer's step spends its GPU time: ``python -m benchmarks.profile --shape S --peer P``.
 
-A developer's tool beside the benchmark: the same inputs and step as ``python -m hf_fused.bench``
+A developer's tool beside the benchmark: the same inputs and step as ``python -m benchmarks``
 (gradients accumulated into existing ``.grad`` buffers, as its timing loop does), one warm-up, then
 ``--steps`` steps under ``torch.profiler``; prints the kernels by total CUDA time and the wall time
 per step.
@@ -20,8 +20,8 @@ from .runner import _step, _zero_grads
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hf_fused.bench.profile", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", required=True, help="one shape name (python -m hf_fused.bench --list)")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", required=True, help="one shape name (python -m benchmarks --list)")
     parser.add_argument("--peer", required=True, help="one peer key")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=20, help="kernel rows to print")

@@ -1,12 +1,12 @@
 """GRPO demo: reinforcement learning end to end on CPU with ``hf_fused.FusedGRPOTrainer``.
 
-``python -m hf_fused.demo grpo [--steps N] [--num-generations G] [--prompts-per-step P] [--num-prompts K]
+``python -m examples grpo [--steps N] [--num-generations G] [--prompts-per-step P] [--num-prompts K]
 [--max-completion-length C] [--lr LR] [--beta B] [--num-iterations I] [--seed S] [--plot PATH] [--model PATH]``
 
 1. Model: a small random Qwen3 (2 layers, hidden 128, real Qwen vocabulary of 151,936 rows) with the
-   real Qwen tokenizer (``hf_fused.demo.tokenizer``), or a local HF checkpoint given by ``--model``.
+   real Qwen tokenizer (``examples.tokenizer``), or a local HF checkpoint given by ``--model``.
 2. Prompts: ``--num-prompts`` windows of ``--prompt-tokens`` tokens cut from CPython's pydoc help topics
-   (``hf_fused.demo.text``), cycled over the steps.
+   (``examples.text``), cycled over the steps.
 3. Completions are sampled with transformers' ``generate`` (TRL's own generation path, no vLLM). Every
    log-probability and entropy of the policy, the old policy and the reference model is computed by
    hf_fused inside the model's forward: no ``[tokens, 151,936]`` logits tensor exists in a training step.
@@ -97,7 +97,7 @@ def build_prompts(tokenizer, prompt_tokens: int, num_prompts: int) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m hf_fused.demo grpo",
+        prog="python -m examples grpo",
         description="GRPO on CPU with hf_fused.FusedGRPOTrainer: a tiny Qwen3 learns to write English word pieces.",
     )
     p.add_argument("--model", metavar="PATH", help="local HF checkpoint dir (default: a small random Qwen3)")

@@ -1,4 +1,4 @@
-"""Tile-plan sweep for the GPU backend: ``python -m hf_fused.bench.plan_sweep --device cuda``.
+"""Tile-plan sweep for the GPU backend: ``python -m benchmarks.plan_sweep --device cuda``.
 
 A developer's tool, not a peer comparison. For each shape it times the GPU backend's forward+backward
 with the planner forced to several ``(rows per block, columns per chunk)`` plans, and the three cuBLAS
@@ -21,8 +21,8 @@ from typing import Optional
 
 import torch
 
-from ..ops import LogitTransform, linear_cross_entropy, linear_logprobs
-from ..ops.backends.triton_cublas import TritonCublasBackend, _addmm_f32_
+from hf_fused.ops import LogitTransform, linear_cross_entropy, linear_logprobs
+from hf_fused.ops.backends.triton_cublas import TritonCublasBackend, _addmm_f32_
 from .measure import free_memory, median_ms
 from .report import text_table
 
@@ -154,7 +154,7 @@ def one_pass_sweep(specs: str, rows_list: list[int], device, repeats) -> list[tu
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hf_fused.bench.plan_sweep", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.plan_sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"comma-separated kind:M:H:V (default {DEFAULT_SHAPES})")
     parser.add_argument("--cols", default="2112,4096,4224,6336,8192,8448",

@@ -1,6 +1,6 @@
 """Turn the results document into a text table (printed and ``bench.txt``) and a plot (``bench.png``).
 
-``python -m hf_fused.bench.report DIR`` re-renders both from ``DIR/bench.json`` (e.g. after several
+``python -m benchmarks.report DIR`` re-renders both from ``DIR/bench.json`` (e.g. after several
 ``--resume`` runs filled it in).
 """
 
@@ -37,9 +37,15 @@ def _f(x: Optional[float], fmt: str) -> str:
     return "—" if x is None else format(x, fmt)
 
 
+def _bytes(b: Optional[int]) -> str:
+    """GiB with two decimals from 0.1 GiB up, MiB below (CPU smoke shapes are kilobytes to megabytes)."""
+    if b is None:
+        return "—"
+    return f"{b / GIB:.2f} GiB" if b >= GIB / 10 else f"{b / 2**20:.2f} MiB"
+
+
 def _mem(r: dict) -> str:
-    b = r.get("peak_mem_bytes")
-    return "—" if b is None else f"{b / GIB:.2f}"
+    return _bytes(r.get("peak_mem_bytes"))
 
 
 def _cell(r: Optional[dict]) -> str:
@@ -48,7 +54,7 @@ def _cell(r: Optional[dict]) -> str:
     if r["status"] != "ok":
         return r["status"]
     mem = r.get("peak_mem_bytes")
-    return f"{r['time_ms']:.1f} ms" + ("" if mem is None else f" / {mem / GIB:.2f} GiB")
+    return f"{r['time_ms']:.1f} ms" + ("" if mem is None else f" / {_bytes(mem)}")
 
 
 def text_table(header: list[str], rows: list[list[str]], align_left: int = 1) -> list[str]:
@@ -68,18 +74,20 @@ def render_table(doc: dict) -> str:
     used = sorted({r.get("run", 0) for r in doc["results"]}) or list(range(len(doc["runs"])))
     for i in used:
         run = doc["runs"][i]
-        c = run["matmul_ceiling"]
+        c = run.get("matmul_ceiling")
         tag = f"run {i}: " if len(used) > 1 else ""
         lines += [
             f"{tag}device: {run['device']}   dtype: {run['dtype']}   timer: {run['timer']}   repeats: {run['repeats']}",
-            f"{tag}matmul ceiling: {c['tflops']:.4g} TFLOP/s ({c['dtype']} {c['n']}³ median {c['ms']:.3f} ms)",
+            f"{tag}matmul ceiling: " + (f"{c['tflops']:.4g} TFLOP/s ({c['dtype']} {c['n']}³ median {c['ms']:.3f} ms)"
+                                        if c else "none (measured on CUDA only; CPU times are not compared to one)"),
             f"{tag}versions: " + ", ".join(f"{k} {v}" for k, v in run["versions"].items() if v),
         ]
+    with_ceiling = any(r.get("frac_of_ceiling") is not None for r in doc["results"])
     if doc["runs"]:
         lines += [
             "FLOPs: " + doc["runs"][-1]["flop_convention"],
-            "memory: peak above inputs + zeroed .grad buffers (see bench.json runs[].memory_baseline)",
-            "% ceil: achieved TFLOP/s / the matmul ceiling measured in the same run",
+            "memory: peak above inputs + gradients (see bench.json runs[].memory_baseline)",
+            *(["% ceil: achieved TFLOP/s / the matmul ceiling measured in the same run"] if with_ceiling else []),
             "errors: ‖x − x_ref‖/‖x_ref‖ against the float64 reference (loss: |Δ|/|ref|; logp/entropy over "
             "unmasked tokens)",
             "",
@@ -102,7 +110,8 @@ def render_table(doc: dict) -> str:
                     else info.get("reference", "—"))
         lines.append(f"{name}: {info['description']}, {info['n_valid']} non-ignored tokens, reference {ref_text}")
         grpo = info["kind"] == "grpo"
-        header = ["peer", "time ms", "TFLOP/s", "% ceil", "peak GiB", "loss err", "dX err", "dW err"]
+        header = ["peer", "time ms", "TFLOP/s", *(["% ceil"] if with_ceiling else []), "peak mem", "loss err",
+                  "dX err", "dW err"]
         if grpo:
             header += ["logp err", "entropy err"]
         header.append("status")
@@ -111,7 +120,8 @@ def render_table(doc: dict) -> str:
             ok = r["status"] == "ok"
             row = [
                 r["label"], _f(r.get("time_ms"), ".2f"), _f(r.get("tflops"), ".3g"),
-                _f(None if r.get("frac_of_ceiling") is None else 100 * r["frac_of_ceiling"], ".0f"),
+                *([_f(None if r.get("frac_of_ceiling") is None else 100 * r["frac_of_ceiling"], ".0f")]
+                  if with_ceiling else []),
                 _mem(r), _e(r.get("loss_rel_err")), _e(r.get("grad_hidden_rel_err")), _e(r.get("grad_weight_rel_err")),
             ]
             if grpo:
@@ -167,7 +177,7 @@ def render_plot(doc: dict, path: Path) -> Optional[Path]:
                 mem = [r for r in ok if r.get("peak_mem_bytes") is not None]
                 if mem:
                     any_mem = True
-                    ax_m.plot([xs[r["problem"]] for r in mem], [r["peak_mem_bytes"] / GIB for r in mem], **style)
+                    ax_m.plot([xs[r["problem"]] for r in mem], [max(r["peak_mem_bytes"], 1) / GIB for r in mem], **style)
             for r in recs:
                 if r["status"] == "OOM":
                     for ax in (ax_t, ax_m):
@@ -190,7 +200,8 @@ def render_plot(doc: dict, path: Path) -> Optional[Path]:
             ax_t.legend(fontsize=8)
     run = doc["runs"][-1] if doc["runs"] else {}
     if run:
-        fig.suptitle(f"{run['device']}, {run['dtype']}; matmul ceiling {run['matmul_ceiling']['tflops']:.4g} TFLOP/s",
+        c = run.get("matmul_ceiling")
+        fig.suptitle(f"{run['device']}, {run['dtype']}" + (f"; matmul ceiling {c['tflops']:.4g} TFLOP/s" if c else ""),
                      fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -235,7 +246,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from .runner import load_doc, save_doc
 
     parser = argparse.ArgumentParser(
-        prog="python -m hf_fused.bench.report",
+        prog="python -m benchmarks.report",
         description="Re-render DIR/bench.txt and bench.png from DIR/bench.json, or with --merge first combine "
         "several bench.json files into DIR/bench.json.",
     )

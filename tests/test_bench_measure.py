@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_fused.demo.memory import track_peak_memory
+from benchmarks.measure import track_peak_memory
 
 
 def test_allocation_is_counted():

@@ -1,0 +1,50 @@
+"""End-to-end training benchmark: whole training steps of real-shaped models, not the loss alone.
+
+``python -m benchmarks.e2e [--parts sft,grpo] [--seq-lens 4096,16384,32768] [--steps 3] --out DIR``
+
+Modules: :mod:`.models` (shapes, model and data), :mod:`.sft` (part A), :mod:`.grpo` (part B),
+:mod:`.report` (the table), :mod:`.__main__` (command line); timing and memory come from
+:mod:`benchmarks.measure`, shared with the kernel benchmark.
+
+Part A, SFT: a Qwen3-1.7B-shaped model (random init from ``transformers.Qwen3Config``, bf16 weights,
+tied embeddings, SDPA attention, gradient checkpointing, batch size 1, random token ids) trained by
+``transformers.Trainer`` for ``--warmup`` + ``--steps`` optimizer steps at each sequence length, in
+three variants:
+
+* ``plain``: the unpatched model (full ``[tokens, vocab]`` logits, upcast to fp32 by transformers' loss);
+* ``liger``: ``TrainingArguments(use_liger_kernel=True)``, i.e. Liger's fused linear cross-entropy
+  **and** its RoPE / RMSNorm / SwiGLU kernels (transformers' default Liger config; ``liger_flce``, not run
+  by default, applies the fused linear cross-entropy alone);
+* ``hf_fused``: ``hf_fused.apply_fused_loss(model)``, then the same ``Trainer``.
+
+Each run records tokens/s over the timed steps (a ``TrainerCallback`` synchronizes the GPU at step
+begin/end), ``torch.cuda.max_memory_allocated()`` over the whole ``train()`` (weights, gradients,
+optimizer states, activations and loss; the counter is reset after the model is built) and the logged
+losses (step 1 is the same model and batch for every variant, so the first losses should agree to bf16
+precision). ``torch.cuda.OutOfMemoryError`` is recorded as ``OOM`` (any other exception as ``error``,
+with its traceback in the JSON); a variant that failed at one length is not run at longer ones. Runs go variant by variant, shortest length first, and
+everything is freed between runs. Liger patches ``transformers.models.qwen3.modeling_qwen3`` globals
+(RoPE function, RMSNorm and MLP classes); they are restored after each Liger run.
+
+Optimizer: ``adamw_torch`` by default (``--optim``). With bf16 weights its two states are bf16, so
+weights + gradients + states take 4 × 2 bytes × 1.72 G params ≈ 13.8 GB for the 1.7B shape, the same
+for every variant.
+
+Part B, GRPO: ``hf_fused.FusedGRPOTrainer`` vs ``trl.GRPOTrainer`` (TRL 1.16, whose own chunked fused
+LM head is the baseline) on a Qwen3-0.6B-shaped model. No generation: both trainers are built offline
+(word-level tokenizer, no reward model, no vLLM) and each step calls ``trainer._compute_loss(model,
+inputs)`` + ``backward()`` on a synthetic batch with the keys ``_generate_and_score_completions``
+returns (``prompt_ids``, ``prompt_mask``, ``completion_ids``, ``completion_mask``, ``advantages``,
+``num_items_in_batch``): ``--grpo-completions`` completions of ``--grpo-prompt-len`` prompt tokens and
+``--grpo-completion-len`` completion tokens, every token valid, loss ``dapo``, beta 0, one iteration
+per generation (so, as in TRL, there is no ``old_per_token_logps``: the loss uses the detached current
+log-probs). Reports the median fwd+bwd time of the timed steps (no optimizer step) and the peak memory.
+Variants: ``trl``, ``hf_fused`` (default budget) and ``hf_fused_one_pass`` (``fused_options`` with a
+``tile_budget_bytes`` holding the fp32 ``[V, H]`` accumulator + 2048 vocabulary rows, so the on-policy
+``grad_hint`` gives the head's gradients in the forward pass).
+
+Writes ``DIR/e2e.json`` after every run (a command cut short keeps what it measured) and
+``DIR/e2e.txt`` (the table printed last). ``--time-budget`` (seconds since start) skips the runs that
+would start after it. ``--tiny`` shrinks everything for a CPU smoke test:
+``python -m benchmarks.e2e --tiny --device cpu --out /tmp/e2e``.
+"""

@@ -1,0 +1,141 @@
+"""Command line of the end-to-end benchmark: ``python -m benchmarks.e2e --help``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..runner import device_name, versions
+from . import __doc__ as PACKAGE_DOC
+from .grpo import GRPO_VARIANTS, grpo_part
+from .models import SHAPES
+from .report import log, table
+from .sft import ALL_SFT_VARIANTS, SFT_VARIANTS, sft_part
+
+def environment(device: torch.device) -> dict:
+    v = versions()
+    return {"device": str(device), "device_name": device_name(device), **v, "liger_kernel": v.get("liger-kernel"),
+            "hf_fused_backend": "triton" if device.type == "cuda" else "torch"}
+
+
+def parse_ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def parse_list(s: str, allowed: tuple, what: str) -> list[str]:
+    items = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown {what}: {', '.join(bad)} (choose from {', '.join(allowed)})")
+    return items
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=PACKAGE_DOC.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("e2e_out"), help="output directory (default e2e_out)")
+    p.add_argument("--parts", type=lambda s: parse_list(s, ("sft", "grpo"), "part"), default=["sft", "grpo"],
+                   help="comma-separated, run in this order (default sft,grpo)")
+    p.add_argument("--seq-lens", type=parse_ints, default=None,
+                   help="SFT sequence lengths (default 4096,16384,32768; --tiny: 64,128,256)")
+    p.add_argument("--sft-variants", type=lambda s: parse_list(s, ALL_SFT_VARIANTS, "SFT variant"),
+                   default=list(SFT_VARIANTS), help=f"default {','.join(SFT_VARIANTS)}; also liger_flce")
+    p.add_argument("--grpo-variants", type=lambda s: parse_list(s, GRPO_VARIANTS, "GRPO variant"),
+                   default=list(GRPO_VARIANTS), help=f"default {','.join(GRPO_VARIANTS)}")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per run (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps per run (default 1)")
+    p.add_argument("--optim", default="adamw_torch", help="SFT optimizer (TrainingArguments.optim; default adamw_torch)")
+    p.add_argument("--grpo-completions", type=int, default=None, help="completions per step (default 8; --tiny 4)")
+    p.add_argument("--grpo-prompt-len", type=int, default=None, help="prompt tokens (default 512; --tiny 16)")
+    p.add_argument("--grpo-completion-len", type=int, default=None, help="completion tokens (default 2048; --tiny 32)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default cuda if available)")
+    p.add_argument("--tiny", action="store_true", help="tiny model and lengths (CPU smoke test)")
+    p.add_argument("--time-budget", type=float, default=450.0,
+                   help="seconds after start past which no new run starts (default 450)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def resolve_args(args, parser) -> argparse.Namespace:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but torch.cuda.is_available() is False (use --tiny --device cpu)")
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    args.device = device
+    # bf16 weights on CUDA; fp32 on CPU, where bf16 matmuls are very slow and only the plumbing is tested.
+    args.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tiny = args.tiny
+    args.sft_shape = "tiny" if tiny else "qwen3-1.7b"
+    args.grpo_shape = "tiny" if tiny else "qwen3-0.6b"
+    args.max_positions = 512 if tiny else 40960
+    args.seq_lens = args.seq_lens or ([64, 128, 256] if tiny else [4096, 16384, 32768])
+    args.grpo_completions = args.grpo_completions or (4 if tiny else 8)
+    args.grpo_prompt_len = args.grpo_prompt_len or (16 if tiny else 512)
+    args.grpo_completion_len = args.grpo_completion_len or (32 if tiny else 2048)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def new_doc(args, argv) -> dict:
+    dt = str(args.dtype).replace("torch.", "")
+    return {
+        "argv": argv,
+        "env": environment(args.device),
+        "sft": {
+            "model": f"{args.sft_shape}-shaped Qwen3 (random init, tied, {dt}, sdpa)",
+            "setup": (f"Trainer, batch 1, grad checkpointing, {args.optim}, {args.warmup} warm-up + {args.steps} "
+                      f"timed steps"),
+            "shape": SHAPES[args.sft_shape],
+            "variants": args.sft_variants,
+            "runs": [],
+        },
+        "grpo": {
+            "model": f"{args.grpo_shape}-shaped Qwen3 (random init, tied, {dt}, sdpa)",
+            "setup": (f"_compute_loss + backward, {args.grpo_completions} x ({args.grpo_prompt_len} prompt + "
+                      f"{args.grpo_completion_len} completion) tokens, dapo, beta 0, grad checkpointing, "
+                      f"median of {args.steps} after {args.warmup} warm-up"),
+            "shape": SHAPES[args.grpo_shape],
+            "runs": [],
+        },
+    }
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = resolve_args(parser.parse_args(argv), parser)
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    deadline = start + args.time_budget
+    doc = new_doc(args, argv)
+
+    def save():
+        doc["total_s"] = time.perf_counter() - start
+        (args.out / "e2e.json").write_text(json.dumps(doc, indent=1, default=str))
+
+    log(f"e2e: {doc['env']}")
+    threads = torch.get_num_threads()
+    if args.tiny and args.device.type == "cpu":
+        torch.set_num_threads(1)  # tiny matmuls: extra threads only add contention on a shared CPU
+    try:
+        for part in args.parts:
+            (sft_part if part == "sft" else grpo_part)(args, args.device, doc, save, deadline)
+    finally:
+        torch.set_num_threads(threads)
+    save()
+    text = table(doc)
+    (args.out / "e2e.txt").write_text(text + "\n")
+    print("\n" + text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Part B: GRPO loss steps, ``FusedGRPOTrainer`` vs ``trl.GRPOTrainer`` (no generation)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import statistics
+import tempfile
+import time
+import traceback
+import warnings
+from typing import Optional
+
+import torch
+
+from ..measure import GIB, allocated_gib, free_memory, is_oom, peak_gib, reset_peak, short_error, synchronize
+from .models import build_model, checkpointing_kwargs, checkpointing_on, enable_checkpointing, n_params, qwen3_config
+from .report import describe_grpo, log
+
+GRPO_VARIANTS = ("trl", "hf_fused", "hf_fused_one_pass")
+
+def word_tokenizer():
+    """A small word-level tokenizer (no hub access); the benchmark feeds token ids directly."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[PAD]", "[EOS]", "[UNK]"] + "the a one two three red green blue cat dog is and not yes no".split()
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
+    fast.padding_side = "left"
+    return fast
+
+
+def constant_reward(completions, **kwargs):
+    return [0.0 for _ in completions]
+
+
+def build_grpo_trainer(variant: str, model, out_dir: str, args, device: torch.device):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    extra = {}
+    if variant.startswith("hf_fused"):
+        from hf_fused import FusedGRPOTrainer as cls
+
+        if variant == "hf_fused_one_pass":  # room for the fp32 [V, H] accumulator + 2048 vocabulary rows
+            v, h = model.get_output_embeddings().weight.shape
+            extra["fused_options"] = {"tile_budget_bytes": v * h * 4 + 2048 * v * 2}
+    else:
+        cls = GRPOTrainer
+    g = args.grpo_completions
+    cfg = GRPOConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=g,
+        num_generations=g,
+        max_completion_length=args.grpo_completion_len,
+        loss_type="dapo",
+        beta=0.0,
+        learning_rate=1e-6,
+        bf16=args.dtype == torch.bfloat16,
+        use_cpu=device.type == "cpu",
+        use_vllm=False,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=args.seed,
+        **checkpointing_kwargs(GRPOConfig),
+    )
+    return cls(model=model, reward_funcs=constant_reward, args=cfg, processing_class=word_tokenizer(),
+               train_dataset=Dataset.from_dict({"prompt": ["the red cat"] * g}), **extra)
+
+
+def grpo_inputs(args, vocab_size: int, device: torch.device) -> dict:
+    """What ``_generate_and_score_completions`` returns for one batch (all tokens valid)."""
+    g = torch.Generator().manual_seed(args.seed + 1)
+    n, p, c = args.grpo_completions, args.grpo_prompt_len, args.grpo_completion_len
+    completion_mask = torch.ones(n, c, dtype=torch.long)
+    inputs = {
+        "prompt_ids": torch.randint(2, vocab_size, (n, p), generator=g),
+        "prompt_mask": torch.ones(n, p, dtype=torch.long),
+        "completion_ids": torch.randint(2, vocab_size, (n, c), generator=g),
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(n, generator=g),
+        "num_items_in_batch": completion_mask.sum(),
+    }
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def _grpo_once(variant: str, args, device: torch.device) -> dict:
+    t_build = time.perf_counter()
+    config = qwen3_config(args.grpo_shape, max(args.max_positions, args.grpo_prompt_len + args.grpo_completion_len))
+    model = build_model(config, device, args.dtype, args.seed)
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = build_grpo_trainer(variant, model, tmp, args, device)
+    model = trainer.model
+    if not checkpointing_on(model):  # Trainer enables it in train(), which is never called here
+        enable_checkpointing(model)
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = grpo_inputs(args, config.vocab_size, device)
+    synchronize(device)
+    build_s = time.perf_counter() - t_build
+    weights = allocated_gib(device)
+    times, losses = [], []
+    reset_peak(device)
+    for _ in range(args.warmup + args.steps):
+        model.zero_grad(set_to_none=True)
+        synchronize(device)
+        t0 = time.perf_counter()
+        loss = trainer._compute_loss(model, inputs)
+        loss.backward()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    peak = peak_gib(device)
+    grad_norm = math.sqrt(sum(p.grad.float().pow(2).sum().item() for p in model.parameters() if p.grad is not None))
+    model.zero_grad(set_to_none=True)
+    trainer.accelerator.free_memory()
+    timed = times[args.warmup:]
+    tokens = args.grpo_completions * (args.grpo_prompt_len + args.grpo_completion_len)
+    return {
+        "status": "ok",
+        "step_s": timed,
+        "step_s_median": statistics.median(timed),
+        "warmup_step_s": times[: args.warmup],
+        "tokens_per_s": tokens / statistics.median(timed),
+        "peak_gib": peak,
+        "weights_gib": weights,
+        "peak_above_weights_gib": None if peak is None else peak - weights,
+        "losses": losses,
+        "grad_norm_last": grad_norm,
+        "checkpointing": checkpointing_on(model),
+        "build_s": build_s,
+        "params": n_params(model),
+    }
+
+
+def run_grpo(variant: str, args, device: torch.device) -> dict:
+    leftover = free_memory(device)
+    t0 = time.perf_counter()
+    try:
+        result = _grpo_once(variant, args, device)
+    except Exception as e:  # noqa: BLE001
+        result = {"status": "OOM" if is_oom(e) else "error", "error": short_error(e)}
+        if result["status"] == "error":
+            result["traceback"] = traceback.format_exc()[-3000:]
+        result["peak_gib"] = peak_gib(device)
+    result.update(variant=variant, wall_s=time.perf_counter() - t0, allocated_before_gib=None if leftover is None else leftover / GIB)
+    free_memory(device)
+    return result
+
+
+def grpo_unavailable() -> Optional[str]:
+    try:
+        importlib.import_module("trl")
+        importlib.import_module("datasets")
+    except Exception as e:  # noqa: BLE001
+        return f"trl/datasets not importable ({short_error(e)})"
+    return None
+
+
+def grpo_part(args, device: torch.device, doc: dict, save, deadline: float) -> None:
+    runs = doc["grpo"]["runs"]
+    reason = grpo_unavailable()
+    for variant in args.grpo_variants:
+        if reason:
+            res = {"status": "skipped", "note": reason, "variant": variant}
+        elif time.perf_counter() > deadline:
+            res = {"status": "skipped", "note": "time budget", "variant": variant}
+        else:
+            log(f"GRPO {variant:10s} ...")
+            res = run_grpo(variant, args, device)
+            log(f"    -> {describe_grpo(res)}  ({res['wall_s']:.1f} s)")
+        runs.append(res)
+        save()

@@ -1,0 +1,172 @@
+"""Part A: SFT steps with ``transformers.Trainer``, unpatched vs Liger vs ``apply_fused_loss``."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import statistics
+import tempfile
+import time
+import traceback
+from typing import Optional
+
+import torch
+
+from ..measure import GIB, allocated_gib, free_memory, is_oom, peak_gib, reset_peak, short_error, synchronize
+from .models import RandomTokens, build_model, checkpointing_kwargs, checkpointing_on, make_step_timer, n_params, qwen3_config
+from .report import describe_sft, log
+
+SFT_VARIANTS = ("plain", "liger", "hf_fused")
+ALL_SFT_VARIANTS = SFT_VARIANTS + ("liger_flce",)
+
+def liger_unavailable(device: torch.device) -> Optional[str]:
+    """None when transformers' ``use_liger_kernel`` can run here, else why not."""
+    if device.type != "cuda":
+        return "Liger's kernels need CUDA (Triton)"
+    try:
+        importlib.import_module("liger_kernel.transformers")
+    except Exception as e:  # noqa: BLE001 - any import failure means "skip"
+        return f"liger_kernel not importable ({short_error(e)})"
+    from transformers.utils import is_liger_kernel_available
+
+    if not is_liger_kernel_available():
+        return "transformers.utils.is_liger_kernel_available() is False"
+    return None
+
+
+@contextlib.contextmanager
+def restored_module_globals(module_name: str):
+    """Undo the module-level monkey patches Liger applies (it replaces functions and classes of
+    ``modeling_qwen3`` for every model built afterwards, not only the instance it patches)."""
+    module = importlib.import_module(module_name)
+    saved = dict(vars(module))
+    try:
+        yield
+    finally:
+        for k in set(vars(module)) - set(saved):
+            delattr(module, k)
+        for k, v in saved.items():
+            if vars(module).get(k) is not v:
+                setattr(module, k, v)
+
+
+def sft_training_args(variant: str, out_dir: str, args, device: torch.device):
+    from transformers import TrainingArguments
+
+    kwargs = dict(
+        output_dir=out_dir,
+        max_steps=args.warmup + args.steps,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=1,
+        learning_rate=1e-5,
+        optim=args.optim,
+        bf16=args.dtype == torch.bfloat16,
+        use_cpu=device.type == "cpu",
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=args.seed,
+        **checkpointing_kwargs(TrainingArguments),
+    )
+    if variant in ("liger", "liger_flce"):
+        kwargs["use_liger_kernel"] = True
+    if variant == "liger_flce":
+        kwargs["liger_kernel_config"] = dict(rope=False, rms_norm=False, swiglu=False,
+                                             fused_linear_cross_entropy=True)
+    return TrainingArguments(**kwargs)
+
+
+def _sft_once(variant: str, seq_len: int, args, device: torch.device) -> dict:
+    from transformers import Trainer
+    from transformers.trainer_callback import PrinterCallback
+
+    t_build = time.perf_counter()
+    config = qwen3_config(args.sft_shape, max(args.max_positions, seq_len))
+    model = build_model(config, device, args.dtype, args.seed)
+    if variant == "hf_fused":
+        from hf_fused import apply_fused_loss
+
+        apply_fused_loss(model)
+    synchronize(device)
+    build_s = time.perf_counter() - t_build
+    weights = allocated_gib(device)
+    timer = make_step_timer(device)
+    dataset = RandomTokens(args.warmup + args.steps, seq_len, config.vocab_size, args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(model=model, args=sft_training_args(variant, tmp, args, device), train_dataset=dataset,
+                          callbacks=[timer])
+        trainer.remove_callback(PrinterCallback)  # no per-step log dicts on stdout
+        reset_peak(device)
+        t_train = time.perf_counter()
+        trainer.train()
+        synchronize(device)
+        train_s = time.perf_counter() - t_train
+    peak = peak_gib(device)
+    checkpointing = checkpointing_on(model)
+    forward = getattr(model.forward, "__func__", model.forward)
+    forward = f"{getattr(forward, '__module__', '?')}.{getattr(forward, '__qualname__', '?')}"
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    trainer.accelerator.free_memory()
+    timed = timer.times[args.warmup:]
+    if not timed:
+        raise RuntimeError(f"no timed steps (callback saw {len(timer.times)} steps)")
+    return {
+        "status": "ok",
+        "tokens_per_s": seq_len * len(timed) / sum(timed),
+        "step_s": timed,
+        "step_s_median": statistics.median(timed),
+        "warmup_step_s": timer.times[: args.warmup],
+        "peak_gib": peak,
+        "weights_gib": weights,
+        "losses": losses,
+        "build_s": build_s,
+        "train_s": train_s,
+        "params": n_params(model),
+        "checkpointing": checkpointing,
+        "forward": forward,  # which forward trained: transformers', Liger's lce_forward or hf_fused's
+    }
+
+
+def run_sft(variant: str, seq_len: int, args, device: torch.device) -> dict:
+    """One (variant, sequence length) run; OOM and other errors become a status, never an exception."""
+    leftover = free_memory(device)
+    t0 = time.perf_counter()
+    ctx = (restored_module_globals("transformers.models.qwen3.modeling_qwen3") if variant.startswith("liger")
+           else contextlib.nullcontext())
+    try:
+        with ctx:
+            result = _sft_once(variant, seq_len, args, device)
+    except Exception as e:  # noqa: BLE001 - record and go on with the next run
+        result = {"status": "OOM" if is_oom(e) else "error", "error": short_error(e)}
+        if result["status"] == "error":
+            result["traceback"] = traceback.format_exc()[-3000:]
+        result["peak_gib"] = peak_gib(device)
+    result.update(variant=variant, seq_len=seq_len, wall_s=time.perf_counter() - t0, allocated_before_gib=None if leftover is None else leftover / GIB)
+    free_memory(device)
+    return result
+
+
+def sft_part(args, device: torch.device, doc: dict, save, deadline: float) -> None:
+    runs = doc["sft"]["runs"]
+    for variant in args.sft_variants:
+        skip_reason = liger_unavailable(device) if variant.startswith("liger") else None
+        failed_at = None
+        for seq_len in sorted(args.seq_lens):
+            if skip_reason:
+                res = {"status": "skipped", "note": skip_reason}
+            elif failed_at is not None:
+                res = {"status": "skipped", "note": f"{failed_at[0]} at {failed_at[1]} tokens"}
+            elif time.perf_counter() > deadline:
+                res = {"status": "skipped", "note": "time budget"}
+            else:
+                log(f"SFT {variant:10s} seq {seq_len:6d} ...")
+                res = run_sft(variant, seq_len, args, device)
+                log(f"    -> {describe_sft(res)}  ({res['wall_s']:.1f} s)")
+                if res["status"] in ("OOM", "error"):  # longer sequences would fail the same way
+                    failed_at = (res["status"], seq_len)
+            res.setdefault("variant", variant)
+            res.setdefault("seq_len", seq_len)
+            runs.append(res)
+            save()
