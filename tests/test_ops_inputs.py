@@ -148,7 +148,7 @@ def test_any_integer_label_dtype_is_accepted(labels_dtype):
 )
 def test_non_positive_num_items_in_batch_is_a_value_error(reduction, num_items):
     hidden, weight, bias, labels = inputs()
-    with pytest.raises(ValueError, match="num_items_in_batch must be > 0"):
+    with pytest.raises(ValueError, match="num_items_in_batch must be a finite number > 0"):
         ce(hidden, weight, labels, bias, reduction=reduction, num_items_in_batch=num_items)
 
 

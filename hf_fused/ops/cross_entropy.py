@@ -7,9 +7,10 @@ from typing import Optional, Union
 import torch
 
 from .backends import get_backend
-from .head_inputs import check_per_token, flatten_head_inputs
+from .head_inputs import check_num_items, check_per_token, flatten_head_inputs
 from .logit_transform import LogitTransform
 from .logprobs import linear_logprobs
+from .precision import autocast_off, cast_like_linear, refuse_double_backward
 from .tiling import check_tile_budget, valid_rows
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -29,21 +30,25 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         need = (grad_enabled and need[0], grad_enabled and need[1], grad_enabled and bias is not None and need[2])
         ctx.config = (grad_scale, transform, tile_budget_bytes, backend, need)
         ctx.grads, lse, one_pass = None, None, None
-        if any(need):
-            one_pass = backend.logprobs_with_grads(
-                hidden, weight, bias, labels, rows, _grad_logprobs(grad_scale, 1.0, row_weights, rows),
-                transform, tile_budget_bytes, False, *need,
-            )
-        if one_pass is not None:
-            logp, _, _, ctx.grads = one_pass
-        else:
-            logp, _, lse = backend.logprobs_forward(hidden, weight, bias, labels, rows, transform, tile_budget_bytes, False)
+        with autocast_off(hidden.device.type):
+            if any(need):
+                one_pass = backend.logprobs_with_grads(
+                    hidden, weight, bias, labels, rows, _grad_logprobs(grad_scale, 1.0, row_weights, rows),
+                    transform, tile_budget_bytes, False, *need,
+                )
+            if one_pass is not None:
+                logp, _, _, ctx.grads = one_pass
+            else:
+                logp, _, lse = backend.logprobs_forward(
+                    hidden, weight, bias, labels, rows, transform, tile_budget_bytes, False
+                )
         ctx.save_for_backward(hidden, weight, bias, labels, rows, lse, row_weights)
         loss_sum = -(logp if row_weights is None else logp * row_weights).sum()
         return loss_sum * grad_scale
 
     @staticmethod
     def backward(ctx, grad_output):
+        refuse_double_backward("linear_cross_entropy")
         hidden, weight, bias, labels, rows, lse, row_weights = ctx.saved_tensors
         grad_scale, transform, tile_budget_bytes, backend, need = ctx.config
         # One host sync for the upstream factor: ``loss.backward()`` sends 1, and then the pass over the
@@ -60,10 +65,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 )
             grads, ctx.grads = ctx.grads, None  # free the stored gradients as soon as they are handed over
         else:
-            grads = backend.logprobs_backward(
-                hidden, weight, bias, labels, rows, lse, None, _grad_logprobs(grad_scale, factor, row_weights, rows),
-                None, transform, tile_budget_bytes, *need,
-            )
+            with autocast_off(hidden.device.type):
+                grads = backend.logprobs_backward(
+                    hidden, weight, bias, labels, rows, lse, None,
+                    _grad_logprobs(grad_scale, factor, row_weights, rows), None, transform, tile_budget_bytes, *need,
+                )
             factor = 1.0
         d_hidden, d_weight, d_bias = grads.input_grads(hidden, weight, bias, rows, factor)
         return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None, None
@@ -73,6 +79,17 @@ def _grad_logprobs(grad_scale, factor: float, row_weights, rows) -> torch.Tensor
     """``∂(factor · grad_scale · Σ w·loss)/∂logp = −factor·grad_scale·w`` per row, fp32 ``[M]`` (loss = −logp)."""
     g = torch.as_tensor(grad_scale, dtype=torch.float32, device=rows.device).neg() * factor
     return g.expand(rows.numel()).contiguous() if row_weights is None else g * row_weights
+
+
+def _check_finite_weights(weights: torch.Tensor, kept: Optional[torch.Tensor] = None) -> None:
+    bad = ~torch.isfinite(weights)
+    if kept is not None:
+        bad &= kept
+    if bool(bad.any()):
+        raise ValueError(
+            "token_weights must be finite at non-ignored positions (NaN or inf found); ignored positions "
+            "may hold anything"
+        )
 
 
 def linear_cross_entropy(
@@ -132,9 +149,15 @@ def linear_cross_entropy(
     ``requires_grad=False`` skips the weight-gradient matmul.
 
     Raises:
-        ValueError: unknown reduction, bad shapes, labels out of range, non-positive
-            ``num_items_in_batch``, invalid transform values, ``token_weights`` not shaped like labels
-            or on another device.
+        ValueError: unknown reduction, bad shapes, labels out of range, ``num_items_in_batch`` that is
+            not one finite number > 0, invalid transform values, ``token_weights`` not shaped like labels,
+            on another device or not finite at a non-ignored position.
+        RuntimeError: in backward, for second-order gradients (``create_graph=True``).
+
+    Mixed precision: under ``torch.autocast`` hidden, weight and bias are cast to the autocast dtype
+    exactly as ``F.linear`` (the model's lm_head call) would cast them, and forward and backward both
+    compute from those operands with autocast off; accumulation stays fp32 and the gradients reach the
+    original tensors in their own dtypes.
         TypeError: non-tensor or wrongly typed inputs.
     """
     if reduction not in _REDUCTIONS:
@@ -146,7 +169,13 @@ def linear_cross_entropy(
             hidden, weight, labels, bias, ignore_index=ignore_index, temperature=temperature,
             softcap=softcap, logit_scale=logit_scale, tile_budget_bytes=tile_budget_bytes, backend=backend,
         )
-        return -logprobs if token_weights is None else -logprobs * check_per_token(token_weights, labels, "token_weights")
+        if token_weights is None:
+            return -logprobs
+        weights = check_per_token(token_weights, labels, "token_weights")
+        # Ignored tokens have loss 0 whatever their weight (a NaN weight there must not poison it).
+        kept = labels != ignore_index
+        _check_finite_weights(weights, kept)
+        return -logprobs * torch.where(kept, weights, 0.0)
     transform = LogitTransform(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
     flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index)
     rows = valid_rows(flat.labels, ignore_index)
@@ -154,13 +183,13 @@ def linear_cross_entropy(
     row_weights = None
     if token_weights is not None:
         row_weights = check_per_token(token_weights, labels, "token_weights").reshape(-1).index_select(0, rows)
+        _check_finite_weights(row_weights)
         nonzero = row_weights != 0
         if not bool(nonzero.all()):  # e.g. a GRPO group whose advantages are all 0
             keep = nonzero.nonzero().squeeze(1)
             rows, row_weights = rows[keep], row_weights[keep]
     if num_items_in_batch is not None:
-        if bool(torch.as_tensor(num_items_in_batch).le(0).any()):
-            raise ValueError(f"num_items_in_batch must be > 0, got {num_items_in_batch!r}")
+        num_items_in_batch = check_num_items(num_items_in_batch)
         grad_scale = 1.0 / num_items_in_batch
         if isinstance(grad_scale, torch.Tensor):
             grad_scale = grad_scale.to(device=hidden.device, dtype=torch.float32)
@@ -168,8 +197,9 @@ def linear_cross_entropy(
         grad_scale = 1.0 / max(n_valid, 1)
     else:
         grad_scale = 1.0
+    hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
     return LinearCrossEntropyFunction.apply(
-        flat.hidden, flat.weight, flat.bias, flat.labels, rows, grad_scale, transform,
+        hidden2d, weight, bias, flat.labels, rows, grad_scale, transform,
         check_tile_budget(tile_budget_bytes), get_backend(hidden.device, backend),
         torch.is_grad_enabled(), row_weights,
     )

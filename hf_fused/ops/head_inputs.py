@@ -3,6 +3,7 @@ become ``[N, H]`` and ``[N]``, with errors that say what was wrong."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -94,3 +95,28 @@ def check_per_token(values, labels: torch.Tensor, name: str) -> torch.Tensor:
             f"got {tuple(values.shape)} on {values.device}"
         )
     return values.detach().float()
+
+
+def check_num_items(num_items_in_batch):
+    """``num_items_in_batch`` (transformers' gradient-accumulation normalizer) as given, after checking that
+    it is one finite number > 0: a Python number or a one-element tensor (a 0-d tensor on the model's
+    device is what ``Trainer`` passes).
+
+    Raises:
+        ValueError: several elements, NaN, inf, or not > 0.
+        TypeError: neither a real number nor a tensor.
+    """
+    if isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.numel() != 1:
+            raise ValueError(
+                f"num_items_in_batch must be one number (the token count of the whole accumulated batch), got a "
+                f"tensor of shape {tuple(num_items_in_batch.shape)}"
+            )
+        value = num_items_in_batch.item()
+    elif isinstance(num_items_in_batch, (int, float)) and not isinstance(num_items_in_batch, bool):
+        value = num_items_in_batch
+    else:
+        raise TypeError(f"num_items_in_batch must be a number or a one-element tensor, got {num_items_in_batch!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"num_items_in_batch must be a finite number > 0, got {value!r}")
+    return num_items_in_batch.reshape(()) if isinstance(num_items_in_batch, torch.Tensor) else num_items_in_batch

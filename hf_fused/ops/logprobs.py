@@ -10,6 +10,7 @@ import torch
 from .backends import get_backend
 from .head_inputs import check_per_token, flatten_head_inputs
 from .logit_transform import LogitTransform
+from .precision import autocast_off, cast_like_linear, refuse_double_backward
 from .tiling import check_tile_budget, valid_rows
 
 
@@ -35,18 +36,19 @@ class LinearLogprobsFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         ctx.hinted = None
         one_pass = None
-        if grad_hint is not None and grad_enabled and any(need[:3]):
-            one_pass = backend.logprobs_with_grads(
-                hidden, weight, bias, labels, rows, grad_hint, transform, tile_budget_bytes, return_entropy,
-                need[0], need[1], bias is not None and need[2],
-            )
-        if one_pass is not None:
-            logp_rows, ent_rows, lse, grads = one_pass
-            ctx.hinted = (grad_hint, grads)
-        else:
-            logp_rows, ent_rows, lse = backend.logprobs_forward(
-                hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy
-            )
+        with autocast_off(hidden.device.type):
+            if grad_hint is not None and grad_enabled and any(need[:3]):
+                one_pass = backend.logprobs_with_grads(
+                    hidden, weight, bias, labels, rows, grad_hint, transform, tile_budget_bytes, return_entropy,
+                    need[0], need[1], bias is not None and need[2],
+                )
+            if one_pass is not None:
+                logp_rows, ent_rows, lse, grads = one_pass
+                ctx.hinted = (grad_hint, grads)
+            else:
+                logp_rows, ent_rows, lse = backend.logprobs_forward(
+                    hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy
+                )
         n = labels.numel()
         logprobs = hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, logp_rows)
         entropy = None
@@ -58,6 +60,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
+        refuse_double_backward("linear_logprobs")
         hidden, weight, bias, labels, rows, lse, ent_rows = ctx.saved_tensors
         transform, tile_budget_bytes, backend = ctx.config
         need = ctx.needs_input_grad
@@ -80,10 +83,11 @@ class LinearLogprobsFunction(torch.autograd.Function):
             rows, lse, ent_rows = rows[keep], lse[keep], None if ent_rows is None else ent_rows[keep]
             g_lp = None if g_lp is None else g_lp[keep]
             g_h = None if g_h is None else g_h[keep]
-        grads = backend.logprobs_backward(
-            hidden, weight, bias, labels, rows, lse, ent_rows, g_lp, g_h, transform, tile_budget_bytes,
-            need[0], need[1], bias is not None and need[2],
-        )
+        with autocast_off(hidden.device.type):
+            grads = backend.logprobs_backward(
+                hidden, weight, bias, labels, rows, lse, ent_rows, g_lp, g_h, transform, tile_budget_bytes,
+                need[0], need[1], bias is not None and need[2],
+            )
         return _outputs(grads, hidden, weight, bias, rows)
 
 
@@ -172,9 +176,13 @@ def linear_logprobs(
     unnecessary) and accepts any upstream gradient on both outputs; gradients for hidden, weight and
     bias are accumulated in fp32.
 
+    Mixed precision: as :func:`~hf_fused.ops.linear_cross_entropy` (operands cast as ``F.linear`` would be
+    under autocast; forward and backward compute from the same operands).
+
     Raises:
         ValueError / TypeError: as :func:`~hf_fused.ops.linear_cross_entropy`; ``grad_hint`` not a
             floating-point tensor shaped like ``labels`` on its device.
+        RuntimeError: in backward, for second-order gradients (``create_graph=True``).
     """
     transform = LogitTransform(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
     flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index)
@@ -182,8 +190,9 @@ def linear_logprobs(
     hint_rows = None
     if grad_hint is not None:
         hint_rows = check_per_token(grad_hint, labels, "grad_hint").reshape(-1).index_select(0, rows)
+    hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
     logprobs, entropy = LinearLogprobsFunction.apply(
-        flat.hidden, flat.weight, flat.bias, flat.labels, rows, transform,
+        hidden2d, weight, bias, flat.labels, rows, transform,
         check_tile_budget(tile_budget_bytes), get_backend(hidden.device, backend),
         bool(return_entropy), hint_rows, torch.is_grad_enabled(),
     )

@@ -44,13 +44,20 @@ def get_backend(device: torch.device, name: Optional[str] = None):
     registered one for the device (the torch reference on CPU).
 
     Raises:
-        ValueError: if the requested name is not registered.
+        ValueError: if the requested name is not registered, or is ``"triton"`` for non-CUDA tensors
+            without Triton's interpreter.
     """
     name = name or os.environ.get("HF_FUSED_BACKEND") or _default_name(device)
     if name not in _REGISTRY:
         raise ValueError(
             f"unknown hf_fused backend {name!r}; available: {available_backends()}. "
             "Unset HF_FUSED_BACKEND or pass one of these names."
+        )
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"hf_fused backend 'triton' runs on CUDA tensors (got tensors on {device.type}); use backend='torch' "
+            "on this device, or set TRITON_INTERPRET=1 before importing triton to run its kernels in the "
+            "interpreter (slow, for tests)."
         )
     if name not in _INSTANCES:
         _INSTANCES[name] = _REGISTRY[name]()
