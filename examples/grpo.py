@@ -1,7 +1,9 @@
-"""GRPO demo: reinforcement learning end to end on CPU with ``hf_fused.FusedGRPOTrainer``.
+"""GRPO demo: reinforcement learning end to end on CPU with ``hf_fused.FusedGRPOTrainer``, next to
+``trl.GRPOTrainer`` on the same configuration.
 
 ``python -m examples grpo [--steps N] [--num-generations G] [--prompts-per-step P] [--num-prompts K]
-[--max-completion-length C] [--lr LR] [--beta B] [--num-iterations I] [--seed S] [--plot PATH] [--model PATH]``
+[--max-completion-length C] [--lr LR] [--beta B] [--num-iterations I] [--seed S] [--plot PATH] [--model PATH]
+[--trainers fused,trl]``
 
 1. Model: a small random Qwen3 (2 layers, hidden 128, real Qwen vocabulary of 151,936 rows) with the
    real Qwen tokenizer (``examples.tokenizer``), or a local HF checkpoint given by ``--model``.
@@ -32,20 +34,28 @@ Why a tiny random model can learn this reward:
   the weights they move; with 0.02 one step at lr 3e-3 moves the policy by several nats (KL) and it
   collapses onto one repeated token.
 
-Expect, with the defaults (about 1.5-2 s per step on 2 CPU cores): reward ≈0.45 → ≈0.75 in 50 steps,
-entropy falling as the policy commits to one continuation per prompt, KL to the initial model around
-1 nat/token, a non-zero clip ratio on every second step (``--num-iterations 2`` reuses each generated
-batch for one off-policy step).
+The defaults are TRL's own (``beta=0``, ``num_iterations=1``: on-policy, no reference model), so each
+step is one generation and one forward+backward; ``FusedGRPOTrainer`` then takes its one-pass path (the
+log-probs' gradient is known before the forward). Expect, on 2 CPU cores, about 1-2 s per step and
+trainer: the reward rises from ≈0.45 to ≈0.7 within 20 steps while the entropy falls as the policy
+commits to one continuation per prompt. ``--beta 0.04 --num-iterations 2`` adds a KL term to the initial
+model and an off-policy step that clips.
 
-Logs reward, loss, KL, clip ratio and entropy at every step under a progress bar, prints a table at the
-end and saves a PNG of the reward curve (``--plot``, default ``grpo_reward.png``).
+Each trainer in ``--trainers`` (default both, hf_fused first) trains a fresh copy of the same model with
+the same seed, so step 1 samples the same completions and gets the same reward; later steps drift apart
+only through rounding. Logs reward, loss and entropy at every step under a progress bar, prints the two
+runs side by side (reward, loss, seconds per step, peak tensor memory of the last step, counted op by op
+by :func:`benchmarks.measure.track_peak_memory`) and saves a PNG of the reward curves (``--plot``,
+default ``grpo_reward.png``).
 
-Exit status: 0 when the mean reward of the last quarter of the steps is above that of the first quarter.
+Exit status: 0 when hf_fused's mean reward of the last quarter of the steps is above that of the first
+quarter.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
@@ -54,6 +64,9 @@ import time
 import warnings
 
 import torch
+
+#: ``--trainers`` keys, in the order they run and are shown.
+TRAINERS = {"fused": "hf_fused FusedGRPOTrainer", "trl": "trl GRPOTrainer"}
 
 __all__ = ["WORD_PIECE", "word_piece_reward", "build_prompts", "parse_args", "main"]
 
@@ -101,22 +114,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="GRPO on CPU with hf_fused.FusedGRPOTrainer: a tiny Qwen3 learns to write English word pieces.",
     )
     p.add_argument("--model", metavar="PATH", help="local HF checkpoint dir (default: a small random Qwen3)")
-    p.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    p.add_argument("--trainers", default="fused,trl",
+                   help="comma-separated, from: fused (hf_fused.FusedGRPOTrainer), trl (trl.GRPOTrainer); default both")
     p.add_argument("--num-generations", type=int, default=8, help="completions per prompt, G (default 8)")
     p.add_argument("--prompts-per-step", type=int, default=2, help="prompts per step (default 2)")
     p.add_argument("--prompt-tokens", type=int, default=24, help="tokens per prompt (default 24)")
     p.add_argument("--num-prompts", type=int, default=4, help="distinct prompts, cycled over the steps (default 4)")
     p.add_argument("--max-completion-length", type=int, default=16, help="tokens per completion (default 16)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    p.add_argument("--beta", type=float, default=0.04, help="KL coefficient to the initial model (default 0.04)")
+    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient to the initial model (default 0, TRL's)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the top-k tokens only (default 0 = off)")
     p.add_argument("--head-std", type=float, default=0.6,
                    help="init std of the random model's lm_head (default 0.6: next-token entropy ~2 nats)")
     p.add_argument("--embed-std", type=float, default=1.0,
                    help="init std of the random model's input embeddings (default 1.0)")
-    p.add_argument("--num-iterations", type=int, default=2,
-                   help="optimizer steps per generated batch (default 2; the second one is off-policy and clips)")
+    p.add_argument("--num-iterations", type=int, default=1,
+                   help="optimizer steps per generated batch (default 1, TRL's; with 2 the second one is off-policy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default="grpo_reward.png", help="where to save the reward curve (PNG)")
     args = p.parse_args(argv)
@@ -125,6 +140,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.num_generations < 2:
         p.error("--num-generations must be >= 2 (GRPO compares completions within a group)")
+    args.trainers = [t.strip() for t in args.trainers.split(",") if t.strip()]
+    unknown = [t for t in args.trainers if t not in TRAINERS]
+    if unknown or not args.trainers or "fused" not in args.trainers:
+        p.error(f"--trainers takes a comma-separated subset of {', '.join(TRAINERS)} that includes fused; "
+                f"got {unknown or args.trainers}")
     return args
 
 
@@ -174,41 +194,69 @@ def _step_metrics(logs: dict) -> dict:
     }
 
 
-def save_reward_plot(history: list[dict], path: str, title: str) -> None:
-    """Reward (mean ± std over the step's completions) and entropy / KL per step, as a PNG."""
+def save_reward_plot(histories: dict[str, list[dict]], path: str, title: str) -> None:
+    """Reward (mean ± std over the step's completions) and entropy per step, one line per trainer, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = list(range(1, len(history) + 1))
-    reward = [h["reward"] for h in history]
-    std = [h["reward_std"] for h in history]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=[2, 1])
-    ax1.plot(steps, reward, marker="o", ms=3, label="mean reward")
-    ax1.fill_between(steps, [r - s for r, s in zip(reward, std)], [r + s for r, s in zip(reward, std)],
-                     alpha=0.2, label="± std over completions")
+    for key, history in histories.items():
+        steps = list(range(1, len(history) + 1))
+        reward = [h["reward"] for h in history]
+        std = [h["reward_std"] for h in history]
+        style = dict(linestyle="-" if key == "fused" else "--", marker="o" if key == "fused" else "x", ms=3)
+        line, = ax1.plot(steps, reward, label=TRAINERS[key], **style)
+        ax1.fill_between(steps, [r - s for r, s in zip(reward, std)], [r + s for r, s in zip(reward, std)],
+                         alpha=0.12, color=line.get_color())
+        ax2.plot(steps, [h["entropy"] for h in history], color=line.get_color(), label=TRAINERS[key], **style)
     ax1.set_ylabel("reward (word-piece fraction)")
     ax1.set_title(title)
     ax1.grid(alpha=0.3)
     ax1.legend(loc="lower right")
-    ax2.plot(steps, [h["entropy"] for h in history], color="tab:green", label="entropy")
     ax2.set_ylabel("entropy (nats)")
     ax2.set_xlabel("optimizer step")
     ax2.grid(alpha=0.3)
-    if not all(math.isnan(h["kl"]) for h in history):
-        twin = ax2.twinx()
-        twin.plot(steps, [h["kl"] for h in history], color="tab:red", label="KL to initial model")
-        twin.set_ylabel("KL")
-        lines = ax2.get_lines() + twin.get_lines()
-        ax2.legend(lines, [line.get_label() for line in lines], loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def _last_step_memory_callback(last_step: int):
+    """A TrainerCallback counting the peak tensor bytes of optimizer step ``last_step`` (generation,
+    log-probs, loss, backward and optimizer step) with :func:`benchmarks.measure.track_peak_memory`: on CPU
+    every aten op's new storages are tallied, which slows that one step down, so only one is measured."""
+    from transformers import TrainerCallback
+
+    from benchmarks.measure import track_peak_memory
+
+    class LastStepMemory(TrainerCallback):
+        peak_bytes = None
+
+        def __init__(self):
+            self._stack = contextlib.ExitStack()
+            self._report = None
+            self.step_seconds: list[float] = []  # of the steps not counted
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._t0 = time.perf_counter()
+            if state.global_step + 1 == last_step:
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+                self._report = self._stack.enter_context(track_peak_memory(device))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self._report is not None:
+                self._stack.close()
+                self.peak_bytes, self._report = self._report.peak_bytes, None
+            else:
+                self.step_seconds.append(time.perf_counter() - self._t0)
+
+    return LastStepMemory()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the demo; returns the process exit status (0 = the reward went up)."""
+    """Run the demo; returns the process exit status (0 = hf_fused's reward went up)."""
     args = parse_args(argv)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -216,49 +264,45 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args, workdir)
 
 
-def _run(args: argparse.Namespace, workdir: str) -> int:
+def _build_model(args: argparse.Namespace, tokenizer, workdir: str):
+    """The policy, the same for every call with the same seed; ``(model, name)``."""
+    import transformers
+
+    from .model import tiny_qwen3_config
+
+    transformers.set_seed(args.seed)
+    if args.model:
+        return transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32), args.model
+    model = transformers.Qwen3ForCausalLM(tiny_qwen3_config(tokenizer, tie_word_embeddings=False, max_position_embeddings=1024))
+    with torch.no_grad():  # see the module docstring: a peaked random model
+        model.lm_head.weight.normal_(0.0, args.head_std)
+        model.get_input_embeddings().weight.normal_(0.0, args.embed_std)
+    if args.beta:
+        # TRL builds the reference model from config._name_or_path: give it the initial weights.
+        init = os.path.join(workdir, "init")
+        if not os.path.isdir(init):
+            model.save_pretrained(init)
+        model.config._name_or_path = init
+    return model, "random Qwen3 (2 layers, hidden 128)"
+
+
+def _train(key: str, args: argparse.Namespace, tokenizer, prompts: list[str], workdir: str) -> dict:
+    """Train one trainer kind from a fresh model; its per-step history, seconds, last-step memory, a sample."""
     import transformers
     from datasets import Dataset
     from transformers.trainer_callback import ProgressCallback
-    from trl import GRPOConfig
+    from trl import GRPOConfig, GRPOTrainer
 
     from hf_fused import FusedGRPOTrainer
 
-    from .model import tiny_qwen3_config
-    from .tokenizer import build_qwen_tokenizer
-
-    transformers.set_seed(args.seed)
-
-    if args.model:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-        name = args.model
-    else:
-        tokenizer = build_qwen_tokenizer()
-        model = transformers.Qwen3ForCausalLM(tiny_qwen3_config(tokenizer, tie_word_embeddings=False, max_position_embeddings=1024))
-        with torch.no_grad():  # see the module docstring: a peaked random model
-            model.lm_head.weight.normal_(0.0, args.head_std)
-            model.get_input_embeddings().weight.normal_(0.0, args.embed_std)
-        name = "random Qwen3 (2 layers, hidden 128)"
-        if args.beta:
-            # TRL builds the reference model from config._name_or_path: give it the initial weights.
-            model.save_pretrained(os.path.join(workdir, "init"))
-            model.config._name_or_path = os.path.join(workdir, "init")
-    tokenizer.padding_side = "left"
-    n_params = sum(p.numel() for p in model.parameters())
-    vocab = model.get_output_embeddings().weight.shape[0]
-    print(f"model: {name}, {n_params / 1e6:.1f}M params, vocab {vocab}")
-
-    prompts = build_prompts(tokenizer, args.prompt_tokens, args.num_prompts)
-    print(f"data: {len(prompts)} prompts of {args.prompt_tokens} tokens from the pydoc help topics, e.g. "
-          f"{prompts[0][:70]!r}...")
+    model, name = _build_model(args, tokenizer, workdir)
 
     def reward(completions, completion_ids, **kwargs):
         return word_piece_reward(completions, completion_ids, tokenizer=tokenizer)
 
     reward.__name__ = "word_pieces"
     config = GRPOConfig(
-        output_dir=os.path.join(workdir, "out"),
+        output_dir=os.path.join(workdir, f"out_{key}"),
         max_steps=args.steps,
         per_device_train_batch_size=args.prompts_per_step * args.num_generations,
         num_generations=args.num_generations,
@@ -270,7 +314,7 @@ def _run(args: argparse.Namespace, workdir: str) -> int:
         beta=args.beta,
         num_iterations=args.num_iterations,
         loss_type="dapo",
-        bf16=False,
+        bf16=False,  # fp32 on CPU (GRPOConfig's default bf16=True would autocast here); use bf16 on a GPU
         use_vllm=False,
         use_cpu=not torch.cuda.is_available(),
         gradient_checkpointing=False,
@@ -281,38 +325,64 @@ def _run(args: argparse.Namespace, workdir: str) -> int:
         shuffle_dataset=False,
         dataloader_num_workers=0,
     )
-    trainer = FusedGRPOTrainer(
-        model=model,
-        reward_funcs=reward,
-        args=config,
-        train_dataset=Dataset.from_dict({"prompt": prompts}),
-        processing_class=tokenizer,
-    )
+    cls = FusedGRPOTrainer if key == "fused" else GRPOTrainer
+    memory = _last_step_memory_callback(args.steps)
+    trainer = cls(model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_dict({"prompt": prompts}),
+                  processing_class=tokenizer, callbacks=[memory])
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(_progress_callback())
-
-    print(f"\nGRPO: {args.steps} steps x {args.prompts_per_step} prompts x {args.num_generations} completions "
-          f"of <= {args.max_completion_length} tokens, reward = fraction of English word pieces\n")
-    start = time.perf_counter()
+    print(f"\n{TRAINERS[key]}: {args.steps} steps x {args.prompts_per_step} prompts x {args.num_generations} "
+          f"completions of <= {args.max_completion_length} tokens, {name}")
+    transformers.set_seed(args.seed)  # the same sampling for every trainer
     trainer.train()
-    elapsed = time.perf_counter() - start
-
-    history = _history(trainer.state.log_history)
-    quarter = max(1, len(history) // 4)
-    first = sum(h["reward"] for h in history[:quarter]) / quarter
-    last = sum(h["reward"] for h in history[-quarter:]) / quarter
-    print(f"\n{'step':>4}  {'reward':>7}  {'loss':>8}  {'kl':>7}  {'clip':>6}  {'entropy':>7}")
-    for i, h in enumerate(history, start=1):
-        print(f"{i:>4}  {h['reward']:>7.3f}  {h['loss']:>+8.4f}  {h['kl']:>7.4f}  {h['clip']:>6.3f}  {h['entropy']:>7.3f}")
-    print(f"train time {elapsed:.0f} s ({elapsed / max(1, len(history)):.1f} s/step)")
-
-    save_reward_plot(history, args.plot, f"GRPO with FusedGRPOTrainer on {name}")
-    print(f"reward curve saved to {os.path.abspath(args.plot)}")
-
     sample = trainer._logs["completion"][-1] if trainer._logs["completion"] else ""
-    print(f"last sampled completion: {sample!r}")
+    steps = sorted(memory.step_seconds)
+    return {"history": _history(trainer.state.log_history), "step_s": steps[len(steps) // 2] if steps else math.nan,
+            "peak_bytes": memory.peak_bytes, "sample": sample, "name": name}
+
+
+def _run(args: argparse.Namespace, workdir: str) -> int:
+    import transformers
+
+    from .tokenizer import build_qwen_tokenizer
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model) if args.model else build_qwen_tokenizer()
+    tokenizer.padding_side = "left"
+    prompts = build_prompts(tokenizer, args.prompt_tokens, args.num_prompts)
+    print(f"data: {len(prompts)} prompts of {args.prompt_tokens} tokens from the pydoc help topics, e.g. "
+          f"{prompts[0][:70]!r}...\nreward: fraction of distinct English word pieces in a completion")
+
+    runs = {key: _train(key, args, tokenizer, prompts, workdir) for key in args.trainers}
+
+    keys = list(runs)
+    n = min(len(r["history"]) for r in runs.values())
+    print("\n" + f"{'step':>4}" + "".join(f"  {'reward ' + k:>13}" for k in keys)
+          + "".join(f"  {'entropy ' + k:>14}" for k in keys))
+    for i in range(n):
+        print(f"{i + 1:>4}" + "".join(f"  {runs[k]['history'][i]['reward']:>13.3f}" for k in keys)
+              + "".join(f"  {runs[k]['history'][i]['entropy']:>14.3f}" for k in keys))
+    quarter = max(1, n // 4)
+    mean = lambda hist: sum(h["reward"] for h in hist) / len(hist)  # noqa: E731
+    print(f"\n{'trainer':<26}{'median s/step':>14}{'peak MiB, last step':>21}{'reward first→last quarter':>28}")
+    for k in keys:
+        r = runs[k]
+        peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.0f}"
+        print(f"{TRAINERS[k]:<26}{r['step_s']:>14.2f}{peak:>21}"
+              f"{mean(r['history'][:quarter]):>17.3f} → {mean(r['history'][-quarter:]):.3f}")
+    print("(peak MiB: tensors held during the last step, generation + log-probs + loss + backward + optimizer, "
+          "counted op by op on CPU; that step is left out of the median time. On-policy with beta 0 the loss "
+          "value is 0 at every step, its gradient is not: compare rewards.)")
+
+    save_reward_plot({k: r["history"] for k, r in runs.items()}, args.plot,
+                     f"GRPO on {runs['fused']['name']}: hf_fused vs TRL")
+    print(f"reward curves saved to {os.path.abspath(args.plot)}")
+    print(f"last sampled completion (hf_fused): {runs['fused']['sample']!r}")
+
+    fused = runs["fused"]["history"]
+    first, last = mean(fused[:quarter]), mean(fused[-quarter:])
     if last > first:
-        print(f"\nOK: mean reward {first:.3f} (first {quarter} steps) -> {last:.3f} (last {quarter} steps)")
+        print(f"\nOK: hf_fused mean reward {first:.3f} (first {quarter} steps) -> {last:.3f} (last {quarter} steps)")
         return 0
-    print(f"\nFAIL: mean reward did not improve: {first:.3f} (first {quarter} steps) -> {last:.3f} (last {quarter})")
+    print(f"\nFAIL: hf_fused mean reward did not improve: {first:.3f} (first {quarter} steps) -> {last:.3f} "
+          f"(last {quarter})")
     return 1

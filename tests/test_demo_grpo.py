@@ -1,4 +1,4 @@
-"""The GRPO demo's pieces, and a 2-step run of it (the full 50-step run takes minutes)."""
+"""The GRPO demo's pieces, and a 2-step run of it next to TRL's GRPOTrainer (the full run takes minutes)."""
 
 import os
 import sys
@@ -33,12 +33,14 @@ def test_word_piece_pattern():
 
 def test_args_defaults_and_validation():
     args = grpo.parse_args([])
-    assert (args.steps, args.num_generations, args.num_prompts, args.beta) == (50, 8, 4, 0.04)
-    with pytest.raises(SystemExit):
-        grpo.parse_args(["--num-generations", "1"])
+    assert (args.steps, args.num_generations, args.num_prompts, args.beta, args.num_iterations) == (20, 8, 4, 0.0, 1)
+    assert args.trainers == ["fused", "trl"]
+    for bad in (["--num-generations", "1"], ["--trainers", "trl"], ["--trainers", "fused,nope"]):
+        with pytest.raises(SystemExit):
+            grpo.parse_args(bad)
 
 
-def test_demo_runs_two_steps(tmp_path):
+def test_demo_runs_two_steps_next_to_grpo_trainer(tmp_path, capsys):
     plot = tmp_path / "reward.png"
     status = grpo.main([
         "--steps", "2", "--num-generations", "2", "--prompts-per-step", "1", "--num-prompts", "1",
@@ -46,3 +48,23 @@ def test_demo_runs_two_steps(tmp_path):
     ])
     assert status in (0, 1)  # two steps say nothing about learning; the run and the plot must work
     assert plot.stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "hf_fused FusedGRPOTrainer" in out and "trl GRPOTrainer" in out and "peak MiB" in out
+
+
+def test_fused_and_trl_runs_sample_and_score_alike(tmp_path):
+    """Same model, seed and config: each step's completions (hence rewards) agree while the two
+    trainers' updates agree; a wrong gradient from hf_fused would change step 2's policy and samples."""
+    from examples.tokenizer import build_qwen_tokenizer
+
+    args = grpo.parse_args(["--steps", "3", "--num-generations", "4", "--prompts-per-step", "1",
+                            "--num-prompts", "2", "--max-completion-length", "6", "--prompt-tokens", "8"])
+    tok = build_qwen_tokenizer()
+    tok.padding_side = "left"
+    prompts = grpo.build_prompts(tok, args.prompt_tokens, args.num_prompts)
+    runs = {k: grpo._train(k, args, tok, prompts, str(tmp_path)) for k in ("fused", "trl")}
+    for key in ("reward", "reward_std", "entropy"):
+        fused = [h[key] for h in runs["fused"]["history"]]
+        trl = [h[key] for h in runs["trl"]["history"]]
+        assert len(fused) == 3 and fused == pytest.approx(trl, rel=1e-4, abs=1e-5), key
+    assert runs["fused"]["peak_bytes"] > 0 and runs["trl"]["peak_bytes"] > 0
