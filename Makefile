@@ -1,31 +1,41 @@
-# Two commands for a fresh machine: `make demo` (fine-tune on real text) and `make test`.
+# Two commands for a fresh clone: `make demo` (fine-tune on real text) and `make test`.
 # Each creates .venv on first use. torch is installed first, alone, so that the CPU build is taken
-# and nothing later pulls the multi-GB CUDA build (pip keeps an installed torch that satisfies >=2.6).
+# and nothing later pulls the multi-GB CUDA build (pip keeps an installed torch that satisfies >=2.6);
+# on a GPU machine run `make TORCH=torch demo` or install into your own environment (README).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: venv demo demo-grpo test clean
+.PHONY: venv demo demo-grpo test notebooks wheel clean
 
 $(VENV)/.installed: setup.cfg setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,demo]"
-	$(PY) -m pip install -q --no-deps dashscope  # ships the Qwen BPE file; its web stack is not needed
+	$(PY) -m pip install -q -e ".[test,examples]"
 	touch $@
 
 venv: $(VENV)/.installed
 
 demo: venv
-	$(PY) -m hf_fused.demo sft
+	$(PY) -m examples sft
 
 demo-grpo: venv
-	$(PY) -m hf_fused.demo grpo
+	$(PY) -m examples grpo
 
 test: venv
 	$(PY) -m pytest -q
 
+# Execute every notebook in place, saving outputs and plots (what CI re-runs in tests/test_notebooks.py).
+notebooks: venv
+	$(PY) notebooks/run.py
+
+# The wheel, and a check that it holds the library only.
+wheel: venv
+	$(PY) -m pip wheel -q --no-deps -w dist .
+	$(PY) -m zipfile -l dist/hf_fused-*.whl | awk 'NR > 1 {print $$1}' | grep -v -e '^hf_fused/' -e '^hf_fused-.*\.dist-info/' \
+		&& { echo "wheel holds files outside hf_fused/"; exit 1; } || echo "wheel: hf_fused/ only"
+
 clean:
-	rm -rf $(VENV) outputs
+	rm -rf $(VENV) outputs dist build *.egg-info

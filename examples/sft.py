@@ -31,7 +31,7 @@ from transformers.trainer_callback import ProgressCallback
 from hf_fused import FusedTrainer
 from hf_fused.ops import linear_cross_entropy
 
-from .memory import track_peak_memory
+from benchmarks.measure import track_peak_memory
 from .text import IGNORE_INDEX, TokenBlocks, build_sft_blocks
 from .model import tiny_qwen3_config
 from .tokenizer import build_qwen_tokenizer

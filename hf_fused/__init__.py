@@ -1,13 +1,32 @@
 """hf_fused: causal-LM losses from hidden states and lm_head, tile by tile, so the ``[tokens, vocab]``
 logits never exist.
 
-Layers: :mod:`hf_fused.ops` (the math on tensors) → :mod:`hf_fused.model` (patch a transformers model)
-→ :mod:`hf_fused.trainers` (Trainer / GRPOTrainer subclasses, imported lazily so ``import hf_fused``
-needs neither trl nor a Trainer).
+What users call, all importable from here:
+
+* the model switch: :func:`apply_fused_loss` (patch one model instance), :func:`remove_fused_loss`,
+  :func:`original_forward_only` (a block with the original forward, logits and all), :func:`is_fused`;
+* the ops on plain tensors: :func:`linear_cross_entropy`, :func:`linear_logprobs`;
+* the trainers: :class:`FusedTrainer` (``transformers.Trainer``) and :class:`FusedGRPOTrainer`
+  (``trl.GRPOTrainer``), imported on first use so ``import hf_fused`` needs neither trl nor a Trainer;
+* what they raise or warn, for ``except`` and ``warnings.filterwarnings``: :class:`FusedLossVerificationError`
+  (the patch-time check against the original forward failed), :class:`FusedLossBypassedWarning` (a call
+  ran without the fused loss), :class:`HintMissedWarning` (a ``grad_hint`` did not match the upstream
+  gradient: exact but slower).
+
+Layers, each importing only the ones above it: :mod:`hf_fused.ops` (the math) → :mod:`hf_fused.model`
+(patch a transformers model) → :mod:`hf_fused.trainers`; :mod:`hf_fused.integrations` serves TRL's and
+transformers' own calls on a patched model. Names not listed in ``__all__`` are internals.
 """
 
-from .model import FusedLossVerificationError, apply_fused_loss, is_fused, remove_fused_loss
-from .ops import linear_cross_entropy, linear_logprobs
+from .model import (
+    FusedLossBypassedWarning,
+    FusedLossVerificationError,
+    apply_fused_loss,
+    is_fused,
+    original_forward_only,
+    remove_fused_loss,
+)
+from .ops import HintMissedWarning, linear_cross_entropy, linear_logprobs
 
 __version__ = "0.1.0"
 
@@ -24,11 +43,14 @@ def __getattr__(name):
 
 __all__ = [
     "FusedGRPOTrainer",
+    "FusedLossBypassedWarning",
     "FusedLossVerificationError",
     "FusedTrainer",
+    "HintMissedWarning",
     "apply_fused_loss",
     "is_fused",
     "linear_cross_entropy",
     "linear_logprobs",
+    "original_forward_only",
     "remove_fused_loss",
 ]
