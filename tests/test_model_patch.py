@@ -72,7 +72,7 @@ def test_apply_twice_is_idempotent(pair):
     assert apply_fused_loss(model, tile_budget_bytes=3 * 4 * VOCAB * 5) is model  # 5 rows per tile
     assert model._hf_fused is state and model.__dict__["forward"] is forward
     assert state.tile_budget_bytes == 3 * 4 * VOCAB * 5
-    assert state.original_forward.__func__ is LlamaForCausalLM.forward  # not the patched forward
+    assert state.original_forward(model).__func__ is LlamaForCausalLM.forward  # not the patched forward
     _assert_parity(model, ref, what="loss with small tiles after re-apply")
     remove_fused_loss(model)  # one remove undoes any number of applies
     _assert_unpatched(model)
@@ -115,7 +115,7 @@ def test_remove_restores_a_preexisting_instance_forward():
 
 
 def test_failed_verification_leaves_model_unpatched():
-    model = _TripledLogits(make_model("llama").config)
+    model = _QuadraticLogits(make_model("llama").config)
     with pytest.raises(FusedLossVerificationError):
         apply_fused_loss(model)
     _assert_unpatched(model)
@@ -130,7 +130,7 @@ def test_deepcopy_of_patched_model_computes_its_own_loss(pair):
     assert is_fused(clone)
     assert clone._hf_fused is not model._hf_fused
     assert clone.forward.__self__ is clone
-    assert clone._hf_fused.original_forward.__self__ is clone
+    assert clone._hf_fused.original_forward(clone).__self__ is clone
     with torch.no_grad():  # perturb the ORIGINAL: the clone must not see it
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
@@ -419,21 +419,63 @@ def test_fused_output_errors(pair):
 # ------------------------------------------------------------------------------------------- verify probe
 
 
-class _TripledLogits(LlamaForCausalLM):
-    """An architecture whose forward transforms lm_head outputs in a way hf_fused does not know."""
+class _TransformedLogits(LlamaForCausalLM):
+    """An architecture whose forward transforms lm_head outputs with ``_transform`` (not in its config)."""
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
         out = super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        logits = out.logits * 3
+        logits = self._transform(out.logits)
         loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs) if labels is not None else None
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
-def test_verify_probe_rejects_unknown_transform():
+class _TripledLogits(_TransformedLogits):
+    @staticmethod
+    def _transform(logits):
+        return logits * 3
+
+
+class _QuadraticLogits(_TransformedLogits):
+    @staticmethod
+    def _transform(logits):
+        return logits + logits**2 / 100
+
+
+def test_scale_the_config_does_not_state_is_read_from_the_forward():
+    """The forward triples the logits and nothing in the config says so: the probe measures it."""
     model = _TripledLogits(make_model("llama").config)
+    ref = copy.deepcopy(model)
+    apply_fused_loss(model)
+    assert model._hf_fused.transform.logit_scale == 3.0 and model._hf_fused.transform.softcap is None
+    _assert_parity(model, ref, what="loss of a model that triples its logits")
+
+
+def test_config_softcap_the_forward_ignores_changes_nothing():
+    """Llama's forward ignores ``final_logit_softcapping``: the fused loss must too, also once logits are
+    far above the cap (there a wrongly applied cap would move the loss by far more than the tolerance)."""
+    model = make_model("llama", tie_word_embeddings=False)
+    model.config.final_logit_softcapping = 2.0
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # logits of tens, well past the cap
+    ref = copy.deepcopy(model)
+    apply_fused_loss(model)
+    assert model._hf_fused.transform.softcap is None
+    _assert_parity(model, ref, what="loss with a config soft-cap the forward ignores")
+
+
+def test_softcap_is_measured_even_when_real_logits_stay_below_it():
+    """Gemma 2 caps at its config's value; the probe drives lm_head past it, so a cap the fused path
+    dropped could not pass unnoticed even with tiny random logits."""
+    model = make_model("gemma2")
+    apply_fused_loss(model)
+    assert model._hf_fused.transform.softcap == model.config.final_logit_softcapping
+
+
+def test_verify_probe_rejects_unknown_transform():
+    model = _QuadraticLogits(make_model("llama").config)
     with pytest.raises(FusedLossVerificationError, match="llama") as info:
         apply_fused_loss(model)
-    assert "_TripledLogits" in str(info.value) and "verify=False" in str(info.value)
+    assert "_QuadraticLogits" in str(info.value) and "verify=False" in str(info.value)
     assert not is_fused(model)
     apply_fused_loss(model, verify=False)  # at the user's own risk
     assert is_fused(model)

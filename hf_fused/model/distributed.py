@@ -19,7 +19,7 @@ parameters are whole (ZeRO-1/2, DDP) or gathered by FSDP2 around lm_head's call 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Sequence
 
 import torch
@@ -54,6 +54,38 @@ def run_head(lm_head: nn.Module, hidden: torch.Tensor, compute: Callable[[torch.
     # autograd.Function returns tensors only: compute's structure (tuples, None) is rebuilt around them.
     leaves = [None if i in flat["none"] else o for i, o in enumerate(outputs)]
     return tree_unflatten(leaves, flat["spec"])
+
+
+@contextmanager
+def gathered_per_module(model: nn.Module):
+    """Within this block, each module of a ZeRO-3 partitioned ``model`` that DeepSpeed has not hooked yet
+    (built under ``deepspeed.zero.Init``, e.g. by ``from_pretrained`` with ZeRO-3 configured, before
+    ``deepspeed.initialize``) gathers its own parameters around its call, one module at a time, as
+    DeepSpeed's hooks would: so a forward (the patch-time probe) can run without holding the whole model.
+    Collective: every rank must run the same forward. A no-op without ZeRO-3 or once DeepSpeed's hooks
+    are installed (they set ``ds_id`` on every module)."""
+    if not any(hasattr(p, "ds_status") for p in model.parameters()) or hasattr(model, "ds_id"):
+        yield model
+        return
+    open_contexts: dict[int, list] = {}
+
+    def gather(module, args):
+        context = _gathered([p for p in module.parameters(recurse=False) if hasattr(p, "ds_status")])
+        context.__enter__()
+        open_contexts.setdefault(id(module), []).append(context)
+
+    def release(module, args, output):
+        open_contexts[id(module)].pop().__exit__(None, None, None)
+
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(gather))
+        handles.append(module.register_forward_hook(release, always_call=True))
+    try:
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def partitioned_head_params(lm_head: nn.Module) -> list[nn.Parameter]:

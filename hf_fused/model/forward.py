@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import inspect
 import types
-from contextlib import contextmanager
+import warnings
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -21,7 +22,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import LogitTransform, linear_cross_entropy, linear_logprobs
+from .distributed import run_head
 from .lm_head import head_tensors
+from .outputs import fused_output_type, to_tuple_with_logits_slot
 
 #: What a caller may ask the patched forward for (keyword ``fused_output``).
 FUSED_OUTPUTS = ("loss", "logprobs", "hidden_states")
@@ -29,15 +32,23 @@ FUSED_OUTPUTS = ("loss", "logprobs", "hidden_states")
 
 @dataclass
 class FusedLossState:
-    """What :func:`~hf_fused.apply_fused_loss` stores on the patched model (``model._hf_fused``)."""
+    """What :func:`~hf_fused.apply_fused_loss` stores on the patched model (``model._hf_fused``).
 
-    original_forward: Any  # the bound forward that was in place before patching
+    Picklable (``torch.save(model)`` keeps the patch): it refers to the model's original forward as "the
+    class's forward" (``instance_forward is None``, the usual case) rather than holding a bound method."""
+
     instance_forward: Any  # the instance-level ``forward`` attribute before patching, if any
-    signature: inspect.Signature
     transform: LogitTransform
     tile_budget_bytes: Optional[int] = None
     backend: Optional[str] = None
     enabled: bool = True  # False inside :func:`~hf_fused.model.patch.original_forward_only`
+    warned_without_labels: bool = False
+
+    def original_forward(self, model: nn.Module):
+        """The forward that was in place before patching, bound to ``model``."""
+        if self.instance_forward is not None:
+            return self.instance_forward
+        return types.MethodType(type(model).forward, model)
 
 
 @dataclass
@@ -52,25 +63,42 @@ class FusedRequest:
     temperature: float = 1.0
     return_entropy: bool = False
     grad_hint: Optional[torch.Tensor] = None  # aligned with labels, see linear_logprobs
+    cast_lm_head_to_fp32: bool = False  # TRL's option: the head in fp32, outside autocast
     result: Any = None
     called: bool = False
+    head: Any = None  # ``head(lm_head, hidden) -> result`` in place of the modes' math (hf_fused.integrations.trl)
 
 
-def make_fused_forward(original_forward):
-    """A fresh forward function with the original's name, docstring and signature (``__wrapped__``),
-    so ``inspect.signature(model.forward)`` and ``generate()`` see the original. Bound to the model with
-    ``types.MethodType`` so ``copy.deepcopy`` rebinds it to the copy."""
-    func = getattr(original_forward, "__func__", original_forward)
+class PatchedForward:
+    """``model.forward`` after :func:`~hf_fused.apply_fused_loss`: calls :func:`fused_forward`.
 
-    def forward(self, *args, **kwargs):
-        return fused_forward(self, *args, **kwargs)
+    Reports the original forward's signature (``inspect.signature(model.forward)``, which ``generate()``
+    validates its keywords against) and pickles as "the patched forward of this model", so
+    ``torch.save``/``torch.load`` and ``copy.deepcopy`` give a patched model bound to its own copy."""
 
-    forward.__name__ = getattr(func, "__name__", "forward")
-    forward.__qualname__ = getattr(func, "__qualname__", "forward")
-    forward.__doc__ = getattr(func, "__doc__", None)
-    forward.__wrapped__ = func
-    forward.__hf_fused__ = True
-    return forward
+    __hf_fused__ = True
+
+    def __init__(self, model: nn.Module):
+        self.__self__ = model
+
+    def __call__(self, *args, **kwargs):
+        return fused_forward(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.__self__._hf_fused.original_forward(self.__self__))
+
+    @property
+    def __doc__(self):
+        return getattr(self.__self__._hf_fused.original_forward(self.__self__), "__doc__", None)
+
+    __name__ = "forward"
+
+    def __reduce__(self):
+        return (PatchedForward, (self.__self__,))
+
+    def __repr__(self) -> str:
+        return f"<hf_fused patched forward of {type(self.__self__).__name__}>"
 
 
 def fused_forward(model: nn.Module, *args, **kwargs):
@@ -96,18 +124,24 @@ def fused_forward(model: nn.Module, *args, **kwargs):
         ValueError: unknown ``fused_output``; ``"loss"``/``"logprobs"`` without labels.
     """
     state: FusedLossState = model._hf_fused
+    if kwargs.get("fused_lm_head"):  # TRL's fused-head call (trl.trainer.utils.add_fused_lm_head), served by hf_fused
+        from ..integrations.trl import trl_fused_forward
+
+        return trl_fused_forward(model, *args, **kwargs)
+    original = state.original_forward(model)
     if not state.enabled:
-        return state.original_forward(*args, **kwargs)
+        return original(*args, **kwargs)
     if args:
-        if "fused_output" not in kwargs and not _labels_in(state.signature, args, kwargs):
-            return state.original_forward(*args, **kwargs)
-        kwargs = _as_kwargs(state.signature, args, kwargs)
+        signature = inspect.signature(original)
+        if "fused_output" not in kwargs and not _labels_in(signature, args, kwargs):
+            return _without_labels(model, state, original, args, kwargs)
+        kwargs = _as_kwargs(signature, args, kwargs)
     mode = kwargs.pop("fused_output", None)
     labels = kwargs.get("labels")
     shift_labels = kwargs.get("shift_labels")
     if mode is None:
         if labels is None and shift_labels is None:
-            return state.original_forward(**kwargs)  # generation / inference: exactly the original
+            return _without_labels(model, state, original, (), kwargs)
         mode = "loss"
     if mode not in FUSED_OUTPUTS:
         raise ValueError(f"fused_output must be one of {FUSED_OUTPUTS}, got {mode!r}")
@@ -119,6 +153,7 @@ def fused_forward(model: nn.Module, *args, **kwargs):
         request.temperature = kwargs.pop("temperature", 1.0)
         request.return_entropy = bool(kwargs.pop("return_entropy", False))
         request.grad_hint = kwargs.pop("grad_hint", None)
+    request.cast_lm_head_to_fp32 = bool(kwargs.pop("cast_lm_head_to_fp32", False))
     request.num_items_in_batch = kwargs.get("num_items_in_batch")
     kwargs["labels"] = None
     return_dict = kwargs.pop("return_dict", None)
@@ -126,7 +161,7 @@ def fused_forward(model: nn.Module, *args, **kwargs):
         return_dict = getattr(model.config, "return_dict", True)
 
     with _intercept_lm_head(model.get_output_embeddings(), request):
-        out = state.original_forward(**kwargs, return_dict=True)
+        out = original(**kwargs, return_dict=True)
     if not request.called:
         raise RuntimeError(
             f"{type(model).__name__}.forward did not call its lm_head ({type(model.get_output_embeddings()).__name__}); "
@@ -140,16 +175,34 @@ def fused_forward(model: nn.Module, *args, **kwargs):
         aux_loss = fields.get("aux_loss")
         if aux_loss is not None:  # MoE: added exactly as the original forward adds it with labels
             loss = loss + _router_aux_loss_coef(model) * aux_loss.to(loss.device)
-    new_out = type(out)(loss=loss, **fields)
     if mode == "logprobs":
-        new_out["logprobs"] = request.result[0]
-        if request.result[1] is not None:
-            new_out["entropy"] = request.result[1]
-        else:
-            new_out.entropy = None
+        fields["logprobs"], fields["entropy"] = request.result
     elif mode == "hidden_states":
-        new_out["last_hidden_state"] = request.result
-    return new_out if return_dict else new_out.to_tuple()
+        fields["last_hidden_state"] = request.result
+    new_out = fused_output_type(type(out))(loss=loss, **fields)
+    if return_dict or mode != "loss":  # fused_output requests always get the output object
+        return new_out
+    return to_tuple_with_logits_slot(new_out)
+
+
+def _without_labels(model, state: FusedLossState, original, args, kwargs):
+    """Generation and inference: exactly the original forward. In training with gradients this builds the full
+    logits (e.g. ``Trainer`` pops the labels for ``label_smoothing_factor > 0`` or ``compute_loss_func`` and
+    computes the loss itself): say so once per model instead of quietly losing the memory saving."""
+    if model.training and torch.is_grad_enabled() and not state.warned_without_labels:
+        state.warned_without_labels = True
+        warnings.warn(
+            f"hf_fused: {type(model).__name__} was called without labels while training, so its original forward "
+            "built the full [tokens, vocab] logits and the fused loss was not used. Trainer does this when "
+            "label_smoothing_factor > 0 or compute_loss_func is set (it pops the labels and computes the loss "
+            "from logits); pass labels to the model to use the fused loss.",
+            FusedLossBypassedWarning, stacklevel=4,
+        )
+    return original(*args, **kwargs)
+
+
+class FusedLossBypassedWarning(UserWarning):
+    """A patched model ran its original forward (full logits) in training, because it got no labels."""
 
 
 def _aligned_labels(labels, shift_labels, ignore_index: int, mode: str) -> torch.Tensor:
@@ -198,6 +251,14 @@ def _head_forward(lm_head: nn.Module, request: FusedRequest, hidden: torch.Tenso
     if request.mode == "hidden_states":
         request.result = hidden
         return placeholder
+    # ZeRO-3: the head's partitioned parameters gathered for this computation and for its backward.
+    request.result = run_head(lm_head, hidden, lambda h: _head_result(lm_head, request, h))
+    return placeholder
+
+
+def _head_result(lm_head: nn.Module, request: FusedRequest, hidden: torch.Tensor):
+    if request.head is not None:
+        return request.head(lm_head, hidden)
     head_hidden, weight, bias = head_tensors(lm_head, hidden)
     head_hidden = head_hidden.to(weight.device)
     labels = request.labels.to(weight.device)
@@ -206,6 +267,14 @@ def _head_forward(lm_head: nn.Module, request: FusedRequest, hidden: torch.Tenso
             f"labels are aligned to shape {tuple(labels.shape)} but lm_head receives hidden states of shape "
             f"{tuple(hidden.shape[:-1])}; with logits_to_keep pass shift_labels for the kept positions"
         )
+    if request.cast_lm_head_to_fp32:  # TRL's cast_lm_head_to_fp32: the projection in fp32, outside autocast
+        head_hidden, weight = head_hidden.float(), weight.float()
+        bias = None if bias is None else bias.float()
+    with torch.autocast(head_hidden.device.type, enabled=False) if request.cast_lm_head_to_fp32 else nullcontext():
+        return _fused_ops(request, head_hidden, weight, bias, labels)
+
+
+def _fused_ops(request: FusedRequest, head_hidden, weight, bias, labels):
     state, transform = request.state, request.state.transform
     common = dict(
         ignore_index=request.ignore_index, softcap=transform.softcap, logit_scale=transform.logit_scale,
@@ -213,16 +282,14 @@ def _head_forward(lm_head: nn.Module, request: FusedRequest, hidden: torch.Tenso
     )
     if request.mode == "loss":
         num_items = request.num_items_in_batch
-        request.result = linear_cross_entropy(
+        return linear_cross_entropy(
             head_hidden, weight, labels, bias, reduction="sum" if num_items is not None else "mean",
             num_items_in_batch=num_items, **common,
         )
-    else:
-        request.result = linear_logprobs(
-            head_hidden, weight, labels, bias, temperature=request.temperature,
-            return_entropy=request.return_entropy, grad_hint=_on(request.grad_hint, weight.device), **common,
-        )
-    return placeholder
+    return linear_logprobs(
+        head_hidden, weight, labels, bias, temperature=request.temperature,
+        return_entropy=request.return_entropy, grad_hint=_on(request.grad_hint, weight.device), **common,
+    )
 
 
 def _labels_in(signature: inspect.Signature, args, kwargs) -> bool:

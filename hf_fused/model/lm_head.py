@@ -14,6 +14,35 @@ import torch
 import torch.nn as nn
 
 
+def check_head_supported(lm_head: nn.Module) -> None:
+    """Raise before patching if :func:`head_tensors` could not read ``lm_head``.
+
+    Raises:
+        NotImplementedError: as :func:`head_tensors` (naming the type), never ``AttributeError``.
+    """
+    if _is_modules_to_save(lm_head):
+        for module in [lm_head.original_module, *lm_head.modules_to_save.values()]:
+            check_head_supported(module)
+        return
+    if _is_lora_layer(lm_head):
+        check_head_supported(lm_head.base_layer)
+        return
+    if not _is_plain_linear(lm_head):
+        raise _unsupported(lm_head)
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    return type(module) is nn.Linear or (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward)
+
+
+def _unsupported(lm_head: nn.Module) -> NotImplementedError:
+    return NotImplementedError(
+        f"hf_fused supports an lm_head that is nn.Linear, a PEFT LoRA layer around one, or PEFT "
+        f"modules_to_save; got {type(lm_head).__module__}.{type(lm_head).__name__}. "
+        "Remove the patch (remove_fused_loss) to train this model with the original loss."
+    )
+
+
 def head_tensors(lm_head: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(hidden', weight [V, H'], bias [V] or None)`` with ``lm_head(hidden) == hidden' · weightᵀ + bias``.
 
@@ -30,13 +59,9 @@ def head_tensors(lm_head: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor
         return head_tensors(lm_head.modules_to_save[lm_head.active_adapters[0]], hidden)
     if _is_lora_layer(lm_head):
         return _lora_head_tensors(lm_head, hidden)
-    if type(lm_head) is nn.Linear or (isinstance(lm_head, nn.Linear) and type(lm_head).forward is nn.Linear.forward):
+    if _is_plain_linear(lm_head):
         return hidden, lm_head.weight, lm_head.bias
-    raise NotImplementedError(
-        f"hf_fused supports an lm_head that is nn.Linear, a PEFT LoRA layer around one, or PEFT "
-        f"modules_to_save; got {type(lm_head).__module__}.{type(lm_head).__name__}. "
-        "Remove the patch (remove_fused_loss) to train this model with the original loss."
-    )
+    raise _unsupported(lm_head)
 
 
 def _is_modules_to_save(module: nn.Module) -> bool:

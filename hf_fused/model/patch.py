@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import types
 from contextlib import contextmanager
 from typing import Optional
@@ -11,16 +10,14 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .forward import FusedLossState, make_fused_forward
-from .logit_transform import logit_transform_for
-from .unwrap import find_causal_lm
+from .forward import FusedLossState, PatchedForward
+from .distributed import gathered_per_module
+from .lm_head import check_head_supported
+from .transform_probe import FusedLossVerificationError, config_logit_transform, probe_logit_transform
+from .unwrap import check_causal_lm, find_causal_lm
 
 #: Probe size for the patch-time check: short, so it costs about one tiny forward.
 _PROBE_SHAPE = (2, 8)
-
-
-class FusedLossVerificationError(RuntimeError):
-    """The fused path did not reproduce the original forward's log-probabilities on the probe."""
 
 
 def apply_fused_loss(
@@ -34,15 +31,28 @@ def apply_fused_loss(
 
     Finds the ``*ForCausalLM`` through PEFT, DDP/DeepSpeed (``.module``), accelerate and
     ``torch.compile`` (``_orig_mod``) wrappers and replaces that instance's ``forward`` (only that
-    instance; the class is untouched). Calls with ``labels`` return ``loss`` and ``logits=None``; calls
-    without labels (generation, inference) run the original forward, whose signature
-    ``inspect.signature(model.forward)`` still reports. See :func:`hf_fused.model.forward.fused_forward`
-    for the ``fused_output="logprobs" | "hidden_states"`` requests trainers use.
+    instance; the class is untouched). Calls with ``labels`` return ``loss`` and ``logits=None`` (with
+    ``return_dict=False``, the tuple keeps ``None`` in the logits slot: ``(loss, None, past_key_values,
+    ...)``); calls without labels (generation, inference) run the original forward, whose signature
+    ``inspect.signature(model.forward)`` still reports; in training with gradients such a call warns once
+    (:class:`~hf_fused.model.forward.FusedLossBypassedWarning`: full logits were built). See
+    :func:`hf_fused.model.forward.fused_forward` for the ``fused_output="logprobs" | "hidden_states"``
+    requests trainers use.
+
+    ``transformers.Trainer`` works unchanged: where it gathers predictions (``evaluate()`` with
+    ``compute_metrics``, ``predict()``), the patched model runs its original forward so predictions are real
+    logits (hf_fused wraps ``Trainer.prediction_step`` once, for patched models only).
+
+    Saving: ``torch.save(model)`` / ``torch.load`` keep the patch; ``save_pretrained`` writes the weights
+    only, so ``from_pretrained`` gives an unpatched model: call ``apply_fused_loss`` on it again.
 
     Args:
         model: a causal LM, bare or wrapped.
-        verify: before returning, run a short probe (``[2, 8]`` random tokens, eval mode, no grad) and
+        verify: before returning, run a short probe (``[2, 8]`` random tokens, eval mode, no grad): read the
+            logit transform from the forward itself (lm_head answers with known logits from ``±2**-6`` to
+            ``±2**14``; a config attribute the forward ignores changes nothing, a soft-cap is exercised), then
             check that the fused per-token log-probabilities equal those of the original forward's logits.
+            With ``verify=False`` the transform is read from the config unchecked.
         tile_budget_bytes: memory bound of one tile (see :func:`hf_fused.ops.linear_cross_entropy`).
         backend: force an ops backend by name.
 
@@ -50,24 +60,29 @@ def apply_fused_loss(
         ``model`` itself (patched in place). Applying twice only updates the options.
 
     Raises:
-        TypeError: no causal LM with an lm_head inside ``model``.
+        TypeError: no causal LM with an lm_head inside ``model``, or a model that is not a causal LM
+            (masked LM, encoder-decoder, sequence classifier, plain module), naming the class.
+        NotImplementedError: an lm_head hf_fused cannot read (quantized, DoRA, not ``nn.Linear``).
         FusedLossVerificationError: the probe disagrees, naming the model type and the difference.
     """
     causal_lm = find_causal_lm(model)
-    state = getattr(causal_lm, "_hf_fused", None)
+    check_causal_lm(causal_lm)
+    check_head_supported(causal_lm.get_output_embeddings())
+    state = causal_lm.__dict__.get("_hf_fused")
     if state is None:
-        original = causal_lm.forward
         state = FusedLossState(
-            original_forward=original,
             instance_forward=causal_lm.__dict__.get("forward"),
-            signature=inspect.signature(original),
-            transform=logit_transform_for(causal_lm),
+            transform=config_logit_transform(causal_lm),
         )
         causal_lm._hf_fused = state
-        causal_lm.forward = types.MethodType(make_fused_forward(original), causal_lm)
-        causal_lm._replicate_for_data_parallel = types.MethodType(_replicate_patched, causal_lm)
+        causal_lm.forward = PatchedForward(causal_lm)
+        causal_lm._replicate_for_data_parallel = ReplicatePatched(causal_lm)
     state.tile_budget_bytes = tile_budget_bytes
     state.backend = backend
+    _install_trainer_integration()
+    from ..integrations.trl import serve_trl_fused_head  # TRL trainers call their own fused head: answer it
+
+    serve_trl_fused_head(causal_lm)
     if verify:
         try:
             verify_patch(causal_lm)
@@ -97,19 +112,33 @@ def _rebind(method, old: nn.Module, new: nn.Module):
     return method
 
 
-def _replicate_patched(self: nn.Module) -> nn.Module:
-    """``nn.DataParallel`` replicas are shallow copies of the instance: rebind the patched forward (and
-    the original it wraps) to each replica so it computes with the replica's own parameters."""
-    replica = type(self)._replicate_for_data_parallel(self)
-    state = self.__dict__["_hf_fused"]
-    replica.__dict__["_hf_fused"] = dataclasses.replace(
-        state,
-        original_forward=_rebind(state.original_forward, self, replica),
-        instance_forward=_rebind(state.instance_forward, self, replica),
-    )
-    for name in ("forward", "_replicate_for_data_parallel"):
-        replica.__dict__[name] = _rebind(self.__dict__[name], self, replica)
-    return replica
+class ReplicatePatched:
+    """``model._replicate_for_data_parallel`` of a patched model. ``nn.DataParallel`` replicas are shallow
+    copies of the instance: give each its own patched forward (and original forward) so it computes with
+    the replica's own parameters. Pickles as "this hook of this model", like :class:`PatchedForward`."""
+
+    def __init__(self, model: nn.Module):
+        self.__self__ = model
+
+    def __call__(self) -> nn.Module:
+        model = self.__self__
+        replica = type(model)._replicate_for_data_parallel(model)
+        state = model.__dict__["_hf_fused"]
+        replica.__dict__["_hf_fused"] = dataclasses.replace(
+            state, instance_forward=_rebind(state.instance_forward, model, replica)
+        )
+        replica.__dict__["forward"] = PatchedForward(replica)
+        replica.__dict__["_replicate_for_data_parallel"] = ReplicatePatched(replica)
+        return replica
+
+    def __reduce__(self):
+        return (ReplicatePatched, (self.__self__,))
+
+
+def _install_trainer_integration() -> None:
+    from ..integrations.transformers_trainer import install_prediction_step_hook
+
+    install_prediction_step_hook()
 
 
 @contextmanager
@@ -137,7 +166,8 @@ def is_fused(model: nn.Module) -> bool:
 
 @torch.no_grad()
 def verify_patch(causal_lm: nn.Module) -> None:
-    """Compare fused log-probabilities with ``log_softmax`` of the original forward's logits on a probe.
+    """Read the logit transform from the forward (:func:`~hf_fused.model.transform_probe.probe_logit_transform`),
+    then compare fused log-probabilities with ``log_softmax`` of the original forward's logits on a probe.
 
     Tolerance: ``1e-4 + 1e-5·|logp|`` in fp32/fp64; in bf16/fp16 the original rounds the logits to the
     model dtype (about 3 significant digits) while the fused path keeps fp32, so ``5e-2 + 1e-2·|logp|``.
@@ -148,23 +178,25 @@ def verify_patch(causal_lm: nn.Module) -> None:
         FusedLossVerificationError: naming the model type and the largest difference.
     """
     state = causal_lm._hf_fused
-    weight = causal_lm.get_output_embeddings().weight
-    vocab_size = min(weight.shape[0], getattr(causal_lm.config.get_text_config(), "vocab_size", weight.shape[0]))
+    device = _probe_device(causal_lm)
     generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, vocab_size, _PROBE_SHAPE, generator=generator).to(weight.device)
+    input_ids = torch.randint(0, _probe_vocab_size(causal_lm), _PROBE_SHAPE, generator=generator).to(device)
     modes = {m: m.training for m in causal_lm.modules()}
     causal_lm.eval()
     try:
-        # Both through the module call (without labels the patched forward is the original one), so the
-        # hooks of a wrapper such as FSDP2's fully_shard gather the parameters for the reference too.
-        ref_logits = causal_lm(input_ids=input_ids, use_cache=False).logits
-        out = causal_lm(input_ids=input_ids, labels=input_ids, fused_output="logprobs", use_cache=False)
+        # Through the module call (without labels the patched forward is the original one), so the hooks
+        # of a wrapper such as FSDP2's fully_shard or ZeRO-3 gather the parameters for the reference too;
+        # a ZeRO-3 model not yet in its engine gathers module by module (hf_fused.model.distributed).
+        with gathered_per_module(causal_lm):
+            state.transform = probe_logit_transform(causal_lm, input_ids)
+            ref_logits = causal_lm(input_ids=input_ids, use_cache=False).logits
+            out = causal_lm(input_ids=input_ids, labels=input_ids, fused_output="logprobs", use_cache=False)
     finally:
         for module, training in modes.items():
             module.training = training
     ref = torch.log_softmax(ref_logits[:, :-1].double(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     got = out.logprobs[:, :-1].double()
-    low_precision = weight.dtype in (torch.bfloat16, torch.float16)
+    low_precision = ref_logits.dtype in (torch.bfloat16, torch.float16)
     atol, rtol = (5e-2, 1e-2) if low_precision else (1e-4, 1e-5)
     diff = (got - ref).abs()
     bound = atol + rtol * ref.abs()
@@ -176,3 +208,26 @@ def verify_patch(causal_lm: nn.Module) -> None:
             f"with logit transform {state.transform}. This architecture transforms lm_head outputs in a way "
             "hf_fused does not read from its config. Pass verify=False to patch anyway (at your own risk)."
         )
+
+
+def _probe_vocab_size(causal_lm: nn.Module) -> int:
+    """Token ids the probe may use: the config's vocabulary, or lm_head's rows where the config has none.
+    Under ZeRO-3 ``lm_head.weight`` outside its forward is an empty shard: its ``ds_shape`` is the full one."""
+    weight = causal_lm.get_output_embeddings().weight
+    rows = weight.shape[0] if weight.numel() else getattr(weight, "ds_shape", weight.shape)[0]
+    config_vocab = getattr(causal_lm.config.get_text_config(), "vocab_size", None)
+    sizes = [n for n in (rows, config_vocab) if n]
+    if not sizes:
+        raise FusedLossVerificationError(
+            f"hf_fused cannot tell the vocabulary size of {type(causal_lm).__name__} for its patch-time probe; "
+            "pass verify=False"
+        )
+    return min(sizes)
+
+
+def _probe_device(causal_lm: nn.Module) -> torch.device:
+    embeddings = causal_lm.get_input_embeddings()
+    weight = getattr(embeddings, "weight", None)
+    if weight is not None and weight.device.type != "meta":
+        return weight.device
+    return next(causal_lm.parameters()).device

@@ -47,3 +47,32 @@ def _has_lm_head(module: nn.Module) -> bool:
         return isinstance(get(), nn.Module)
     except (NotImplementedError, AttributeError):
         return False
+
+
+def check_causal_lm(causal_lm: nn.Module) -> None:
+    """Refuse models whose loss is not the causal-LM loss hf_fused computes (a shifted next-token
+    cross-entropy): it would silently become one.
+
+    Raises:
+        TypeError: not a transformers model (no config), an encoder-decoder (T5, BART: the loss is on the
+            decoder's outputs given the encoder's), or a model that cannot generate (a masked LM such as
+            ``BertForMaskedLM``, whose loss is unshifted on masked positions), naming the class.
+    """
+    name = type(causal_lm).__name__
+    config = getattr(causal_lm, "config", None)
+    if config is None or not hasattr(causal_lm, "can_generate"):
+        raise TypeError(
+            f"hf_fused patches transformers causal LMs (a PreTrainedModel such as LlamaForCausalLM); {name} is "
+            "not one. For your own module, call hf_fused.ops.linear_cross_entropy on its hidden states."
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise TypeError(
+            f"hf_fused computes the decoder-only causal-LM loss; {name} is an encoder-decoder model "
+            f"({getattr(config, 'model_type', '?')}), which it does not support."
+        )
+    if not causal_lm.can_generate():
+        raise TypeError(
+            f"hf_fused computes the causal-LM loss (each position predicts the next token); {name} is not a "
+            "causal LM (it cannot generate: e.g. a masked LM, whose loss is on masked positions without a "
+            "shift), so its loss would silently change. Use a *ForCausalLM model."
+        )

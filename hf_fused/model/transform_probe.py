@@ -1,0 +1,146 @@
+"""Which logit transform a causal LM's forward applies to its lm_head output: read from the forward itself.
+
+A config attribute is a claim; the forward is the truth (Llama ignores a ``final_logit_softcapping`` its
+config may carry). So the transform is measured: on a short probe the lm_head call is intercepted and
+answers with known raw logits, spread from ``±2**-6`` to ``±2**14`` (far past any soft-cap), and the
+original forward's output logits show what it does to them. The config's reading
+(:func:`config_logit_transform`) is taken when it reproduces that map (its constants are exact);
+otherwise a scale and soft-cap fitted to the map are, when they reproduce it; otherwise
+:class:`FusedLossVerificationError` names the model type.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ..ops import LogitTransform
+
+#: Raw logits fed to the forward: 0 and ±2**k for k in [-6, 14] (exact in fp32, bf16 and fp16);
+#: the small ones show the scale, the large ones a soft-cap.
+_GRID = torch.tensor([0.0] + [s * 2.0**k for k in range(-6, 15) for s in (1.0, -1.0)], dtype=torch.float64)
+
+
+class FusedLossVerificationError(RuntimeError):
+    """The fused path did not reproduce the original forward (its logit transform or its log-probabilities)."""
+
+
+def config_logit_transform(causal_lm: nn.Module) -> LogitTransform:
+    """The transform ``causal_lm``'s config describes (what transformers' models read):
+
+    - ``final_logit_softcapping`` (Gemma 2/3/4, nanochat): ``softcap · tanh(z / softcap)``.
+    - ``logit_scale`` (Cohere, Cohere2): ``z · logit_scale`` (the model keeps it as an attribute).
+    - ``logits_scaling`` (Granite, GraniteMoE): ``z / logits_scaling``.
+    - ``lm_head_multiplier`` (Falcon-H1): ``z · lm_head_multiplier``.
+    """
+    config = causal_lm.config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = 1.0
+    logit_scale = getattr(causal_lm, "logit_scale", getattr(text_config, "logit_scale", None))
+    if isinstance(logit_scale, (int, float)):
+        scale *= float(logit_scale)
+    logits_scaling = getattr(text_config, "logits_scaling", None)
+    if isinstance(logits_scaling, (int, float)):
+        scale /= float(logits_scaling)
+    multiplier = getattr(text_config, "lm_head_multiplier", None)
+    if isinstance(multiplier, (int, float)):
+        scale *= float(multiplier)
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    return LogitTransform(logit_scale=scale, softcap=float(softcap) if softcap else None)
+
+
+@torch.no_grad()
+def probe_logit_transform(causal_lm: nn.Module, input_ids: torch.Tensor) -> LogitTransform:
+    """The transform ``causal_lm``'s forward applies to lm_head outputs, measured on ``input_ids``
+    (see the module docstring). The model must be in eval mode; its forward runs once, through the module
+    call (so wrapper hooks such as FSDP2's and ZeRO-3's gather run).
+
+    Raises:
+        FusedLossVerificationError: the forward's map is neither the config's transform nor a fitted
+            scale and soft-cap, naming the model type.
+    """
+    lm_head = causal_lm.get_output_embeddings()
+    seen = {}
+
+    def answer(self, hidden, *args, **kwargs):
+        seen["dtype"] = hidden.dtype
+        return _GRID.to(hidden.device, hidden.dtype).expand(*hidden.shape[:-1], _GRID.numel()).contiguous()
+
+    had = "forward" in lm_head.__dict__
+    previous = lm_head.__dict__.get("forward")
+    lm_head.forward = types.MethodType(answer, lm_head)
+    try:
+        out = causal_lm(input_ids=input_ids, use_cache=False)
+    finally:
+        if had:
+            lm_head.forward = previous
+        else:
+            del lm_head.forward
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    name = _model_name(causal_lm)
+    if logits is None or logits.shape[-1] != _GRID.numel():
+        raise FusedLossVerificationError(
+            f"hf_fused could not read the logit transform of {name}: its forward does not return lm_head's "
+            f"output as logits of the same width. Pass verify=False to patch anyway (at your own risk)."
+        )
+    got = logits.reshape(-1, _GRID.numel())[-1].double().cpu()
+    rtol = _rtol(seen.get("dtype", logits.dtype), logits.dtype)
+    candidates = [config_logit_transform(causal_lm)]
+    fitted = _fit(got)
+    if fitted is not None:
+        candidates.append(fitted)
+    for candidate in candidates:
+        if _reproduces(candidate, got, rtol):
+            return candidate
+    raise FusedLossVerificationError(
+        f"hf_fused could not reproduce the logit transform of {name}: for raw logits {_GRID.tolist()} its "
+        f"forward returns {got.tolist()}, which neither the config's {candidates[0]} nor a fitted scale and "
+        "soft-cap reproduce. This architecture transforms lm_head outputs in a way hf_fused does not "
+        "support. Pass verify=False to patch anyway (at your own risk)."
+    )
+
+
+def _rtol(*dtypes: torch.dtype) -> float:
+    # One rounding of the returned logits (and of any intermediate) in the coarsest dtype involved.
+    eps = max(torch.finfo(d).eps if d.is_floating_point else 0.0 for d in dtypes)
+    return 16 * max(eps, torch.finfo(torch.float32).eps)
+
+
+def _apply(transform: LogitTransform, raw: torch.Tensor) -> torch.Tensor:
+    z = raw * transform.logit_scale
+    if transform.softcap is not None:
+        z = transform.softcap * torch.tanh(z / transform.softcap)
+    return z / transform.temperature
+
+
+def _reproduces(transform: LogitTransform, got: torch.Tensor, rtol: float) -> bool:
+    want = _apply(transform, _GRID)
+    return bool(((got - want).abs() <= rtol * want.abs() + 1e-30).all())
+
+
+def _fit(got: torch.Tensor) -> Optional[LogitTransform]:
+    """A scale from the smallest raw logits (where a soft-cap is linear) and a soft-cap from the largest
+    (where it saturates), if both are finite and the map is increasing; else ``None``."""
+    x_small, x_large = _GRID[1], _GRID[-2]
+    scale = float(got[1] / x_small)
+    if not math.isfinite(scale) or scale <= 0:
+        return None
+    top = float(got[-2])
+    softcap = None
+    if top < 0.5 * scale * float(x_large):  # saturated: c·tanh(s·x/c) → c
+        softcap = top
+        if not math.isfinite(softcap) or softcap <= 0:
+            return None
+    try:
+        return LogitTransform(logit_scale=scale, softcap=softcap)
+    except ValueError:
+        return None
+
+
+def _model_name(causal_lm: nn.Module) -> str:
+    model_type = getattr(getattr(causal_lm, "config", None), "model_type", None) or type(causal_lm).__name__
+    return f"{model_type} ({type(causal_lm).__name__})"
