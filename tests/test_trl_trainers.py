@@ -1,0 +1,305 @@
+"""TRL's trainers on hf_fused: ``apply_fused_loss(model)`` (before or after the trainer is built) makes every
+fused-head call of ``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer`` and ``RLOOTrainer`` come from hf_fused's ops,
+with exactly the stock trainer's objective.
+
+Each parity test trains the stock trainer and the patched one from the same tiny model, data and seed for two
+optimizer steps through ``trainer.train()`` and compares, at every step, the loss, every parameter's gradient
+(captured just before the optimizer step, so gradient accumulation is included) and every logged metric, in
+fp32 (``bf16=False``: TRL's configs default to autocast even on CPU) to ``1e-5`` relative. It also counts the
+calls: the patched trainer runs hf_fused's op on every fused call and TRL's chunked head never.
+GRPO's parity tests are in ``test_grpo_parity.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+
+import hf_fused
+import hf_fused.integrations.trl as trl_integration
+import trl.trainer.utils as trl_utils
+from grpo_helpers import WORDS, make_model, make_tokenizer
+from tiny_models import single_thread  # noqa: F401  (autouse fixture)
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+RTOL = 1e-5
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Harness
+
+
+def _sentence(i: int, n: int) -> str:
+    g = torch.Generator().manual_seed(i)
+    return " ".join(WORDS[j] for j in torch.randint(0, len(WORDS), (n,), generator=g).tolist())
+
+
+class _GradRecorder(TrainerCallback):
+    """Every trainable parameter's gradient at each optimizer step (after accumulation, before clipping)."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
+                           if p.requires_grad and p.grad is not None})
+
+
+class _Counting:
+    """Counts calls of hf_fused's ``linear_logprobs`` (as the TRL integration calls it) and of TRL's chunked head."""
+
+    def __init__(self, monkeypatch):
+        self.hf_fused = 0
+        self.trl = 0
+        fused, chunked = trl_integration.linear_logprobs, trl_utils._ChunkedLogProbFunction
+        counter = self
+
+        def linear_logprobs(*args, **kwargs):
+            counter.hf_fused += 1
+            return fused(*args, **kwargs)
+
+        class Chunked(chunked):
+            @staticmethod
+            def forward(*args, **kwargs):
+                counter.trl += 1
+                return chunked.forward(*args, **kwargs)
+
+        monkeypatch.setattr(trl_integration, "linear_logprobs", linear_logprobs)
+        monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Chunked)
+
+
+def _common_args(tmp_path, name, **overrides):
+    args = dict(
+        output_dir=str(tmp_path / name), bf16=False, max_steps=2, per_device_train_batch_size=4,
+        gradient_accumulation_steps=1, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
+        learning_rate=1e-2, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+        # SGD: Adam's first steps move every weight by ±lr whatever the gradient's size, so a 1e-7 gradient
+        # difference on a near-zero entry becomes an lr-sized weight difference at step 2.
+        optim="sgd",
+    )
+    args.update(overrides)
+    return args
+
+
+def _train(build, model, *, patch: str | None, fused_options=None, monkeypatch=None):
+    """``build(model, callbacks)`` → trainer; ``patch``: None (stock), "before" or "after" the trainer is built."""
+    recorder = _GradRecorder()
+    if patch == "before":
+        hf_fused.apply_fused_loss(model, **(fused_options or {}))
+    trainer = build(model, [recorder])
+    if patch == "after":
+        hf_fused.apply_fused_loss(trainer.model, **(fused_options or {}))
+        if getattr(trainer, "ref_model", None) is not None:
+            hf_fused.apply_fused_loss(trainer.ref_model, **(fused_options or {}))
+    counting = _Counting(monkeypatch) if monkeypatch is not None else None
+    trainer.train()
+    logs = [{k: v for k, v in entry.items() if not _is_timing(k)} for entry in trainer.state.log_history]
+    return trainer, logs, recorder.steps, counting
+
+
+def _is_timing(key: str) -> bool:
+    return "runtime" in key or "per_second" in key or key.endswith("time") or "/time" in key
+
+
+def _abs_floor(key: str) -> float:
+    # A policy-gradient loss (RLOO, GRPO) is a sum of O(1) terms ±A·ratio whose advantages sum to ~0 per group:
+    # fp32 rounding of ~1e-7 per term leaves a total of that size (TRL's own loss is 1.2e-7 where the exact one
+    # is 0), so a loss gets an absolute floor; every other metric is compared to 1e-5 relative, 1e-7 absolute.
+    return 2e-6 if "loss" in key else 1e-7
+
+
+def _assert_same_training(got, ref):
+    (_, logs_a, grads_a, _), (_, logs_b, grads_b, _) = got, ref
+    assert len(logs_a) == len(logs_b) and len(grads_a) == len(grads_b) == 2
+    for a, b in zip(logs_a, logs_b):
+        assert a.keys() == b.keys(), set(a) ^ set(b)
+        for key in a:
+            x, y = a[key], b[key]
+            if isinstance(y, float) and math.isnan(y):
+                assert math.isnan(x), key
+            else:
+                assert math.isclose(x, y, rel_tol=RTOL, abs_tol=_abs_floor(key)), (key, x, y)
+    for step, (ga, gb) in enumerate(zip(grads_a, grads_b)):
+        assert ga.keys() == gb.keys() and ga, set(ga) ^ set(gb)
+        for name in gb:
+            scale = gb[name].abs().max().item()
+            err = (ga[name] - gb[name]).abs().max().item()
+            assert err <= RTOL * scale + 1e-7, f"step {step} grad {name}: {err:.3g} vs scale {scale:.3g}"
+    assert any(g.abs().sum() > 0 for g in grads_b[0].values())
+
+
+def _parity(build, monkeypatch, *, patch="before", model=None, fused_options=None, ref_model=None):
+    """Stock vs patched training; returns the patched run's call counts."""
+    base = make_model() if model is None else model
+    stock = _train(build, copy.deepcopy(base), patch=None, monkeypatch=monkeypatch)
+    assert stock[3].trl > 0 and stock[3].hf_fused == 0  # the counters see TRL's head when it runs
+    monkeypatch.undo()
+    fused = _train(build, copy.deepcopy(base), patch=patch, fused_options=fused_options, monkeypatch=monkeypatch)
+    _assert_same_training(fused, stock)
+    counting = fused[3]
+    assert counting.hf_fused > 0 and counting.trl == 0, (counting.hf_fused, counting.trl)
+    return fused[0], counting
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SFT
+
+
+def _sft_builder(tmp_path, dataset, **config):
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = make_tokenizer()
+    tokenizer.padding_side = "right"
+
+    def build(model, callbacks):
+        args = SFTConfig(**_common_args(tmp_path, "sft", **config))
+        return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=callbacks)
+
+    return build
+
+
+_TEXT = Dataset.from_dict({"text": [_sentence(i, 4 + i % 5) for i in range(16)]})
+_PROMPT_COMPLETION = Dataset.from_dict({
+    "prompt": [_sentence(i, 2 + i % 3) for i in range(16)],
+    "completion": [" " + _sentence(100 + i, 2 + i % 4) for i in range(16)],
+})
+
+
+@pytest.mark.parametrize("patch", ["before", "after"])
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_sft_matches_trl(loss_type, patch, tmp_path, monkeypatch):
+    _parity(_sft_builder(tmp_path, _TEXT, loss_type=loss_type, gradient_accumulation_steps=2), monkeypatch,
+            patch=patch)
+
+
+def test_sft_completion_only_matches_trl(tmp_path, monkeypatch):
+    _parity(_sft_builder(tmp_path, _PROMPT_COMPLETION, completion_only_loss=True), monkeypatch)
+
+
+def test_sft_packing_matches_trl(tmp_path, monkeypatch):
+    # Packing (padding-free, BFD): position_ids restart at each document, no attention mask.
+    _parity(_sft_builder(tmp_path, _TEXT, packing=True, max_length=16, per_device_train_batch_size=2), monkeypatch)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# DPO
+
+
+_PREFERENCES = Dataset.from_dict({
+    "prompt": [_sentence(i, 2 + i % 3) for i in range(16)],
+    "chosen": [" " + _sentence(200 + i, 2 + i % 4) for i in range(16)],
+    "rejected": [" " + _sentence(300 + i, 1 + i % 5) for i in range(16)],
+})
+
+
+def _perturbed(model, seed=99, scale=0.05):
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return other
+
+
+def _dpo_builder(tmp_path, ref_source=None, peft=False, **config):
+    from peft import LoraConfig
+    from trl import DPOConfig, DPOTrainer
+
+    def build(model, callbacks):
+        args = DPOConfig(**_common_args(tmp_path, "dpo", **config))
+        return DPOTrainer(
+            model=model, ref_model=None if ref_source is None else copy.deepcopy(ref_source), args=args,
+            train_dataset=_PREFERENCES, processing_class=make_tokenizer(), callbacks=callbacks,
+            peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+            if peft else None,
+        )
+
+    return build
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", ["sigmoid", "sft"]])
+def test_dpo_matches_trl(loss_type, tmp_path, monkeypatch):
+    model = make_model()
+    trainer, _ = _parity(_dpo_builder(tmp_path, ref_source=_perturbed(model), loss_type=loss_type), monkeypatch,
+                         model=model)
+    assert hf_fused.is_fused(trainer.ref_model), "the reference model should run through hf_fused too"
+
+
+def test_dpo_wpo_weighting_matches_trl(tmp_path, monkeypatch):
+    # use_weighting reads log_sum_sq_probs from the fused head.
+    model = make_model()
+    _parity(_dpo_builder(tmp_path, ref_source=_perturbed(model), use_weighting=True), monkeypatch, model=model)
+
+
+def test_dpo_peft_reference_matches_trl(tmp_path, monkeypatch):
+    # PEFT: the reference is the policy with its adapter disabled (no ref_model).
+    _parity(_dpo_builder(tmp_path, peft=True), monkeypatch)
+
+
+def test_dpo_patched_after_matches_trl(tmp_path, monkeypatch):
+    model = make_model()
+    _parity(_dpo_builder(tmp_path, ref_source=_perturbed(model)), monkeypatch, model=model, patch="after")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KTO
+
+
+_UNPAIRED = Dataset.from_dict({
+    "prompt": [_sentence(i, 2 + i % 3) for i in range(16)],
+    "completion": [" " + _sentence(400 + i, 2 + i % 4) for i in range(16)],
+    "label": [i % 3 != 0 for i in range(16)],
+})
+
+
+def test_kto_matches_trl(tmp_path, monkeypatch):
+    from trl import KTOConfig, KTOTrainer
+
+    model = make_model()
+    ref_source = _perturbed(model)
+
+    def build(model, callbacks):
+        args = KTOConfig(**_common_args(tmp_path, "kto", per_device_train_batch_size=8))
+        return KTOTrainer(model=model, ref_model=copy.deepcopy(ref_source), args=args, train_dataset=_UNPAIRED,
+                          processing_class=make_tokenizer(), callbacks=callbacks)
+
+    trainer, _ = _parity(build, monkeypatch, model=model)
+    assert hf_fused.is_fused(trainer.ref_model)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RLOO
+
+
+def _reward(completions, completion_ids, **kwargs):
+    return [float(sum(ids) % 7) + 0.25 * len(ids) for ids in completion_ids]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_rloo_matches_trl(beta, tmp_path, monkeypatch):
+    from trl import RLOOConfig, RLOOTrainer
+
+    model = make_model()
+    if beta:
+        # TRL re-creates the reference model from config._name_or_path.
+        path = tmp_path / "ref"
+        _perturbed(model).save_pretrained(path)
+        model.config._name_or_path = str(path)
+    prompts = Dataset.from_dict({"prompt": [_sentence(i, 3) for i in range(16)]})
+
+    def build(model, callbacks):
+        args = RLOOConfig(**_common_args(tmp_path, "rloo", per_device_train_batch_size=4, num_generations=2,
+                                         max_completion_length=5, beta=beta, temperature=0.8))
+        return RLOOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=prompts,
+                           processing_class=make_tokenizer(), callbacks=callbacks)
+
+    trainer, _ = _parity(build, monkeypatch, model=model)
+    if beta:
+        assert hf_fused.is_fused(trainer.ref_model)
