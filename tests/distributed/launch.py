@@ -1,0 +1,68 @@
+"""Run tests/distributed workers the way users launch training: ``accelerate launch --config_file`` with the
+ready configs under ``examples/distributed/``, 2 CPU processes over gloo (DeepSpeed's CPU accelerator
+falls back to gloo without oneCCL), or as one plain process for the single-process reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+REPO = HERE.parent.parent
+CONFIGS = REPO / "examples" / "distributed"
+WORKER = HERE / "train_worker.py"
+#: One launch (2 ranks: imports, DeepSpeed's first shm-op build, a few steps) takes 15-60 s on 2 cores.
+TIMEOUT_S = 400
+
+
+def worker_env() -> dict:
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",  # 2 ranks on 2 cores: intra-op threads only oversubscribe
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list, cwd: Path = REPO) -> None:
+    """Run ``cmd`` in its own process group; on timeout kill the ranks too, not only the launcher."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd[:6]))} ... exited with {proc.returncode}:\n{output[-6000:]}")
+
+
+def accelerate_launch(config: str, script: Path, *args: str) -> None:
+    """``accelerate launch --config_file examples/distributed/<config>.yaml script args`` on 2 processes."""
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{config}.yaml"),
+         "--num_processes", "2", "--main_process_port", str(free_port()), str(script), *args])
+
+
+def train(case: dict, config: str | None) -> dict:
+    """Run :mod:`train_worker` for ``case`` under the engine ``config`` (None: one plain process) and load
+    what rank 0 saved."""
+    if config is None:
+        run([sys.executable, str(WORKER), json.dumps(case)])
+    else:
+        accelerate_launch(config, WORKER, json.dumps(case))
+    return torch.load(case["out"])

@@ -1,0 +1,140 @@
+"""One training run for tests/distributed: a tiny causal LM trained for a few optimizer steps with
+``transformers.Trainer`` (optionally patched by ``hf_fused.apply_fused_loss``) or ``hf_fused.FusedTrainer``.
+
+Run it under ``accelerate launch --config_file <engine>.yaml`` (the engine's ranks) or as a plain process
+(the single-process reference). The case is one JSON argument:
+
+    model_dir   a tiny model saved with ``save_pretrained`` (loaded with ``from_pretrained`` after
+                TrainingArguments exist, so under ZeRO-3 it is built partitioned inside ``deepspeed.zero.Init``)
+    out         where rank 0 writes ``torch.save({"losses", "params", "initial", "world", "lm_head_numel"})``:
+                logged losses, whole parameters after and before training, ranks, lm_head.weight.numel()
+                outside its forward (0 when ZeRO-3 partitioned it)
+    trainer     "Trainer" | "FusedTrainer"
+    fused       with "Trainer": patch the model with ``apply_fused_loss`` first
+    batch       per-device batch size (the reference uses ranks × batch)
+    ga, steps, grad_ckpt, lora ("" | "lm_head": LoRA on attention and lm_head), bf16
+
+Optimizer: plain SGD at a constant learning rate, so the parameter update is ``−lr·Σ gradients``: an
+error in any gradient shows in the updated parameters in proportion (Adam would normalize it away).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import transformers
+from torch.utils.data import Dataset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tiny_models import make_batch  # noqa: E402
+
+#: Samples in the training set: enough for ``steps × ga × ranks × batch``, each with its own labels.
+SAMPLES = 64
+
+
+class TinyDataset(Dataset):
+    """Fixed-length rows from :func:`tiny_models.make_batch` (prompt prefix and padding ignored)."""
+
+    def __init__(self, samples: int = SAMPLES, seq: int = 12):
+        ids, mask, labels = make_batch(samples, seq, seed=7)
+        self.rows = [dict(input_ids=i, attention_mask=m, labels=y) for i, m, y in zip(ids, mask, labels)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a whole fp32 CPU tensor: gathered from ZeRO-3 partitions or FSDP2 DTensors
+    (collective: every rank must call it)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if hasattr(p, "ds_status"):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([p]):
+                out[name] = p.detach().float().cpu().clone()
+        elif hasattr(p, "full_tensor"):
+            out[name] = p.full_tensor().detach().float().cpu().clone()
+        else:
+            out[name] = p.detach().float().cpu().clone()
+    return {_canonical(n): t for n, t in out.items()}
+
+
+def _canonical(name: str) -> str:
+    # One name per parameter whatever wraps the model (DDP/DeepSpeed ``module.``, FSDP, compile).
+    for prefix in ("module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(prefix, "")
+    return name
+
+
+def main(case: dict) -> None:
+    torch.set_num_threads(1)
+    args = transformers.TrainingArguments(
+        output_dir=os.path.join(os.path.dirname(case["out"]), "trainer"),
+        per_device_train_batch_size=case["batch"],
+        gradient_accumulation_steps=case.get("ga", 1),
+        max_steps=case.get("steps", 3),
+        learning_rate=case.get("lr", 0.5),
+        optim="sgd",
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,  # no clipping: the update stays −lr·gradient
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        gradient_checkpointing=case.get("grad_ckpt", False),
+        bf16=case.get("bf16", False),
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        case["model_dir"], attn_implementation="eager", dtype=torch.float32
+    )
+    if case.get("lora"):
+        import peft
+
+        transformers.set_seed(0)  # the adapter's initial values: the same in every process
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "lm_head"],
+            init_lora_weights=False,  # B ≠ 0: the adapter changes lm_head's output from the first step
+        ))
+    trainer_cls = transformers.Trainer
+    if case["trainer"] == "FusedTrainer":
+        from hf_fused import FusedTrainer as trainer_cls
+    elif case.get("fused"):
+        from hf_fused import apply_fused_loss
+
+        apply_fused_loss(model)
+    head = model.get_output_embeddings()
+    head_weight = getattr(head, "weight", None)
+    if head_weight is None:  # PEFT LoRA layer: the base layer holds the weight
+        head_weight = head.base_layer.weight
+    lm_head_numel = head_weight.numel()
+    initial = full_parameters(model)
+    trainer = trainer_cls(model=model, args=args, train_dataset=TinyDataset(),
+                          data_collator=transformers.default_data_collator)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    params = full_parameters(trainer.model)
+    if trainer.accelerator.is_main_process:
+        torch.save({"losses": losses, "params": params, "initial": initial, "world": trainer.accelerator.num_processes,
+                    "lm_head_numel": lm_head_numel}, case["out"])
+    trainer.accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
+    # The result is on disk; skip interpreter teardown, where gloo's threads have aborted a rank
+    # ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
