@@ -402,3 +402,131 @@ def test_evaluate_matches_trl(tmp_path):
     assert set(got) == set(want) and "eval_loss" in want and "eval_kl" in want
     for key in want:
         assert math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=2e-6), (key, got[key], want[key])
+
+
+# --- the same integration: apply_fused_loss + GRPOTrainer ≡ FusedGRPOTrainer ≡ TRL -------------------------------
+
+INTEGRATION_CASES = [*(f"{lt}-offpolicy" for lt in ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo",
+                                                     "vespo"]),
+                     "grpo-sequence", "beta-biascorr", "temperature", "entropy_bonus", "top_entropy", "moe-aux_loss",
+                     "cast_lm_head_to_fp32", "peft-lora", "peft-modules_to_save-lm_head", "is-token_mask"]
+
+
+def _patched_grpo_trainer(case, tmp_path, patch="before"):
+    """``trl.GRPOTrainer`` on a model passed through ``apply_fused_loss`` before (or after) the trainer is built."""
+    from hf_fused import apply_fused_loss
+
+    model = make_model(case.arch, dtype=case.dtype, tie=case.tie)
+    if patch == "before":
+        apply_fused_loss(model)
+    trainer = build_trainer(GRPOTrainer, case, tmp_path, model=model)
+    if patch == "after":
+        apply_fused_loss(trainer.model)
+        if trainer.ref_model is not None:
+            apply_fused_loss(trainer.ref_model)
+    return trainer
+
+
+def _count_heads(monkeypatch):
+    """Counts hf_fused's log-prob op (as the TRL integration calls it) and TRL's chunked head."""
+    import hf_fused.integrations.trl as integration
+    import trl.trainer.utils as trl_utils
+
+    counts = {"hf_fused": 0, "trl": 0}
+    op, chunked = integration.linear_logprobs, trl_utils._ChunkedLogProbFunction
+
+    def counted_op(*args, **kwargs):
+        counts["hf_fused"] += 1
+        return op(*args, **kwargs)
+
+    class Counted(chunked):
+        @staticmethod
+        def forward(*args, **kwargs):
+            counts["trl"] += 1
+            return chunked.forward(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "linear_logprobs", counted_op)
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Counted)
+    return counts
+
+
+@pytest.mark.parametrize("patch", ["before", "after"])
+@pytest.mark.parametrize("name", INTEGRATION_CASES)
+def test_apply_fused_loss_with_grpo_trainer_matches_trl(name, patch, tmp_path, monkeypatch):
+    case = CASES[name]
+    if patch == "after" and name not in ("grpo-offpolicy", "beta-biascorr", "peft-lora", "temperature"):
+        pytest.skip("patched-after covered on a subset (same code path once built)")
+    ref = run_step(build_trainer(GRPOTrainer, case, tmp_path), case)
+    trainer = _patched_grpo_trainer(case, tmp_path, patch)
+    counts = _count_heads(monkeypatch)
+    got = run_step(trainer, case)
+    assert_same_step(got, ref, rtol=1e-5)
+    assert counts["hf_fused"] > 0 and counts["trl"] == 0, counts
+    if trainer.ref_model is not None:
+        assert hf_fused_is_fused(trainer.ref_model)
+
+
+def hf_fused_is_fused(model):
+    from hf_fused import is_fused
+
+    return is_fused(model)
+
+
+@pytest.mark.parametrize("name", ["grpo-offpolicy", "beta-biascorr", "peft-lora", "dapo-onpolicy", "entropy_bonus"])
+def test_fused_grpo_trainer_is_apply_fused_loss_plus_grpo_trainer(name, tmp_path):
+    """Bit for bit: FusedGRPOTrainer adds nothing to the objective (on-policy, its grad_hint one pass gives the
+    same gradients up to fp32 summation order)."""
+    case = CASES[name]
+    fused = run_step(build_trainer(FusedGRPOTrainer, case, tmp_path), case)
+    patched = run_step(_patched_grpo_trainer(case, tmp_path), case)
+    exact = name != "dapo-onpolicy"
+    assert_same_step(fused, patched, rtol=0.0 if exact else 1e-6, atol=0.0 if exact else 1e-9,
+                     loss_atol=0.0 if exact else 1e-7)
+
+
+SYNC = Case(
+    config=dict(max_steps=3, beta=0.1, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5,
+                per_device_train_batch_size=4, learning_rate=3e-3),
+    scripted=False,
+)
+
+
+def test_sync_ref_model_matches_trl(tmp_path):
+    """sync_ref_model: TRL mixes the policy into the (hf_fused-patched) reference after every step; the KL logged
+    at steps 2 and 3 depends on it."""
+    runs = []
+    for build in (lambda: build_trainer(GRPOTrainer, SYNC, tmp_path),
+                  lambda: build_trainer(FusedGRPOTrainer, SYNC, tmp_path),
+                  lambda: _patched_grpo_trainer(SYNC, tmp_path)):
+        trainer = build()
+        trainer.train()
+        runs.append([{k: v for k, v in e.items() if "time" not in k and "per_second" not in k}
+                     for e in trainer.state.log_history])
+    want = runs[0]
+    assert want[1]["kl"] > 0
+    for logs in runs[1:]:
+        assert len(logs) == len(want)
+        for got_entry, want_entry in zip(logs, want):
+            assert set(got_entry) == set(want_entry)
+            for key in want_entry:
+                assert math.isclose(got_entry[key], want_entry[key], rel_tol=1e-5, abs_tol=2e-6), key
+
+
+@pytest.mark.parametrize("patch", ["fused_trainer", pytest.param("after", marks=pytest.mark.xfail(
+    strict=True, raises=Exception,
+    reason="autocast fix in progress: verify_patch compares against accelerate's fp32-converted bf16 logits with "
+           "the fp32 tolerance (FusedLossVerificationError, 0.006 > 1.3e-4)"))])
+def test_reference_model_wrapped_by_accelerate_bf16(patch, tmp_path):
+    """bf16=True (autocast on CPU): accelerate wraps the reference model's forward. FusedGRPOTrainer builds (it
+    used to blame the TRL version) and apply_fused_loss after the trainer finds TRL's head under the wrapper."""
+    case = Case(config=dict(beta=0.1, bf16=True), off_policy_noise=OFF)
+    trainer = (build_trainer(FusedGRPOTrainer, case, tmp_path) if patch == "fused_trainer"
+               else _patched_grpo_trainer(case, tmp_path, patch="after"))
+    assert hf_fused_is_fused(trainer.ref_model)
+    ref = run_step(build_trainer(GRPOTrainer, case, tmp_path), case)
+    got = run_step(trainer, case)
+    # bf16: TRL's CPU head rounds each logit tile to bf16 (relative 2^-8) before its fp32 statistics, hf_fused
+    # computes fp32 logits from the same bf16 operands; log-prob differences of ~|z|·2^-8 for |z| ≲ 4 move the KL,
+    # ratios and loss by a few 1e-2 relative. The check is that both are the same objective, not rounding-equal.
+    for key in ("kl", "entropy"):
+        assert math.isclose(got.metrics[key][0], ref.metrics[key][0], rel_tol=5e-2, abs_tol=1e-3), key
