@@ -186,3 +186,18 @@ def test_unsupported_options_raise(tmp_path, kwargs, match):
     args = _args(tmp_path, **kwargs.pop("args", {}))
     with pytest.raises(ValueError, match=match):
         FusedTrainer(model=make_model("llama"), args=args, train_dataset=TRAIN, **kwargs)
+
+
+def test_fused_options_reach_apply_fused_loss(tmp_path):
+    """``fused_options`` (the name FusedGRPOTrainer uses too) configures the patch; ``fused_loss_kwargs``, the former
+    name, still does, with a FutureWarning; both at once is an error."""
+    budget = {"tile_budget_bytes": 4096}
+    trainer = FusedTrainer(model=make_model("llama"), args=_args(tmp_path), train_dataset=TRAIN, fused_options=budget)
+    assert trainer.model._hf_fused.tile_budget_bytes == 4096
+    with pytest.warns(FutureWarning, match="fused_options"):
+        trainer = FusedTrainer(model=make_model("llama"), args=_args(tmp_path), train_dataset=TRAIN,
+                               fused_loss_kwargs=budget)
+    assert trainer.model._hf_fused.tile_budget_bytes == 4096
+    with pytest.raises(ValueError, match="fused_options only"):
+        FusedTrainer(model=make_model("llama"), args=_args(tmp_path), train_dataset=TRAIN, fused_options=budget,
+                     fused_loss_kwargs=budget)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch.nn as nn
@@ -10,11 +11,28 @@ from transformers import Trainer
 from ..model import apply_fused_loss, original_forward_only
 
 
+def resolve_fused_options(fused_options: Optional[dict], fused_loss_kwargs: Optional[dict]) -> dict:
+    """The trainers' one name for :func:`hf_fused.apply_fused_loss` options is ``fused_options``;
+    ``fused_loss_kwargs`` (FusedTrainer's former name) is accepted with a ``FutureWarning``.
+
+    Raises:
+        ValueError: both given.
+    """
+    if fused_loss_kwargs is not None:
+        if fused_options is not None:
+            raise ValueError("pass fused_options only (fused_loss_kwargs is its deprecated former name)")
+        warnings.warn("fused_loss_kwargs is deprecated and will be removed; pass fused_options instead",
+                      FutureWarning, stacklevel=3)
+        fused_options = fused_loss_kwargs
+    return dict(fused_options or {})
+
+
 class FusedTrainer(Trainer):
     """A drop-in :class:`transformers.Trainer` whose model computes its loss from hidden states.
 
-    The model is patched with :func:`hf_fused.apply_fused_loss` (keyword ``fused_loss_kwargs`` is passed
-    to it, e.g. ``{"tile_budget_bytes": 64 * 2**20}``). Everything else is Trainer's own code, so its
+    The model is patched with :func:`hf_fused.apply_fused_loss` (keyword ``fused_options`` is passed to it,
+    e.g. ``{"tile_budget_bytes": 64 * 2**20}``; the same name as in :class:`~hf_fused.FusedGRPOTrainer`, and
+    ``fused_loss_kwargs``, its former name, still works with a ``FutureWarning``). Everything else is Trainer's own code, so its
     semantics hold unchanged: gradient accumulation normalized by ``num_items_in_batch``,
     ``average_tokens_across_devices``, eval loss, ``prediction_loss_only``. Whenever Trainer gathers
     predictions (``prediction_loss_only`` off: ``evaluate()`` with ``compute_metrics``, ``predict()``) it runs
@@ -23,11 +41,13 @@ class FusedTrainer(Trainer):
 
     Raises:
         ValueError: with ``label_smoothing_factor > 0``, ``compute_loss_func`` or ``use_liger_kernel``:
-            each needs the logits (or replaces the loss) that the fused path never builds.
+            each needs the logits (or replaces the loss) that the fused path never builds; with both
+            ``fused_options`` and ``fused_loss_kwargs``.
     """
 
-    def __init__(self, *args, fused_loss_kwargs: Optional[dict[str, Any]] = None, **kwargs):
-        self._fused_loss_kwargs = dict(fused_loss_kwargs or {})
+    def __init__(self, *args, fused_options: Optional[dict[str, Any]] = None,
+                 fused_loss_kwargs: Optional[dict[str, Any]] = None, **kwargs):
+        self._fused_loss_kwargs = resolve_fused_options(fused_options, fused_loss_kwargs)
         super().__init__(*args, **kwargs)
         if self.args.label_smoothing_factor > 0:
             raise ValueError(
