@@ -303,3 +303,72 @@ def test_rloo_matches_trl(beta, tmp_path, monkeypatch):
     trainer, _ = _parity(build, monkeypatch, model=model)
     if beta:
         assert hf_fused.is_fused(trainer.ref_model)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Distillation: no hf_fused divergence op. It says so once and leaves TRL's kernel in place.
+
+
+def test_distillation_warns_once_and_trains_exactly_like_trl(tmp_path, monkeypatch):
+    from trl import DistillationConfig, DistillationTrainer
+
+    monkeypatch.setattr(trl_integration, "_DISTILLATION_WARNED", [])  # once per process: start afresh here
+
+    model = make_model()
+    teacher = _perturbed(model, seed=5, scale=0.2)
+    prompts = Dataset.from_dict({"prompt": [_sentence(i, 3) for i in range(16)]})
+
+    def build(model, callbacks):
+        args = DistillationConfig(**_common_args(tmp_path, "distill", max_completion_length=5))
+        return DistillationTrainer(model=model, teacher_model=copy.deepcopy(teacher), args=args,
+                                   train_dataset=prompts, processing_class=make_tokenizer(), callbacks=callbacks)
+
+    stock = _train(build, copy.deepcopy(model), patch=None)
+    with pytest.warns(UserWarning, match="hf_fused does not compute DistillationTrainer's loss") as caught:
+        fused = _train(build, copy.deepcopy(model), patch="before")
+    assert sum("DistillationTrainer" in str(w.message) for w in caught) == 1
+    _assert_same_training(fused, stock)  # TRL's kernel in both: the patch changed nothing but says so
+    assert hf_fused.is_fused(fused[0].model)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Failing loudly
+
+
+def test_fused_call_without_a_trl_head_raises():
+    model = hf_fused.apply_fused_loss(make_model())
+    ids = torch.randint(3, 20, (2, 6))
+    with pytest.raises(trl_integration.TrlProtocolError, match="no TRL trainer added a fused head"):
+        model(input_ids=ids, labels=ids, fused_lm_head=True)
+
+
+def test_changed_trl_protocol_is_refused_loudly(monkeypatch):
+    """A TRL whose add_fused_lm_head takes other arguments: nothing is wrapped, a warning says TRL's head will be
+    used, and a fused call on a patched model raises instead of guessing."""
+    def add_fused_lm_head(model, temperature=1.0, outputs=("log_probs",), chunk_size=4096):
+        raise AssertionError("not called here")
+
+    monkeypatch.setattr(trl_utils, "add_fused_lm_head", add_fused_lm_head)
+    monkeypatch.setattr(trl_integration, "_HOOK", {})
+    with pytest.warns(UserWarning, match="TRL's trainers will use TRL's own fused head"):
+        model = hf_fused.apply_fused_loss(make_model())
+    assert trl_utils.add_fused_lm_head is add_fused_lm_head
+    ids = torch.randint(3, 20, (2, 6))
+    with pytest.raises(trl_integration.TrlProtocolError, match="add_fused_lm_head takes"):
+        model(input_ids=ids, labels=ids, fused_lm_head=True)
+
+
+def test_changed_trl_head_closure_is_refused_loudly():
+    """A TRL head whose forward no longer closes over its options: apply_fused_loss after the trainer refuses."""
+    model = make_model()
+
+    def make_head(original_forward):
+        def _fused_forward(self, *args, fused_lm_head=False, **kwargs):
+            return original_forward(*args, **kwargs)
+        return _fused_forward
+
+    head = make_head(model.forward)
+    head.__code__ = head.__code__.replace(co_filename=os.path.join(os.sep, "x", "trl", "trainer", "utils.py"))
+    model.forward = head.__get__(model)
+    with pytest.raises(trl_integration.TrlProtocolError, match="closes over"):
+        hf_fused.apply_fused_loss(model)
