@@ -372,3 +372,72 @@ def test_changed_trl_head_closure_is_refused_loudly():
     model.forward = head.__get__(model)
     with pytest.raises(trl_integration.TrlProtocolError, match="closes over"):
         hf_fused.apply_fused_loss(model)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A LoRA adapter on lm_head: TRL refuses it (its head would read the bare weight); on a patched model it trains.
+
+LORA_HEAD = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "lm_head"],
+                 init_lora_weights=False)
+
+
+def _head_adapter_trainer(name, model, tmp_path):
+    from peft import LoraConfig
+    from trl import (DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, RLOOConfig, RLOOTrainer,
+                     SFTConfig, SFTTrainer)
+
+    common = dict(processing_class=make_tokenizer(), peft_config=LoraConfig(task_type="CAUSAL_LM", **LORA_HEAD))
+    prompts = Dataset.from_dict({"prompt": [_sentence(i, 3) for i in range(16)]})
+    rl = dict(per_device_train_batch_size=4, num_generations=2, max_completion_length=5)
+    if name == "sft":
+        return SFTTrainer(model=model, args=SFTConfig(**_common_args(tmp_path, name)), train_dataset=_TEXT, **common)
+    if name == "dpo":
+        return DPOTrainer(model=model, args=DPOConfig(**_common_args(tmp_path, name)), train_dataset=_PREFERENCES,
+                          **common)
+    if name == "kto":
+        return KTOTrainer(model=model, args=KTOConfig(**_common_args(tmp_path, name, per_device_train_batch_size=8)),
+                          train_dataset=_UNPAIRED, **common)
+    if name == "rloo":
+        return RLOOTrainer(model=model, reward_funcs=_reward, args=RLOOConfig(**_common_args(tmp_path, name, **rl)),
+                           train_dataset=prompts, **common)
+    return GRPOTrainer(model=model, reward_funcs=_reward, args=GRPOConfig(**_common_args(tmp_path, name, **rl)),
+                       train_dataset=prompts, **common)
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo", "kto", "rloo", "grpo"])
+def test_lora_on_lm_head_trains_under_each_trainer(name, tmp_path):
+    with pytest.raises(ValueError, match="lm_head"):
+        _head_adapter_trainer(name, make_model(), tmp_path)  # TRL on its own
+    trainer = _head_adapter_trainer(name, hf_fused.apply_fused_loss(make_model()), tmp_path)
+    head = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lm_head.lora_" in n}
+    assert len(head) == 2 and all(trainer.model.get_parameter(n).requires_grad for n in head)
+    trainer.train()
+    assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
+    for n, before in head.items():
+        assert not torch.equal(trainer.model.get_parameter(n), before), f"{n} did not train"
+
+
+def test_lora_on_lm_head_sft_gradients_match_dense_logits(tmp_path):
+    """SFT's loss on a patched PEFT model with an adapter on lm_head, against the same loss from the full logits of
+    the original forward (the adapter applied by PEFT's own layer): every gradient, the adapter's included."""
+    from hf_fused.model import original_forward_only
+
+    trainer = _head_adapter_trainer("sft", hf_fused.apply_fused_loss(make_model()), tmp_path)
+    model = trainer.model
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    n_tokens = (batch["labels"][:, 1:] != -100).sum()
+
+    model.zero_grad()
+    trainer.compute_loss(model, dict(batch), num_items_in_batch=n_tokens).backward()
+    fused = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    with original_forward_only(model):
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    targets = batch["labels"][:, 1:]
+    logp = logits[:, :-1].float().log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+    (-(logp * (targets != -100)).sum() / n_tokens).backward()
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            err = (fused[n] - p.grad).norm() / p.grad.norm()
+            assert err <= RTOL, (n, err.item())
+    assert any("lm_head.lora_B" in n and g.abs().sum() > 0 for n, g in fused.items())

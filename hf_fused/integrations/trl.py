@@ -34,12 +34,14 @@ closure of the forward it installs), nothing is wrapped and a fused call raises,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
 import inspect
 import os
 import sys
+import types
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -109,6 +111,8 @@ _HOOK: dict = {}  # "original": TRL's add_fused_lm_head; "refused": why the prot
 
 
 def _install_add_fused_lm_head_hook() -> None:
+    """Once per process: wrap ``add_fused_lm_head`` (see the module docstring), let TRL's trainers accept a PEFT
+    adapter on a patched model's lm_head, and make ``DistillationTrainer`` say it does not use hf_fused."""
     if _HOOK:
         return
     import trl.trainer.utils as trl_utils
@@ -143,7 +147,68 @@ def _install_add_fused_lm_head_hook() -> None:
     for module in list(sys.modules.values()):  # trainer modules bound the name at import
         if getattr(module, "__name__", "").startswith("trl") and getattr(module, "add_fused_lm_head", None) is original:
             module.add_fused_lm_head = add_fused_lm_head
+    _let_trainers_accept_lm_head_adapters()
     _warn_on_distillation_trainer()
+
+
+#: TRL 1.16 trainers that refuse a PEFT adapter on lm_head (their head would read the bare weight).
+_TRAINERS_REFUSING_HEAD_ADAPTERS = {
+    "trl.trainer.sft_trainer": "SFTTrainer", "trl.trainer.dpo_trainer": "DPOTrainer",
+    "trl.trainer.kto_trainer": "KTOTrainer", "trl.trainer.rloo_trainer": "RLOOTrainer",
+    "trl.trainer.grpo_trainer": "GRPOTrainer",
+}
+
+
+def _let_trainers_accept_lm_head_adapters() -> None:
+    """TRL's trainers raise when a PEFT adapter sits on lm_head, because TRL's head would ignore it. On a patched
+    model hf_fused computes the head with the adapter (:func:`hf_fused.model.lm_head.head_tensors`), so while such a
+    trainer is built around a patched model its lm_head check sees the layer under the adapter."""
+    import importlib
+
+    for module_name, class_name in _TRAINERS_REFUSING_HEAD_ADAPTERS.items():
+        cls = getattr(importlib.import_module(module_name), class_name)
+        init = cls.__init__
+        if getattr(init, "__hf_fused__", False):
+            continue
+
+        def make(init):
+            @functools.wraps(init)
+            def __init__(self, *args, **kwargs):
+                model = kwargs.get("model", args[0] if args else None)
+                with lm_head_adapter_hidden_from_trl(model):
+                    init(self, *args, **kwargs)
+
+            __init__.__hf_fused__ = True
+            return __init__
+
+        cls.__init__ = make(init)
+
+
+@contextlib.contextmanager
+def lm_head_adapter_hidden_from_trl(model):
+    """While a TRL trainer is built around a patched ``model``, ``get_output_embeddings()`` returns the layer *under*
+    a PEFT adapter on lm_head, so TRL's "adapter on lm_head is not supported" check passes. Only the causal LM's
+    instance attribute is touched, and it is removed on exit. No-op for an unpatched model (TRL's check stands)."""
+    if not isinstance(model, nn.Module) or not _is_patched(model):
+        yield
+        return
+    inner = find_causal_lm(model)
+    if "get_output_embeddings" in inner.__dict__:  # someone else's instance patch (or ours, nested): leave it
+        yield
+        return
+    cls_get = type(inner).get_output_embeddings
+
+    def get_output_embeddings(self):
+        head = cls_get(self)
+        while hasattr(head, "get_base_layer") and hasattr(head, "active_adapters"):  # peft BaseTunerLayer
+            head = head.get_base_layer()
+        return head
+
+    inner.get_output_embeddings = types.MethodType(get_output_embeddings, inner)
+    try:
+        yield
+    finally:
+        del inner.get_output_embeddings
 
 
 def _protocol_mismatch(trl_utils) -> Optional[str]:

@@ -22,8 +22,6 @@ normalizers, metrics) is TRL's own code, so objective, gradients and logged metr
 
 from __future__ import annotations
 
-import contextlib
-import types
 from typing import Any, Optional
 
 import torch
@@ -57,8 +55,7 @@ class FusedGRPOTrainer(GRPOTrainer):
             config = kwargs.get("args", args[1] if len(args) > 1 else None)
             model = _load_model_like_trl(model, config, kwargs.get("quantization_config"))
         apply_fused_loss(model, **self._fused_options)
-        with _hide_lm_head_adapter_from_trl(model):
-            super().__init__(model, *args, **kwargs)
+        super().__init__(model, *args, **kwargs)  # TRL's lm_head-adapter check passes: hf_fused computes the head
 
     # ------------------------------------------------------------------------------------------------
     # Speed only: the gradient TRL's loss will send to the policy log-probs, when it is known.
@@ -124,42 +121,6 @@ class _HintedCall:
 
 # ----------------------------------------------------------------------------------------------------
 # Helpers for __init__.
-
-
-def _inner_causal_lm(model):
-    """The transformers model under PEFT / DDP wrappers (the object whose ``forward`` TRL patched)."""
-    from hf_fused.model.unwrap import find_causal_lm
-
-    return find_causal_lm(model)
-
-
-@contextlib.contextmanager
-def _hide_lm_head_adapter_from_trl(model):
-    """During ``GRPOTrainer.__init__``, make ``get_output_embeddings()`` return the layer *under* a PEFT adapter
-    on lm_head, so TRL's "adapter on lm_head is not supported" check passes. Only the instance attribute is
-    touched and it is removed on exit; hf_fused (not TRL) computes the head, and it includes the adapter."""
-    if isinstance(model, str):
-        yield
-        return
-    inner = _inner_causal_lm(model)
-    if "get_output_embeddings" in inner.__dict__:  # someone else's instance patch: leave everything alone
-        yield
-        return
-    cls_get = type(inner).get_output_embeddings
-
-    def get_output_embeddings(self):
-        head = cls_get(self)
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        while isinstance(head, BaseTunerLayer):
-            head = head.get_base_layer()
-        return head
-
-    inner.get_output_embeddings = types.MethodType(get_output_embeddings, inner)
-    try:
-        yield
-    finally:
-        del inner.get_output_embeddings
 
 
 def _load_model_like_trl(model_id: str, args, quantization_config) -> torch.nn.Module:
