@@ -19,7 +19,7 @@ parameters are whole (ZeRO-1/2, DDP) or gathered by FSDP2 around lm_head's call 
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, Callable, Sequence
 
 import torch
@@ -50,7 +50,10 @@ def run_head(lm_head: nn.Module, hidden: torch.Tensor, compute: Callable[[torch.
             return compute(hidden)
     trainable = [p for p in _unique(lm_head.parameters()) if p.requires_grad]
     flat: dict = {}
-    outputs = _ZeroGatheredHead.apply(compute, params, flat, hidden, *trainable)
+    # Whole while the node is created: autograd records each trainable parameter's shape for its
+    # gradient there (a partitioned one would record numel 0).
+    with _gathered(params + [p for p in trainable if hasattr(p, "ds_status")]):
+        outputs = _ZeroGatheredHead.apply(compute, params, flat, hidden, *trainable)
     # autograd.Function returns tensors only: compute's structure (tuples, None) is rebuilt around them.
     leaves = [None if i in flat["none"] else o for i, o in enumerate(outputs)]
     return tree_unflatten(leaves, flat["spec"])
@@ -70,12 +73,11 @@ def gathered_per_module(model: nn.Module):
     open_contexts: dict[int, list] = {}
 
     def gather(module, args):
-        context = _gathered([p for p in module.parameters(recurse=False) if hasattr(p, "ds_status")])
-        context.__enter__()
-        open_contexts.setdefault(id(module), []).append(context)
+        own = [p for p in module.parameters(recurse=False) if hasattr(p, "ds_status")]
+        open_contexts.setdefault(id(module), []).append(_gathered(own))
 
     def release(module, args, output):
-        open_contexts[id(module)].pop().__exit__(None, None, None)
+        open_contexts[id(module)].pop().release()
 
     handles = []
     for module in model.modules():
@@ -109,13 +111,43 @@ def _unique(params) -> list[nn.Parameter]:
     return list({id(p): p for p in params if p is not None}.values())
 
 
-def _gathered(params: Sequence[nn.Parameter]):
-    """DeepSpeed's gather context for the parameters that are not whole right now (inside lm_head's call
-    DeepSpeed has gathered lm_head's own weight; a tied weight may be held whole by the embedding)."""
-    from deepspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus
+def _gathered(params: Sequence[nn.Parameter]) -> "_Gather":
+    return _Gather(params)
 
-    missing = [p for p in params if p.ds_status != ZeroParamStatus.AVAILABLE]
-    return GatheredParameters(missing) if missing else nullcontext()
+
+class _Gather:
+    """All-gather those of ``params`` that are partitioned right now (inside lm_head's call DeepSpeed has
+    gathered lm_head's own weight; a tied weight may be held by the embedding); :meth:`release`
+    re-partitions them, except any that a DeepSpeed-hooked module holds by then (a tied weight during
+    the embedding's backward): DeepSpeed releases those itself after that module. A context manager too.
+    Collective: every rank must gather and release the same parameters."""
+
+    def __init__(self, params: Sequence[nn.Parameter]):
+        self.params = []
+        self.add(params)
+
+    def add(self, params: Sequence[nn.Parameter]) -> None:
+        """Gather these too (those partitioned right now), to be released with the others."""
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        missing = [p for p in _unique(params) if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        if missing:
+            missing[0].all_gather(param_list=missing)
+            self.params += missing
+
+    def release(self) -> None:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        free = [p for p in self.params if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_active_sub_modules]
+        self.params = []
+        if free:
+            free[0].partition(param_list=free, has_been_updated=False)
+
+    def __enter__(self) -> "_Gather":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 class _ZeroGatheredHead(torch.autograd.Function):
@@ -152,24 +184,26 @@ class _ZeroGatheredHead(torch.autograd.Function):
         got = [None] * len(wrt)
         if used and wrt:
             gather = _gathered(ctx.params)
-            gather.__enter__()
             try:
                 got = list(torch.autograd.grad([r for r, _ in used], wrt, [g for _, g in used], allow_unused=True))
             except BaseException:
-                gather.__exit__(None, None, None)
+                gather.release()
                 raise
             # Autograd accumulates a gradient into a parameter of the parameter's own shape, so the
             # parameters stay whole until their gradients are accumulated (right after this node: the
             # engine runs accumulation first) and ZeRO's reduce hook has taken them, as around a module.
-            grad_of = {id(p): g for p, g in zip(ctx.trainable, got[len(got) - len(ctx.trainable):])}
-            pending = [p for p in ctx.params if grad_of.get(id(p)) is not None]
+            # A LoRA ``lora_A`` was gathered and released again by DeepSpeed around its own backward
+            # inside the grad call above: gather it once more.
+            grads_of_trainable = got[len(got) - len(ctx.trainable):]
+            pending = [p for p, g in zip(ctx.trainable, grads_of_trainable) if g is not None and hasattr(p, "ds_status")]
+            gather.add(pending)
             _release_after_accumulation(gather, pending)
         grad_hidden = got.pop(0) if ctx.inner_hidden.requires_grad else None
         return (None, None, None, grad_hidden, *got)
 
 
-def _release_after_accumulation(gather, params: list[nn.Parameter]) -> None:
-    """Exit ``gather`` (re-partition) once each of ``params`` has had its gradient accumulated (a hook
+def _release_after_accumulation(gather: _Gather, params: list[nn.Parameter]) -> None:
+    """Release ``gather`` (re-partition) once each of ``params`` has had its gradient accumulated (a hook
     registered after ZeRO's reduce hook, so it runs after it), or at the end of this backward at the latest."""
     state = {"open": True, "pending": {id(p) for p in params}, "handles": []}
 
@@ -178,7 +212,7 @@ def _release_after_accumulation(gather, params: list[nn.Parameter]) -> None:
             state["open"] = False
             for handle in state["handles"]:
                 handle.remove()
-            gather.__exit__(None, None, None)
+            gather.release()
 
     def accumulated(param):
         state["pending"].discard(id(param))

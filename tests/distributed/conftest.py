@@ -5,3 +5,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "distributed: 2-process runs on CPU over gloo (DeepSpeed ZeRO-2/3, DDP, FSDP2, pipeline)"
+    )

@@ -72,17 +72,18 @@ def assert_matches_reference(got: dict, ref: dict) -> None:
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
         assert abs(a - b) <= LOSS_RTOL * abs(b), f"step {step}: logged loss {a} vs reference {b}"
     assert got["params"].keys() == ref["params"].keys()
-    moved = 0
+    moved = []
     for name, ref_p in ref["params"].items():
         assert torch.equal(got["initial"][name], ref["initial"][name]), f"{name}: runs started apart"
         update = (ref_p - ref["initial"][name]).norm()
         err = (got["params"][name] - ref_p).norm()
         if update > 0:
-            moved += 1
+            moved.append(name)
             assert err <= PARAM_RTOL * update, f"{name}: ‖θ−θ_ref‖/‖Δθ_ref‖ = {float(err / update):.3g}"
         else:
             assert err == 0, f"{name}: the reference did not move it, the engine run did by {float(err):.3g}"
-    assert moved > len(ref["params"]) // 2, "most parameters should train"
+    # lm_head (its LoRA adapter under PEFT; the embedding when tied) trains, and the backbone with it.
+    assert any("lm_head" in n or "embed_tokens" in n for n in moved) and len(moved) >= 4, moved
 
 
 CASES = {
