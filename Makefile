@@ -14,6 +14,8 @@ $(VENV)/.installed: setup.cfg setup.py
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test,examples]"
+	# DeepSpeed for tests/distributed (ZeRO-2/3 on CPU ranks); after torch, no compiled ops, keeps torch
+	DS_BUILD_OPS=0 $(PY) -m pip install -q "deepspeed>=0.19"
 	touch $@
 
 venv: $(VENV)/.installed
