@@ -441,3 +441,71 @@ def test_lora_on_lm_head_sft_gradients_match_dense_logits(tmp_path):
             err = (fused[n] - p.grad).norm() / p.grad.norm()
             assert err <= RTOL, (n, err.item())
     assert any("lm_head.lora_B" in n and g.abs().sum() > 0 for n, g in fused.items())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MoE (router load-balancing loss), assistant-only SFT, bf16 twins
+
+
+def test_sft_moe_aux_loss_matches_trl(tmp_path, monkeypatch):
+    trainer, _ = _parity(_sft_builder(tmp_path, _TEXT), monkeypatch, model=make_model("qwen3moe"))
+    assert "aux_loss" in trainer.state.log_history[0]
+
+
+def test_dpo_moe_aux_loss_matches_trl(tmp_path, monkeypatch):
+    model = make_model("qwen3moe")
+    trainer, _ = _parity(_dpo_builder(tmp_path, ref_source=_perturbed(model)), monkeypatch, model=model)
+    assert "aux_loss" in trainer.state.log_history[0]
+
+
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }} [EOS]"
+    "{% endgeneration %}{% else %}{{ m['content'] }} {% endif %}{% endfor %}"
+)
+_CONVERSATIONS = Dataset.from_dict({"messages": [
+    [{"role": "user", "content": _sentence(i, 3)}, {"role": "assistant", "content": _sentence(500 + i, 2 + i % 3)},
+     {"role": "user", "content": _sentence(600 + i, 2)}, {"role": "assistant", "content": _sentence(700 + i, 3)}]
+    for i in range(16)
+]})
+
+
+def test_sft_assistant_only_matches_trl(tmp_path, monkeypatch):
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = make_tokenizer()
+    tokenizer.padding_side = "right"
+    tokenizer.chat_template = _CHAT_TEMPLATE
+
+    def build(model, callbacks):
+        args = SFTConfig(**_common_args(tmp_path, "sft_assistant", assistant_only_loss=True))
+        return SFTTrainer(model=model, args=args, train_dataset=_CONVERSATIONS, processing_class=tokenizer,
+                          callbacks=callbacks)
+
+    trainer, _ = _parity(build, monkeypatch)
+    batch = next(iter(trainer.get_train_dataloader()))
+    scored, real = int((batch["labels"] != -100).sum()), int(batch["attention_mask"].sum())
+    assert 0 < scored < real  # the assistant mask really leaves the user turns out
+
+
+@pytest.mark.parametrize("trainer_name", ["sft", "dpo"])
+def test_bf16_autocast_close_to_trl(trainer_name, tmp_path, monkeypatch):
+    """TRL's configs default to bf16=True, i.e. autocast on CPU. Both heads then read bf16 operands; TRL's CPU head
+    also rounds each logit to bf16 before its fp32 statistics while hf_fused keeps the logits in fp32. With this
+    model's logits |z| ≲ 20 that rounding (2^-9 relative) moves a log-prob by up to ~0.04 and the loss and metrics by
+    ~1e-2 relative, so the twins agree to 3e-2 relative; gradients agree in direction (cosine ≥ 0.999)."""
+    model = make_model()
+    if trainer_name == "sft":
+        build = _sft_builder(tmp_path, _TEXT, bf16=True)
+    else:
+        build = _dpo_builder(tmp_path, ref_source=_perturbed(model), bf16=True)
+    (_, logs_b, grads_b, _) = _train(build, copy.deepcopy(model), patch=None)
+    (_, logs_a, grads_a, counting) = _train(build, copy.deepcopy(model), patch="before", monkeypatch=monkeypatch)
+    assert counting.hf_fused > 0 and counting.trl == 0
+    for a, b in zip(logs_a, logs_b):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert math.isclose(a[key], b[key], rel_tol=3e-2, abs_tol=2e-2), (key, a[key], b[key])
+    for ga, gb in zip(grads_a, grads_b):
+        flat_a = torch.cat([g.flatten() for g in ga.values()])
+        flat_b = torch.cat([g.flatten() for g in gb.values()])
+        assert torch.nn.functional.cosine_similarity(flat_a, flat_b, dim=0) >= 0.999
