@@ -6,6 +6,7 @@ What users call, all importable from here:
 * the model switch: :func:`apply_fused_loss` (patch one model instance), :func:`remove_fused_loss`,
   :func:`original_forward_only` (a block with the original forward, logits and all), :func:`is_fused`;
 * the ops on plain tensors: :func:`linear_cross_entropy`, :func:`linear_logprobs`;
+* a loss module that owns the output layer (pipeline schedules, custom loops): :class:`LinearCrossEntropyLoss`;
 * the trainers: :class:`FusedTrainer` (``transformers.Trainer``) and :class:`FusedGRPOTrainer`
   (``trl.GRPOTrainer``), imported on first use so ``import hf_fused`` needs neither trl nor a Trainer;
 * what they raise or warn, for ``except`` and ``warnings.filterwarnings``: :class:`FusedLossVerificationError`
@@ -26,6 +27,7 @@ from .model import (
     original_forward_only,
     remove_fused_loss,
 )
+from .model.head_loss import LinearCrossEntropyLoss
 from .ops import HintMissedWarning, linear_cross_entropy, linear_logprobs
 
 __version__ = "0.1.0"
@@ -47,6 +49,7 @@ __all__ = [
     "FusedLossVerificationError",
     "FusedTrainer",
     "HintMissedWarning",
+    "LinearCrossEntropyLoss",
     "apply_fused_loss",
     "is_fused",
     "linear_cross_entropy",

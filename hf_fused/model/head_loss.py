@@ -1,0 +1,123 @@
+"""``LinearCrossEntropyLoss``: a loss module that owns the output layer.
+
+For training loops where the model returns hidden states and the loss owns lm_head: pipeline-parallel
+schedules (``torch.distributed.pipelining``: the last stage returns hidden states, the schedule calls
+``loss_fn(output, target)``), custom loops, or a model whose head is applied outside its forward.
+The loss is :func:`hf_fused.ops.linear_cross_entropy` on lm_head's weight (and a PEFT LoRA adapter on it,
+through :func:`~hf_fused.model.lm_head.head_tensors`), so the ``[tokens, vocab]`` logits never exist.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..ops import LogitTransform, linear_cross_entropy
+from .distributed import run_head
+from .lm_head import check_head_supported, head_tensors
+from .transform_probe import config_logit_transform
+from .unwrap import find_causal_lm
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+class LinearCrossEntropyLoss(nn.Module):
+    """Causal-LM cross-entropy of ``lm_head(hidden_states)`` without building the logits.
+
+    ``loss(hidden_states, labels)`` equals transformers' ``ForCausalLMLoss`` on
+    ``transform(lm_head(hidden_states))``: labels ``[B, T]`` are shifted inside (position ``t`` predicts
+    ``labels[t + 1]``; pass ``shift_labels`` ``[B, T]`` already aligned instead), ``ignore_index`` tokens
+    contribute nothing, and the result is the mean over non-ignored tokens or, with
+    ``num_items_in_batch``, their sum divided by it (transformers' gradient-accumulation normalization;
+    also what makes per-microbatch losses of a pipeline schedule add up to the full batch's loss).
+
+    Args:
+        lm_head: the output layer: ``nn.Linear``, a PEFT LoRA layer around one, PEFT ``modules_to_save``.
+            It becomes this module's submodule (its parameters are this loss's parameters).
+        ignore_index: label value to ignore.
+        reduction: ``"mean"`` / ``"sum"`` (scalar fp32) or ``"none"`` (``[B, T]`` fp32 per-token losses).
+        logit_scale, softcap: the model's logit transform ``softcap·tanh(z·logit_scale / softcap)``.
+            :meth:`from_model` reads them from the model's config.
+        tile_budget_bytes, backend: as in :func:`hf_fused.ops.linear_cross_entropy`.
+
+    Raises:
+        NotImplementedError: an lm_head hf_fused cannot read (quantized, DoRA, not linear).
+        ValueError: unknown ``reduction``.
+    """
+
+    def __init__(self, lm_head: nn.Module, *, ignore_index: int = -100, reduction: str = "mean",
+                 logit_scale: float = 1.0, softcap: Optional[float] = None,
+                 tile_budget_bytes: Optional[int] = None, backend: Optional[str] = None):
+        super().__init__()
+        check_head_supported(lm_head)
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        self.lm_head = lm_head
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.transform = LogitTransform(logit_scale=logit_scale, softcap=softcap)
+        self.tile_budget_bytes = tile_budget_bytes
+        self.backend = backend
+
+    @classmethod
+    def from_model(cls, model: nn.Module, **kwargs) -> "LinearCrossEntropyLoss":
+        """The loss for ``model``'s own lm_head (found through PEFT / DDP / DeepSpeed / compile wrappers)
+        with the logit transform its config declares (Gemma's soft-cap, Cohere's / Granite's scale).
+        Keywords are passed to the constructor and override the config's transform.
+
+        Raises:
+            TypeError: no causal LM with an lm_head inside ``model``.
+        """
+        causal_lm = find_causal_lm(model)
+        transform = config_logit_transform(causal_lm)
+        options = dict(logit_scale=transform.logit_scale, softcap=transform.softcap)
+        options.update(kwargs)
+        return cls(causal_lm.get_output_embeddings(), **options)
+
+    def forward(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+                shift_labels: Optional[torch.Tensor] = None,
+                num_items_in_batch: Optional[Union[int, float, torch.Tensor]] = None) -> torch.Tensor:
+        """Loss of ``hidden_states`` ``[B, T, H]`` (what lm_head would receive) against ``labels`` ``[B, T]``.
+
+        Raises:
+            ValueError: neither ``labels`` nor ``shift_labels``; labels not shaped like ``hidden_states[..., 0]``;
+                the ops' own checks (labels out of range, bad ``num_items_in_batch``).
+        """
+        if shift_labels is None:
+            if labels is None:
+                raise ValueError("LinearCrossEntropyLoss needs `labels` (shifted inside) or `shift_labels` (aligned)")
+            shift_labels = F.pad(labels, (0, 1), value=self.ignore_index)[..., 1:]
+        if shift_labels.shape != hidden_states.shape[:-1]:
+            raise ValueError(
+                f"labels of shape {tuple(shift_labels.shape)} do not match hidden states of shape "
+                f"{tuple(hidden_states.shape)}: expected labels shaped {tuple(hidden_states.shape[:-1])}"
+            )
+
+        def compute(hidden: torch.Tensor) -> torch.Tensor:
+            head_hidden, weight, bias = head_tensors(self.lm_head, hidden)
+            return linear_cross_entropy(
+                head_hidden, weight, shift_labels.to(weight.device), bias, ignore_index=self.ignore_index,
+                reduction=self.reduction, num_items_in_batch=num_items_in_batch, softcap=self.transform.softcap,
+                logit_scale=self.transform.logit_scale, tile_budget_bytes=self.tile_budget_bytes,
+                backend=self.backend,
+            )
+
+        # ZeRO-3: lm_head's partitioned weight gathered for this call and its backward.
+        return run_head(self.lm_head, hidden_states, compute)
+
+    def forward_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[..., V]`` logits for inference: ``lm_head(hidden_states)`` with the logit transform applied,
+        as the model's own forward returns them. This materializes the logits; use it for generation or
+        evaluation on a few positions (e.g. the last)."""
+        logits = self.lm_head(hidden_states)
+        if self.transform.logit_scale != 1.0:
+            logits = logits * self.transform.logit_scale
+        if self.transform.softcap is not None:
+            logits = torch.tanh(logits / self.transform.softcap) * self.transform.softcap
+        return logits
+
+    def extra_repr(self) -> str:
+        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, transform={self.transform}"
