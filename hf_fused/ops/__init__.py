@@ -4,13 +4,14 @@ from .backends import available_backends, get_backend, register_backend
 from .cross_entropy import linear_cross_entropy
 from .logit_transform import LogitTransform
 from .logprobs import HintMissedWarning, linear_logprobs
-from .tiling import DEFAULT_TILE_BUDGET_BYTES, rows_per_tile
+from .tiling import DEFAULT_TILE_BUDGET_BYTES, describe_plan, rows_per_tile
 
 __all__ = [
     "DEFAULT_TILE_BUDGET_BYTES",
     "HintMissedWarning",
     "LogitTransform",
     "available_backends",
+    "describe_plan",
     "get_backend",
     "linear_cross_entropy",
     "linear_logprobs",

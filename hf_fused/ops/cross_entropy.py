@@ -11,7 +11,7 @@ from .head_inputs import check_num_items, check_per_token, flatten_head_inputs
 from .logit_transform import LogitTransform
 from .logprobs import linear_logprobs
 from .precision import autocast_off, cast_like_linear, refuse_double_backward
-from .tiling import check_tile_budget, valid_rows
+from .tiling import valid_rows, validate_tile_budget
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -127,7 +127,10 @@ def linear_cross_entropy(
         num_items_in_batch: with ``"mean"``/``"sum"``, return ``sum / num_items_in_batch`` instead
             (transformers' gradient-accumulation normalization).
         temperature, softcap, logit_scale: the logit transform above.
-        tile_budget_bytes: memory bound of one tile's fp32 working set (default 256 MiB).
+        tile_budget_bytes: ``None`` (default): the planner's rule (:mod:`hf_fused.ops.tiling`): on a CUDA
+            device the one pass below when its working set (fp32 ``[V, H]`` accumulator plus a 2048-row
+            tile) fits in a quarter of the free device memory, else the lean two passes with a 256 MiB tile;
+            elsewhere a 256 MiB bound. An int: a hard bound on the working set in bytes.
         backend: force a backend by name (see :mod:`hf_fused.ops.backends`).
         token_weights: optional ``[...]`` floating tensor shaped like ``labels``: each token's loss is
             multiplied by its weight before the reduction (``"mean"`` still divides by the number of
@@ -140,7 +143,7 @@ def linear_cross_entropy(
         and zero gradients.
 
     Gradients w.r.t. hidden, weight and bias, for ``"mean"``/``"sum"``: when the backend's budget holds
-    the one-pass working set (always on the torch backend; on the GPU, room for the fp32 ``[V, H]``
+    the one-pass working set (always on the torch backend; on the GPU, the planner's rule: room for the fp32 ``[V, H]``
     weight-gradient accumulator) they are computed in the forward's single pass (6·N·H·V FLOPs), kept in
     fp32 and scaled by the upstream gradient in backward before their one rounding to the inputs'
     dtypes; otherwise forward computes per-token statistics only and backward the gradients, with the
@@ -200,6 +203,6 @@ def linear_cross_entropy(
     hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
     return LinearCrossEntropyFunction.apply(
         hidden2d, weight, bias, flat.labels, rows, grad_scale, transform,
-        check_tile_budget(tile_budget_bytes), get_backend(hidden.device, backend),
+        validate_tile_budget(tile_budget_bytes), get_backend(hidden.device, backend),
         torch.is_grad_enabled(), row_weights,
     )

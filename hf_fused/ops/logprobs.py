@@ -11,7 +11,7 @@ from .backends import get_backend
 from .head_inputs import check_per_token, flatten_head_inputs
 from .logit_transform import LogitTransform
 from .precision import autocast_off, cast_like_linear, refuse_double_backward
-from .tiling import check_tile_budget, valid_rows
+from .tiling import valid_rows, validate_tile_budget
 
 
 #: ``max |g − c·hint| ≤ HINT_RTOL · max |g|`` for the forward's gradients to stand in for the upstream ``g``:
@@ -160,8 +160,8 @@ def linear_logprobs(
         grad_hint: optional float tensor shaped like ``labels``: the gradient the loss will send to
             ``logprobs``, up to one scalar factor ``c`` (not differentiated). On-policy GRPO without KL or
             entropy terms sends ``−A·mask/normalizer`` (TRL's loss at ratio 1), so ``A·mask`` is a hint.
-            With it, and a budget that holds the fp32 ``[V, H]`` weight-gradient accumulator plus
-            512 full-vocabulary rows (the cross-entropy one-pass condition; always on the torch
+            With it, when the planner allows the one pass (the cross-entropy one-pass condition, see
+            ``tile_budget_bytes`` of :func:`~hf_fused.ops.linear_cross_entropy`; always on the torch
             backend), the forward also computes the gradients of ``Σ hint·logprobs`` from the same
             logits, 6·N·H·V FLOPs in all instead of 8, and holds them until backward. Backward uses
             them, times ``c``, when the upstream gradient is ``c·hint`` to ``1e-6`` of its largest entry
@@ -193,7 +193,7 @@ def linear_logprobs(
     hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
     logprobs, entropy = LinearLogprobsFunction.apply(
         hidden2d, weight, bias, flat.labels, rows, transform,
-        check_tile_budget(tile_budget_bytes), get_backend(hidden.device, backend),
+        validate_tile_budget(tile_budget_bytes), get_backend(hidden.device, backend),
         bool(return_entropy), hint_rows, torch.is_grad_enabled(),
     )
     logprobs = logprobs.view(flat.batch_shape)

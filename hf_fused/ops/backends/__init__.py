@@ -14,7 +14,9 @@ from typing import Callable, Optional
 
 import torch
 
-from .torch_reference import HeadGrads, TorchReferenceBackend
+from ..grads import HeadGrads
+from .protocol import Backend
+from .torch_reference import TorchReferenceBackend
 
 _REGISTRY: dict[str, Callable[[], object]] = {"torch": TorchReferenceBackend}
 _INSTANCES: dict[str, object] = {}
@@ -30,8 +32,9 @@ if importlib.util.find_spec("triton") is not None:
     _REGISTRY["triton"] = _triton_backend
 
 
-def register_backend(name: str, factory: Callable[[], object]) -> None:
-    """Make a backend available under ``name`` (used by optional GPU backends)."""
+def register_backend(name: str, factory: Callable[[], Backend]) -> None:
+    """Make a backend available under ``name`` (used by optional GPU backends); ``factory()`` returns an
+    object meeting :class:`~hf_fused.ops.backends.protocol.Backend`."""
     _REGISTRY[name] = factory
 
 
@@ -39,7 +42,7 @@ def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_backend(device: torch.device, name: Optional[str] = None):
+def get_backend(device: torch.device, name: Optional[str] = None) -> Backend:
     """The backend for tensors on ``device``: ``name``, else ``$HF_FUSED_BACKEND``, else the fastest
     registered one for the device (the torch reference on CPU).
 
@@ -70,4 +73,4 @@ def _default_name(device: torch.device) -> str:
     return "torch"
 
 
-__all__ = ["HeadGrads", "TorchReferenceBackend", "available_backends", "get_backend", "register_backend"]
+__all__ = ["Backend", "HeadGrads", "TorchReferenceBackend", "available_backends", "get_backend", "register_backend"]

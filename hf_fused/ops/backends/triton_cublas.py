@@ -10,14 +10,14 @@ Passes: statistics (``2·M·H·V`` FLOPs: log-sum-exp, label logit, entropy) the
 ``2·M·H·V`` + ``dX`` ``2·M·H·V`` + ``dW`` ``2·M·H·V``): ``8·M·H·V`` in all, on the non-ignored rows M only.
 One preallocated ``[rows, V_chunk]`` tile in the weight dtype holds the logits cuBLAS writes (as
 eager transformers and TRL's chunked head round them) and then, in place, ``dz``; every statistic and
-accumulation after the matmul is fp32. Its size is ``tile_budget_bytes``; chunks are at least
-``_MIN_COLS`` wide (more row blocks instead) so cuBLAS runs on large tiles even with small budgets.
+accumulation after the matmul is fp32. Its shape comes from :func:`hf_fused.ops.tiling.two_pass_plan`.
 
 Cross-entropy (plain or token-weighted) and log-probs given a ``grad_hint`` take a one-pass path
 instead (token rows outside, whole vocabulary rows per tile, gradients right after each row's
-log-sum-exp: ``6·M·H·V``) when the budget also holds the fp32 ``[V, H]`` weight-gradient accumulator;
-see :meth:`TritonCublasBackend.logprobs_with_grads`. Otherwise they return ``None`` and the op falls
-back to the two passes above, the gradient pass in its backward.
+log-sum-exp: ``6·M·H·V``) when the planner's rule allows it (:func:`hf_fused.ops.tiling.one_pass_rows`: by
+default when its fp32 ``[V, H]`` accumulator and tile fit in a quarter of the free device memory); see
+:meth:`TritonCublasBackend.logprobs_with_grads`. Otherwise they return ``None`` and the op falls back to the
+two passes above, the gradient pass in its backward.
 """
 
 from __future__ import annotations
@@ -27,15 +27,12 @@ from typing import Optional
 import torch
 
 from ..logit_transform import LogitTransform
-from ..tiling import DEFAULT_TILE_BUDGET_BYTES
-from .torch_reference import HeadGrads
+from ..tiling import one_pass_rows, two_pass_plan
+from ..grads import HeadGrads
 
-_COL_ALIGN = 128  # keep cuBLAS tiles whole
-_MIN_COLS = 2048
 # Triton launch shapes, measured on an H200 (docs/gpu_results.md).
 _STATS_BLOCK_V, _STATS_WARPS = 512, 2
 _GRAD_BLOCK_V, _GRAD_WARPS = 2048, 8
-_MIN_ONE_PASS_ROWS = 512  # below this, the dW accumulation GEMM (K = rows) runs far from peak
 
 
 def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -64,17 +61,11 @@ class TritonCublasBackend:
 
         self.kernels = triton_kernels
 
-    # -- planning ----------------------------------------------------------------------------------
+    # -- planning: every decision is :mod:`hf_fused.ops.tiling`'s ---------------------------------------
     @staticmethod
     def _plan(n_rows: int, vocab_size: int, elem_bytes: int, tile_budget_bytes: Optional[int]):
-        """(rows per block, columns per chunk) so one tile of logits (then dz) fits the budget."""
-        budget = tile_budget_bytes or DEFAULT_TILE_BUDGET_BYTES
-        cols = budget // (max(n_rows, 1) * elem_bytes)
-        if cols >= min(vocab_size, _MIN_COLS):
-            cols = min(vocab_size, max(_COL_ALIGN, cols // _COL_ALIGN * _COL_ALIGN))
-            return max(n_rows, 1), cols
-        cols = min(vocab_size, _MIN_COLS)
-        return max(1, min(n_rows, budget // (cols * elem_bytes))), cols
+        """(rows per block, columns per chunk) of the two passes (:func:`~hf_fused.ops.tiling.two_pass_plan`)."""
+        return two_pass_plan(n_rows, vocab_size, elem_bytes, tile_budget_bytes)
 
     @staticmethod
     def _compact(hidden, weight, labels, rows):
@@ -183,20 +174,18 @@ class TritonCublasBackend:
     # -- one pass: token rows outside, full vocabulary per tile --------------------------------------
     @staticmethod
     def _one_pass_rows(weight, need_weight, tile_budget_bytes) -> int:
-        """Rows per full-vocabulary tile if the budget fits the fp32 ``[V, H]`` accumulator too, else 0."""
-        budget = tile_budget_bytes or DEFAULT_TILE_BUDGET_BYTES
+        """Rows per full-vocabulary tile of the one pass, or 0 (:func:`~hf_fused.ops.tiling.one_pass_rows`)."""
         vocab_size, hidden_size = weight.shape
-        accumulator = vocab_size * hidden_size * 4 if need_weight else 0
-        rows = (budget - accumulator) // (vocab_size * weight.element_size())
-        return rows if rows >= _MIN_ONE_PASS_ROWS else 0
+        return one_pass_rows(vocab_size, hidden_size, weight.element_size(), need_weight, tile_budget_bytes,
+                             weight.device)
 
     def logprobs_with_grads(
         self, hidden, weight, bias, labels, rows, grad_logprobs, transform, tile_budget_bytes, return_entropy,
         need_hidden, need_weight, need_bias,
     ):
         """Like :meth:`TorchReferenceBackend.logprobs_with_grads`: one pass (6·M·H·V), token rows outside
-        and whole vocabulary rows per tile, or ``None`` when the budget cannot hold the fp32 ``[V, H]``
-        accumulator plus ``_MIN_ONE_PASS_ROWS`` full-vocabulary rows."""
+        and whole vocabulary rows per tile, or ``None`` when the planner (:mod:`hf_fused.ops.tiling`) chooses
+        the two passes."""
         block_rows = self._one_pass_rows(weight, need_weight, tile_budget_bytes)
         if not block_rows:
             return None

@@ -1,0 +1,91 @@
+"""The tile planner's decisions (:mod:`hf_fused.ops.tiling`): which GPU schedule a call takes, and its shapes.
+
+The default rule is what makes hf_fused fast without options: on a CUDA device the one pass whenever its
+working set fits in a quarter of the free memory, else the lean two passes. Free memory is injected here, so
+the rule is checked on CPU exactly as the GPU backend applies it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_fused.ops import tiling
+from hf_fused.ops.tiling import (
+    DEFAULT_TILE_BUDGET_BYTES, MIN_ONE_PASS_ROWS, ONE_PASS_FREE_SHARE, ONE_PASS_TILE_ROWS, describe_plan,
+    one_pass_rows, one_pass_working_set, two_pass_plan,
+)
+
+V, H, BF16 = 151_936, 2048, 2
+CUDA = torch.device("cuda")
+NEEDED = one_pass_working_set(V, H, BF16, True, ONE_PASS_TILE_ROWS)  # fp32 [V, H] + a 2048-row bf16 tile
+
+
+def _free(monkeypatch, free):
+    monkeypatch.setattr(tiling, "free_device_bytes", lambda device: free if device.type == "cuda" else None)
+
+
+def test_working_set_is_the_fp32_accumulator_plus_the_tile():
+    assert NEEDED == V * H * 4 + ONE_PASS_TILE_ROWS * V * BF16
+    assert one_pass_working_set(V, H, BF16, False, 100) == 100 * V * BF16  # frozen head: no accumulator
+
+
+@pytest.mark.parametrize("share,expected", [(1.0, ONE_PASS_TILE_ROWS), (1.01, ONE_PASS_TILE_ROWS), (0.99, 0)])
+def test_default_takes_the_one_pass_when_it_fits_a_quarter_of_free_memory(monkeypatch, share, expected):
+    _free(monkeypatch, int(NEEDED / ONE_PASS_FREE_SHARE * share))
+    assert one_pass_rows(V, H, BF16, True, None, CUDA) == expected
+
+
+def test_default_for_a_frozen_head_needs_only_the_tile(monkeypatch):
+    _free(monkeypatch, int(ONE_PASS_TILE_ROWS * V * BF16 / ONE_PASS_FREE_SHARE) + 1)
+    assert one_pass_rows(V, H, BF16, False, None, CUDA) == ONE_PASS_TILE_ROWS
+    assert one_pass_rows(V, H, BF16, True, None, CUDA) == 0
+
+
+@pytest.mark.parametrize("free", [2**40, 0])
+def test_explicit_budget_is_a_hard_bound_whatever_is_free(monkeypatch, free):
+    _free(monkeypatch, free)
+    accumulator = V * H * 4
+    assert one_pass_rows(V, H, BF16, True, accumulator + MIN_ONE_PASS_ROWS * V * BF16, CUDA) == MIN_ONE_PASS_ROWS
+    assert one_pass_rows(V, H, BF16, True, accumulator + (MIN_ONE_PASS_ROWS - 1) * V * BF16, CUDA) == 0
+    assert one_pass_rows(V, H, BF16, True, DEFAULT_TILE_BUDGET_BYTES, CUDA) == 0
+
+
+def test_default_off_cuda_is_the_default_budget(monkeypatch):
+    _free(monkeypatch, 2**40)
+    cpu = torch.device("cpu")
+    assert one_pass_rows(V, H, BF16, True, None, cpu) == one_pass_rows(V, H, BF16, True, DEFAULT_TILE_BUDGET_BYTES, cpu)
+    small_v = 1000
+    assert one_pass_rows(small_v, 64, 4, True, None, cpu) == (DEFAULT_TILE_BUDGET_BYTES - small_v * 64 * 4) // (small_v * 4)
+
+
+@pytest.mark.parametrize("n_rows,budget", [(32768, None), (8192, 2**20 * 32), (3, None), (100_000, 2**20)])
+def test_two_pass_tile_fits_the_budget_and_keeps_chunks_wide(n_rows, budget):
+    rows, cols = two_pass_plan(n_rows, V, BF16, budget)
+    assert rows * cols * BF16 <= (budget or DEFAULT_TILE_BUDGET_BYTES) or cols == tiling.MIN_CHUNK_COLS
+    assert 1 <= rows <= n_rows and cols >= min(V, tiling.MIN_CHUNK_COLS)
+    assert cols == V or cols % tiling.CHUNK_COL_ALIGN == 0
+
+
+def test_two_pass_rejects_a_bad_budget():
+    with pytest.raises(ValueError, match="tile_budget_bytes"):
+        two_pass_plan(10, V, BF16, 0)
+
+
+def test_describe_plan_names_the_schedule(monkeypatch):
+    weight = torch.empty(V, H, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    monkeypatch.setattr(tiling, "free_device_bytes", lambda device: 2**40)
+    assert describe_plan(weight, n_rows=8192).startswith("one pass")
+    monkeypatch.setattr(tiling, "free_device_bytes", lambda device: 2**30)
+    assert describe_plan(weight, n_rows=8192).startswith("two passes")
+
+
+def test_gpu_backend_asks_the_planner(monkeypatch):
+    pytest.importorskip("triton")
+    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
+
+    seen = []
+    monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass_rows",
+                        lambda *a: seen.append(a) or 0)
+    weight = torch.empty(V, H, dtype=torch.bfloat16, device="meta")
+    assert TritonCublasBackend._one_pass_rows(weight, True, None) == 0
+    assert seen == [(V, H, BF16, True, None, weight.device)]
