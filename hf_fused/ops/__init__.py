@@ -5,6 +5,7 @@ from .cross_entropy import linear_cross_entropy
 from .logit_transform import LogitTransform
 from .logprobs import HintMissedWarning, linear_logprobs
 from .tiling import DEFAULT_TILE_BUDGET_BYTES, describe_plan, rows_per_tile
+from .token_loss import TokenLossOutput, linear_token_loss
 
 __all__ = [
     "DEFAULT_TILE_BUDGET_BYTES",
@@ -15,6 +16,8 @@ __all__ = [
     "get_backend",
     "linear_cross_entropy",
     "linear_logprobs",
+    "linear_token_loss",
     "register_backend",
     "rows_per_tile",
+    "TokenLossOutput",
 ]

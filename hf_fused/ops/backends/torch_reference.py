@@ -115,6 +115,50 @@ class TorchReferenceBackend:
             start = stop
         return out_logp, out_ent, out_lse, grads
 
+    # -- a token-separable loss and its gradients, in one pass (hf_fused.ops.token_loss) ---------------
+    def token_loss_with_grads(
+        self, hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes, return_entropy,
+        need_hidden, need_weight, need_bias,
+    ):
+        """Like :meth:`logprobs_with_grads`, but each tile's per-row gradients come from
+        ``tile_grads(start, stop, logp [r], entropy [r] or None) -> (g_lp [r], g_ent [r] or None)`` (fp32, kept
+        rows ``start:stop``), called right after the tile's statistics; then
+        ``dz_j = g_lp·(1[j = y] − p_j) − g_ent·p_j·(log p_j + H)`` from the same logits. Returns
+        ``(logprobs, entropy or None, lse, grads)``; never ``None`` (see :meth:`logprobs_with_grads`)."""
+        weight32 = weight.float()
+        grads = self._new_grads(rows.numel(), hidden, weight, bias, need_hidden, need_weight, need_bias)
+        m = rows.numel()
+        out_logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        out_lse = torch.empty_like(out_logp)
+        out_ent = torch.empty_like(out_logp) if return_entropy else None
+        start = 0
+        for idx in tiles(rows, rows_per_tile(weight.shape[0], tile_budget_bytes)):
+            stop = start + idx.numel()
+            h32, z, tanh = self._logits(hidden, weight32, bias, idx, transform)
+            y = labels.index_select(0, idx).unsqueeze(1)
+            lse = torch.logsumexp(z, dim=1, keepdim=True)
+            out_logp[start:stop] = (z.gather(1, y) - lse).squeeze(1)
+            out_lse[start:stop] = lse.squeeze(1)
+            logp = z.sub_(lse)  # log p_j, in place of z
+            p = logp.exp()
+            ent = None
+            if out_ent is not None:
+                out_ent[start:stop] = -torch.mul(p, logp).sum(1)
+                ent = out_ent[start:stop]
+            g_lp, g_ent = tile_grads(start, stop, out_logp[start:stop], ent)
+            # dz in the two tile arrays already alive (logp, p): the working set stays 3 tiles with tanh.
+            if g_ent is not None:
+                dz = logp.add_(ent.unsqueeze(1)).mul_(p).mul_(-g_ent.unsqueeze(1))  # −g_H·p_j(log p_j + H)
+                dz.sub_(p.mul_(g_lp.unsqueeze(1)))
+            else:
+                dz = p.mul_(-g_lp.unsqueeze(1))
+            dz.scatter_add_(1, y, g_lp.unsqueeze(1))  # + g_lp·1[j = y]
+            dz = transform.backward(dz, tanh)
+            self._accumulate(grads, dz, h32, start, stop, weight32)
+            del z, tanh, logp, p, dz
+            start = stop
+        return out_logp, out_ent, out_lse, grads
+
     # -- log-probabilities: statistics forward, recompute backward ---------------------------------
     def logprobs_forward(
         self,

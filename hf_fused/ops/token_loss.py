@@ -1,0 +1,302 @@
+"""Fused token-separable losses: ``Σ_t token_loss(logp_t, H_t; c_t)`` and its head gradients in one pass.
+
+For GRPO-family objectives the gradient reaching a token's log-prob (and entropy) is an elementwise function
+of that token's log-prob and entropy and of per-token constants known before the forward (advantages, old
+and reference log-probs, masks, importance weights, normalizers). So once a tile's full-vocabulary logits
+are resident and its log-sum-exp (and entropy) are known, the op evaluates the user's ``token_loss`` on the
+tile's rows, differentiates it there with ordinary autograd on ``[rows]`` tensors (``g_lp = ∂L/∂logp_t``,
+``g_H = ∂L/∂H_t``), and forms the logits gradient in the same pass (DESIGN.md, "The math")::
+
+    dz_j = g_lp·(1[j = y_t] − p_j) − g_H·p_j·(log p_j + H_t)
+
+then ``dh = dz·W``, ``dW += dzᵀ·h``: 6·N·H·V FLOPs in all instead of the 8 of log-probs + a recompute
+backward. Backward only scales the stored fp32 gradients by the upstream factor before their one rounding,
+so gradient accumulation and loss scaling stay exact.
+
+**Token-separable** means: the loss is a sum over tokens of terms each depending on that token's ``logp``
+and ``H`` only (plus constants). Not separable, so not for this op (use :func:`~hf_fused.ops.linear_logprobs`
+and autograd on ``[B, T]`` tensors instead):
+
+- a sequence-level ratio ``exp(mean_t(logp_t − old_t))`` (GSPO, TRL's ``importance_sampling_level=
+  "sequence"``): every token's gradient depends on the whole sequence's log-probs;
+- a quantile of the batch's entropies (TRL's ``top_entropy_quantile < 1``): the mask depends on all rows;
+- anything normalized by a statistic of the current log-probs themselves.
+
+Per-batch constants computed beforehand (token counts, ``num_items_in_batch``, sequence lengths,
+advantages) are fine: pass them per token in ``per_token`` or close over them in ``token_loss``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, NamedTuple, Optional
+
+import torch
+
+from .backends import get_backend
+from .head_inputs import flatten_head_inputs
+from .logit_transform import LogitTransform
+from .precision import autocast_off, cast_like_linear, refuse_double_backward
+from .tiling import check_tile_budget, valid_rows
+
+#: ``token_loss(logprobs [r], entropy [r] or None, **per_token_rows) -> losses [r]``
+TokenLossFn = Callable[..., torch.Tensor]
+
+
+class TokenLossOutput(NamedTuple):
+    """What :func:`linear_token_loss` returns.
+
+    loss: fp32 scalar, ``Σ_t token_loss(...)_t`` over non-ignored tokens; differentiable w.r.t. hidden,
+        weight and bias.
+    logprobs: fp32 ``[...]`` shaped like labels, detached; 0 at ignored positions.
+    entropy: fp32 ``[...]`` detached (0 at ignored positions), or ``None`` unless ``need_entropy``.
+    """
+
+    loss: torch.Tensor
+    logprobs: torch.Tensor
+    entropy: Optional[torch.Tensor]
+
+
+class _TileLoss:
+    """Evaluates ``token_loss`` on a run of the kept rows and returns its per-row gradients; accumulates the
+    summed loss. Called by the backend between a tile's statistics and its gradient (one pass), or once on
+    all rows (statistics + recompute)."""
+
+    def __init__(self, token_loss: TokenLossFn, per_token: dict[str, torch.Tensor], rows: torch.Tensor,
+                 differentiate: bool):
+        self.token_loss = token_loss
+        self.per_token = per_token  # name -> flat [N]
+        self.rows = rows
+        self.differentiate = differentiate
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=rows.device)
+
+    def __call__(self, start: int, stop: int, logp: torch.Tensor, entropy: Optional[torch.Tensor]):
+        """``(g_lp [r], g_H [r] or None)`` fp32 for kept rows ``start:stop`` with fp32 ``logp``/``entropy [r]``;
+        ``(None, None)`` when not differentiating. ``g_H`` is ``None`` when the loss ignores the entropy."""
+        idx = self.rows[start:stop]
+        consts = {name: values.index_select(0, idx) for name, values in self.per_token.items()}
+        if not self.differentiate:
+            with torch.no_grad():
+                self.loss_sum += self._losses(logp, entropy, consts).sum()
+            return None, None
+        with torch.enable_grad():
+            lp = logp.detach().requires_grad_()
+            ent = None if entropy is None else entropy.detach().requires_grad_()
+            losses = self._losses(lp, ent, consts)
+            inputs = (lp,) if ent is None else (lp, ent)
+            if losses.requires_grad:
+                grads = torch.autograd.grad(losses.sum(), inputs, allow_unused=True)
+            else:  # the loss does not depend on the log-probs (e.g. every row masked out)
+                grads = (None,) * len(inputs)
+        self.loss_sum += losses.detach().sum()
+        g_lp = torch.zeros_like(logp) if grads[0] is None else grads[0].float()
+        g_ent = None if ent is None or grads[1] is None else grads[1].float()
+        return g_lp.contiguous(), None if g_ent is None else g_ent.contiguous()
+
+    def _losses(self, logp, entropy, consts) -> torch.Tensor:
+        losses = self.token_loss(logp, entropy, **consts)
+        if not isinstance(losses, torch.Tensor) or losses.shape != logp.shape:
+            got = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+            raise ValueError(
+                f"token_loss must return one loss per token, a tensor shaped like its logprobs argument "
+                f"{tuple(logp.shape)}, got {got}; reduce after the op (it returns the sum), not inside token_loss"
+            )
+        if not losses.is_floating_point():
+            raise TypeError(f"token_loss must return floating-point losses, got {losses.dtype}")
+        return losses.float()
+
+
+class LinearTokenLossFunction(torch.autograd.Function):
+    """One pass when the backend can hold its working set (``token_loss_with_grads``; always on the torch
+    reference): statistics, per-row loss gradients and head gradients tile by tile in the forward; backward
+    scales them by the upstream factor. Otherwise forward computes statistics and the per-row loss gradients
+    on all rows, and backward recomputes the tiles (``logprobs_backward``) with the factor folded in:
+    8·N·H·V, the same result."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, rows, tile_loss, transform, tile_budget_bytes, backend,
+                need_entropy, grad_enabled):
+        need = ctx.needs_input_grad
+        need = (grad_enabled and need[0], grad_enabled and need[1], grad_enabled and bias is not None and need[2])
+        ctx.config = (transform, tile_budget_bytes, backend, need)
+        ctx.grads, ctx.row_grads = None, None
+        lse = ent = None
+        one_pass = None
+        with autocast_off(hidden.device.type):
+            if any(need) and hasattr(backend, "token_loss_with_grads"):
+                one_pass = backend.token_loss_with_grads(
+                    hidden, weight, bias, labels, rows, tile_loss, transform, tile_budget_bytes, need_entropy,
+                    *need,
+                )
+            if one_pass is not None:
+                logp, ent, _, ctx.grads = one_pass
+            else:
+                # Statistics, then the loss and its per-row gradients on all rows at once (elementwise, so
+                # the same values as tile by tile); backward recomputes the tiles.
+                logp, ent, lse = backend.logprobs_forward(
+                    hidden, weight, bias, labels, rows, transform, tile_budget_bytes, need_entropy
+                )
+                tile_loss.differentiate = any(need)
+                ctx.row_grads = tile_loss(0, rows.numel(), logp, ent)
+        ctx.save_for_backward(hidden, weight, bias, labels, rows, lse, ent)
+        n = labels.numel()
+        logprobs = hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, logp)
+        entropy = None if ent is None else hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, ent)
+        if entropy is None:
+            ctx.mark_non_differentiable(logprobs)
+        else:
+            ctx.mark_non_differentiable(logprobs, entropy)
+        return tile_loss.loss_sum, logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_logprobs, _grad_entropy):
+        refuse_double_backward("linear_token_loss")
+        hidden, weight, bias, labels, rows, lse, ent = ctx.saved_tensors
+        transform, tile_budget_bytes, backend, need = ctx.config
+        nothing = (None,) * 8
+        if grad_loss is None or not any(need):
+            return (None, None, None) + nothing
+        # One host sync; a Python float keeps the factor in fp32 (see linear_cross_entropy's backward).
+        factor = float(grad_loss)
+        if lse is None:  # one pass: the gradients were computed in the forward
+            if ctx.grads is None:
+                raise RuntimeError(
+                    "linear_token_loss computed its gradients in the forward and handed them to backward once; "
+                    "to backpropagate twice, call linear_token_loss again."
+                )
+            grads, ctx.grads = ctx.grads, None
+        else:
+            if ctx.row_grads is None:
+                raise RuntimeError("linear_token_loss: backward ran twice; call linear_token_loss again.")
+            (g_lp, g_ent), ctx.row_grads = ctx.row_grads, None
+            g_lp = g_lp * factor
+            g_ent = None if g_ent is None else g_ent * factor
+            live = g_lp != 0 if g_ent is None else (g_lp != 0) | (g_ent != 0)
+            if not bool(live.all()):  # rows the loss sends nothing (masked out, zero advantage): skip them
+                keep = live.nonzero().squeeze(1)
+                rows, lse, g_lp = rows[keep], lse[keep], g_lp[keep]
+                ent = None if ent is None else ent[keep]
+                g_ent = None if g_ent is None else g_ent[keep]
+            with autocast_off(hidden.device.type):
+                grads = backend.logprobs_backward(
+                    hidden, weight, bias, labels, rows, lse, ent, g_lp, g_ent, transform, tile_budget_bytes, *need
+                )
+            factor = 1.0
+        d_hidden, d_weight, d_bias = grads.input_grads(hidden, weight, bias, rows, factor)
+        return (d_hidden, d_weight, d_bias) + nothing
+
+
+def _flat_per_token(per_token: Optional[Mapping[str, torch.Tensor]], labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``per_token`` values flattened to ``[N]`` after checking them.
+
+    Raises:
+        TypeError: not a mapping of names to tensors.
+        ValueError: a value not shaped like labels, on another device, or requiring grad.
+    """
+    if per_token is None:
+        return {}
+    if not isinstance(per_token, Mapping):
+        raise TypeError(f"per_token must be a dict of tensors shaped like labels, got {type(per_token).__name__}")
+    flat = {}
+    for name, values in per_token.items():
+        if name in ("logprobs", "entropy"):
+            raise ValueError(f"per_token key {name!r} clashes with token_loss's own argument; rename it")
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(
+                f"per_token[{name!r}] must be a tensor shaped like labels, got {type(values).__name__}; "
+                "close over scalars in token_loss (e.g. functools.partial) instead"
+            )
+        if values.shape != labels.shape or values.device != labels.device:
+            raise ValueError(
+                f"per_token[{name!r}] must have labels' shape {tuple(labels.shape)} on {labels.device}, got "
+                f"{tuple(values.shape)} on {values.device}"
+            )
+        if values.requires_grad:
+            raise ValueError(
+                f"per_token[{name!r}] requires grad, but per-token inputs are constants the op does not "
+                "differentiate; pass values.detach() (or compute them under torch.no_grad())"
+            )
+        flat[name] = values.reshape(-1)
+    return flat
+
+
+def linear_token_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    token_loss: TokenLossFn,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    per_token: Optional[Mapping[str, torch.Tensor]] = None,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    need_entropy: bool = False,
+    tile_budget_bytes: Optional[int] = None,
+    backend: Optional[str] = None,
+) -> TokenLossOutput:
+    """The summed loss ``Σ_t token_loss(logp_t, H_t; per_token_t)`` of a token-separable objective under the
+    logits of ``hidden @ weight.T + bias``, with its gradients for hidden, weight and bias computed in the same
+    pass over the tiles (6·N·H·V FLOPs), never materializing the ``[N, V]`` logits.
+
+    Logits and log-probs as in :func:`~hf_fused.ops.linear_logprobs`: ``z = (h·Wᵀ + b)·logit_scale``, then
+    ``softcap·tanh(z/softcap)``, then ``/temperature``; ``logp_t = z[y_t] − logsumexp(z)``,
+    ``H_t = −Σ_j p_j log p_j``.
+
+    Args:
+        hidden: ``[..., H]`` hidden states aligned with ``labels`` (no shift here).
+        weight: ``[V, H]`` lm_head weight.  bias: optional ``[V]``.
+        labels: ``[...]`` integer ids in ``[0, V)`` or ``ignore_index``. Ignored tokens are not passed to
+            ``token_loss`` and contribute neither loss nor gradient.
+        token_loss: ``token_loss(logprobs, entropy, **rows) -> losses``: the per-token loss, elementwise,
+            written in plain PyTorch. ``logprobs`` is fp32 ``[r]`` for a tile's ``r`` kept tokens,
+            ``entropy`` fp32 ``[r]`` (``None`` unless ``need_entropy``), ``rows`` the ``per_token`` tensors
+            sliced to the same tokens (dtypes kept). It must return ``[r]`` floating losses in which token
+            ``t``'s entry depends on token ``t``'s inputs only (module docstring: what is not separable); the
+            op differentiates it per tile with autograd. It may be called several times (once per tile).
+        per_token: optional dict of tensors shaped like ``labels`` (advantages, old/reference log-probs, masks,
+            importance weights, per-token normalizers …), constants (not differentiated).
+        ignore_index, temperature, softcap, logit_scale, tile_budget_bytes, backend: as in
+            :func:`~hf_fused.ops.linear_cross_entropy`.
+        need_entropy: compute the entropy, pass it to ``token_loss`` (differentiable) and return it.
+
+    Returns:
+        :class:`TokenLossOutput` ``(loss, logprobs, entropy)``: fp32 scalar loss (0 when every token is
+        ignored), and the detached fp32 per-token log-probs and entropies shaped like ``labels`` for metrics.
+
+    Gradients: when the backend's budget holds the one-pass working set (always on the torch backend; on the
+    GPU, room for the fp32 ``[V, H]`` weight-gradient accumulator, :func:`hf_fused.ops.tiling.one_pass_rows`)
+    they are computed in the forward's pass and kept in fp32 until backward scales them by the upstream
+    gradient and rounds them once; otherwise forward computes the statistics and the per-token loss gradients
+    and backward recomputes each tile with the upstream factor folded in (8·N·H·V). Exact under any upstream
+    gradient on the loss either way (gradient accumulation, loss scaling).
+
+    Mixed precision: as :func:`~hf_fused.ops.linear_cross_entropy` (operands cast as ``F.linear`` would be
+    under autocast; ``token_loss`` runs in fp32 with autocast off).
+
+    Raises:
+        ValueError / TypeError: as :func:`~hf_fused.ops.linear_cross_entropy`; ``token_loss`` not callable or
+            returning something other than one floating loss per token; ``per_token`` not a dict of tensors
+            shaped like ``labels`` on its device, a value requiring grad, or a key named ``logprobs`` or
+            ``entropy``.
+        RuntimeError: in backward, for second-order gradients (``create_graph=True``) or a second backward.
+    """
+    if not callable(token_loss):
+        raise TypeError(f"token_loss must be callable (logprobs, entropy, **per_token) -> losses, got {token_loss!r}")
+    transform = LogitTransform(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
+    flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index)
+    consts = _flat_per_token(per_token, labels)
+    rows = valid_rows(flat.labels, ignore_index)
+    grad_enabled = torch.is_grad_enabled()
+    if tile_budget_bytes is not None:
+        check_tile_budget(tile_budget_bytes)  # None stays None: the backend's default rule decides
+    hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
+    tile_loss = _TileLoss(token_loss, consts, rows, differentiate=grad_enabled)
+    loss, logprobs, entropy = LinearTokenLossFunction.apply(
+        hidden2d, weight, bias, flat.labels, rows, tile_loss, transform, tile_budget_bytes,
+        get_backend(hidden.device, backend), bool(need_entropy), grad_enabled,
+    )
+    logprobs = logprobs.view(flat.batch_shape)
+    if entropy is not None:
+        entropy = entropy.view(flat.batch_shape)
+    return TokenLossOutput(loss, logprobs, entropy)

@@ -1,0 +1,346 @@
+"""linear_token_loss against a float64 dense reference: the summed loss of several token-separable objectives,
+its gradients w.r.t. hidden, weight and bias, and the returned log-probs / entropies, across tile layouts,
+ignore patterns, logit transforms, upstream factors, frozen inputs, both schedules (one pass; statistics +
+recompute) and both backends (the torch reference; the triton backend's kernels under the interpreter).
+
+The reference materializes the ``[N, V]`` logits in float64 and runs the same ``token_loss`` on
+``[B, T]`` float64 tensors with ordinary autograd. Accuracy contract (fp32 inputs): ``‖a − b‖ / ‖b‖ ≤ 1e-5``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from dense_reference import H, RTOL, TRANSFORMS, assert_head_grads, budget_for, dense_logprobs, leaf64
+from dense_reference import make_head_inputs, rel_err
+from dense_reference import single_threaded_torch  # noqa: F401  (autouse fixture)
+from hf_fused.ops import get_backend, linear_cross_entropy, linear_token_loss
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+# -- token losses (elementwise, plain PyTorch) ------------------------------------------------------------
+
+
+def nll(logprobs, entropy):
+    return -logprobs
+
+
+def ppo_clip(logprobs, entropy, *, advantages, old, mask):
+    """DAPO/GRPO's clipped surrogate per token, masked by a bool mask (a per-token tensor of another dtype)."""
+    ratio = torch.exp(logprobs - old)
+    pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.28))
+    return torch.where(mask, pg, 0.0)
+
+
+def kl_and_entropy(logprobs, entropy, *, ref, weight):
+    """A k3 KL term to a reference plus an entropy bonus, weighted per token (e.g. 1/num_items)."""
+    d = ref - logprobs
+    return weight * (torch.exp(d) - d - 1.0 - 0.05 * entropy)
+
+
+def cispo_like(logprobs, entropy, *, advantages, old):
+    """A detached clamped ratio times logp: the gradient is a constant per token."""
+    return -advantages * torch.exp(logprobs - old).clamp(max=1.3).detach() * logprobs
+
+
+LOSSES = {
+    "nll": (nll, False),
+    "ppo_clip": (ppo_clip, False),
+    "kl_and_entropy": (kl_and_entropy, True),
+    "cispo_like": (cispo_like, False),
+}
+
+
+def per_token_inputs(shape, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        advantages=torch.randn(shape, generator=g),
+        # old/ref log-probs a few tenths off the current ones, so ratios cross the clip range both ways
+        old=-4.0 + 0.5 * torch.randn(shape, generator=g),
+        ref=-4.0 + 0.5 * torch.randn(shape, generator=g),
+        mask=torch.rand(shape, generator=g) < 0.8,
+        weight=torch.rand(shape, generator=g) + 0.5,
+    )
+
+
+def consts_for(token_loss, consts):
+    names = token_loss.__code__.co_varnames[2 : 2 + token_loss.__code__.co_kwonlyargcount]
+    return {k: consts[k] for k in names}
+
+
+def dense_token_loss(token_loss, hidden, weight, bias, labels, consts, need_entropy, ignore_index=-100, **kw):
+    """Float64 ``(loss, logprobs, entropy)``: the same ``token_loss`` on the dense log-probs of kept tokens."""
+    logp, ent = dense_logprobs(hidden, weight, labels, bias, ignore_index=ignore_index, **kw)
+    kept = labels != ignore_index
+    rows = {k: v[kept].double() if v.is_floating_point() else v[kept] for k, v in consts.items()}
+    losses = token_loss(logp[kept], ent[kept] if need_entropy else None, **rows)
+    return losses.sum(), logp, ent
+
+
+def check_token_loss(hidden, weight, bias, labels, loss_name, *, factor=1.0, seed=0, grad_tol=RTOL, **kwargs):
+    """Fused vs dense: loss, returned log-probs/entropy and every gradient of ``factor · loss``."""
+    token_loss, need_entropy = LOSSES[loss_name]
+    consts = consts_for(token_loss, per_token_inputs(labels.shape, seed))
+    h64, w64, b64 = leaf64(hidden), leaf64(weight), leaf64(bias)
+    out = linear_token_loss(hidden, weight, labels, token_loss, bias, per_token=consts, need_entropy=need_entropy,
+                            **kwargs)
+    dense_kw = {k: v for k, v in kwargs.items() if k not in ("tile_budget_bytes", "backend")}
+    ref_loss, ref_logp, ref_ent = dense_token_loss(token_loss, h64, w64, b64, labels, consts, need_entropy,
+                                                   **dense_kw)
+    assert out.loss.dtype == torch.float32 and out.loss.shape == ()
+    assert rel_err(out.loss, ref_loss) <= RTOL
+    assert out.logprobs.shape == labels.shape and not out.logprobs.requires_grad
+    assert rel_err(out.logprobs, ref_logp) <= RTOL
+    if need_entropy:
+        assert not out.entropy.requires_grad and rel_err(out.entropy, ref_ent) <= RTOL
+    else:
+        assert out.entropy is None
+    if any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        (out.loss * factor).backward()
+        (ref_loss * factor).backward()
+        assert_head_grads((hidden, weight, bias), (h64, w64, b64), grad_tol)
+    return out
+
+
+# -- values and gradients ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transform", ["identity", "temperature", "softcap", "combined"])
+@pytest.mark.parametrize("loss_name", list(LOSSES))
+def test_loss_grads_and_outputs_match_dense(loss_name, transform):
+    hidden, weight, bias, labels = make_head_inputs((3, 7), H, 97, ignore="some", seed=1)
+    check_token_loss(hidden, weight, bias, labels, loss_name, tile_budget_bytes=budget_for(4, 97),
+                     **TRANSFORMS[transform])
+
+
+TILE_LAYOUTS = {"one_row_per_tile": ((9,), 1), "partial_last_tile": ((2, 7), 3), "single_tile": ((13,), 64)}
+
+
+@pytest.mark.parametrize("layout", list(TILE_LAYOUTS))
+@pytest.mark.parametrize("loss_name", ["ppo_clip", "kl_and_entropy"])
+def test_every_tile_layout(loss_name, layout):
+    shape, tile_rows = TILE_LAYOUTS[layout]
+    hidden, weight, bias, labels = make_head_inputs(shape, H, 50, ignore="edges", seed=2)
+    check_token_loss(hidden, weight, bias, labels, loss_name, tile_budget_bytes=budget_for(tile_rows, 50))
+
+
+@pytest.mark.parametrize("factor", [0.37, -2.5, 0.0])
+@pytest.mark.parametrize("loss_name", ["ppo_clip", "kl_and_entropy"])
+def test_any_upstream_factor_is_exact(loss_name, factor):
+    """The gradients stored by the forward are scaled by the upstream gradient (accumulation, loss scaling)."""
+    hidden, weight, bias, labels = make_head_inputs((2, 6), H, 50, ignore="some", seed=3)
+    if factor == 0.0:
+        out = linear_token_loss(hidden, weight, labels, LOSSES[loss_name][0], bias,
+                                per_token=consts_for(LOSSES[loss_name][0], per_token_inputs(labels.shape, 0)),
+                                need_entropy=LOSSES[loss_name][1])
+        (out.loss * 0.0).backward()
+        assert all((t.grad == 0).all() for t in (hidden, weight, bias))
+        return
+    check_token_loss(hidden, weight, bias, labels, loss_name, factor=factor, softcap=3.0)
+
+
+def test_gradient_accumulation_over_two_calls():
+    hidden, weight, bias, labels = make_head_inputs((2, 6), H, 50, ignore="some", seed=4)
+    h64, w64, b64 = leaf64(hidden), leaf64(weight), leaf64(bias)
+    for seed in (0, 1):
+        consts = consts_for(ppo_clip, per_token_inputs(labels.shape, seed))
+        out = linear_token_loss(hidden, weight, labels, ppo_clip, bias, per_token=consts, temperature=0.7)
+        (out.loss / 3).backward()
+        ref, _, _ = dense_token_loss(ppo_clip, h64, w64, b64, labels, consts, False, temperature=0.7)
+        (ref / 3).backward()
+    assert_head_grads((hidden, weight, bias), (h64, w64, b64), RTOL)
+
+
+@pytest.mark.parametrize("ignore", ["some", "all"])
+def test_ignored_rows_get_no_loss_and_no_gradient(ignore):
+    hidden, weight, bias, labels = make_head_inputs((3, 5), H, 50, ignore=ignore, seed=5)
+    out = check_token_loss(hidden, weight, bias, labels, "kl_and_entropy", tile_budget_bytes=budget_for(2, 50))
+    ignored = labels == -100
+    assert (out.logprobs[ignored] == 0).all() and (out.entropy[ignored] == 0).all()
+    assert (hidden.grad[ignored] == 0).all()
+    if ignore == "all":
+        assert out.loss.item() == 0.0 and (weight.grad == 0).all() and (bias.grad == 0).all()
+
+
+def test_token_loss_sees_only_kept_rows_with_their_constants():
+    """Each tile's call gets the per-token rows of exactly its kept tokens, in order, dtypes kept."""
+    hidden, weight, bias, labels = make_head_inputs((2, 7), H, 50, ignore="some", seed=6)
+    positions = torch.arange(labels.numel()).view(labels.shape)
+    seen = []
+
+    def spy(logprobs, entropy, *, pos, mask):
+        assert pos.dtype == torch.int64 and mask.dtype == torch.bool and pos.shape == logprobs.shape
+        seen.append(pos.clone())
+        return -logprobs * mask
+
+    linear_token_loss(hidden, weight, labels, spy, bias, per_token=dict(pos=positions, mask=labels > 10),
+                      tile_budget_bytes=budget_for(3, 50))
+    assert len(seen) > 1  # several tiles
+    torch.testing.assert_close(torch.cat(seen), positions[labels != -100])
+
+
+@pytest.mark.parametrize("frozen", ["weight", "hidden", "bias"])
+def test_frozen_inputs_get_no_gradient(frozen):
+    hidden, weight, bias, labels = make_head_inputs((2, 6), H, 50, ignore="some", seed=7)
+    dict(hidden=hidden, weight=weight, bias=bias)[frozen].requires_grad_(False)
+    check_token_loss(hidden, weight, bias, labels, "kl_and_entropy", softcap=3.0)
+
+
+def test_no_grad_call_gives_the_same_values():
+    hidden, weight, bias, labels = make_head_inputs((2, 7), H, 97, ignore="some", seed=8)
+    consts = consts_for(kl_and_entropy, per_token_inputs(labels.shape, 0))
+    kwargs = dict(per_token=consts, need_entropy=True, softcap=4.0, tile_budget_bytes=budget_for(3, 97))
+    with torch.no_grad():
+        a = linear_token_loss(hidden, weight, labels, kl_and_entropy, bias, **kwargs)
+    b = linear_token_loss(hidden, weight, labels, kl_and_entropy, bias, **kwargs)
+    assert not a.loss.requires_grad and b.loss.requires_grad
+    torch.testing.assert_close(a.loss, b.loss.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(a.entropy, b.entropy, rtol=1e-6, atol=0)
+
+
+def test_nll_equals_linear_cross_entropy_sum():
+    hidden, weight, bias, labels = make_head_inputs((3, 5), H, 50, ignore="some", seed=9)
+    out = linear_token_loss(hidden, weight, labels, nll, bias, softcap=3.0)
+    ce = linear_cross_entropy(hidden, weight, labels, bias, reduction="sum", softcap=3.0)
+    torch.testing.assert_close(out.loss, ce, rtol=1e-6, atol=0)
+
+
+def test_loss_independent_of_logprobs_gives_zero_gradients():
+    hidden, weight, bias, labels = make_head_inputs((2, 5), H, 50, seed=10)
+    out = linear_token_loss(hidden, weight, labels, lambda lp, ent, *, a: a * 2.0, bias,
+                            per_token=dict(a=torch.ones(labels.shape)))
+    assert out.loss.item() == 2.0 * labels.numel()
+    out.loss.backward()
+    assert all((t.grad == 0).all() for t in (hidden, weight, bias))
+
+
+# -- the statistics + recompute schedule (a GPU budget too small for the one pass) ----------------------------
+
+
+@pytest.mark.parametrize("loss_name", ["ppo_clip", "kl_and_entropy"])
+def test_two_pass_fallback_gives_the_same_result(loss_name, monkeypatch):
+    """When the backend declines the one pass (returns None), forward keeps statistics and the per-row loss
+    gradients and backward recomputes: same loss, outputs and gradients under an upstream factor."""
+    backend = get_backend(torch.device("cpu"), "torch")
+    calls = []
+
+    def decline(*args, **kwargs):
+        calls.append(1)
+        return None
+
+    monkeypatch.setattr(backend, "token_loss_with_grads", decline)
+    hidden, weight, bias, labels = make_head_inputs((3, 6), H, 97, ignore="some", seed=11)
+    check_token_loss(hidden, weight, bias, labels, loss_name, factor=0.3, tile_budget_bytes=budget_for(4, 97),
+                     temperature=0.7)
+    assert calls
+
+
+def test_one_pass_runs_no_backward_recompute(monkeypatch):
+    backend = get_backend(torch.device("cpu"), "torch")
+    monkeypatch.setattr(backend, "logprobs_backward", lambda *a, **k: pytest.fail("recomputed in backward"))
+    hidden, weight, bias, labels = make_head_inputs((2, 6), H, 50, seed=12)
+    check_token_loss(hidden, weight, bias, labels, "ppo_clip", factor=2.0)
+
+
+# -- the triton backend (kernels under the interpreter on CPU) ------------------------------------------------
+
+
+@pytest.mark.skipif(not _HAS_TRITON, reason="triton not installed")
+@pytest.mark.parametrize("schedule", ["one_pass", "two_passes"])
+@pytest.mark.parametrize("loss_name", ["ppo_clip", "kl_and_entropy"])
+@pytest.mark.parametrize("transform", ["identity", "combined"])
+def test_triton_backend_matches_dense(transform, loss_name, schedule):
+    vocab = 300
+    hidden, weight, bias, labels = make_head_inputs((4, 9), H, vocab, ignore="some", seed=13)
+    # one pass: the fp32 [V, H] accumulator plus ≥ 512 rows of [V] fit; two passes: a budget far below that
+    budget = vocab * H * 4 + 512 * vocab * 4 if schedule == "one_pass" else 8 * vocab * 4
+    check_token_loss(hidden, weight, bias, labels, loss_name, factor=0.5, backend="triton",
+                     tile_budget_bytes=budget, **TRANSFORMS[transform])
+
+
+@pytest.mark.skipif(not _HAS_TRITON, reason="triton not installed")
+def test_triton_one_pass_is_taken_with_room(monkeypatch):
+    backend = get_backend(torch.device("cpu"), "triton")
+    monkeypatch.setattr(backend, "logprobs_backward", lambda *a, **k: pytest.fail("recomputed in backward"))
+    hidden, weight, bias, labels = make_head_inputs((2, 6), H, 300, seed=14)
+    check_token_loss(hidden, weight, bias, labels, "kl_and_entropy", backend="triton",
+                     tile_budget_bytes=300 * H * 4 + 512 * 300 * 4)
+
+
+# -- mixed precision ---------------------------------------------------------------------------------------
+
+# Under autocast the op casts hidden/weight/bias to bf16 once (as F.linear would) and computes in fp32 from
+# those exact bf16 values, so against float64 on the bf16-rounded operands the loss and log-probs carry
+# fp32-level error only (RTOL). The gradients reach the bf16 operands rounded once to bf16 (|fl(x) − x| ≤
+# 2^-8·|x| per element) before autograd's cast node hands them to the fp32 leaves: bound 2^-8 + RTOL in norm.
+BF16_GRAD_TOL = 2**-8 + RTOL
+
+
+@pytest.mark.parametrize("loss_name", ["ppo_clip", "kl_and_entropy"])
+def test_autocast_bf16_matches_float64_of_the_bf16_operands(loss_name):
+    hidden, weight, bias, labels = make_head_inputs((3, 6), H, 97, ignore="some", seed=15)
+    token_loss, need_entropy = LOSSES[loss_name]
+    consts = consts_for(token_loss, per_token_inputs(labels.shape, 0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_token_loss(hidden, weight, labels, token_loss, bias, per_token=consts,
+                                need_entropy=need_entropy, temperature=0.7)
+    assert out.loss.dtype == torch.float32 and out.logprobs.dtype == torch.float32
+    rounded = [leaf64(t.detach().bfloat16(), requires_grad=True) for t in (hidden, weight, bias)]
+    ref, ref_logp, _ = dense_token_loss(token_loss, *rounded, labels, consts, need_entropy, temperature=0.7)
+    assert rel_err(out.loss, ref) <= RTOL and rel_err(out.logprobs, ref_logp) <= RTOL
+    out.loss.backward()
+    ref.backward()
+    for t, r in zip((hidden, weight, bias), rounded):
+        assert t.grad.dtype == torch.float32
+        assert rel_err(t.grad, r.grad) <= BF16_GRAD_TOL
+
+
+# -- bad input ----------------------------------------------------------------------------------------------
+
+
+def _inputs():
+    return make_head_inputs((2, 4), H, 50, seed=16)
+
+
+def test_token_loss_returning_a_reduction_raises():
+    hidden, weight, bias, labels = _inputs()
+    with pytest.raises(ValueError, match="one loss per token"):
+        linear_token_loss(hidden, weight, labels, lambda lp, ent: -lp.mean(), bias)
+
+
+def test_non_callable_token_loss_raises():
+    hidden, weight, bias, labels = _inputs()
+    with pytest.raises(TypeError, match="callable"):
+        linear_token_loss(hidden, weight, labels, "grpo", bias)
+
+
+@pytest.mark.parametrize(
+    "per_token, error, match",
+    [
+        (dict(a=torch.ones(3)), ValueError, "labels' shape"),
+        (dict(a=1.0), TypeError, "tensor shaped like labels"),
+        (dict(a=torch.ones(2, 4, requires_grad=True)), ValueError, "requires grad"),
+        (dict(logprobs=torch.ones(2, 4)), ValueError, "clashes"),
+        ([torch.ones(2, 4)], TypeError, "dict"),
+    ],
+    ids=["shape", "scalar", "requires_grad", "reserved_name", "not_a_dict"],
+)
+def test_bad_per_token_raises(per_token, error, match):
+    hidden, weight, bias, labels = _inputs()
+    with pytest.raises(error, match=match):
+        linear_token_loss(hidden, weight, labels, lambda lp, ent, **kw: -lp, bias, per_token=per_token)
+
+
+def test_second_order_and_second_backward_raise():
+    hidden, weight, bias, labels = _inputs()
+    out = linear_token_loss(hidden, weight, labels, nll, bias)
+    with pytest.raises(RuntimeError, match="second-order"):
+        torch.autograd.grad(out.loss, hidden, create_graph=True)
+    out = linear_token_loss(hidden, weight, labels, nll, bias)
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="call linear_token_loss again"):
+        out.loss.backward()
