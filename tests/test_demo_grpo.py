@@ -63,8 +63,13 @@ def test_fused_and_trl_runs_sample_and_score_alike(tmp_path):
     tok.padding_side = "left"
     prompts = grpo.build_prompts(tok, args.prompt_tokens, args.num_prompts)
     runs = {k: grpo._train(k, args, tok, prompts, str(tmp_path)) for k in ("fused", "trl")}
-    for key in ("reward", "reward_std", "entropy"):
-        fused = [h[key] for h in runs["fused"]["history"]]
-        trl = [h[key] for h in runs["trl"]["history"]]
-        assert len(fused) == 3 and fused == pytest.approx(trl, rel=1e-4, abs=1e-5), key
+    history = {k: r["history"] for k, r in runs.items()}
+    assert len(history["fused"]) == len(history["trl"]) == 3
+    # Completions are discrete: with the same policy up to rounding the same tokens are sampled, so the
+    # rewards of every step are equal. The entropy is compared after one update only: AdamW divides each
+    # gradient by its own running magnitude, so parameters whose gradient is ~0 take rounding-sized
+    # gradients to full lr-sized steps, and the two policies drift apart in later steps.
+    for key in ("reward", "reward_std"):
+        assert [h[key] for h in history["fused"]] == [h[key] for h in history["trl"]], key
+    assert [h["entropy"] for h in history["fused"][:2]] == pytest.approx([h["entropy"] for h in history["trl"][:2]], rel=1e-5)
     assert runs["fused"]["peak_bytes"] > 0 and runs["trl"]["peak_bytes"] > 0

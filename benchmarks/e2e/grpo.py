@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..measure import GIB, allocated_gib, free_memory, is_oom, peak_gib, reset_peak, short_error, synchronize
-from .models import build_model, checkpointing_kwargs, checkpointing_on, enable_checkpointing, n_params, qwen3_config
+from .models import build_model, checkpointing_on, enable_checkpointing, n_params, quiet_run_kwargs, qwen3_config
 from .report import describe_grpo, log
 
 GRPO_VARIANTS = ("trl", "hf_fused", "hf_fused_one_pass")
@@ -58,16 +58,8 @@ def build_grpo_trainer(variant: str, model, out_dir: str, args, device: torch.de
         loss_type="dapo",
         beta=0.0,
         learning_rate=1e-6,
-        bf16=args.dtype == torch.bfloat16,
-        use_cpu=device.type == "cpu",
         use_vllm=False,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        seed=args.seed,
-        **checkpointing_kwargs(GRPOConfig),
+        **quiet_run_kwargs(args, device, GRPOConfig),
     )
     return cls(model=model, reward_funcs=constant_reward, args=cfg, processing_class=word_tokenizer(),
                train_dataset=Dataset.from_dict({"prompt": ["the red cat"] * g}), **extra)

@@ -50,6 +50,14 @@ def checkpointing_kwargs(cls) -> dict:
     return {key: True, f"{key}_kwargs": {"use_reentrant": False}}
 
 
+def quiet_run_kwargs(args, device: torch.device, config_cls) -> dict:
+    """The ``TrainingArguments`` / ``GRPOConfig`` fields both parts share: dtype and device from the run, no
+    reporting, saving, workers or progress bar, a log every step, the run's seed, gradient checkpointing."""
+    return dict(bf16=args.dtype == torch.bfloat16, use_cpu=device.type == "cpu", report_to=[], save_strategy="no",
+                logging_steps=1, dataloader_num_workers=0, disable_tqdm=True, seed=args.seed,
+                **checkpointing_kwargs(config_cls))
+
+
 def checkpointing_on(model) -> bool:
     new = hasattr(type(model), "is_activation_checkpointing")  # the old name warns on newer transformers
     flag = "is_activation_checkpointing" if new else "is_gradient_checkpointing"

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from ..measure import GIB, allocated_gib, free_memory, is_oom, peak_gib, reset_peak, short_error, synchronize
-from .models import RandomTokens, build_model, checkpointing_kwargs, checkpointing_on, make_step_timer, n_params, qwen3_config
+from .models import RandomTokens, build_model, checkpointing_on, make_step_timer, n_params, quiet_run_kwargs, qwen3_config
 from .report import describe_sft, log
 
 SFT_VARIANTS = ("plain", "liger", "hf_fused")
@@ -60,15 +60,7 @@ def sft_training_args(variant: str, out_dir: str, args, device: torch.device):
         gradient_accumulation_steps=1,
         learning_rate=1e-5,
         optim=args.optim,
-        bf16=args.dtype == torch.bfloat16,
-        use_cpu=device.type == "cpu",
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        seed=args.seed,
-        **checkpointing_kwargs(TrainingArguments),
+        **quiet_run_kwargs(args, device, TrainingArguments),
     )
     if variant in ("liger", "liger_flce"):
         kwargs["use_liger_kernel"] = True
