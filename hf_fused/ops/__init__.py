@@ -5,16 +5,21 @@ from .cross_entropy import linear_cross_entropy
 from .logit_transform import LogitTransform
 from .logprobs import HintMissedWarning, linear_logprobs
 from .tiling import DEFAULT_TILE_BUDGET_BYTES, describe_plan, rows_per_tile
+from .rl_objectives import GRPOLossOutput, GRPOObjective, grpo_token_loss, linear_grpo_loss
 from .token_loss import TokenLossOutput, linear_token_loss
 
 __all__ = [
     "DEFAULT_TILE_BUDGET_BYTES",
+    "GRPOLossOutput",
+    "GRPOObjective",
     "HintMissedWarning",
     "LogitTransform",
     "available_backends",
     "describe_plan",
     "get_backend",
+    "grpo_token_loss",
     "linear_cross_entropy",
+    "linear_grpo_loss",
     "linear_logprobs",
     "linear_token_loss",
     "register_backend",
