@@ -509,3 +509,40 @@ def test_bf16_autocast_close_to_trl(trainer_name, tmp_path, monkeypatch):
         flat_a = torch.cat([g.flatten() for g in ga.values()])
         flat_b = torch.cat([g.flatten() for g in gb.values()])
         assert torch.nn.functional.cosine_similarity(flat_a, flat_b, dim=0) >= 0.999
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Logit transforms (read from the forward by hf_fused, from the config by TRL) and evaluation
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "cohere", "granite"])
+def test_sft_with_a_logit_transform_matches_trl(arch, tmp_path, monkeypatch):
+    from tiny_models import make_model as make_arch_model
+
+    _parity(_sft_builder(tmp_path, _TEXT), monkeypatch, model=make_arch_model(arch))
+
+
+@pytest.mark.parametrize("trainer_name", ["sft", "dpo"])
+def test_evaluate_matches_trl(trainer_name, tmp_path, monkeypatch):
+    model = make_model()
+    if trainer_name == "sft":
+        build = _sft_builder(tmp_path, _TEXT)
+        eval_dataset = _TEXT.select(range(6))
+    else:
+        build = _dpo_builder(tmp_path, ref_source=_perturbed(model))
+        eval_dataset = _PREFERENCES.select(range(6))
+    results = []
+    for patch in (False, True):
+        m = copy.deepcopy(model)
+        if patch:
+            hf_fused.apply_fused_loss(m)
+        trainer = build(m, [])
+        counting = _Counting(monkeypatch)
+        metrics = trainer.evaluate(eval_dataset=eval_dataset)
+        assert (counting.hf_fused > 0 and counting.trl == 0) if patch else (counting.trl > 0)
+        monkeypatch.undo()
+        results.append({k: v for k, v in metrics.items() if not _is_timing(k)})
+    want, got = results
+    assert got.keys() == want.keys() and "eval_loss" in want
+    for key in want:
+        assert math.isclose(got[key], want[key], rel_tol=RTOL, abs_tol=1e-7), (key, got[key], want[key])
