@@ -21,8 +21,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_fused.ops.tiling import rows_per_tile
 from launch import train
-from tiny_models import make_model
+from tiny_models import VOCAB, make_model
 
 pytestmark = [
     pytest.mark.distributed,
@@ -33,6 +34,8 @@ BATCH = 2  # per device
 RANKS = 2
 LOSS_RTOL = 1e-5
 PARAM_RTOL = 2e-5
+#: rows_per_tile(128, 6144) = 4 rows per tile: a loss call runs several tiles.
+TILE_BUDGET = 6144
 
 #: Tiny models by name: (architecture, tied embeddings).
 MODELS = {"llama": ("llama", False), "qwen3-tied": ("qwen3", True)}
@@ -88,7 +91,9 @@ def assert_matches_reference(got: dict, ref: dict) -> None:
 
 CASES = {
     # name: (accelerate config, model, trainer, options)
-    "zero3-FusedTrainer": ("zero3", "llama", "FusedTrainer", {}),
+    # Small tiles (4 rows of the 128-token vocabulary) and lm_head's gathers and reductions counted.
+    "zero3-FusedTrainer-ga2-small-tiles": (
+        "zero3", "llama", "FusedTrainer", dict(ga=2, tile_budget_bytes=TILE_BUDGET, count_head_events=True)),
     "zero3-Trainer+apply_fused_loss-tied-ga2-checkpointing": (
         "zero3", "qwen3-tied", "Trainer", dict(fused=True, ga=2, grad_ckpt=True)),
     "zero3-FusedTrainer-lora-on-lm_head": ("zero3", "llama", "FusedTrainer", dict(lora="lm_head")),
@@ -103,13 +108,26 @@ def test_engine_training_matches_single_process_reference(name, tmp_path, model_
     config, model, trainer, options = CASES[name]
     if config.startswith("zero"):
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    reference_options = {k: v for k, v in options.items() if k not in ("fused",)}
+    reference_options = {k: v for k, v in options.items() if k not in ("fused", "tile_budget_bytes", "count_head_events")}
     ref = references(model, **reference_options)
     case = dict(model_dir=model_dirs[model], out=str(tmp_path / "run.pt"), trainer=trainer, batch=BATCH, **options)
     got = train(case, config)
     if config == "zero3":
         assert got["lm_head_numel"] == 0, "ZeRO-3 should have partitioned lm_head's weight"
     assert_matches_reference(got, ref)
+    if options.get("count_head_events"):
+        assert_head_gathered_and_reduced_once_per_micro_batch(got, micro_batches=len(ref["losses"]) * options["ga"])
+
+
+def assert_head_gathered_and_reduced_once_per_micro_batch(got: dict, micro_batches: int) -> None:
+    """Under ZeRO-3, per forward+backward of one micro-batch: DeepSpeed gathers lm_head.weight once for
+    lm_head's call (the fused loss is computed inside it), hf_fused gathers it once for the backward
+    (however many tiles the op runs), and its gradient reaches DeepSpeed's reduce hook exactly once."""
+    tokens_per_micro_batch = BATCH * 12
+    assert rows_per_tile(VOCAB, TILE_BUDGET) < tokens_per_micro_batch // 2, "the op should run several tiles"
+    counts = got["head_counts"]
+    assert counts == {"deepspeed_forward_fetches": micro_batches, "hf_fused_gathers": micro_batches,
+                      "reductions": micro_batches}, counts
 
 
 def test_zero3_bf16_fused_is_no_further_from_fp32_than_stock_bf16(tmp_path, model_dirs, references):

@@ -13,6 +13,8 @@ Run it under ``accelerate launch --config_file <engine>.yaml`` (the engine's ran
     fused       with "Trainer": patch the model with ``apply_fused_loss`` first
     batch       per-device batch size (the reference uses ranks × batch)
     ga, steps, grad_ckpt, lora ("" | "lm_head": LoRA on attention and lm_head), bf16
+    tile_budget_bytes   FusedTrainer's tile bound (small: many tiles per loss call)
+    count_head_events   ZeRO-3: count lm_head.weight's gathers and gradient reductions during training
 
 Optimizer: plain SGD at a constant learning rate, so the parameter update is ``−lr·Σ gradients``: an
 error in any gradient shows in the updated parameters in proportion (Adam would normalize it away).
@@ -73,8 +75,49 @@ def _canonical(name: str) -> str:
     return name
 
 
+def count_head_events(counts: dict) -> None:
+    """ZeRO-3 only: count, per lm_head parameter ``ds_id``, DeepSpeed's fetches of a module's parameters in
+    forward, hf_fused's own all-gathers (:mod:`hf_fused.model.distributed`) and DeepSpeed's gradient
+    reductions (its reduce hook). Class-level wrappers, installed before the engine exists."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    from hf_fused.model import distributed
+
+    def tally(kind, params):
+        for p in params:
+            counts.setdefault(kind, {}).setdefault(p.ds_id, 0)
+            counts[kind][p.ds_id] += 1
+
+    fetch = PartitionedParameterCoordinator.fetch_sub_module
+    reduce = DeepSpeedZeroOptimizer_Stage3.reduce_ready_partitions_and_remove_grads
+    add = distributed._Gather.add
+
+    def counted_fetch(self, module, forward):
+        if forward:
+            tally("deepspeed_forward_fetches", module.parameters(recurse=False))
+        return fetch(self, module, forward)
+
+    def counted_reduce(self, param):
+        tally("reductions", [param])
+        return reduce(self, param)
+
+    def counted_add(self, params):
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        tally("hf_fused_gathers", [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE])
+        return add(self, params)
+
+    PartitionedParameterCoordinator.fetch_sub_module = counted_fetch
+    DeepSpeedZeroOptimizer_Stage3.reduce_ready_partitions_and_remove_grads = counted_reduce
+    distributed._Gather.add = counted_add
+
+
 def main(case: dict) -> None:
     torch.set_num_threads(1)
+    counts: dict = {}
+    if case.get("count_head_events"):
+        count_head_events(counts)
     args = transformers.TrainingArguments(
         output_dir=os.path.join(os.path.dirname(case["out"]), "trainer"),
         per_device_train_batch_size=case["batch"],
@@ -120,13 +163,19 @@ def main(case: dict) -> None:
         head_weight = head.base_layer.weight
     lm_head_numel = head_weight.numel()
     initial = full_parameters(model)
+    extra = {}
+    if case["trainer"] == "FusedTrainer" and case.get("tile_budget_bytes"):
+        extra["fused_loss_kwargs"] = {"tile_budget_bytes": case["tile_budget_bytes"]}
     trainer = trainer_cls(model=model, args=args, train_dataset=TinyDataset(),
-                          data_collator=transformers.default_data_collator)
+                          data_collator=transformers.default_data_collator, **extra)
+    counts.clear()  # from here on: training only (not the patch-time probe)
     trainer.train()
+    head_counts = {kind: by_id.get(getattr(head_weight, "ds_id", None), 0) for kind, by_id in counts.items()}
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     params = full_parameters(trainer.model)
     if trainer.accelerator.is_main_process:
         torch.save({"losses": losses, "params": params, "initial": initial, "world": trainer.accelerator.num_processes,
+                    "head_counts": head_counts,
                     "lm_head_numel": lm_head_numel}, case["out"])
     trainer.accelerator.wait_for_everyone()
 
