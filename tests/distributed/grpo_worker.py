@@ -1,0 +1,76 @@
+"""One GRPO run for tests/distributed/test_grpo_engines.py: ``trl.GRPOTrainer`` or ``hf_fused.FusedGRPOTrainer``
+on the tiny model and scripted rollouts of tests/grpo_helpers.py (TRL's ``rollout_func``: no sampling, the
+same completions for both trainers), a few optimizer steps, under whatever ``accelerate launch`` set up.
+
+Argument: one JSON object ``{"trainer", "out", "model_dir", "steps"}``. Rank 0 writes
+``torch.save({"losses", "logs", "fused_calls", "params", "initial", "world", "lm_head_numel"})``: as in
+train_worker.py, plus every logged metric per step and the count of hf_fused head computations.
+SGD at a constant learning rate, β = 0 (no reference model), on-policy: the update is −lr·gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grpo_helpers  # noqa: E402
+from train_worker import full_parameters  # noqa: E402
+
+
+def count_fused_head_calls() -> dict:
+    """Count hf_fused's head computations during training, and how many found lm_head partitioned by
+    ZeRO-3 (so they went through the gather-for-backward node of hf_fused.model.distributed)."""
+    from hf_fused.model import distributed, forward
+
+    calls = {"all": 0, "partitioned": 0}
+    run_head = forward.run_head
+
+    def counted(lm_head, hidden, compute):
+        calls["all"] += 1
+        calls["partitioned"] += bool(distributed.partitioned_head_params(lm_head))
+        return run_head(lm_head, hidden, compute)
+
+    forward.run_head = counted
+    return calls
+
+
+def main(case: dict) -> None:
+    torch.set_num_threads(1)
+    out = Path(case["out"])
+    overrides = dict(max_steps=case.get("steps", 2), per_device_train_batch_size=4, num_generations=4,
+                     optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, beta=0.0)
+    # GRPOConfig first: under ZeRO-3 it activates DeepSpeed's config, so from_pretrained builds the model
+    # partitioned (deepspeed.zero.Init), as it would for a user.
+    # (Kept referenced: transformers holds DeepSpeed's config through a weak reference to it.)
+    args = grpo_helpers.make_config(out.parent, **overrides)  # noqa: F841
+    model = transformers.AutoModelForCausalLM.from_pretrained(case["model_dir"], attn_implementation="eager",
+                                                              dtype=torch.float32)
+    lm_head_numel = model.get_output_embeddings().weight.numel()
+    initial = full_parameters(model)
+    if case["trainer"] == "FusedGRPOTrainer":
+        from hf_fused import FusedGRPOTrainer as trainer_cls
+    else:
+        from trl import GRPOTrainer as trainer_cls
+    trainer = grpo_helpers.build_trainer(trainer_cls, grpo_helpers.Case(config=overrides), out.parent, model=model)
+    fused_calls = count_fused_head_calls()
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    losses = [entry["loss"] for entry in logs]
+    params = full_parameters(trainer.model)
+    if trainer.accelerator.is_main_process:
+        torch.save({"losses": losses, "logs": logs, "fused_calls": fused_calls, "params": params, "initial": initial, "lm_head_numel": lm_head_numel,
+                    "world": trainer.accelerator.num_processes}, case["out"])
+    trainer.accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown, where gloo's threads have aborted a rank before
