@@ -1,5 +1,5 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``): a patched model sharded over 2 CPU processes (gloo)
-against the unpatched, unsharded model: loss and every parameter gradient (gathered to full tensors) to
+"""FSDP2 (``torch.distributed.fsdp.fully_shard`` called directly; through accelerate: test_engines.py): a
+patched model sharded over 2 CPU processes (gloo) against the unpatched, unsharded model: loss and every parameter gradient (gathered to full tensors) to
 1e-5. The lm_head weight is then a sharded DTensor that FSDP2 all-gathers around lm_head's own call,
 which is where hf_fused computes the loss. NCCL on several GPUs is not exercised here."""
 
@@ -18,9 +18,12 @@ import torch
 from tiny_models import RTOL
 
 HERE = Path(__file__).parent
-pytestmark = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="needs gloo"
-)
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="needs gloo"
+    ),
+]
 
 
 @pytest.mark.parametrize(
@@ -30,7 +33,7 @@ pytestmark = pytest.mark.skipif(
 )
 def test_fsdp2_sharded_fused_loss_matches_unsharded_reference(tmp_path, arch, tied, when):
     out = tmp_path / "errors.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(HERE / "fsdp2_worker.py"), str(out), arch, tied, when]

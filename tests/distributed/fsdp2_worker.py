@@ -1,4 +1,4 @@
-"""One rank of tests/test_fsdp2.py (run by ``torch.distributed.run`` with the gloo backend on CPU).
+"""One rank of tests/distributed/test_fsdp2_fully_shard.py (run by ``torch.distributed.run`` with the gloo backend on CPU).
 
 Builds the same tiny model twice: an unpatched reference on every rank, and a copy patched with
 ``apply_fused_loss`` and sharded with FSDP2 (``fully_shard`` per decoder layer and at the root, so the
