@@ -48,7 +48,7 @@ class FusedGRPOTrainer(GRPOTrainer):
         :func:`hf_fused.apply_fused_loss` (``tile_budget_bytes``, ``backend``, ``verify``). A
         ``tile_budget_bytes`` of at least ``4·V·H + 512·V·2`` (``2048·V·2`` for full speed) lets on-policy
         steps compute the head's gradients in the forward pass (module docstring, point 2)."""
-        from hf_fused import apply_fused_loss
+        from ..model import apply_fused_loss
 
         self._fused_options = dict(fused_options or {})
         if isinstance(model, str):  # patched before TRL sees it, so its add_fused_lm_head defers to hf_fused
