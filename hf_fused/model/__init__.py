@@ -6,18 +6,13 @@ from .patch import apply_fused_loss, is_fused, original_forward_only, remove_fus
 from .transform_probe import FusedLossVerificationError, config_logit_transform, probe_logit_transform
 from .unwrap import find_causal_lm
 
+# The layer's public names. The other names imported above are its interface to the trainers and
+# integrations (hf_fused.trainers, hf_fused.integrations), not part of the public surface.
 __all__ = [
-    "FUSED_OUTPUTS",
     "FusedLossBypassedWarning",
     "FusedLossVerificationError",
     "apply_fused_loss",
-    "config_logit_transform",
-    "find_causal_lm",
-    "fused_forward",
-    "head_tensors",
     "is_fused",
     "original_forward_only",
-    "probe_logit_transform",
     "remove_fused_loss",
-    "verify_patch",
 ]
