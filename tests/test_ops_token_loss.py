@@ -344,3 +344,77 @@ def test_second_order_and_second_backward_raise():
     out.loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="call linear_token_loss again"):
         out.loss.backward()
+
+
+# -- a token loss as linear_logprobs' gradient hint ----------------------------------------------------------------
+
+from hf_fused.ops import HintMissedWarning, linear_logprobs  # noqa: E402
+from hf_fused.ops.token_loss import TokenLossHint  # noqa: E402
+
+
+def _hinted_step(loss_name, *, scale=1.0, perturb=0.0, backend="torch", budget=None, seed=17):
+    """``linear_logprobs(grad_hint=TokenLossHint(...))``, then the caller's own loss on the ``[B, T]`` outputs
+    (``scale ×`` the hint's loss, plus ``perturb ×`` a term the hint does not know), against float64 dense."""
+    hidden, weight, bias, labels = make_head_inputs((3, 6), H, 97, ignore="some", seed=seed)
+    token_loss, need_entropy = LOSSES[loss_name]
+    consts = consts_for(token_loss, per_token_inputs(labels.shape, 0))
+    kept = labels != -100
+    h64, w64, b64 = leaf64(hidden), leaf64(weight), leaf64(bias)
+    logp, ent = linear_logprobs(hidden, weight, labels, bias, return_entropy=True, temperature=0.7, backend=backend,
+                                tile_budget_bytes=budget,
+                                grad_hint=TokenLossHint(token_loss, consts, need_entropy=need_entropy))
+    ref_logp, ref_ent = dense_logprobs(h64, w64, labels, b64, temperature=0.7)
+
+    def caller_loss(lp, en, cast):
+        rows = {k: cast(v[kept]) if v.is_floating_point() else v[kept] for k, v in consts.items()}
+        return scale * token_loss(lp[kept], en[kept] if need_entropy else None, **rows).sum() + perturb * lp.square().sum()
+
+    assert rel_err(logp, ref_logp) <= RTOL and rel_err(ent, ref_ent) <= RTOL
+    caller_loss(logp, ent, lambda v: v).backward()
+    caller_loss(ref_logp, ref_ent, torch.Tensor.double).backward()
+    assert_head_grads((hidden, weight, bias), (h64, w64, b64), RTOL)
+
+
+@pytest.mark.parametrize("scale", [1.0, -0.25])
+@pytest.mark.parametrize("loss_name", ["ppo_clip", "kl_and_entropy", "cispo_like"])
+def test_token_loss_hint_gives_the_gradients_in_the_forward(loss_name, scale, monkeypatch):
+    backend = get_backend(torch.device("cpu"), "torch")
+    monkeypatch.setattr(backend, "logprobs_backward", lambda *a, **k: pytest.fail("recomputed in backward"))
+    _hinted_step(loss_name, scale=scale)
+
+
+def test_token_loss_hint_that_misses_warns_and_recomputes_exactly():
+    with pytest.warns(HintMissedWarning, match="TokenLossHint"):
+        _hinted_step("ppo_clip", perturb=0.1)
+
+
+def test_token_loss_hint_ignoring_the_entropy_the_loss_uses_warns_and_recomputes_exactly():
+    # the caller's loss adds an entropy term the hint does not know
+    hidden, weight, bias, labels = make_head_inputs((2, 5), H, 50, seed=18)
+    consts = consts_for(ppo_clip, per_token_inputs(labels.shape, 0))
+    h64, w64, b64 = leaf64(hidden), leaf64(weight), leaf64(bias)
+    logp, ent = linear_logprobs(hidden, weight, labels, bias, return_entropy=True,
+                                grad_hint=TokenLossHint(ppo_clip, consts))
+    with pytest.warns(HintMissedWarning):
+        (ppo_clip(logp, None, **consts).sum() + 0.1 * ent.sum()).backward()
+    ref_logp, ref_ent = dense_logprobs(h64, w64, labels, b64)
+    rows = {k: v.double() if v.is_floating_point() else v for k, v in consts.items()}
+    (ppo_clip(ref_logp, None, **rows).sum() + 0.1 * ref_ent.sum()).backward()
+    assert_head_grads((hidden, weight, bias), (h64, w64, b64), RTOL)
+
+
+@pytest.mark.skipif(not _HAS_TRITON, reason="triton not installed")
+@pytest.mark.parametrize("schedule", ["one_pass", "two_passes"])
+def test_token_loss_hint_on_the_triton_backend(schedule):
+    budget = 97 * H * 4 + 512 * 97 * 4 if schedule == "one_pass" else 8 * 97 * 4
+    _hinted_step("kl_and_entropy", scale=0.5, backend="triton", budget=budget)
+
+
+def test_token_loss_hint_pads_and_slices_like_a_tensor_hint():
+    hint = TokenLossHint(nll, dict(a=torch.ones(2, 3), b=torch.zeros(2, 3, dtype=torch.bool)))
+    padded = hint[1:].pad(2, 1)
+    assert padded.shape == (1, 6) and padded.size(1) == 6
+    torch.testing.assert_close(padded.per_token["a"], torch.tensor([[0.0, 0.0, 1.0, 1.0, 1.0, 0.0]]))
+    assert padded.per_token["b"].dtype == torch.bool
+    with pytest.raises(ValueError, match="one shape"):
+        TokenLossHint(nll, dict(a=torch.ones(2), b=torch.ones(3)))

@@ -56,6 +56,7 @@ from ..model.lm_head import head_tensors
 from ..model.unwrap import find_causal_lm
 from ..ops import linear_logprobs
 from ..ops.token_statistics import TOKEN_STATISTICS, linear_token_statistics
+from ..ops.token_loss import pad_hint
 
 __all__ = ["TrlHeadOptions", "serve_trl_fused_head", "trl_fused_forward", "trl_head_options"]
 
@@ -367,7 +368,7 @@ def trl_fused_forward(model: nn.Module, *args, **kwargs):
     else:
         raise ValueError("model(..., fused_lm_head=True) needs `labels` or `shift_labels` (TRL's fused-head protocol)")
     if grad_hint is not None and trim:
-        grad_hint = F.pad(grad_hint, (0, 1))
+        grad_hint = pad_hint(grad_hint, 0, 1)  # a tensor or a TokenLossHint
 
     request = FusedRequest(mode="logprobs", state=state, labels=aligned)
     request.head = functools.partial(_head, labels=aligned, options=options, state=state, grad_hint=grad_hint)

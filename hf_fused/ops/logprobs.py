@@ -166,7 +166,10 @@ def linear_logprobs(
             logits, 6·N·H·V FLOPs in all instead of 8, and holds them until backward. Backward uses
             them, times ``c``, when the upstream gradient is ``c·hint`` to ``1e-6`` of its largest entry
             and the entropy receives no gradient; otherwise it recomputes as without a hint (exact
-            either way; a warning says so once).
+            either way; a warning says so once). Or a :class:`~hf_fused.ops.token_loss.TokenLossHint`: the loss as
+            a per-token function of the log-probs (and entropies) and per-token constants, for losses whose
+            gradient is not known before the forward (off-policy ratios, KL, entropy terms); the forward then
+            differentiates it tile by tile in the one pass and backward checks it the same way.
 
     Returns:
         ``(logprobs, entropy)``: fp32 ``[...]`` each (``entropy`` is ``None`` unless requested); 0 with
@@ -185,6 +188,11 @@ def linear_logprobs(
         RuntimeError: in backward, for second-order gradients (``create_graph=True``).
     """
     transform = LogitTransform(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
+    from .token_loss import TokenLossHint, hinted_logprobs  # deferred: token_loss imports this module
+
+    if isinstance(grad_hint, TokenLossHint):
+        return hinted_logprobs(hidden, weight, labels, bias, grad_hint, ignore_index=ignore_index, transform=transform,
+                               return_entropy=return_entropy, tile_budget_bytes=tile_budget_bytes, backend=backend)
     flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index)
     rows = valid_rows(flat.labels, ignore_index)
     hint_rows = None

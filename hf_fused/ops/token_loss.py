@@ -28,13 +28,17 @@ advantages) are fine: pass them per token in ``per_token`` or close over them in
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
 from .backends import get_backend
 from .head_inputs import flatten_head_inputs
 from .logit_transform import LogitTransform
+from .logprobs import HINT_RTOL, HintMissedWarning
 from .precision import autocast_off, cast_like_linear, refuse_double_backward
 from .tiling import check_tile_budget, valid_rows
 
@@ -62,12 +66,14 @@ class _TileLoss:
     all rows (statistics + recompute)."""
 
     def __init__(self, token_loss: TokenLossFn, per_token: dict[str, torch.Tensor], rows: torch.Tensor,
-                 differentiate: bool):
+                 differentiate: bool, keep_row_grads: bool = False):
         self.token_loss = token_loss
         self.per_token = per_token  # name -> flat [N]
         self.rows = rows
         self.differentiate = differentiate
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=rows.device)
+        # With keep_row_grads, every call's (g_lp, g_ent) in row order (a TokenLossHint checks them in backward).
+        self.row_grads: Optional[list] = [] if keep_row_grads else None
 
     def __call__(self, start: int, stop: int, logp: torch.Tensor, entropy: Optional[torch.Tensor]):
         """``(g_lp [r], g_H [r] or None)`` fp32 for kept rows ``start:stop`` with fp32 ``logp``/``entropy [r]``;
@@ -88,9 +94,18 @@ class _TileLoss:
             else:  # the loss does not depend on the log-probs (e.g. every row masked out)
                 grads = (None,) * len(inputs)
         self.loss_sum += losses.detach().sum()
-        g_lp = torch.zeros_like(logp) if grads[0] is None else grads[0].float()
-        g_ent = None if ent is None or grads[1] is None else grads[1].float()
-        return g_lp.contiguous(), None if g_ent is None else g_ent.contiguous()
+        g_lp = (torch.zeros_like(logp) if grads[0] is None else grads[0].float()).contiguous()
+        g_ent = None if ent is None or grads[1] is None else grads[1].float().contiguous()
+        if self.row_grads is not None:
+            self.row_grads.append((g_lp, g_ent))
+        return g_lp, g_ent
+
+    def stacked_row_grads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every kept row's ``(g_lp [M], g_ent [M])`` so far (zeros where the loss ignored the entropy)."""
+        g_lp = [g for g, _ in self.row_grads]
+        g_ent = [torch.zeros_like(g) if h is None else h for g, h in self.row_grads]
+        empty = torch.zeros(0, dtype=torch.float32, device=self.rows.device)
+        return (torch.cat(g_lp) if g_lp else empty), (torch.cat(g_ent) if g_ent else empty)
 
     def _losses(self, logp, entropy, consts) -> torch.Tensor:
         losses = self.token_loss(logp, entropy, **consts)
@@ -300,3 +315,173 @@ def linear_token_loss(
     if entropy is not None:
         entropy = entropy.view(flat.batch_shape)
     return TokenLossOutput(loss, logprobs, entropy)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A token loss as a gradient hint for linear_logprobs: the caller keeps its own loss code (e.g. TRL's), the op
+# computes the gradients that loss will send in the forward's one pass and checks them in backward.
+
+
+@dataclass
+class TokenLossHint:
+    """``linear_logprobs(grad_hint=TokenLossHint(token_loss, per_token))``: the loss the caller will compute from
+    the returned log-probs (and entropies) is ``Σ_t token_loss(logp_t, H_t; per_token_t)`` up to one scalar factor,
+    so the op can compute its gradients in the forward's single pass (6·N·H·V) like :func:`linear_token_loss`,
+    while the caller's own code computes the loss and metrics from the returned tensors.
+
+    Backward receives the gradients the caller's loss really sends to the log-probs and entropies and uses the
+    forward's head gradients, times ``c``, only when they equal ``c·(∂Σ token_loss/∂logp, ∂/∂H)`` to ``HINT_RTOL``
+    of their largest entry; otherwise it recomputes (exact either way; :class:`HintMissedWarning` says so).
+
+    token_loss: as in :func:`linear_token_loss`.
+    per_token: tensors shaped like the labels of the call, constants (rows whose label is ignored are never used).
+    need_entropy: ``token_loss`` uses the entropy (it is then computed even if the call does not return it).
+    """
+
+    token_loss: TokenLossFn
+    per_token: dict
+    need_entropy: bool = False
+
+    def __post_init__(self) -> None:
+        if not callable(self.token_loss):
+            raise TypeError(f"TokenLossHint.token_loss must be callable, got {self.token_loss!r}")
+        if not self.per_token or not all(isinstance(v, torch.Tensor) for v in self.per_token.values()):
+            raise TypeError("TokenLossHint.per_token must be a non-empty dict of tensors shaped like labels")
+        shapes = {tuple(v.shape) for v in self.per_token.values()}
+        if len(shapes) != 1:
+            raise ValueError(f"TokenLossHint.per_token tensors must share one shape (labels'), got {sorted(shapes)}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return next(iter(self.per_token.values())).shape
+
+    def size(self, dim: int) -> int:
+        return self.shape[dim]
+
+    def _map(self, fn) -> "TokenLossHint":
+        return TokenLossHint(self.token_loss, {k: fn(v) for k, v in self.per_token.items()}, self.need_entropy)
+
+    def to(self, device) -> "TokenLossHint":
+        return self._map(lambda v: v.to(device))
+
+    def __getitem__(self, index) -> "TokenLossHint":
+        return self._map(lambda v: v[index])
+
+    def pad(self, left: int, right: int) -> "TokenLossHint":
+        """Zeros added on the last dimension (positions the call ignores: their values are never used)."""
+        return self._map(lambda v: F.pad(v, (left, right)))
+
+
+def pad_hint(hint, left: int, right: int):
+    """A ``grad_hint`` (tensor or :class:`TokenLossHint`) padded with zeros on its last dimension."""
+    return hint.pad(left, right) if isinstance(hint, TokenLossHint) else F.pad(hint, (left, right))
+
+
+class HintedLogprobsFunction(torch.autograd.Function):
+    """:func:`~hf_fused.ops.linear_logprobs` outputs (differentiable) with a :class:`TokenLossHint`: one pass in the
+    forward when the backend holds its working set, the head gradients kept for a backward that matches."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, rows, tile_loss, transform, tile_budget_bytes, backend,
+                return_entropy, need_entropy, grad_enabled):
+        ctx.set_materialize_grads(False)
+        need = ctx.needs_input_grad
+        need = (grad_enabled and need[0], grad_enabled and need[1], grad_enabled and bias is not None and need[2])
+        ctx.hinted = None
+        one_pass = None
+        with autocast_off(hidden.device.type):
+            if any(need) and hasattr(backend, "token_loss_with_grads"):
+                one_pass = backend.token_loss_with_grads(
+                    hidden, weight, bias, labels, rows, tile_loss, transform, tile_budget_bytes,
+                    return_entropy or need_entropy, *need,
+                )
+            if one_pass is not None:
+                logp, ent, lse, grads = one_pass
+                ctx.hinted = tile_loss.stacked_row_grads() + (grads,)
+            else:
+                logp, ent, lse = backend.logprobs_forward(
+                    hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy
+                )
+        n = labels.numel()
+        logprobs = hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, logp)
+        entropy = None
+        if return_entropy:
+            entropy = hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, ent)
+        ctx.save_for_backward(hidden, weight, bias, labels, rows, lse, ent)
+        ctx.config = (transform, tile_budget_bytes, backend, need)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        refuse_double_backward("linear_logprobs")
+        hidden, weight, bias, labels, rows, lse, ent = ctx.saved_tensors
+        transform, tile_budget_bytes, backend, need = ctx.config
+        hinted, ctx.hinted = ctx.hinted, None  # handed over once; a second backward recomputes
+        nothing = (None,) * 9
+        g_lp = None if grad_logprobs is None else grad_logprobs.float().index_select(0, rows)
+        g_h = None if grad_entropy is None else grad_entropy.float().index_select(0, rows)
+        if (g_lp is None and g_h is None) or not any(need):
+            return (None, None, None) + nothing
+        if hinted is not None:
+            factor = _token_hint_factor(hinted[0], hinted[1], g_lp, g_h)
+            if factor is not None:
+                return hinted[2].input_grads(hidden, weight, bias, rows, factor) + nothing
+        if g_h is not None and ent is None:  # cannot happen: entropy is returned only when computed
+            raise RuntimeError("linear_logprobs: an entropy gradient without a saved entropy")
+        live = (g_lp if g_lp is not None else g_h) != 0
+        if g_lp is not None and g_h is not None:
+            live |= g_h != 0
+        if not bool(live.all()):  # rows the loss sends nothing (masked out): skip them
+            keep = live.nonzero().squeeze(1)
+            rows, lse = rows[keep], lse[keep]
+            ent = None if ent is None else ent[keep]
+            g_lp = None if g_lp is None else g_lp[keep]
+            g_h = None if g_h is None else g_h[keep]
+        with autocast_off(hidden.device.type):
+            grads = backend.logprobs_backward(
+                hidden, weight, bias, labels, rows, lse, ent, g_lp, g_h, transform, tile_budget_bytes, *need
+            )
+        return grads.input_grads(hidden, weight, bias, rows) + nothing
+
+
+def _token_hint_factor(hint_lp, hint_ent, g_lp, g_h) -> Optional[float]:
+    """``c`` if the upstream ``(g_lp, g_h)`` is ``c·(hint_lp, hint_ent)`` to ``HINT_RTOL`` of its largest entry, else
+    ``None`` after warning once (the caller recomputes). One host sync."""
+    if hint_lp.numel() == 0:
+        return 1.0
+    hint = torch.cat([hint_lp, hint_ent])
+    up = torch.cat([torch.zeros_like(hint_lp) if g_lp is None else g_lp,
+                    torch.zeros_like(hint_ent) if g_h is None else g_h])
+    hh = hint.dot(hint)
+    c = torch.where(hh > 0, up.dot(hint) / hh.clamp_min(torch.finfo(torch.float32).tiny), 0.0)  # least squares
+    matches = (up - c * hint).abs().max() <= HINT_RTOL * up.abs().max()
+    factor, ok = torch.stack([c, matches.float()]).tolist()
+    if ok:
+        return factor
+    warnings.warn(
+        "linear_logprobs(grad_hint=TokenLossHint(...)): the gradient the loss sent to the log-probs/entropies is not "
+        "a multiple of the hint's token loss gradient, so the gradients computed in the forward were dropped and "
+        "recomputed (8·N·H·V FLOPs instead of 6). The gradients are exact; check the hint's token_loss against the "
+        "loss (or pass no grad_hint).",
+        HintMissedWarning, stacklevel=3,
+    )
+    return None
+
+
+def hinted_logprobs(hidden, weight, labels, bias, hint: TokenLossHint, *, ignore_index, transform: LogitTransform,
+                    return_entropy: bool, tile_budget_bytes, backend):
+    """:func:`~hf_fused.ops.linear_logprobs` with a :class:`TokenLossHint` (it dispatches here): ``(logprobs,
+    entropy)`` shaped like labels, differentiable, the head gradients of the hint's loss computed in the forward."""
+    flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index)
+    consts = _flat_per_token(hint.per_token, labels)
+    rows = valid_rows(flat.labels, ignore_index)
+    if tile_budget_bytes is not None:
+        check_tile_budget(tile_budget_bytes)
+    hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
+    tile_loss = _TileLoss(hint.token_loss, consts, rows, differentiate=True, keep_row_grads=True)
+    logprobs, entropy = HintedLogprobsFunction.apply(
+        hidden2d, weight, bias, flat.labels, rows, tile_loss, transform, tile_budget_bytes,
+        get_backend(hidden.device, backend), bool(return_entropy), bool(hint.need_entropy), torch.is_grad_enabled(),
+    )
+    logprobs = logprobs.view(flat.batch_shape)
+    return logprobs, None if entropy is None else entropy.view(flat.batch_shape)
