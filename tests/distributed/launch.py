@@ -22,14 +22,16 @@ WORKER = HERE / "train_worker.py"
 TIMEOUT_S = 400
 
 
-def worker_env() -> dict:
-    return {
+def worker_env(cuda: bool = False) -> dict:
+    env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",  # 2 ranks on 2 cores: intra-op threads only oversubscribe
-        "DS_ACCELERATOR": "cpu",
         "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
         "TOKENIZERS_PARALLELISM": "false",
     }
+    if not cuda:
+        env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CPU accelerator: gloo without oneCCL
+    return env
 
 
 def free_port() -> int:
@@ -38,9 +40,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(cmd: list, cwd: Path = REPO) -> None:
+def run(cmd: list, cwd: Path = REPO, cuda: bool = False) -> None:
     """Run ``cmd`` in its own process group; on timeout kill the ranks too, not only the launcher."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=worker_env(cuda), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=TIMEOUT_S)
@@ -52,17 +54,18 @@ def run(cmd: list, cwd: Path = REPO) -> None:
         raise AssertionError(f"{' '.join(map(str, cmd[:6]))} ... exited with {proc.returncode}:\n{output[-6000:]}")
 
 
-def accelerate_launch(config: str, script: Path, *args: str) -> None:
-    """``accelerate launch --config_file examples/distributed/<config>.yaml script args`` on 2 processes."""
+def accelerate_launch(config: str, script: Path, *args: str, processes: int = 2, cuda: bool = False) -> None:
+    """``accelerate launch --config_file examples/distributed/<config>.yaml script args``."""
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{config}.yaml"),
-         "--num_processes", "2", "--main_process_port", str(free_port()), str(script), *args])
+         "--num_processes", str(processes), "--main_process_port", str(free_port()), str(script), *args], cuda=cuda)
 
 
-def train(case: dict, config: str | None) -> dict:
+def train(case: dict, config: str | None, processes: int = 2) -> dict:
     """Run :mod:`train_worker` for ``case`` under the engine ``config`` (None: one plain process) and load
-    what rank 0 saved."""
+    what rank 0 saved. ``case["cuda"]``: on the GPU (DeepSpeed's CUDA accelerator) instead of CPU ranks."""
+    cuda = bool(case.get("cuda"))
     if config is None:
-        run([sys.executable, str(WORKER), json.dumps(case)])
+        run([sys.executable, str(WORKER), json.dumps(case)], cuda=cuda)
     else:
-        accelerate_launch(config, WORKER, json.dumps(case))
+        accelerate_launch(config, WORKER, json.dumps(case), processes=processes, cuda=cuda)
     return torch.load(case["out"])

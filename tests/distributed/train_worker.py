@@ -15,6 +15,7 @@ Run it under ``accelerate launch --config_file <engine>.yaml`` (the engine's ran
     ga, steps, grad_ckpt, lora ("" | "lm_head": LoRA on attention and lm_head), bf16
     tile_budget_bytes   FusedTrainer's tile bound (small: many tiles per loss call)
     count_head_events   ZeRO-3: count lm_head.weight's gathers and gradient reductions during training
+    cuda        train on the GPU (default: CPU)
 
 Optimizer: plain SGD at a constant learning rate, so the parameter update is ``−lr·Σ gradients``: an
 error in any gradient shows in the updated parameters in proportion (Adam would normalize it away).
@@ -135,7 +136,7 @@ def main(case: dict) -> None:
         data_seed=0,
         gradient_checkpointing=case.get("grad_ckpt", False),
         bf16=case.get("bf16", False),
-        use_cpu=True,
+        use_cpu=not case.get("cuda", False),
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
