@@ -6,15 +6,21 @@ backward. hf_fused computes the loss inside lm_head's call, so the forward sees 
 but the loss is not an output of lm_head (lm_head returns an empty placeholder), so ZeRO-3's backward
 hooks never gather the weight again for the op's backward, which recomputes logits tiles from it.
 
-:func:`run_head` closes that gap the way DeepSpeed's own tiled losses do
-(``deepspeed/runtime/sequence_parallel/ulysses_sp.py``, ``TiledFusedLogitsLoss``) and TRL does for its
-chunked head (``trl/trainer/utils.py``, ``maybe_gather_lm_head_ctx``): the head computation runs as one
-autograd node whose forward gathers the head parameters once per loss call (not once per tile) and
-whose backward gathers them once again and runs the inner backward while they are whole. The fused ops
-hand the weight its gradient in one piece (their tile loop accumulates into one fp32 buffer), so the
-weight's gradient reaches ZeRO's reduce hook exactly once per backward, while the parameter is whole,
-and no ``ds_grad_is_ready`` bookkeeping is needed. ZeRO-1/2, DDP and FSDP2 need nothing here: their
-parameters are whole (ZeRO-1/2, DDP) or gathered by FSDP2 around lm_head's call and kept for backward.
+:func:`run_head` closes that gap, in the spirit of DeepSpeed's own tiled loss
+(``deepspeed/runtime/sequence_parallel/ulysses_sp.py``, ``TiledFusedLogitsLoss``) and TRL's chunked head
+(``trl/trainer/utils.py``, ``maybe_gather_lm_head_ctx``): the head computation runs as one autograd node
+whose forward gathers the directly read head parameters once per loss call (not once per tile) and whose
+backward gathers them once again, differentiates the kept inner graph, and keeps the parameters whole
+until autograd has accumulated their gradients (into a tensor of the parameter's shape) and ZeRO's
+reduce hook has taken them. The fused ops hand the weight its gradient in one piece (their tile loop
+accumulates into one fp32 buffer), so it reaches ZeRO's reduce hook exactly once per backward and no
+``ds_grad_is_ready`` bookkeeping is needed (``TiledFusedLogitsLoss`` needs it: it backpropagates per shard).
+
+:func:`gathered_per_module` lets a forward (the patch-time probe) run on a model built under
+``deepspeed.zero.Init`` before ``deepspeed.initialize`` has hooked it.
+
+ZeRO-1/2, DDP and FSDP2 need nothing here: their parameters are whole (ZeRO-1/2, DDP) or gathered by
+FSDP2 around lm_head's call and kept for its unit's backward.
 """
 
 from __future__ import annotations
@@ -178,6 +184,11 @@ class _ZeroGatheredHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if ctx.inner is None:
+            raise RuntimeError(
+                "hf_fused's ZeRO-3 head computation was already backpropagated (its inner graph is freed "
+                "after one backward); run the forward again to backpropagate again."
+            )
         used = [(r, grads[i]) for i, r in ctx.inner if grads[i] is not None]
         ctx.inner = None
         wrt = ([ctx.inner_hidden] if ctx.inner_hidden.requires_grad else []) + list(ctx.trainable)
