@@ -176,6 +176,34 @@ class CCEPeer(Peer):
         return -per_token.float(), None
 
 
+class QuackPeer(Peer):
+    """QuACK's chunked linear cross-entropy (cross-entropy only: it has no per-token log-prob entry point).
+    One pass with an fp32 weight-gradient accumulator; on Hopper in bf16 its scaled-exp pipeline computes the
+    softmax exponent in the logits GEMM's epilogue."""
+
+    key, label, dist = "quack", "QuACK", "quack-kernels"
+    needs_cuda = True
+
+    def load(self):
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+        self._fn = chunked_linear_cross_entropy
+
+    @staticmethod
+    def _chunk(hidden_size: int) -> int:
+        # QuACK 0.6.5 raises "m == n makes row/col inference ambiguous" when the chunk equals H.
+        return 8192 if hidden_size == 4096 else 4096
+
+    def describe(self):
+        return ("quack.linear_cross_entropy.chunked_linear_cross_entropy(hidden2d, weight, labels, "
+                "chunk_size=4096 (8192 where H = 4096), reduction='mean')")
+
+    def ce_loss(self, inp):
+        hidden, labels = _flat(inp)
+        return self._fn(hidden, inp.weight, labels, chunk_size=self._chunk(hidden.shape[-1]),
+                        ignore_index=IGNORE_INDEX, reduction="mean")
+
+
 class CCEExactPeer(CCEPeer):
     key, label = "cce_exact", "Apple CCE (no grad filter)"
     filter_eps = None
@@ -284,6 +312,14 @@ class HFFusedSmallTilesPeer(HFFusedPeer):
     tile_budget_bytes = SMALL_TILE_BUDGET
 
 
+class HFFusedLeanPeer(HFFusedPeer):
+    """The memory-lean two passes at a 256 MiB tile: what ``tile_budget_bytes=None`` chooses when the one pass
+    does not fit a quarter of free memory (and the default before the planner's rule)."""
+
+    key, label = "hf_fused_lean", "hf_fused (lean, 256 MiB)"
+    tile_budget_bytes = 256 * 2**20
+
+
 class HFFusedLargeBudgetPeer(HFFusedPeer):
     """A 4 GiB budget holds the fp32 [V, H] weight-gradient accumulator (1.2–2.1 GB at these shapes) and
     a tile of thousands of full-vocabulary rows, so cross-entropy takes the one-pass (6·N·H·V) path;
@@ -333,33 +369,33 @@ class HFFusedOnePassGRPOPeer(HFFusedPeer):
 
 
 class HFFusedHintGRPOPeer(HFFusedPeer):
-    """What ``FusedGRPOTrainer`` runs on-policy with a budget holding the fp32 ``[V, H]`` accumulator plus
-    2048 full-vocabulary rows: ``linear_logprobs(grad_hint=A·mask/normalizer, return_entropy=True)``, so
-    the head's gradients come out of the forward's single pass (6·N·H·V); then the problem's own loss on
-    those log-probs, whose backward sends a multiple of the hint and so recomputes nothing. Unlike the
-    token-weights row it returns log-probs and entropy and runs the unchanged loss code."""
+    """What ``FusedGRPOTrainer`` runs on-policy with default options: ``linear_logprobs(grad_hint=A·mask/normalizer,
+    return_entropy=True)``; by the planner's default rule (room for the fp32 ``[V, H]`` accumulator plus 2048
+    full-vocabulary rows in a quarter of free memory) the head's gradients come out of the forward's single
+    pass (6·N·H·V); then the problem's own loss on those log-probs, whose backward sends a multiple of the
+    hint and so recomputes nothing. Unlike the token-weights row it returns log-probs and entropy and runs the
+    unchanged loss code."""
 
-    key, label = "hf_fused_hint", "hf_fused (one pass, grad_hint)"
-    rows_per_tile = 2048
+    key, label = "hf_fused_hint", "hf_fused (grad_hint, default)"
 
     def describe(self):
         return ("hf_fused.ops.linear_logprobs(hidden, weight, labels, return_entropy=True, grad_hint=A·mask/normalizer, "
-                "tile_budget_bytes=4·V·H + 2048·V·2), then the problem's GRPO loss")
+                "tile_budget_bytes=None), then the problem's GRPO loss")
 
     def unsupported(self, kind, device):
         return "GRPO problem only (its cross-entropy is the hf_fused rows)" if kind != "grpo" else None
 
     def logprobs(self, inp):
-        budget = _one_pass_budget(inp.weight, self.rows_per_tile)
         return self._lp(
-            inp.hidden, inp.weight, inp.labels, return_entropy=self.with_entropy, tile_budget_bytes=budget,
+            inp.hidden, inp.weight, inp.labels, return_entropy=self.with_entropy, tile_budget_bytes=None,
             backend=self.backend, grad_hint=token_weights_at_ratio_one(inp.mask, inp.advantages, inp.loss_type),
         )
 
 
 #: Every adapter, in table order.
-ALL_PEERS = [EagerPeer, LigerPeer, LigerGRPOPeer, CCEPeer, CCEExactPeer, TRLPeer, TorchPeer, HFFusedPeer,
-             HFFusedSmallTilesPeer, HFFusedLargeBudgetPeer, HFFusedOnePassGRPOPeer, HFFusedHintGRPOPeer]
+ALL_PEERS = [EagerPeer, LigerPeer, LigerGRPOPeer, CCEPeer, CCEExactPeer, QuackPeer, TRLPeer, TorchPeer, HFFusedPeer,
+             HFFusedLeanPeer, HFFusedSmallTilesPeer, HFFusedLargeBudgetPeer, HFFusedOnePassGRPOPeer,
+             HFFusedHintGRPOPeer]
 #: Run when ``--peers`` is not given (``cce_exact`` only on request).
 DEFAULT_PEERS = [p.key for p in ALL_PEERS if p.key != "cce_exact"]
 

@@ -512,10 +512,7 @@ def test_sync_ref_model_matches_trl(tmp_path):
                 assert math.isclose(got_entry[key], want_entry[key], rel_tol=1e-5, abs_tol=2e-6), key
 
 
-@pytest.mark.parametrize("patch", ["fused_trainer", pytest.param("after", marks=pytest.mark.xfail(
-    strict=True, raises=Exception,
-    reason="autocast fix in progress: verify_patch compares against accelerate's fp32-converted bf16 logits with "
-           "the fp32 tolerance (FusedLossVerificationError, 0.006 > 1.3e-4)"))])
+@pytest.mark.parametrize("patch", ["fused_trainer", "after"])
 def test_reference_model_wrapped_by_accelerate_bf16(patch, tmp_path):
     """bf16=True (autocast on CPU): accelerate wraps the reference model's forward. FusedGRPOTrainer builds (it
     used to blame the TRL version) and apply_fused_loss after the trainer finds TRL's head under the wrapper."""

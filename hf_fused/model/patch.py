@@ -169,10 +169,11 @@ def verify_patch(causal_lm: nn.Module) -> None:
     """Read the logit transform from the forward (:func:`~hf_fused.model.transform_probe.probe_logit_transform`),
     then compare fused log-probabilities with ``log_softmax`` of the original forward's logits on a probe.
 
-    Tolerance: ``1e-4 + 1e-5·|logp|`` in fp32/fp64; in bf16/fp16 the original rounds the logits to the
-    model dtype (about 3 significant digits) while the fused path keeps fp32, so ``5e-2 + 1e-2·|logp|``.
-    A missed scale (Cohere's 0.0625, Granite's 1/8) or temperature moves log-probs by far more. A missed
-    soft-cap is only visible once logits approach the cap, which random probes may not reach.
+    Tolerance: ``1e-4 + 1e-5·|logp|`` in fp32/fp64; when lm_head computed in bf16/fp16 (the model's dtype, or
+    autocast, also inside a wrapper that hands back fp32 logits) the original rounds the logits to that dtype
+    (about 3 significant digits) while the fused path keeps fp32, so ``5e-2 + 1e-2·|logp|``. A missed scale
+    (Cohere's 0.0625, Granite's 1/8) moves log-probs by far more; a soft-cap is checked by the transform probe,
+    which drives the logits far past any cap.
 
     Raises:
         FusedLossVerificationError: naming the model type and the largest difference.
@@ -189,14 +190,23 @@ def verify_patch(causal_lm: nn.Module) -> None:
         # a ZeRO-3 model not yet in its engine gathers module by module (hf_fused.model.distributed).
         with gathered_per_module(causal_lm):
             state.transform = probe_logit_transform(causal_lm, input_ids)
-            ref_logits = causal_lm(input_ids=input_ids, use_cache=False).logits
+            # The dtype lm_head computed in (autocast inside a wrapper such as accelerate's may compute in bf16
+            # and hand back fp32): it sets the tolerance below.
+            head_dtypes = []
+            hook = causal_lm.get_output_embeddings().register_forward_hook(
+                lambda m, i, o: head_dtypes.append(o.dtype)
+            )
+            try:
+                ref_logits = causal_lm(input_ids=input_ids, use_cache=False).logits
+            finally:
+                hook.remove()
             out = causal_lm(input_ids=input_ids, labels=input_ids, fused_output="logprobs", use_cache=False)
     finally:
         for module, training in modes.items():
             module.training = training
     ref = torch.log_softmax(ref_logits[:, :-1].double(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     got = out.logprobs[:, :-1].double()
-    low_precision = ref_logits.dtype in (torch.bfloat16, torch.float16)
+    low_precision = any(d in (torch.bfloat16, torch.float16) for d in [ref_logits.dtype, *head_dtypes])
     atol, rtol = (5e-2, 1e-2) if low_precision else (1e-4, 1e-5)
     diff = (got - ref).abs()
     bound = atol + rtol * ref.abs()
