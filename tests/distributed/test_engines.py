@@ -100,6 +100,8 @@ CASES = {
     "zero2-FusedTrainer-ga2": ("zero2", "llama", "FusedTrainer", dict(ga=2)),
     "ddp-FusedTrainer-tied": ("ddp", "qwen3-tied", "FusedTrainer", {}),
     "fsdp2-FusedTrainer-ga2": ("fsdp2", "llama", "FusedTrainer", dict(ga=2)),
+    "fsdp2-FusedTrainer-lora-on-lm_head-checkpointing": (
+        "fsdp2", "llama", "FusedTrainer", dict(lora="lm_head", grad_ckpt=True)),
 }
 
 
