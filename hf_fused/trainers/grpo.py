@@ -25,8 +25,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from trl import GRPOTrainer
+
+from ..ops.token_loss import pad_hint
+from .grpo_objective import trl_token_loss_hint
 
 __all__ = ["FusedGRPOTrainer"]
 
@@ -53,7 +55,7 @@ class FusedGRPOTrainer(GRPOTrainer):
         self._fused_options = dict(fused_options or {})
         if isinstance(model, str):  # patched before TRL sees it, so its add_fused_lm_head defers to hf_fused
             config = kwargs.get("args", args[1] if len(args) > 1 else None)
-            model = _load_model_like_trl(model, config, kwargs.get("quantization_config"))
+            model = _load_model_like_trl(model, config, kwargs.pop("quantization_config", None))
         apply_fused_loss(model, **self._fused_options)
         super().__init__(model, *args, **kwargs)  # TRL's lm_head-adapter check passes: hf_fused computes the head
 
@@ -63,6 +65,8 @@ class FusedGRPOTrainer(GRPOTrainer):
         hint = None
         if getattr(self, "_loss_inputs", None) is not None:  # the policy's call inside _compute_loss
             hint = self._policy_grad_hint(self._loss_inputs)
+            if hint is None:  # off-policy, KL, entropy bonus, IS correction: TRL's loss as a per-token function
+                hint = trl_token_loss_hint(self, self._loss_inputs)
         if hint is not None:
             model = _HintedCall(model, hint, input_ids.size(1))
         return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
@@ -115,7 +119,7 @@ class _HintedCall:
         rows = slice(self.row, self.row + labels.size(0))
         self.row = rows.stop
         hint = self.grad_hint[rows].to(labels.device)
-        hint = F.pad(hint, (labels.size(1) - 1 - hint.size(1), 0))
+        hint = pad_hint(hint, labels.size(1) - 1 - hint.size(1), 0)
         return self.model(*args, labels=labels, fused_lm_head=fused_lm_head, grad_hint=hint, **model_inputs)
 
 
