@@ -179,9 +179,10 @@ def test_grad_hint_gives_the_head_gradients_in_the_forward(name, tmp_path, monke
     assert calls["logprobs_backward"] == 0
 
 
-@pytest.mark.parametrize("name", ["grpo-offpolicy", "vespo-onpolicy", "beta-biascorr", "entropy_bonus",
-                                  "entropy_bonus-top_entropy-grpo", "num_iterations", "opsm-sampling",
-                                  "is-token_mask", "grpo-sequence"])
+# Off-policy, KL, entropy-bonus and IS-corrected losses take the one pass through a TokenLossHint instead
+# (tests/test_grpo_one_pass.py); these options are not token-separable.
+@pytest.mark.parametrize("name", ["vespo-onpolicy", "entropy_bonus-top_entropy-grpo", "opsm-sampling",
+                                  "grpo-sequence"])
 def test_no_grad_hint_where_the_loss_gradient_is_not_known_before_the_forward(name, tmp_path, monkeypatch):
     calls, trainer = _step_counting_backend_calls(CASES[name], tmp_path, monkeypatch)
     assert calls["logprobs_with_grads"] == 0
