@@ -15,6 +15,10 @@ answered by hf_fused's ops), plus what only a subclass can add:
    ``tile_budget_bytes`` that holds the fp32 ``[V, H]`` weight-gradient accumulator the head's gradients
    come out of the forward's single pass (6·N·H·V FLOPs instead of 8). Backward checks that the gradient
    TRL's loss really sends matches and recomputes if not, so this can cost time, never exactness.
+   Otherwise, for every loss type and option that is token-separable (off-policy ratios, β > 0, entropy
+   bonus, vLLM importance sampling; :mod:`hf_fused.trainers.grpo_objective` lists what is not), the hint is
+   TRL's loss as a per-token function (:class:`hf_fused.ops.token_loss.TokenLossHint`): the op
+   differentiates it tile by tile in the same single pass, and backward checks it the same way.
 
 Everything else (batch chunking, ratios, clipping, KL, entropy masks and bonus, importance sampling,
 normalizers, metrics) is TRL's own code, so objective, gradients and logged metrics are TRL's.
