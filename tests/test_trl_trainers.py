@@ -259,18 +259,20 @@ _UNPAIRED = Dataset.from_dict({
 })
 
 
-def test_kto_matches_trl(tmp_path, monkeypatch):
+def _kto_builder(tmp_path, ref_source, **config):
     from trl import KTOConfig, KTOTrainer
 
-    model = make_model()
-    ref_source = _perturbed(model)
-
     def build(model, callbacks):
-        args = KTOConfig(**_common_args(tmp_path, "kto", per_device_train_batch_size=8))
+        args = KTOConfig(**_common_args(tmp_path, "kto", **{"per_device_train_batch_size": 8, **config}))
         return KTOTrainer(model=model, ref_model=copy.deepcopy(ref_source), args=args, train_dataset=_UNPAIRED,
                           processing_class=make_tokenizer(), callbacks=callbacks)
 
-    trainer, _ = _parity(build, monkeypatch, model=model)
+    return build
+
+
+def test_kto_matches_trl(tmp_path, monkeypatch):
+    model = make_model()
+    trainer, _ = _parity(_kto_builder(tmp_path, _perturbed(model)), monkeypatch, model=model)
     assert hf_fused.is_fused(trainer.ref_model)
 
 
@@ -282,11 +284,9 @@ def _reward(completions, completion_ids, **kwargs):
     return [float(sum(ids) % 7) + 0.25 * len(ids) for ids in completion_ids]
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.05])
-def test_rloo_matches_trl(beta, tmp_path, monkeypatch):
+def _rloo_builder(tmp_path, model, beta=0.0, **config):
     from trl import RLOOConfig, RLOOTrainer
 
-    model = make_model()
     if beta:
         # TRL re-creates the reference model from config._name_or_path.
         path = tmp_path / "ref"
@@ -296,11 +296,17 @@ def test_rloo_matches_trl(beta, tmp_path, monkeypatch):
 
     def build(model, callbacks):
         args = RLOOConfig(**_common_args(tmp_path, "rloo", per_device_train_batch_size=4, num_generations=2,
-                                         max_completion_length=5, beta=beta, temperature=0.8))
+                                         max_completion_length=5, beta=beta, temperature=0.8, **config))
         return RLOOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=prompts,
                            processing_class=make_tokenizer(), callbacks=callbacks)
 
-    trainer, _ = _parity(build, monkeypatch, model=model)
+    return build
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_rloo_matches_trl(beta, tmp_path, monkeypatch):
+    model = make_model()
+    trainer, _ = _parity(_rloo_builder(tmp_path, model, beta), monkeypatch, model=model)
     if beta:
         assert hf_fused.is_fused(trainer.ref_model)
 
@@ -487,7 +493,7 @@ def test_sft_assistant_only_matches_trl(tmp_path, monkeypatch):
     assert 0 < scored < real  # the assistant mask really leaves the user turns out
 
 
-@pytest.mark.parametrize("trainer_name", ["sft", "dpo"])
+@pytest.mark.parametrize("trainer_name", ["sft", "dpo", "kto", "rloo"])
 def test_bf16_autocast_close_to_trl(trainer_name, tmp_path, monkeypatch):
     """TRL's configs default to bf16=True, i.e. autocast on CPU. Both heads then read bf16 operands; TRL's CPU head
     also rounds each logit to bf16 before its fp32 statistics while hf_fused keeps the logits in fp32. With this
@@ -496,8 +502,12 @@ def test_bf16_autocast_close_to_trl(trainer_name, tmp_path, monkeypatch):
     model = make_model()
     if trainer_name == "sft":
         build = _sft_builder(tmp_path, _TEXT, bf16=True)
-    else:
+    elif trainer_name == "dpo":
         build = _dpo_builder(tmp_path, ref_source=_perturbed(model), bf16=True)
+    elif trainer_name == "kto":
+        build = _kto_builder(tmp_path, _perturbed(model), bf16=True)
+    else:
+        build = _rloo_builder(tmp_path, model, beta=0.05, bf16=True)
     (_, logs_b, grads_b, _) = _train(build, copy.deepcopy(model), patch=None)
     (_, logs_a, grads_a, counting) = _train(build, copy.deepcopy(model), patch="before", monkeypatch=monkeypatch)
     assert counting.hf_fused > 0 and counting.trl == 0
