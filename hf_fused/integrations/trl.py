@@ -116,7 +116,12 @@ def _install_add_fused_lm_head_hook() -> None:
     adapter on a patched model's lm_head, and make ``DistillationTrainer`` say it does not use hf_fused."""
     if _HOOK:
         return
-    import trl.trainer.utils as trl_utils
+    try:
+        import trl.trainer.utils as trl_utils
+    except Exception as error:  # a broken TRL must not break apply_fused_loss for models TRL never sees
+        _HOOK["refused"] = f"TRL is installed but could not be imported ({type(error).__name__}: {error})"
+        warnings.warn(f"hf_fused: {_HOOK['refused']}; its trainers cannot be served.", stacklevel=3)
+        return
 
     original = trl_utils.add_fused_lm_head
     _HOOK["original"] = original
@@ -146,7 +151,9 @@ def _install_add_fused_lm_head_hook() -> None:
 
     add_fused_lm_head.__hf_fused__ = True
     for module in list(sys.modules.values()):  # trainer modules bound the name at import
-        if getattr(module, "__name__", "").startswith("trl") and getattr(module, "add_fused_lm_head", None) is original:
+        # vars(), not getattr: a lazy TRL module would import its optional submodules on attribute access.
+        name = getattr(module, "__name__", None)
+        if isinstance(name, str) and name.startswith("trl") and vars(module).get("add_fused_lm_head") is original:
             module.add_fused_lm_head = add_fused_lm_head
     _let_trainers_accept_lm_head_adapters()
     _warn_on_distillation_trainer()
