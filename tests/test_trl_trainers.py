@@ -295,8 +295,9 @@ def _rloo_builder(tmp_path, model, beta=0.0, **config):
     prompts = Dataset.from_dict({"prompt": [_sentence(i, 3) for i in range(16)]})
 
     def build(model, callbacks):
-        args = RLOOConfig(**_common_args(tmp_path, "rloo", per_device_train_batch_size=4, num_generations=2,
-                                         max_completion_length=5, beta=beta, temperature=0.8, **config))
+        args = RLOOConfig(**_common_args(tmp_path, "rloo", **{
+            "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 5, "beta": beta,
+            "temperature": 0.8, **config}))
         return RLOOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=prompts,
                            processing_class=make_tokenizer(), callbacks=callbacks)
 
@@ -556,3 +557,53 @@ def test_evaluate_matches_trl(trainer_name, tmp_path, monkeypatch):
     assert got.keys() == want.keys() and "eval_loss" in want
     for key in want:
         assert math.isclose(got[key], want[key], rel_tol=RTOL, abs_tol=1e-7), (key, got[key], want[key])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Memory: on hf_fused no vocabulary-sized activation beyond one tile, whatever the number of tokens
+
+_VIEW_OPS = {"t", "transpose", "permute", "view", "_unsafe_view", "expand", "alias", "detach", "slice", "select",
+             "unsqueeze", "squeeze", "as_strided", "reshape", "unbind", "split", "chunk", "lift_fresh"}
+
+
+def _largest_vocab_activation(trainer, vocab: int, hidden: int) -> int:
+    """Rows of the largest freshly computed ``[..., V]`` tensor during one optimizer step of ``trainer.train()``
+    (max_steps=1). Parameters and their gradients (``[V, H]``) are excluded by counting only tensors with more
+    than ``(H + 8)·V`` elements."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__.split(".")[0] not in _VIEW_OPS:
+                for t in out if isinstance(out, (tuple, list)) else [out]:
+                    if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == vocab \
+                            and t.numel() > (hidden + 8) * vocab:
+                        seen.append(t.numel() // vocab)
+            return out
+
+    with Record():
+        trainer.train()
+    return max(seen, default=0)
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo", "kto", "rloo"])
+def test_no_vocab_sized_activation_on_hf_fused(name, tmp_path):
+    from grpo_helpers import VOCAB_SIZE
+
+    hidden, tile_rows = 32, 4
+    builders = {
+        "sft": lambda: _sft_builder(tmp_path, _TEXT, max_steps=1, per_device_train_batch_size=8),
+        "dpo": lambda: _dpo_builder(tmp_path, ref_source=_perturbed(make_model()), max_steps=1,
+                                    per_device_train_batch_size=8),
+        "kto": lambda: _kto_builder(tmp_path, _perturbed(make_model()), max_steps=1),
+        "rloo": lambda: _rloo_builder(tmp_path, make_model(), max_steps=1, per_device_train_batch_size=8),
+    }
+    budget = dict(tile_budget_bytes=3 * 4 * VOCAB_SIZE * tile_rows)  # the torch backend's 3 fp32 [rows, V] buffers
+    fused = builders[name]()(hf_fused.apply_fused_loss(make_model(), **budget), [])
+    assert _largest_vocab_activation(fused, VOCAB_SIZE, hidden) <= hidden + 8
+    # control: TRL's own CPU head scores every position in one [N, V] block, and the check sees it
+    stock = builders[name]()(make_model(), [])
+    assert _largest_vocab_activation(stock, VOCAB_SIZE, hidden) > hidden + 8
