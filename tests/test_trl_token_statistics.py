@@ -10,6 +10,7 @@ import torch
 from dense_reference import dense_logits, make_head_inputs, rel_err
 from dense_reference import single_threaded_torch  # noqa: F401  (autouse fixture)
 from dense_reference import H, RTOL, TRANSFORMS, budget_for
+from hf_fused.ops import token_statistics
 from hf_fused.ops.token_statistics import TOKEN_STATISTICS, linear_token_statistics
 
 V = 37
@@ -27,10 +28,18 @@ def dense_statistics(hidden, weight, bias, labels, **transform):
     }
 
 
+@pytest.fixture(params=[None, 8], ids=["one-vocab-chunk", "vocab-chunks-of-8"])
+def vocab_chunk(request, monkeypatch):
+    """The whole vocabulary in one matmul, or chunks of 8 columns (37 = 4·8 + 5: online reductions across chunks)."""
+    if request.param is not None:
+        monkeypatch.setattr(token_statistics, "VOCAB_CHUNK", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
 @pytest.mark.parametrize("ignore", ["none", "some", "all"])
 @pytest.mark.parametrize("tile_rows", [1, 5, 64])
-def test_statistics_match_float64(transform, ignore, tile_rows):
+def test_statistics_match_float64(transform, ignore, tile_rows, vocab_chunk):
     hidden, weight, bias, labels = make_head_inputs((3, 7), H, V, ignore=ignore, seed=tile_rows)
     # Labels on the arg-max for half the rows, so is_top1 is True somewhere and the comparison means something.
     with torch.no_grad():
@@ -50,12 +59,14 @@ def test_statistics_match_float64(transform, ignore, tile_rows):
         assert not value.requires_grad
 
 
-def test_first_maximum_wins_a_tie():
-    """TRL counts a label as top-1 only if no earlier token has the same logit (argmax returns the first)."""
-    weight = torch.zeros(4, 2)
-    weight[1, 0] = weight[2, 0] = 1.0  # tokens 1 and 2 tie for the maximum
+@pytest.mark.parametrize("tied", [(1, 2), (1, 9), (9, 17)])
+def test_first_maximum_wins_a_tie(tied, vocab_chunk):
+    """TRL counts a label as top-1 only if no earlier token has the same logit (argmax returns the first), also when
+    the tied tokens fall in different vocabulary chunks."""
+    weight = torch.zeros(20, 2)
+    weight[list(tied), 0] = 1.0
     hidden = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
-    labels = torch.tensor([1, 2])
+    labels = torch.tensor(list(tied))
     got = linear_token_statistics(hidden, weight, labels, statistics=("is_top1",))
     assert got["is_top1"].tolist() == [True, False]
 
@@ -67,7 +78,7 @@ def test_only_requested_statistics():
         linear_token_statistics(hidden, weight, labels, bias, statistics=("entropy",))
 
 
-def test_autocast_reads_the_bf16_operands():
+def test_autocast_reads_the_bf16_operands(vocab_chunk):
     """Under autocast the operands are rounded to bf16 as F.linear's would be; the statistics then match the
     float64 ones of those rounded operands (the only rounding left is fp32 accumulation)."""
     hidden, weight, bias, labels = make_head_inputs((2, 6), H, V)

@@ -27,6 +27,9 @@ from .tiling import rows_per_tile, tiles, valid_rows
 #: The statistics :func:`linear_token_statistics` computes, by name.
 TOKEN_STATISTICS = ("mean_logits", "is_top1", "log_sum_sq_probs")
 
+#: Vocabulary columns per matmul: the fp32 copy of lm_head's weight exists one chunk at a time (TRL's width).
+VOCAB_CHUNK = 32768
+
 
 @torch.no_grad()
 def linear_token_statistics(
@@ -74,24 +77,46 @@ def linear_token_statistics(
         name: hidden2d.new_zeros(n, dtype=torch.bool if name == "is_top1" else torch.float32)
         for name in statistics
     }
+    chunk = min(vocab, VOCAB_CHUNK)
     with autocast_off(hidden2d.device.type):
-        weight32 = weight.float()
-        bias32 = None if bias is None else bias.float()
-        for idx in tiles(rows, rows_per_tile(vocab, tile_budget_bytes)):
-            raw = hidden2d.index_select(0, idx).float() @ weight32.t()
-            if bias32 is not None:
-                raw += bias32
-            z, _ = transform.forward(raw)
-            if "mean_logits" in out:
-                out["mean_logits"][idx] = z.mean(-1)
-            if "log_sum_sq_probs" in out:
-                out["log_sum_sq_probs"][idx] = torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1)
-            if "is_top1" in out:
-                out["is_top1"][idx] = _label_is_first_argmax(z, flat.labels.index_select(0, idx))
+        for idx in tiles(rows, rows_per_tile(chunk, tile_budget_bytes)):
+            stats = _RowStatistics(hidden2d.index_select(0, idx).float(), flat.labels.index_select(0, idx))
+            for start in range(0, vocab, chunk):
+                # fp32 logits from the (possibly bf16) operands, one vocabulary chunk at a time: no fp32 [V, H] copy.
+                raw = stats.hidden @ weight[start : start + chunk].float().t()
+                if bias is not None:
+                    raw += bias[start : start + chunk].float()
+                stats.add(transform.forward(raw)[0], start)
+            for name in statistics:
+                out[name][idx] = stats.result(name, vocab)
     return {name: value.view(flat.batch_shape) for name, value in out.items()}
 
 
-def _label_is_first_argmax(z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    # ``argmax`` returns the first maximum, so a tie with an earlier token does not count (TRL's convention).
-    return z.argmax(-1) == labels
+class _RowStatistics:
+    """Online reductions over vocabulary chunks for one tile of rows: ``Σ z``, the first arg-max, and the
+    log-sum-exp of ``z`` and of ``2z`` (each a running maximum plus a rescaled sum, as in any online softmax)."""
 
+    def __init__(self, hidden32: torch.Tensor, labels: torch.Tensor):
+        self.hidden, self.labels = hidden32, labels
+        rows = labels.numel()
+        self.sum = hidden32.new_zeros(rows)
+        self.max = hidden32.new_full((rows,), -float("inf"))
+        self.argmax = torch.zeros_like(labels)
+        self.lse = hidden32.new_full((rows,), -float("inf"))
+        self.lse2 = hidden32.new_full((rows,), -float("inf"))
+
+    def add(self, z: torch.Tensor, start: int) -> None:
+        self.sum += z.sum(-1)
+        chunk_max, chunk_arg = z.max(-1)  # the first maximum within the chunk
+        better = chunk_max > self.max  # strictly: an earlier chunk keeps a tie (arg-max returns the first)
+        self.argmax = torch.where(better, chunk_arg + start, self.argmax)
+        self.max = torch.maximum(self.max, chunk_max)
+        self.lse = torch.logaddexp(self.lse, torch.logsumexp(z, -1))
+        self.lse2 = torch.logaddexp(self.lse2, torch.logsumexp(2 * z, -1))
+
+    def result(self, name: str, vocab: int) -> torch.Tensor:
+        if name == "mean_logits":
+            return self.sum / vocab
+        if name == "log_sum_sq_probs":
+            return self.lse2 - 2 * self.lse
+        return self.argmax == self.labels  # is_top1
