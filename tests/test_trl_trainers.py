@@ -179,6 +179,12 @@ def test_sft_matches_trl(loss_type, patch, tmp_path, monkeypatch):
             patch=patch)
 
 
+@pytest.mark.parametrize("variant", ["tied_embeddings", "gradient_checkpointing"])
+def test_sft_model_variants_match_trl(variant, tmp_path, monkeypatch):
+    config = dict(gradient_checkpointing=True) if variant == "gradient_checkpointing" else {}
+    _parity(_sft_builder(tmp_path, _TEXT, **config), monkeypatch, model=make_model(tie=variant == "tied_embeddings"))
+
+
 def test_sft_completion_only_matches_trl(tmp_path, monkeypatch):
     _parity(_sft_builder(tmp_path, _PROMPT_COMPLETION, completion_only_loss=True), monkeypatch)
 
