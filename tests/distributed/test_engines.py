@@ -93,7 +93,8 @@ CASES = {
     # name: (accelerate config, model, trainer, options)
     # Small tiles (4 rows of the 128-token vocabulary) and lm_head's gathers and reductions counted.
     "zero3-FusedTrainer-ga2-small-tiles": (
-        "zero3", "llama", "FusedTrainer", dict(ga=2, tile_budget_bytes=TILE_BUDGET, count_head_events=True)),
+        "zero3", "llama", "FusedTrainer",
+        dict(ga=2, tile_budget_bytes=TILE_BUDGET, count_head_events=True, track_vocab_tensors=True)),
     "zero3-Trainer+apply_fused_loss-tied-ga2-checkpointing": (
         "zero3", "qwen3-tied", "Trainer", dict(fused=True, ga=2, grad_ckpt=True)),
     "zero3-FusedTrainer-lora-on-lm_head": ("zero3", "llama", "FusedTrainer", dict(lora="lm_head")),
@@ -110,7 +111,8 @@ def test_engine_training_matches_single_process_reference(name, tmp_path, model_
     config, model, trainer, options = CASES[name]
     if config.startswith("zero"):
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    reference_options = {k: v for k, v in options.items() if k not in ("fused", "tile_budget_bytes", "count_head_events")}
+    harness = ("fused", "tile_budget_bytes", "count_head_events", "track_vocab_tensors")
+    reference_options = {k: v for k, v in options.items() if k not in harness}
     ref = references(model, **reference_options)
     case = dict(model_dir=model_dirs[model], out=str(tmp_path / "run.pt"), trainer=trainer, batch=BATCH, **options)
     got = train(case, config)
@@ -119,6 +121,14 @@ def test_engine_training_matches_single_process_reference(name, tmp_path, model_
     assert_matches_reference(got, ref)
     if options.get("count_head_events"):
         assert_head_gathered_and_reduced_once_per_micro_batch(got, micro_batches=len(ref["losses"]) * options["ga"])
+    if options.get("track_vocab_tensors"):
+        assert_no_full_vocabulary_logits(got)
+
+
+def assert_no_full_vocabulary_logits(got: dict) -> None:
+    """No op in training produced a vocabulary-wide tensor of more rows than one tile (a micro-batch has
+    BATCH·12 token rows; stock training makes ``[BATCH, 12, V]`` logits and their gradient)."""
+    assert 0 < got["max_vocab_rows"] <= rows_per_tile(VOCAB, TILE_BUDGET) < BATCH * 12, got["max_vocab_rows"]
 
 
 def assert_head_gathered_and_reduced_once_per_micro_batch(got: dict, micro_batches: int) -> None:

@@ -15,6 +15,7 @@ Run it under ``accelerate launch --config_file <engine>.yaml`` (the engine's ran
     ga, steps, grad_ckpt, lora ("" | "lm_head": LoRA on attention and lm_head), bf16
     tile_budget_bytes   FusedTrainer's tile bound (small: many tiles per loss call)
     count_head_events   ZeRO-3: count lm_head.weight's gathers and gradient reductions during training
+    track_vocab_tensors record the most rows of any vocabulary-wide tensor made in training
     cuda        train on the GPU (default: CPU)
 
 Optimizer: plain SGD at a constant learning rate, so the parameter update is ``−lr·Σ gradients``: an
@@ -114,6 +115,29 @@ def count_head_events(counts: dict) -> None:
     distributed._Gather.add = counted_add
 
 
+class VocabWidthTracker:
+    """A dispatch mode that records the most rows of any tensor an op produces with the vocabulary as its
+    last dimension (logits or a tile of them): ``[N, V]`` logits would show N rows. Tensors of the weight's
+    size (``V·H`` elements: lm_head's weight, its gradient, their transposes) are not logits and are skipped."""
+
+    def __init__(self, vocab: int, hidden: int):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+        self.vocab, self.weight_numel, self.max_rows = vocab, vocab * hidden, 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == tracker.vocab
+                            and t.numel() != tracker.weight_numel):
+                        tracker.max_rows = max(tracker.max_rows, t.numel() // tracker.vocab)
+                return out
+
+        self.mode = Mode()
+
+
 def main(case: dict) -> None:
     torch.set_num_threads(1)
     counts: dict = {}
@@ -170,13 +194,18 @@ def main(case: dict) -> None:
     trainer = trainer_cls(model=model, args=args, train_dataset=TinyDataset(),
                           data_collator=transformers.default_data_collator, **extra)
     counts.clear()  # from here on: training only (not the patch-time probe)
-    trainer.train()
+    tracker = VocabWidthTracker(model.config.vocab_size, model.config.hidden_size)
+    if case.get("track_vocab_tensors"):
+        with tracker.mode:
+            trainer.train()
+    else:
+        trainer.train()
     head_counts = {kind: by_id.get(getattr(head_weight, "ds_id", None), 0) for kind, by_id in counts.items()}
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     params = full_parameters(trainer.model)
     if trainer.accelerator.is_main_process:
         torch.save({"losses": losses, "params": params, "initial": initial, "world": trainer.accelerator.num_processes,
-                    "head_counts": head_counts,
+                    "head_counts": head_counts, "max_vocab_rows": tracker.max_rows,
                     "lm_head_numel": lm_head_numel}, case["out"])
     trainer.accelerator.wait_for_everyone()
 
