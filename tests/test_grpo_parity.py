@@ -430,7 +430,7 @@ def _patched_grpo_trainer(case, tmp_path, patch="before"):
 
 def _count_heads(monkeypatch):
     """Counts hf_fused's log-prob op (as the TRL integration calls it) and TRL's chunked head."""
-    import hf_fused.integrations.trl as integration
+    import hf_fused.integrations.trl.head as integration
     import trl.trainer.utils as trl_utils
 
     counts = {"hf_fused": 0, "trl": 0}

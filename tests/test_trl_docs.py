@@ -7,10 +7,9 @@ import os
 import re
 
 import pytest
-import torch
 from datasets import Dataset
 
-import hf_fused.integrations.trl as trl_integration
+import hf_fused.integrations.trl.head as trl_head
 from grpo_helpers import WORDS, make_model, make_tokenizer
 from tiny_models import single_thread  # noqa: F401  (autouse fixture)
 
@@ -87,8 +86,8 @@ def test_docs_have_one_example_per_trainer():
 def test_docs_example_runs(index, offline_hub, monkeypatch):
     block = _examples()[index]
     calls = []
-    op = trl_integration.linear_logprobs
-    monkeypatch.setattr(trl_integration, "linear_logprobs", lambda *a, **k: (calls.append(1), op(*a, **k))[1])
+    op = trl_head.linear_logprobs
+    monkeypatch.setattr(trl_head, "linear_logprobs", lambda *a, **k: (calls.append(1), op(*a, **k))[1])
     namespace = {}
     if "LoRA" in block.splitlines()[0]:  # continues the SFT example
         exec(_fast(_examples()[0]).replace("trainer.train()", ""), namespace)

@@ -22,7 +22,9 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 import hf_fused
-import hf_fused.integrations.trl as trl_integration
+import hf_fused.integrations.trl.head as trl_head
+import hf_fused.integrations.trl.hooks as trl_hooks
+from hf_fused.integrations.trl import TrlProtocolError
 import trl.trainer.utils as trl_utils
 from grpo_helpers import WORDS, make_model, make_tokenizer
 from tiny_models import single_thread  # noqa: F401  (autouse fixture)
@@ -58,7 +60,7 @@ class _Counting:
     def __init__(self, monkeypatch):
         self.hf_fused = 0
         self.trl = 0
-        fused, chunked = trl_integration.linear_logprobs, trl_utils._ChunkedLogProbFunction
+        fused, chunked = trl_head.linear_logprobs, trl_utils._ChunkedLogProbFunction
         counter = self
 
         def linear_logprobs(*args, **kwargs):
@@ -71,7 +73,7 @@ class _Counting:
                 counter.trl += 1
                 return chunked.forward(*args, **kwargs)
 
-        monkeypatch.setattr(trl_integration, "linear_logprobs", linear_logprobs)
+        monkeypatch.setattr(trl_head, "linear_logprobs", linear_logprobs)
         monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Chunked)
 
 
@@ -325,7 +327,7 @@ def test_rloo_matches_trl(beta, tmp_path, monkeypatch):
 def test_distillation_warns_once_and_trains_exactly_like_trl(tmp_path, monkeypatch):
     from trl import DistillationConfig, DistillationTrainer
 
-    monkeypatch.setattr(trl_integration, "_DISTILLATION_WARNED", [])  # once per process: start afresh here
+    monkeypatch.setattr(trl_hooks, "_DISTILLATION_WARNED", [])  # once per process: start afresh here
 
     model = make_model()
     teacher = _perturbed(model, seed=5, scale=0.2)
@@ -351,7 +353,7 @@ def test_distillation_warns_once_and_trains_exactly_like_trl(tmp_path, monkeypat
 def test_fused_call_without_a_trl_head_raises():
     model = hf_fused.apply_fused_loss(make_model())
     ids = torch.randint(3, 20, (2, 6))
-    with pytest.raises(trl_integration.TrlProtocolError, match="no TRL trainer added a fused head"):
+    with pytest.raises(TrlProtocolError, match="no TRL trainer added a fused head"):
         model(input_ids=ids, labels=ids, fused_lm_head=True)
 
 
@@ -362,12 +364,12 @@ def test_changed_trl_protocol_is_refused_loudly(monkeypatch):
         raise AssertionError("not called here")
 
     monkeypatch.setattr(trl_utils, "add_fused_lm_head", add_fused_lm_head)
-    monkeypatch.setattr(trl_integration, "_HOOK", {})
+    monkeypatch.setattr(trl_hooks, "_HOOK", {})
     with pytest.warns(UserWarning, match="TRL's trainers will use TRL's own fused head"):
         model = hf_fused.apply_fused_loss(make_model())
     assert trl_utils.add_fused_lm_head is add_fused_lm_head
     ids = torch.randint(3, 20, (2, 6))
-    with pytest.raises(trl_integration.TrlProtocolError, match="add_fused_lm_head takes"):
+    with pytest.raises(TrlProtocolError, match="add_fused_lm_head takes"):
         model(input_ids=ids, labels=ids, fused_lm_head=True)
 
 
@@ -383,7 +385,7 @@ def test_changed_trl_head_closure_is_refused_loudly():
     head = make_head(model.forward)
     head.__code__ = head.__code__.replace(co_filename=os.path.join(os.sep, "x", "trl", "trainer", "utils.py"))
     model.forward = head.__get__(model)
-    with pytest.raises(trl_integration.TrlProtocolError, match="closes over"):
+    with pytest.raises(TrlProtocolError, match="closes over"):
         hf_fused.apply_fused_loss(model)
 
 

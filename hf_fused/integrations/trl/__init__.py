@@ -1,0 +1,52 @@
+"""TRL's fused-LM-head protocol, served by hf_fused's ops on models patched by :func:`hf_fused.apply_fused_loss`.
+
+TRL ≥ 1.16's ``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer``, ``RLOOTrainer`` and ``GRPOTrainer`` install their own
+chunked head with ``trl.trainer.utils.add_fused_lm_head(model, temperature, cast_lm_head_to_fp32, outputs)`` and
+then call ``model(..., labels=labels, fused_lm_head=True)``, which returns a ``FusedCausalLMOutput``
+(``loss``, ``log_probs``, ``entropy``, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``, ``label_mask``,
+``aux_loss``). That head runs the backbone and reads ``lm_head.weight`` itself, so a patched forward is
+bypassed. The one switch, :func:`hf_fused.apply_fused_loss`, makes hf_fused answer that call instead, whatever
+the order:
+
+* **patched before the trainer is built**: :func:`serve_trl_fused_head` wraps ``add_fused_lm_head`` (in
+  ``trl.trainer.utils`` and in every loaded TRL module that imported it). For a patched model the wrapper only
+  records the trainer's head options; hf_fused's forward answers ``fused_lm_head=True``. A model that is not
+  patched gets TRL's head, except a reference model added while a trainer whose policy is patched is being
+  built: it is patched too (same ``tile_budget_bytes`` / ``backend``), so reference log-probs come from
+  hf_fused's ops as well.
+* **patched after**: TRL's head is already the model's forward (possibly wrapped by accelerate's autocast);
+  its options are read from it and the patched forward, which sits outside it, answers ``fused_lm_head=True``.
+  Without ``fused_lm_head`` the call passes through TRL's head unchanged, so generation is the original.
+
+The answer (:func:`trl_fused_forward`) runs the model's original forward with ``labels=None`` and the lm_head
+call intercepted (:mod:`hf_fused.model.forward`), and computes every field TRL's head would return from the
+states lm_head receives: log-probs and entropy with :func:`hf_fused.ops.linear_logprobs`, the gradient-free
+statistics with :func:`hf_fused.ops.token_statistics.linear_token_statistics`, ``loss`` and ``label_mask`` as
+TRL defines them. A PEFT adapter on lm_head is part of the head (TRL's head would read the bare weight).
+
+TRL's ``DistillationTrainer`` does not use this protocol: its loss is a student–teacher divergence
+(``trl/kernels/chunked_divergence.py``) computed from the backbones and lm_head weights directly. hf_fused
+has no divergence op, so it warns once and leaves that trainer on TRL's kernel.
+
+While a TRL trainer is built around a patched model, its "no PEFT adapter on lm_head" check is let through:
+hf_fused computes the head with the adapter, so a LoRA adapter on lm_head trains.
+
+If TRL's head changes shape (``add_fused_lm_head``'s signature, ``FusedCausalLMOutput``'s fields, the
+closure of the forward it installs), nothing is wrapped and a fused call raises, saying why.
+
+Modules: :mod:`.protocol` (TRL 1.16's shape, recognised or refused), :mod:`.hooks` (installation, reference
+models, the lm_head-adapter check, the distillation warning), :mod:`.head` (the answer to a fused call).
+"""
+
+from .head import trl_fused_forward
+from .hooks import lm_head_adapter_hidden_from_trl, serve_trl_fused_head, trl_head_options
+from .protocol import TrlHeadOptions, TrlProtocolError
+
+__all__ = [
+    "TrlHeadOptions",
+    "TrlProtocolError",
+    "lm_head_adapter_hidden_from_trl",
+    "serve_trl_fused_head",
+    "trl_fused_forward",
+    "trl_head_options",
+]
