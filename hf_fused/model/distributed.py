@@ -136,7 +136,15 @@ class _Gather:
         """Gather these too (those partitioned right now), to be released with the others."""
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-        missing = [p for p in _unique(params) if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        params = _unique(params)
+        if any(p.ds_status == ZeroParamStatus.INFLIGHT for p in params):
+            # DeepSpeed's prefetch is all-gathering it; its handle is private to DeepSpeed's coordinator.
+            raise RuntimeError(
+                "hf_fused needs lm_head's ZeRO-3 parameters whole, but DeepSpeed is prefetching them right now "
+                "(status INFLIGHT). Set zero_optimization.stage3_prefetch_bucket_size to 0 in the DeepSpeed "
+                "config, and report the model and config to hf_fused."
+            )
+        missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
         if missing:
             missing[0].all_gather(param_list=missing)
             self.params += missing
