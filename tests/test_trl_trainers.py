@@ -278,9 +278,10 @@ def _kto_builder(tmp_path, ref_source, **config):
     return build
 
 
-def test_kto_matches_trl(tmp_path, monkeypatch):
+@pytest.mark.parametrize("patch", ["before", "after"])
+def test_kto_matches_trl(patch, tmp_path, monkeypatch):
     model = make_model()
-    trainer, _ = _parity(_kto_builder(tmp_path, _perturbed(model)), monkeypatch, model=model)
+    trainer, _ = _parity(_kto_builder(tmp_path, _perturbed(model)), monkeypatch, model=model, patch=patch)
     assert hf_fused.is_fused(trainer.ref_model)
 
 
@@ -312,10 +313,10 @@ def _rloo_builder(tmp_path, model, beta=0.0, **config):
     return build
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.05])
-def test_rloo_matches_trl(beta, tmp_path, monkeypatch):
+@pytest.mark.parametrize("beta,patch", [(0.0, "before"), (0.05, "before"), (0.05, "after")])
+def test_rloo_matches_trl(beta, patch, tmp_path, monkeypatch):
     model = make_model()
-    trainer, _ = _parity(_rloo_builder(tmp_path, model, beta), monkeypatch, model=model)
+    trainer, _ = _parity(_rloo_builder(tmp_path, model, beta), monkeypatch, model=model, patch=patch)
     if beta:
         assert hf_fused.is_fused(trainer.ref_model)
 
