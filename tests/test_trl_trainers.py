@@ -616,3 +616,53 @@ def test_no_vocab_sized_activation_on_hf_fused(name, tmp_path):
     # control: TRL's own CPU head scores every position in one [N, V] block, and the check sees it
     stock = builders[name]()(make_model(), [])
     assert _largest_vocab_activation(stock, VOCAB_SIZE, hidden) > hidden + 8
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The protocol answer itself, field by field, against TRL's head on the same model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+@pytest.mark.parametrize("aligned", ["labels", "shift_labels"])
+@pytest.mark.parametrize("masked", ["some", "all"])
+def test_every_field_equals_trls_head(arch, aligned, masked):
+    """``model(..., fused_lm_head=True)`` on a patched model against TRL's own head on an unpatched copy: every field
+    (values, and the gradients of a loss that uses log-probs and entropy), with a temperature, with and without
+    ``num_items_in_batch``; an all-ignored batch still gives a differentiable zero (TRL's ``masked_scatter``)."""
+    outputs = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    stock, patched = make_model(arch), make_model(arch)
+    trl_utils.add_fused_lm_head(stock, temperature=0.7, outputs=outputs)
+    hf_fused.apply_fused_loss(patched)
+    trl_utils.add_fused_lm_head(patched, temperature=0.7, outputs=outputs)  # hf_fused records the options
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 40, (3, 9), generator=g)
+    attention = torch.ones_like(ids)
+    attention[1, -3:] = 0
+    labels = ids.masked_fill(attention == 0, -100)
+    labels[:, :2] = -100
+    if masked == "all":
+        labels[:] = -100
+    call = {aligned: labels}
+    if arch == "qwen3moe":
+        call["output_router_logits"] = True
+    results = []
+    for model in (stock, patched):
+        model.zero_grad()
+        for num_items in (None, 7):
+            out = model(input_ids=ids, attention_mask=attention, fused_lm_head=True, num_items_in_batch=num_items,
+                        **call)
+            (out.loss + (out.entropy * out.log_probs.detach()).sum()).backward()
+        results.append((out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (want, want_grads), (got, got_grads) = results
+    for field in ("loss", "aux_loss", *outputs, "label_mask"):
+        a, b = getattr(got, field), getattr(want, field)
+        if b is None:
+            assert a is None, field
+        elif b.dtype == torch.bool:
+            assert torch.equal(a, b), field
+        else:
+            assert a.shape == b.shape and torch.allclose(a, b, rtol=RTOL, atol=1e-6), (field, (a - b).abs().max())
+    assert got.log_probs.requires_grad
+    assert want_grads.keys() == got_grads.keys()
+    for name, b in want_grads.items():
+        assert (got_grads[name] - b).abs().max() <= RTOL * b.abs().max() + 1e-7, name
