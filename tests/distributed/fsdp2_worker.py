@@ -22,7 +22,7 @@ from tiny_models import make_batch, make_model, rel_err
 from hf_fused import apply_fused_loss
 
 
-def main(out_path: str, arch: str, tied: bool, patch_before_sharding: bool) -> None:
+def main(out_path: str, arch: str, tied: bool, patch_before_sharding: bool, head_unit: bool = False) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
@@ -32,6 +32,8 @@ def main(out_path: str, arch: str, tied: bool, patch_before_sharding: bool) -> N
         apply_fused_loss(model)
     for layer in model.model.layers:
         fully_shard(layer)
+    if head_unit:  # lm_head its own FSDP2 unit: resharded after its call, as a layer is
+        fully_shard(model.lm_head)
     fully_shard(model)
     if not patch_before_sharding:
         apply_fused_loss(model)  # the patch-time probe runs collectively through the sharded model
@@ -59,7 +61,7 @@ def main(out_path: str, arch: str, tied: bool, patch_before_sharding: bool) -> N
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3] == "tied", sys.argv[4] == "before")
+    main(sys.argv[1], sys.argv[2], sys.argv[3] == "tied", sys.argv[4] == "before", sys.argv[5:] == ["head-unit"])
     # The result is on disk; skip interpreter teardown, where gloo's threads have aborted a rank before.
     sys.stdout.flush()
     sys.stderr.flush()

@@ -28,15 +28,17 @@ pytestmark = [
 
 @pytest.mark.parametrize(
     "arch, tied, when",
-    [("llama", "untied", "before"), ("qwen3", "tied", "before"), ("gemma2", "untied", "after")],
-    ids=["llama-untied-patch-then-shard", "qwen3-tied-patch-then-shard", "gemma2-softcap-shard-then-patch"],
+    [("llama", "untied", "before"), ("qwen3", "tied", "before"), ("gemma2", "untied", "after"),
+     ("llama", "untied", "before-head-unit")],
+    ids=["llama-untied-patch-then-shard", "qwen3-tied-patch-then-shard", "gemma2-softcap-shard-then-patch",
+         "llama-lm_head-own-unit"],
 )
 def test_fsdp2_sharded_fused_loss_matches_unsharded_reference(tmp_path, arch, tied, when):
     out = tmp_path / "errors.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "fsdp2_worker.py"), str(out), arch, tied, when]
+           str(HERE / "fsdp2_worker.py"), str(out), arch, tied, *when.split("-", 1)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
