@@ -1,7 +1,9 @@
 """Backends implement the tiled math; the public ops choose one per call.
 
 A backend provides ``logprobs_with_grads``, ``logprobs_forward`` and ``logprobs_backward`` with the
-signatures of :class:`~hf_fused.ops.backends.torch_reference.TorchReferenceBackend`. The pure-PyTorch
+signatures of :class:`~hf_fused.ops.backends.torch_reference.TorchReferenceBackend`, and optionally
+``token_loss_with_grads`` (the one pass of :func:`~hf_fused.ops.linear_token_loss` and of a ``TokenLossHint``;
+without it those run statistics + recompute). The pure-PyTorch
 reference runs everywhere and is what CI tests; faster GPU backends register here and are chosen
 automatically for CUDA tensors. ``HF_FUSED_BACKEND=<name>`` or the ``backend=`` argument forces one.
 """
