@@ -22,7 +22,7 @@ def find_causal_lm(model: nn.Module) -> nn.Module:
             current = current._orig_mod
         elif _is_peft_model(current):
             current = current.get_base_model()
-        elif isinstance(getattr(current, "module", None), nn.Module) and not _has_lm_head(current):
+        elif isinstance(getattr(current, "module", None), nn.Module) and not _owns_lm_head(current):
             current = current.module
         else:
             break
@@ -37,6 +37,12 @@ def find_causal_lm(model: nn.Module) -> nn.Module:
 
 def _is_peft_model(module: nn.Module) -> bool:
     return hasattr(module, "get_base_model") and hasattr(module, "peft_config")
+
+
+def _owns_lm_head(module: nn.Module) -> bool:
+    # DeepSpeed's engine forwards unknown attributes to its module (``__getattr__``), so it seems to have an
+    # lm_head; only a class that defines get_output_embeddings owns one.
+    return hasattr(type(module), "get_output_embeddings") and _has_lm_head(module)
 
 
 def _has_lm_head(module: nn.Module) -> bool:
