@@ -1,4 +1,8 @@
-"""The math: fused lm_head losses on plain tensors (no transformers, no trl imports)."""
+"""The math: fused lm_head losses on plain tensors (no transformers, no trl imports).
+
+Public: the ops (:func:`linear_cross_entropy`, :func:`linear_logprobs`, :func:`linear_token_loss`,
+:func:`linear_grpo_loss`), their option and result types, :func:`describe_plan` (which schedule a call takes)
+and the backend registry. Other names importable from here (``rows_per_tile``) are internals kept for tests."""
 
 from .backends import available_backends, get_backend, register_backend
 from .cross_entropy import linear_cross_entropy
@@ -6,7 +10,7 @@ from .logit_transform import LogitTransform
 from .logprobs import HintMissedWarning, linear_logprobs
 from .tiling import DEFAULT_TILE_BUDGET_BYTES, describe_plan, rows_per_tile
 from .rl_objectives import GRPOLossOutput, GRPOObjective, grpo_token_loss, linear_grpo_loss
-from .token_loss import TokenLossOutput, linear_token_loss
+from .token_loss import TokenLossHint, TokenLossOutput, linear_token_loss
 
 __all__ = [
     "DEFAULT_TILE_BUDGET_BYTES",
@@ -23,6 +27,6 @@ __all__ = [
     "linear_logprobs",
     "linear_token_loss",
     "register_backend",
-    "rows_per_tile",
+    "TokenLossHint",
     "TokenLossOutput",
 ]
