@@ -10,28 +10,35 @@ from typing import Optional
 import torch
 
 from .peers import ALL_PEERS, DEFAULT_PEERS, select_peers
-from .problems import FULL_PROBLEMS, LOSS_TYPE_PROBLEMS, QUICK_LOSS_TYPE_PROBLEMS, QUICK_PROBLEMS, select_problems
+from .problems import FULL_PROBLEMS, PROBLEM_GROUPS, QUICK_PROBLEMS, select_problems
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def _all_problems(quick: bool) -> list:
+    extra = [p for full, small in PROBLEM_GROUPS.values() for p in (small if quick else full)]
+    return (QUICK_PROBLEMS if quick else FULL_PROBLEMS) + extra
+
+
 def build_parser() -> argparse.ArgumentParser:
-    shapes = ", ".join(p.name for p in FULL_PROBLEMS + LOSS_TYPE_PROBLEMS)
-    quick = ", ".join(p.name for p in QUICK_PROBLEMS + QUICK_LOSS_TYPE_PROBLEMS)
+    groups = ", ".join(PROBLEM_GROUPS)
+    shapes = ", ".join(p.name for p in _all_problems(quick=False))
+    quick = ", ".join(p.name for p in _all_problems(quick=True))
     peers = ", ".join(f"{p.key} ({p.label})" for p in ALL_PEERS)
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="Fused lm_head cross-entropy / GRPO losses vs eager PyTorch, Liger, Apple CCE, TRL and torch: "
         "median fwd+bwd time, peak memory above inputs+grads, TFLOP/s vs the matmul ceiling, and loss/gradient "
         "error against a float64 reference. Writes DIR/bench.json, bench.txt and bench.png.",
-        epilog=f"shapes: {shapes} (kinds: ce, grpo, grpo-loss-types); with --quick: {quick}. peers: {peers}. "
+        epilog=f"shapes: {shapes} (kinds: ce, grpo; groups: {groups}); with --quick: {quick}. peers: {peers}. "
         f"Default peers: {', '.join(DEFAULT_PEERS)}.",
     )
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory (default: bench_out)")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
     parser.add_argument("--shapes", default=None,
-                        help="comma-separated shape names or kinds (ce, grpo, grpo-loss-types); default ce and grpo")
+                        help="comma-separated shape names, kinds (ce, grpo) or groups (grpo-loss-types, grpo-offpolicy-kl); "
+                        "default ce and grpo")
     parser.add_argument("--peers", default=None, help="comma-separated peer keys, or 'all' (adds cce_exact)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per pair (median; default 5)")
     parser.add_argument("--hf-backend", default=None, help="force an hf_fused backend (e.g. torch, triton)")
@@ -54,7 +61,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.list:
-        for p in QUICK_PROBLEMS + QUICK_LOSS_TYPE_PROBLEMS if args.quick else FULL_PROBLEMS + LOSS_TYPE_PROBLEMS:
+        for p in _all_problems(args.quick):
             print(f"shape {p.name:32s} {p.describe()}")
         for cls in ALL_PEERS:
             print(f"peer  {cls.key:32s} {cls.label}{'' if cls.key in DEFAULT_PEERS else ' (not default)'}")

@@ -5,21 +5,27 @@ An adapter turns a problem's :class:`~benchmarks.problems.Inputs` into the scala
 
 * ``ce_loss(inputs)``: mean cross-entropy over the non-ignored tokens;
 * ``grpo(inputs)``: ``(loss, logps [B, T] or None, entropy [B, T] or None)``; by default the peer's
-  per-token log-probs (``logprobs``) feed the shared :func:`~benchmarks.problems.grpo_loss`.
+  per-token log-probs (``logprobs``) feed the shared :func:`~benchmarks.problems.problem_loss` (TRL's loss,
+  on- or off-policy with its KL term, as the problem says).
 
 ``load()`` imports the peer (``ImportError`` → the run records it as skipped); ``unsupported(kind,
-device)`` returns why a problem kind or device is out of the peer's reach (recorded as ``n/a``).
+device)`` returns why a problem kind or device is out of the peer's reach and ``unsupported_problem(problem)``
+why one problem variant is (e.g. off-policy for a loss that assumes ratio 1), both recorded as ``n/a``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .problems import IGNORE_INDEX, EPSILON_HIGH, EPSILON_LOW, Inputs, grpo_loss, token_weights_at_ratio_one
+from .problems import (
+    EPSILON_HIGH, EPSILON_LOW, IGNORE_INDEX, Inputs, Problem, normalizer_weights, problem_loss, token_weights_at_ratio_one,
+    trl_per_token_loss,
+)
 
 #: ``hf_fused (32 MiB tiles)``: the smaller tile budget variant.
 SMALL_TILE_BUDGET = 32 * 1024**2
@@ -59,6 +65,10 @@ class Peer:
             return "no per-token log-probs"
         return None
 
+    def unsupported_problem(self, problem: Problem) -> Optional[str]:
+        """Why this problem variant is out of reach (``None``: it is not); see :meth:`unsupported` for kinds."""
+        return None
+
     def ce_loss(self, inp: Inputs) -> torch.Tensor:
         raise NotImplementedError
 
@@ -67,7 +77,7 @@ class Peer:
 
     def grpo(self, inp: Inputs) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         logps, entropy = self.logprobs(inp)
-        return grpo_loss(logps, inp.mask, inp.advantages, inp.loss_type), logps, entropy
+        return problem_loss(logps, inp), logps, entropy
 
 
 def _flat(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,16 +148,24 @@ class LigerGRPOPeer(Peer):
         return ("liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss(beta=0, use_ref_model=False, loss_type=<the "
                 "problem's>, max_completion_length=T, epsilon_low=0.2, epsilon_high=0.28, compiled=True, "
                 "chunk_size=1)(hidden[B,T,H], weight, ids, mask, advantages): the whole loss in one call (TRL's "
-                "use_liger_kernel path); no log-probs out")
+                "use_liger_kernel path before TRL 1.16); no log-probs out. Off-policy KL problem: beta=0.04, "
+                "use_ref_model=True, and old_per_token_logps= / ref_per_token_logps= the problem's")
 
     def grpo(self, inp):
-        key = (inp.loss_type, inp.mask.shape[1])
+        key = (inp.loss_type, inp.mask.shape[1], inp.beta)
         if key not in self._fns:
             self._fns[key] = self._cls(
-                beta=0.0, use_ref_model=False, loss_type=inp.loss_type, max_completion_length=inp.mask.shape[1],
-                epsilon_low=EPSILON_LOW, epsilon_high=EPSILON_HIGH, compiled=True, chunk_size=1,
+                beta=inp.beta, use_ref_model=inp.ref_logps is not None, loss_type=inp.loss_type,
+                max_completion_length=inp.mask.shape[1], epsilon_low=EPSILON_LOW, epsilon_high=EPSILON_HIGH,
+                compiled=True, chunk_size=1,
             )
-        loss, _metrics = self._fns[key](inp.hidden, inp.weight, inp.token_ids, inp.mask.long(), inp.advantages)
+        extra = {}
+        if inp.old_logps is not None:
+            extra["old_per_token_logps"] = inp.old_logps
+        if inp.ref_logps is not None:
+            extra["ref_per_token_logps"] = inp.ref_logps
+        loss, _metrics = self._fns[key](inp.hidden, inp.weight, inp.token_ids, inp.mask.long(), inp.advantages,
+                                        **extra)
         return loss, None, None
 
 
@@ -357,6 +375,11 @@ class HFFusedOnePassGRPOPeer(HFFusedPeer):
     def unsupported(self, kind, device):
         return "GRPO problem only (its cross-entropy is the hf_fused rows)" if kind != "grpo" else None
 
+    def unsupported_problem(self, problem):
+        if problem.off_policy_kl:
+            return "on-policy, KL-free only (its token weights are the gradient at ratio 1); see hf_fused_token_loss"
+        return None
+
     def grpo(self, inp):
         budget = _one_pass_budget(inp.weight, self.rows_per_tile)
         token_weights = token_weights_at_ratio_one(inp.mask, inp.advantages, inp.loss_type)
@@ -379,23 +402,78 @@ class HFFusedHintGRPOPeer(HFFusedPeer):
     key, label = "hf_fused_hint", "hf_fused (grad_hint, default)"
 
     def describe(self):
-        return ("hf_fused.ops.linear_logprobs(hidden, weight, labels, return_entropy=True, grad_hint=A·mask/normalizer, "
+        return ("hf_fused.ops.linear_logprobs(hidden, weight, labels, return_entropy=True, grad_hint=A·mask/normalizer "
+                "(on-policy) | TokenLossHint(TRL's per-token loss, advantages/old/ref/normalizer) (off-policy KL), "
                 "tile_budget_bytes=None), then the problem's GRPO loss")
 
     def unsupported(self, kind, device):
         return "GRPO problem only (its cross-entropy is the hf_fused rows)" if kind != "grpo" else None
 
     def logprobs(self, inp):
+        if inp.old_logps is None and inp.ref_logps is None:
+            hint = token_weights_at_ratio_one(inp.mask, inp.advantages, inp.loss_type)
+        else:  # off the ratio-1 point the gradient is no fixed weight per token: hint with the token loss itself
+            from hf_fused.ops import TokenLossHint
+
+            hint = TokenLossHint(functools.partial(_trl_token_loss, beta=inp.beta), _trl_per_token(inp))
         return self._lp(
             inp.hidden, inp.weight, inp.labels, return_entropy=self.with_entropy, tile_budget_bytes=None,
-            backend=self.backend, grad_hint=token_weights_at_ratio_one(inp.mask, inp.advantages, inp.loss_type),
+            backend=self.backend, grad_hint=hint,
         )
+
+
+def _trl_per_token(inp: Inputs) -> dict:
+    """The problem's per-token constants for :func:`_trl_token_loss`, all ``[B, T]`` like the labels."""
+    consts = {"advantages": inp.advantages.float().unsqueeze(-1).expand(inp.mask.shape).contiguous(),
+              "scale": normalizer_weights(inp.mask, inp.loss_type)}
+    if inp.old_logps is not None:
+        consts["old_logps"] = inp.old_logps
+    if inp.ref_logps is not None:
+        consts["ref_logps"] = inp.ref_logps
+    return consts
+
+
+def _trl_token_loss(logprobs, entropy, *, advantages, scale, old_logps=None, ref_logps=None, beta=0.0):
+    """TRL's per-token loss (:func:`~benchmarks.problems.trl_per_token_loss`, the same code the other peers'
+    log-probs go through) times the reduction's per-token weight: summed over tokens, the problem's loss."""
+    return trl_per_token_loss(logprobs, advantages, old_logps, ref_logps, beta) * scale
+
+
+class HFFusedTokenLossPeer(HFFusedPeer):
+    """The problem's whole GRPO objective, on- or off-policy with its KL term, through
+    ``hf_fused.ops.linear_token_loss`` with default options: TRL's per-token loss times the reduction's
+    per-token weight (``mask / normalizer``), summed, with the head gradients computed in the forward's single
+    pass (6·N·H·V) when the planner's default budget holds it. Returns the log-probs (and the entropy when asked
+    for, not used by the loss)."""
+
+    key, label = "hf_fused_token_loss", "hf_fused (linear_token_loss)"
+
+    def load(self):
+        super().load()
+        from hf_fused.ops import linear_token_loss
+
+        self._tl = linear_token_loss
+
+    def describe(self):
+        return ("hf_fused.ops.linear_token_loss(hidden, weight, labels, token_loss=TRL 1.16's per-token GRPO loss "
+                "(clipped ratio vs old log-probs, + β·k3 KL vs reference) × mask/normalizer, per_token={advantages, "
+                "scale, old_logps, ref_logps}, need_entropy=True, tile_budget_bytes=None)")
+
+    def unsupported(self, kind, device):
+        return "GRPO problem only (its cross-entropy is the hf_fused rows)" if kind != "grpo" else None
+
+    def grpo(self, inp):
+        out = self._tl(
+            inp.hidden, inp.weight, inp.labels, functools.partial(_trl_token_loss, beta=inp.beta),
+            per_token=_trl_per_token(inp), need_entropy=self.with_entropy, backend=self.backend,
+        )
+        return out.loss, out.logprobs, out.entropy
 
 
 #: Every adapter, in table order.
 ALL_PEERS = [EagerPeer, LigerPeer, LigerGRPOPeer, CCEPeer, CCEExactPeer, QuackPeer, TRLPeer, TorchPeer, HFFusedPeer,
              HFFusedLeanPeer, HFFusedSmallTilesPeer, HFFusedLargeBudgetPeer, HFFusedOnePassGRPOPeer,
-             HFFusedHintGRPOPeer]
+             HFFusedHintGRPOPeer, HFFusedTokenLossPeer]
 #: Run when ``--peers`` is not given (``cce_exact`` only on request).
 DEFAULT_PEERS = [p.key for p in ALL_PEERS if p.key != "cce_exact"]
 

@@ -8,6 +8,14 @@ Two kinds:
 * ``grpo``: per-token log-probabilities of ``B`` completions of ``T`` tokens (the last ``T/8`` of each
   completion masked out as padding), a GRPO-family loss on top (:func:`grpo_loss`; DAPO unless the
   problem names another ``loss_type``), then backward.
+
+A GRPO problem may be **off-policy with a KL term** (``--shapes grpo-offpolicy-kl``): old log-probs that differ
+from the current ones (so the ratio is not 1 and both DAPO clips are active on some tokens) and a reference
+model's log-probs, with ``beta`` = :data:`BETA` times TRL's k3 estimator added per token, exactly TRL 1.16's
+``GRPOTrainer._compute_loss`` (token-level importance sampling, no vLLM correction). The old and reference
+log-probs are fixed at input setup: the float64 log-probs of the current inputs plus Gaussian noise
+(:data:`OLD_LOGP_NOISE`, :data:`REF_LOGP_NOISE`), so they are deterministic and close to what a real step
+sees after one optimizer update.
 """
 
 from __future__ import annotations
@@ -28,6 +36,13 @@ EPSILON_LOW, EPSILON_HIGH = 0.2, 0.28
 LOGIT_STD = 4.0
 #: TRL loss types with the clipped-ratio per-token loss; they differ only in the normalization.
 GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+#: KL coefficient of the off-policy problem (the value of TRL's ``beta`` before it defaulted to 0).
+BETA = 0.04
+#: Standard deviation of ``old − current`` log-probs in the off-policy problem: exp(±0.2) crosses both clip
+#: bounds (0.8, 1.28) for a sizeable fraction of the tokens.
+OLD_LOGP_NOISE = 0.2
+#: Standard deviation of ``ref − current`` log-probs in the off-policy problem.
+REF_LOGP_NOISE = 0.1
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,7 @@ class Problem:
     B: Optional[int] = None
     T: Optional[int] = None
     loss_type: str = "dapo"
+    off_policy_kl: bool = False  # old log-probs ≠ current and a β·k3 KL term (module docstring)
 
     @property
     def flops_per_token_hv(self) -> int:
@@ -52,16 +68,17 @@ class Problem:
     def describe(self) -> str:
         if self.kind == "ce":
             return f"cross-entropy N×H×V = {self.N}×{self.H}×{self.V}"
-        return f"GRPO ({self.loss_type}) B×T×H×V = {self.B}×{self.T}×{self.H}×{self.V}"
+        extra = f", off-policy, KL β={BETA} (k3)" if self.off_policy_kl else ""
+        return f"GRPO ({self.loss_type}{extra}) B×T×H×V = {self.B}×{self.T}×{self.H}×{self.V}"
 
 
 def _ce(n: int, h: int, v: int) -> Problem:
     return Problem(f"ce-{_k(n)}-h{h}-v{_k(v)}", "ce", n, h, v)
 
 
-def _grpo(b: int, t: int, h: int, v: int, loss_type: str = "dapo") -> Problem:
-    suffix = "" if loss_type == "dapo" else f"-{loss_type}"
-    return Problem(f"grpo-{b}x{_k(t)}-h{h}-v{_k(v)}{suffix}", "grpo", b * t, h, v, b, t, loss_type)
+def _grpo(b: int, t: int, h: int, v: int, loss_type: str = "dapo", off_policy_kl: bool = False) -> Problem:
+    suffix = ("" if loss_type == "dapo" else f"-{loss_type}") + ("-offpolicy-kl" if off_policy_kl else "")
+    return Problem(f"grpo-{b}x{_k(t)}-h{h}-v{_k(v)}{suffix}", "grpo", b * t, h, v, b, t, loss_type, off_policy_kl)
 
 
 def _k(x: int) -> str:
@@ -78,6 +95,8 @@ FULL_PROBLEMS = [
 ]
 #: The first GRPO shape under TRL's other clipped-ratio loss types (``--shapes grpo-loss-types``).
 LOSS_TYPE_PROBLEMS = [_grpo(16, 2048, 2048, 151936, lt) for lt in GRPO_LOSS_TYPES[1:]]
+#: The first GRPO shape off-policy with the KL term (``--shapes grpo-offpolicy-kl``).
+OFFPOLICY_KL_PROBLEMS = [_grpo(16, 2048, 2048, 151936, off_policy_kl=True)]
 
 #: Tiny problems for ``--quick`` (CPU smoke tests, CI).
 QUICK_PROBLEMS = [
@@ -87,26 +106,34 @@ QUICK_PROBLEMS = [
     _grpo(4, 64, 64, 1000),
 ]
 QUICK_LOSS_TYPE_PROBLEMS = [_grpo(2, 64, 64, 1000, lt) for lt in GRPO_LOSS_TYPES[1:]]
+QUICK_OFFPOLICY_KL_PROBLEMS = [_grpo(2, 64, 64, 1000, off_policy_kl=True)]
+#: Named groups of extra problems, selectable by their key in ``--shapes``: (full, quick).
+PROBLEM_GROUPS = {
+    "grpo-loss-types": (LOSS_TYPE_PROBLEMS, QUICK_LOSS_TYPE_PROBLEMS),
+    "grpo-offpolicy-kl": (OFFPOLICY_KL_PROBLEMS, QUICK_OFFPOLICY_KL_PROBLEMS),
+}
 
 
 def select_problems(spec: Optional[str], quick: bool) -> list[Problem]:
-    """Problems named by ``spec``: comma-separated names, kinds (``ce``, ``grpo``: the DAPO shapes),
-    ``grpo-loss-types`` (the other loss types) or ``all`` (every shape, DAPO for GRPO).
+    """Problems named by ``spec``: comma-separated names, kinds (``ce``, ``grpo``: the DAPO shapes), group keys
+    (``grpo-loss-types``: the other loss types; ``grpo-offpolicy-kl``: off-policy with a KL term) or ``all``
+    (every shape, on-policy DAPO for GRPO).
 
     Raises:
         ValueError: a name that matches no problem (the message lists them).
     """
     pool = QUICK_PROBLEMS if quick else FULL_PROBLEMS
-    loss_types = QUICK_LOSS_TYPE_PROBLEMS if quick else LOSS_TYPE_PROBLEMS
+    groups = {key: group[1 if quick else 0] for key, group in PROBLEM_GROUPS.items()}
+    extras = [p for group in groups.values() for p in group]
     if not spec or spec == "all":
         return list(pool)
     chosen: list[Problem] = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
-        matches = loss_types if item == "grpo-loss-types" else [p for p in pool + loss_types if item == p.name]
+        matches = groups.get(item) or [p for p in pool + extras if item == p.name]
         matches = matches or [p for p in pool if item == p.kind]
         if not matches:
-            names = ", ".join(p.name for p in pool + loss_types)
-            raise ValueError(f"unknown shape {item!r}; choose from: all, ce, grpo, grpo-loss-types, {names}")
+            names = ", ".join(p.name for p in pool + extras)
+            raise ValueError(f"unknown shape {item!r}; choose from: all, ce, grpo, {', '.join(groups)}, {names}")
         chosen += [p for p in matches if p not in chosen]
     return chosen
 
@@ -122,6 +149,8 @@ class Inputs:
     mask: ``[B, T]`` bool, True where the token counts (grpo).
     advantages: ``[B]`` fp32 (grpo).
     loss_type: the GRPO loss on top (:func:`grpo_loss`).
+    old_logps, ref_logps: ``[B, T]`` fp32 old-policy and reference log-probs of ``token_ids`` (off-policy
+        problem; ``None`` otherwise: on-policy, no KL term). beta: the KL coefficient (0 without ``ref_logps``).
     """
 
     hidden: torch.Tensor
@@ -132,13 +161,17 @@ class Inputs:
     advantages: Optional[torch.Tensor] = None
     loss_type: str = "dapo"
     extras: dict = field(default_factory=dict)
+    old_logps: Optional[torch.Tensor] = None
+    ref_logps: Optional[torch.Tensor] = None
+    beta: float = 0.0
 
     @property
     def n_valid(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
 
     def tensors(self) -> list[torch.Tensor]:
-        all_ = (self.hidden, self.weight, self.labels, self.token_ids, self.mask, self.advantages)
+        all_ = (self.hidden, self.weight, self.labels, self.token_ids, self.mask, self.advantages, self.old_logps,
+                self.ref_logps)
         return [t for t in all_ if t is not None]
 
 
@@ -161,10 +194,20 @@ def make_inputs(problem: Problem, device: torch.device, dtype: torch.dtype, seed
     mask[:, t - int(t * GRPO_MASKED_TAIL) :] = False
     labels = token_ids.masked_fill(~mask, IGNORE_INDEX)
     advantages = torch.randn(b, generator=gen, device=device, dtype=torch.float32)
-    return Inputs(
+    inputs = Inputs(
         hidden.view(b, t, h).requires_grad_(), weight.requires_grad_(), labels, token_ids, mask, advantages,
         problem.loss_type,
     )
+    if problem.off_policy_kl:
+        from .reference import float64_logprobs  # the reference module imports this one
+
+        # Of every position's token (the masked tail too: peers that score it see finite, close values there).
+        current = float64_logprobs(hidden, weight, ids).view(b, t)
+        noise = torch.randn(2, b, t, generator=gen, device=device, dtype=torch.float64)
+        inputs.old_logps = (current + OLD_LOGP_NOISE * noise[0]).float()
+        inputs.ref_logps = (current + REF_LOGP_NOISE * noise[1]).float()
+        inputs.beta = BETA
+    return inputs
 
 
 def _normalize(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str) -> torch.Tensor:
@@ -181,26 +224,59 @@ def _normalize(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str) -> t
     raise ValueError(f"unknown loss_type {loss_type!r}; choose from {GRPO_LOSS_TYPES}")
 
 
-def grpo_loss(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, loss_type: str = "dapo") -> torch.Tensor:
-    """TRL's clipped-ratio loss on-policy (old log-probs = ``logps.detach()``, no KL term):
-    ``−min(r·A, clamp(r, 1−0.2, 1+0.28)·A)`` per token with ``r = exp(logp − old)``, reduced as
-    ``loss_type`` says (:func:`_normalize`). Works in the dtype of ``logps`` (the reference runs it in
+def trl_per_token_loss(logps: torch.Tensor, advantages: torch.Tensor, old_logps: Optional[torch.Tensor] = None,
+                       ref_logps: Optional[torch.Tensor] = None, beta: float = 0.0) -> torch.Tensor:
+    """TRL 1.16 ``GRPOTrainer._compute_loss``'s per-token loss before masking and reduction (token-level
+    importance sampling, clipped-ratio loss types, no vLLM correction), elementwise on any one shape::
+
+        r  = exp(logp − old)                                   (old = logp.detach() when None: r = 1)
+        pg = −min(r·A, clamp(r, 1 − 0.2, 1 + 0.28)·A)
+        kl = exp(ref − logp) − (ref − logp) − 1                (k3; only when ref is given)
+        loss = pg + β·kl
+
+    ``advantages`` broadcasts against ``logps`` (``[B, 1]`` for per-sequence advantages of ``[B, T]``); constants
+    are cast to ``logps``' dtype, so the float64 reference runs it all in float64."""
+    old = logps.detach() if old_logps is None else old_logps.to(logps.dtype)
+    ratio = torch.exp(logps - old)
+    adv = advantages.to(logps.dtype)
+    per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - EPSILON_LOW, 1 + EPSILON_HIGH) * adv)
+    if ref_logps is not None and beta != 0.0:
+        d = ref_logps.to(logps.dtype) - logps
+        per_token = per_token + beta * (torch.exp(d) - d - 1)
+    return per_token
+
+
+def grpo_loss(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, loss_type: str = "dapo",
+              old_logps: Optional[torch.Tensor] = None, ref_logps: Optional[torch.Tensor] = None,
+              beta: float = 0.0) -> torch.Tensor:
+    """TRL's clipped-ratio GRPO loss on ``[B, T]`` log-probs: :func:`trl_per_token_loss` with ``[B]``
+    advantages, reduced as ``loss_type`` says (:func:`_normalize`). On-policy without a KL term when
+    ``old_logps`` / ``ref_logps`` are ``None``. Works in the dtype of ``logps`` (the reference runs it in
     float64).
 
     Raises:
         ValueError: an unknown ``loss_type``.
     """
-    ratio = torch.exp(logps - logps.detach())
-    adv = advantages.to(logps.dtype).unsqueeze(-1)
-    per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - EPSILON_LOW, 1 + EPSILON_HIGH) * adv)
+    per_token = trl_per_token_loss(logps, advantages.unsqueeze(-1), old_logps, ref_logps, beta)
     return _normalize(per_token, mask, loss_type)
+
+
+def problem_loss(logps: torch.Tensor, inp: Inputs) -> torch.Tensor:
+    """The GRPO problem's loss on ``[B, T]`` log-probs (:func:`grpo_loss` with the inputs' constants)."""
+    return grpo_loss(logps, inp.mask, inp.advantages, inp.loss_type, inp.old_logps, inp.ref_logps, inp.beta)
+
+
+def normalizer_weights(mask: torch.Tensor, loss_type: str = "dapo") -> torch.Tensor:
+    """``[B, T]`` fp32 ``s`` with ``_normalize(x, mask, loss_type) = Σ s·x`` for every ``x`` (the reduction is
+    linear in the per-token loss): ``mask / normalizer`` per token, a per-sequence normalizer for ``grpo``."""
+    ones = torch.ones(mask.shape, dtype=torch.float32, device=mask.device, requires_grad=True)
+    with torch.enable_grad():
+        (weights,) = torch.autograd.grad(_normalize(ones, mask, loss_type), ones)
+    return weights
 
 
 def token_weights_at_ratio_one(mask: torch.Tensor, advantages: torch.Tensor, loss_type: str = "dapo") -> torch.Tensor:
     """``[B, T]`` fp32 weights ``w`` with ``∇ grpo_loss = ∇ Σ w·CE`` on-policy: at ratio 1 neither clip is
     active, so ``∂loss/∂logp = −A·mask / normalizer``, i.e. ``w = A·mask / normalizer``; and
     ``grpo_loss = −Σ w`` there."""
-    ones = torch.ones(mask.shape, dtype=torch.float32, device=mask.device, requires_grad=True)
-    with torch.enable_grad():
-        (per_token,) = torch.autograd.grad(_normalize(ones, mask, loss_type), ones)  # linear: mask / normalizer
-    return per_token * advantages.float().unsqueeze(-1)
+    return normalizer_weights(mask, loss_type) * advantages.float().unsqueeze(-1)

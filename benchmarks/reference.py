@@ -3,8 +3,9 @@
 Per tile of non-ignored rows: float64 logits ``z = h Wᵀ`` against the whole vocabulary, then
 ``lse``, ``logp = z[y] − lse``, entropy ``lse − Σ p z``; the logits gradient
 ``dz = g · (onehot(y) − p)`` gives ``dh = dz W`` and ``dW += dzᵀ h``, all in float64. For GRPO a first
-pass computes the log-probs, the DAPO loss and its gradient w.r.t. the log-probs run in float64 autograd
-on ``[B, T]``, and a second pass turns that into ``dh`` / ``dW``. The results go to host memory so the
+pass computes the log-probs, the problem's GRPO loss (:func:`~benchmarks.problems.problem_loss`: its loss
+type, and off-policy its old / reference log-probs and KL term) and its gradient w.r.t. the log-probs run
+in float64 autograd on ``[B, T]``, and a second pass turns that into ``dh`` / ``dW``. The results go to host memory so the
 peers get the device to themselves.
 """
 
@@ -16,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .problems import IGNORE_INDEX, Inputs, Problem, grpo_loss
+from .problems import IGNORE_INDEX, Inputs, Problem, problem_loss
 
 #: Memory for one tile's float64 temporaries (three ``[rows, V]`` arrays).
 REFERENCE_TILE_BYTES = 3 * 1024**3
@@ -57,6 +58,19 @@ def _accumulate_grads(z, lse, y, g, h64, w64, dh, dw, idx):
 
 
 @torch.no_grad()
+def float64_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
+                     tile_bytes: int = REFERENCE_TILE_BYTES) -> torch.Tensor:
+    """float64 ``log softmax(h Wᵀ)[y]`` of ``hidden [N, H]``, ``weight [V, H]``, ``ids [N]`` (every row), tile by
+    tile on their device."""
+    w64 = weight.detach().double()
+    out = torch.empty(ids.numel(), dtype=torch.float64, device=hidden.device)
+    for idx in _row_tiles(torch.arange(ids.numel(), device=hidden.device), weight.shape[0], tile_bytes):
+        _, _, logp = _stats(hidden.detach().index_select(0, idx).double(), w64, ids.index_select(0, idx))
+        out.index_copy_(0, idx, logp)
+    return out
+
+
+@torch.no_grad()
 def compute_reference(problem: Problem, inputs: Inputs, tile_bytes: int = REFERENCE_TILE_BYTES) -> Reference:
     """float64 loss, gradients (and GRPO log-probs / entropy) of ``problem`` on ``inputs``."""
     start = time.perf_counter()
@@ -94,7 +108,7 @@ def compute_reference(problem: Problem, inputs: Inputs, tile_bytes: int = REFERE
             del z, p
         with torch.enable_grad():
             lp = logps.view(problem.B, problem.T).clone().requires_grad_()
-            loss_t = grpo_loss(lp, inputs.mask, inputs.advantages.double(), problem.loss_type)
+            loss_t = problem_loss(lp, inputs)  # float64: the constants are cast to lp's dtype
             (g_logp,) = torch.autograd.grad(loss_t, lp)
         loss = float(loss_t)
         g_logp = g_logp.reshape(-1)

@@ -131,7 +131,7 @@ def run_pair(
         return rec
     rec["version"] = peer.version()
     rec["call"] = peer.describe()
-    reason = peer.unsupported(problem.kind, cfg.device)
+    reason = peer.unsupported(problem.kind, cfg.device) or peer.unsupported_problem(problem)
     if reason:
         rec.update(status=NA, note=reason)
         return rec

@@ -127,3 +127,53 @@ def test_torch_peer_matches_float64_where_torch_has_linear_cross_entropy(tmp_pat
         keys += ("logp_rel_err",) if shape.startswith("grpo") else ()
         for key in keys:
             assert r[key] < 1e-4, (shape, key, r[key])
+
+
+def test_offpolicy_kl_problem_matches_float64_for_every_logprob_peer_and_token_loss(tmp_path):
+    """``--shapes grpo-offpolicy-kl``: old log-probs ≠ current (both DAPO clips active), a β·k3 KL term against
+    reference log-probs; every log-prob peer through the shared loss code and ``hf_fused_token_loss`` (the whole
+    objective in ``linear_token_loss``) against the float64 reference; the ratio-1 token-weights peer is n/a."""
+    import warnings
+
+    from benchmarks.problems import EPSILON_HIGH, EPSILON_LOW, make_inputs
+    from benchmarks.reference import float64_logprobs
+    from hf_fused.ops.logprobs import HintMissedWarning
+
+    out = tmp_path / "bench"
+    peers = "eager,trl,hf_fused,hf_fused_hint,hf_fused_token_loss,hf_fused_1pass"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HintMissedWarning)  # the off-policy TokenLossHint must be taken, not recomputed
+        assert main(["--device", "cpu", "--quick", "--shapes", "grpo-offpolicy-kl,grpo-2x64-h64-v1k", "--peers", peers,
+                     "--repeats", "1", "--out", str(out), "--no-progress"]) == 0
+    doc = json.loads((out / "bench.json").read_text())
+    recs = _records(doc)
+    name = "grpo-2x64-h64-v1k-offpolicy-kl"
+    assert doc["problems"][name]["reference"] == "float64"
+    assert recs[(name, "hf_fused_1pass")]["status"] == "n/a"
+    for peer in peers.split(",")[:-1]:
+        r = recs[(name, peer)]
+        assert r["status"] == "ok", r
+        # fp32 inputs on CPU: fp32 accumulation, errors at fp32 rounding level
+        for key in ("loss_rel_err", "grad_hidden_rel_err", "grad_weight_rel_err", "logp_rel_err"):
+            assert r[key] < 1e-5, (peer, key, r[key])
+    # the variant is really off-policy: its loss differs from the on-policy one on the same hidden/weight/ids,
+    # and both clip bounds are crossed by some tokens
+    assert recs[(name, "hf_fused")]["loss_ref"] != pytest.approx(recs[("grpo-2x64-h64-v1k", "hf_fused")]["loss_ref"])
+    problem = select_problems(name, quick=True)[0]
+    inp = make_inputs(problem, torch.device("cpu"), torch.float32)
+    current = float64_logprobs(inp.hidden.detach().reshape(-1, problem.H), inp.weight, inp.token_ids.reshape(-1))
+    ratio = torch.exp(current.view(inp.mask.shape) - inp.old_logps.double())[inp.mask]
+    assert (ratio < 1 - EPSILON_LOW).any() and (ratio > 1 + EPSILON_HIGH).any()
+    assert inp.beta > 0 and not torch.equal(inp.ref_logps, inp.old_logps)
+
+
+def test_token_loss_peer_on_policy_and_loss_types(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["--device", "cpu", "--quick", "--shapes", "grpo-2x64-h64-v1k,grpo-loss-types", "--peers",
+                 "hf_fused_token_loss", "--repeats", "1", "--out", str(out), "--no-progress"]) == 0
+    doc = json.loads((out / "bench.json").read_text())
+    assert len(doc["results"]) == 4
+    for r in doc["results"]:
+        assert r["status"] == "ok", r
+        for key in ("loss_rel_err", "grad_hidden_rel_err", "grad_weight_rel_err", "logp_rel_err"):
+            assert r[key] < 1e-5, (r["problem"], key, r[key])
