@@ -82,9 +82,32 @@ class TorchReferenceBackend:
         requested (then ``grad_logprobs`` may be ``None``: the statistics forward). A GPU backend
         returns ``None`` instead when its budget cannot hold this one-pass working set; the reference
         always can (its backward holds the same fp32 ``[V, H]``)."""
+        tile_grads = None
+        if need_hidden or need_weight or need_bias:
+            tile_grads = lambda start, stop, logp, entropy: (grad_logprobs[start:stop], None)  # noqa: E731
+        return self._one_pass(hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes,
+                              return_entropy, need_hidden, need_weight, need_bias)
+
+    # -- a token-separable loss and its gradients, in one pass (hf_fused.ops.token_loss) ---------------
+    def token_loss_with_grads(
+        self, hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes, return_entropy,
+        need_hidden, need_weight, need_bias,
+    ):
+        """Like :meth:`logprobs_with_grads`, but each tile's per-row gradients come from
+        ``tile_grads(start, stop, logp [r], entropy [r] or None) -> (g_lp [r], g_ent [r] or None)`` (fp32, kept
+        rows ``start:stop``), called right after the tile's statistics; then
+        ``dz_j = g_lp·(1[j = y] − p_j) − g_ent·p_j·(log p_j + H)`` from the same logits. Returns
+        ``(logprobs, entropy or None, lse, grads)``; never ``None`` (see :meth:`logprobs_with_grads`)."""
+        return self._one_pass(hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes,
+                              return_entropy, need_hidden, need_weight, need_bias)
+
+    def _one_pass(self, hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes,
+                  return_entropy, need_hidden, need_weight, need_bias):
+        """The loop behind both methods above; statistics only (``grads`` ``None``) without ``tile_grads``."""
         weight32 = weight.float()
-        need_any = need_hidden or need_weight or need_bias
-        grads = self._new_grads(rows.numel(), hidden, weight, bias, need_hidden, need_weight, need_bias) if need_any else None
+        grads = None
+        if tile_grads is not None:
+            grads = self._new_grads(rows.numel(), hidden, weight, bias, need_hidden, need_weight, need_bias)
         m = rows.numel()
         out_logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
         out_lse = torch.empty_like(out_logp)
@@ -101,61 +124,24 @@ class TorchReferenceBackend:
             out_logp[start:stop] = (z.gather(1, y) - lse).squeeze(1)
             out_lse[start:stop] = lse.squeeze(1)
             logp = z.sub_(lse)  # log p_j, in place of z
-            if out_ent is not None:
-                out_ent[start:stop] = -logp.exp().mul_(logp).sum(1)
-            if grads is not None:
-                # ∂(Σ g·logp_y)/∂z_j = g·(1[j = y] − p_j)
-                g = grad_logprobs[start:stop].unsqueeze(1)
-                dz = logp.exp_().mul_(-g)
-                dz.scatter_add_(1, y, g)
-                dz = transform.backward(dz, tanh)
-                self._accumulate(grads, dz, h32, start, stop, weight32)
-                del dz
-            del z, tanh, logp
-            start = stop
-        return out_logp, out_ent, out_lse, grads
-
-    # -- a token-separable loss and its gradients, in one pass (hf_fused.ops.token_loss) ---------------
-    def token_loss_with_grads(
-        self, hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes, return_entropy,
-        need_hidden, need_weight, need_bias,
-    ):
-        """Like :meth:`logprobs_with_grads`, but each tile's per-row gradients come from
-        ``tile_grads(start, stop, logp [r], entropy [r] or None) -> (g_lp [r], g_ent [r] or None)`` (fp32, kept
-        rows ``start:stop``), called right after the tile's statistics; then
-        ``dz_j = g_lp·(1[j = y] − p_j) − g_ent·p_j·(log p_j + H)`` from the same logits. Returns
-        ``(logprobs, entropy or None, lse, grads)``; never ``None`` (see :meth:`logprobs_with_grads`)."""
-        weight32 = weight.float()
-        grads = self._new_grads(rows.numel(), hidden, weight, bias, need_hidden, need_weight, need_bias)
-        m = rows.numel()
-        out_logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
-        out_lse = torch.empty_like(out_logp)
-        out_ent = torch.empty_like(out_logp) if return_entropy else None
-        start = 0
-        for idx in tiles(rows, rows_per_tile(weight.shape[0], tile_budget_bytes)):
-            stop = start + idx.numel()
-            h32, z, tanh = self._logits(hidden, weight32, bias, idx, transform)
-            y = labels.index_select(0, idx).unsqueeze(1)
-            lse = torch.logsumexp(z, dim=1, keepdim=True)
-            out_logp[start:stop] = (z.gather(1, y) - lse).squeeze(1)
-            out_lse[start:stop] = lse.squeeze(1)
-            logp = z.sub_(lse)  # log p_j, in place of z
-            p = logp.exp()
+            p = logp.exp() if (out_ent is not None or grads is not None) else None
             ent = None
             if out_ent is not None:
                 out_ent[start:stop] = -torch.mul(p, logp).sum(1)
                 ent = out_ent[start:stop]
-            g_lp, g_ent = tile_grads(start, stop, out_logp[start:stop], ent)
-            # dz in the two tile arrays already alive (logp, p): the working set stays 3 tiles with tanh.
-            if g_ent is not None:
-                dz = logp.add_(ent.unsqueeze(1)).mul_(p).mul_(-g_ent.unsqueeze(1))  # −g_H·p_j(log p_j + H)
-                dz.sub_(p.mul_(g_lp.unsqueeze(1)))
-            else:
-                dz = p.mul_(-g_lp.unsqueeze(1))
-            dz.scatter_add_(1, y, g_lp.unsqueeze(1))  # + g_lp·1[j = y]
-            dz = transform.backward(dz, tanh)
-            self._accumulate(grads, dz, h32, start, stop, weight32)
-            del z, tanh, logp, p, dz
+            if grads is not None:
+                g_lp, g_ent = tile_grads(start, stop, out_logp[start:stop], ent)
+                # dz in the two tile arrays already alive (logp, p): the working set stays 3 tiles with tanh.
+                if g_ent is not None:
+                    dz = logp.add_(ent.unsqueeze(1)).mul_(p).mul_(-g_ent.unsqueeze(1))  # −g_H·p_j(log p_j + H)
+                    dz.sub_(p.mul_(g_lp.unsqueeze(1)))
+                else:
+                    dz = p.mul_(-g_lp.unsqueeze(1))
+                dz.scatter_add_(1, y, g_lp.unsqueeze(1))  # + g_lp·1[j = y]: ∂logp_y/∂z_j = 1[j = y] − p_j
+                dz = transform.backward(dz, tanh)
+                self._accumulate(grads, dz, h32, start, stop, weight32)
+                del dz
+            del z, tanh, logp, p
             start = stop
         return out_logp, out_ent, out_lse, grads
 

@@ -186,42 +186,13 @@ class TritonCublasBackend:
         """Like :meth:`TorchReferenceBackend.logprobs_with_grads`: one pass (6·M·H·V), token rows outside
         and whole vocabulary rows per tile, or ``None`` when the planner (:mod:`hf_fused.ops.tiling`) chooses
         the two passes."""
-        block_rows = self._one_pass_rows(weight, need_weight, tile_budget_bytes)
-        if not block_rows:
-            return None
-        h, y = self._compact(hidden, weight, labels, rows)
-        m_rows, vocab_size = h.shape[0], weight.shape[0]
         need_grad = need_hidden or need_weight or need_bias
-        grads = HeadGrads()
-        d_weight32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        d_hidden = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_hidden else None
-        if need_bias and bias is not None:
-            grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-        stats = self._new_stats(m_rows, h.device)
-        g_lp = grad_logprobs.to(torch.float32).contiguous()
-        scalars = self._scalars(transform, bias)
-        tile_buf = torch.empty((min(block_rows, max(m_rows, 1)), vocab_size), dtype=weight.dtype, device=h.device)
-        for r0 in range(0, m_rows, block_rows):
-            r1 = min(r0 + block_rows, m_rows)
-            dz = torch.mm(h[r0:r1], weight.t(), out=tile_buf[: r1 - r0])
-            row_stats = tuple(t[r0:r1] for t in stats)
-            self._stats(dz, 0, bias, y[r0:r1], row_stats, scalars, return_entropy)
-            if not need_grad:
-                continue
-            lse = row_stats[0] + row_stats[1].log()  # dz = g·∂logp/∂z, in place of the logits
-            self._grad(dz, 0, bias, y[r0:r1], lse, lse, g_lp[r0:r1], lse, scalars, True, False)
-            if d_hidden is not None:  # each row's dh is complete within its tile
-                _mm_f32_(d_hidden[r0:r1], dz, weight)
-            if d_weight32 is not None:
-                _addmm_f32_(d_weight32, dz.t(), h[r0:r1])
-            if grads.bias is not None:
-                grads.bias += dz.float().sum(0)
-        grads.hidden = d_hidden
-        grads.weight = d_weight32
-        run_max, run_sum, run_zp, label_logit = stats
-        lse = run_max + run_sum.log()
-        entropy = lse - run_zp / run_sum if return_entropy else None
-        return label_logit - lse, entropy, lse, grads if need_grad else None
+        tile_grads = None
+        if need_grad:
+            g_lp = grad_logprobs.to(torch.float32).contiguous()
+            tile_grads = lambda r0, r1, logp, entropy: (g_lp[r0:r1], None)  # noqa: E731
+        return self._one_pass(hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes,
+                              return_entropy, need_hidden, need_weight, need_bias)
 
     def token_loss_with_grads(
         self, hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes, return_entropy,
@@ -232,6 +203,17 @@ class TritonCublasBackend:
         ``tile_grads(r0, r1, logp, entropy)`` on the block's ``[rows]`` statistics for the per-row
         ``(g_lp, g_ent)``, then the gradient kernel on the same logits. ``None`` when the planner chooses
         two passes (the op then runs statistics + recompute)."""
+        return self._one_pass(hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes,
+                              return_entropy, need_hidden, need_weight, need_bias)
+
+    def _one_pass(
+        self, hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes, return_entropy,
+        need_hidden, need_weight, need_bias,
+    ):
+        """The one-pass loop behind both methods above: per full-vocabulary row block, the statistics kernel,
+        then (when ``tile_grads`` is given) ``tile_grads(r0, r1, logp, entropy) -> (g_lp, g_ent or None)`` and
+        the gradient kernel on the same logits, then dh and the fp32 dW accumulation. ``None`` when the
+        planner chooses two passes; ``grads`` is ``None`` without ``tile_grads``."""
         block_rows = self._one_pass_rows(weight, need_weight, tile_budget_bytes)
         if not block_rows:
             return None
@@ -250,6 +232,8 @@ class TritonCublasBackend:
             dz = torch.mm(h[r0:r1], weight.t(), out=tile_buf[: r1 - r0])
             run_max, run_sum, run_zp, label_logit = row_stats = tuple(t[r0:r1] for t in stats)
             self._stats(dz, 0, bias, y[r0:r1], row_stats, scalars, return_entropy)
+            if tile_grads is None:
+                continue
             lse = run_max + run_sum.log()
             ent = lse - run_zp / run_sum if return_entropy else None
             g_lp, g_ent = tile_grads(r0, r1, label_logit - lse, ent)
@@ -266,4 +250,4 @@ class TritonCublasBackend:
         run_max, run_sum, run_zp, label_logit = stats
         lse = run_max + run_sum.log()
         entropy = lse - run_zp / run_sum if return_entropy else None
-        return label_logit - lse, entropy, lse, grads
+        return label_logit - lse, entropy, lse, grads if tile_grads is not None else None
