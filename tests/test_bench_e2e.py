@@ -20,7 +20,7 @@ def test_e2e_tiny_cpu(tmp_path, capsys):
     assert "longest fit" in table and table.strip() in printed
 
     sft = {(r["variant"], r["seq_len"]): r for r in doc["sft"]["runs"]}
-    assert set(sft) == {(v, n) for v in ("plain", "liger", "hf_fused") for n in (32, 48)}
+    assert set(sft) == {(v, n) for v in ("plain", "liger", "hf_fused", "trl_sft", "hf_fused_trl_sft") for n in (32, 48)}
     for n in (32, 48):
         assert sft[("liger", n)]["status"] == "skipped" and sft[("liger", n)]["note"]
         plain, fused = sft[("plain", n)], sft[("hf_fused", n)]
@@ -35,3 +35,41 @@ def test_e2e_tiny_cpu(tmp_path, capsys):
     for variant in ("hf_fused", "hf_fused_one_pass"):
         assert math.isclose(grpo["trl"]["losses"][0], grpo[variant]["losses"][0], rel_tol=1e-4, abs_tol=1e-6)
         assert math.isclose(grpo["trl"]["grad_norm_last"], grpo[variant]["grad_norm_last"], rel_tol=1e-3)
+
+
+def test_e2e_tiny_sft_trainer_variants_and_gemma2(tmp_path, capsys):
+    """``trl_sft`` (SFTTrainer, TRL's own fused head) and ``hf_fused_trl_sft`` (apply_fused_loss + SFTTrainer)
+    next to the Trainer variants on the soft-capped Gemma-2 shape: same rows, same first loss, tokens/s recorded,
+    and each variant trained through the forward it claims."""
+    import torch
+
+    from benchmarks.e2e.models import SHAPES, build_model, model_config
+
+    out = tmp_path / "e2e"
+    variants = ("plain", "hf_fused", "trl_sft", "hf_fused_trl_sft")
+    argv = ["--tiny", "--device", "cpu", "--model", "gemma2-2b", "--parts", "sft", "--seq-lens", "32",
+            "--sft-variants", ",".join(variants), "--steps", "2", "--out", str(out)]
+    assert main(argv) == 0
+    doc = json.loads((out / "e2e.json").read_text())
+    assert "Gemma-2" in doc["sft"]["model"] and doc["sft"]["shape"]["final_logit_softcapping"] > 0
+    runs = {r["variant"]: r for r in doc["sft"]["runs"]}
+    assert set(runs) == set(variants)
+    for v, r in runs.items():
+        assert r["status"] == "ok", r
+        assert r["checkpointing"] and len(r["step_s"]) == 2 and r["tokens_per_s"] > 0
+        assert "Gemma2ForCausalLM" in r["forward"] or r["forward"].startswith("hf_fused"), r["forward"]
+        assert r["forward"].startswith("hf_fused") == v.startswith("hf_fused"), (v, r["forward"])
+        # fp32 on CPU: the fused and TRL heads reduce in another order than the dense loss, nothing more
+        for step in range(2):
+            assert math.isclose(r["losses"][step], runs["plain"]["losses"][step], rel_tol=1e-5), (v, step, r["losses"])
+    table = (out / "e2e.txt").read_text()
+    assert all(v in table for v in variants)
+
+    # the tiny shape's soft-capping bends its logits, so the agreement above covers it
+    ids = torch.randint(2, SHAPES["tiny-gemma2"]["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(0))
+    config = model_config("tiny-gemma2", 512)
+    with torch.no_grad():
+        capped = build_model(config, torch.device("cpu"), torch.float32, 0, "eager")(input_ids=ids, labels=ids).loss
+        config.final_logit_softcapping = None
+        uncapped = build_model(config, torch.device("cpu"), torch.float32, 0, "eager")(input_ids=ids, labels=ids).loss
+    assert not math.isclose(float(capped), float(uncapped), rel_tol=1e-4)

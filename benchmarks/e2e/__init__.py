@@ -15,7 +15,17 @@ three variants:
 * ``liger``: ``TrainingArguments(use_liger_kernel=True)``, i.e. Liger's fused linear cross-entropy
   **and** its RoPE / RMSNorm / SwiGLU kernels (transformers' default Liger config; ``liger_flce``, not run
   by default, applies the fused linear cross-entropy alone);
-* ``hf_fused``: ``hf_fused.apply_fused_loss(model)``, then the same ``Trainer``.
+* ``hf_fused``: ``hf_fused.apply_fused_loss(model)``, then the same ``Trainer``;
+* ``trl_sft``: ``trl.SFTTrainer`` (TRL 1.16, ``loss_type="nll"``, ``max_length`` = the row length, no packing) on
+  the same rows as pre-tokenized ``input_ids``: TRL's own chunked fused LM head (which also computes the
+  entropy and top-1 accuracy it logs);
+* ``hf_fused_trl_sft``: ``apply_fused_loss(model)``, then the same ``SFTTrainer``: hf_fused answers TRL's
+  fused-head call (``hf_fused.integrations.trl``).
+
+``--model gemma2-2b`` swaps the SFT model for a Gemma-2-2B shape (``transformers.Gemma2Config``: 256,000-token
+vocabulary, hidden 2304, 26 layers, 8 heads, 4 KV heads, head_dim 256, intermediate 9216, final-logit
+soft-capping 30, attention soft-capping 50, sliding window 4096) under ``eager`` attention, since transformers
+refuses SDPA for Gemma-2; Liger's patches then go to ``modeling_gemma2``.
 
 Each run records tokens/s over the timed steps (a ``TrainerCallback`` synchronizes the GPU at step
 begin/end), ``torch.cuda.max_memory_allocated()`` over the whole ``train()`` (weights, gradients,

@@ -14,7 +14,7 @@ import torch
 from ..runner import device_name, versions
 from . import __doc__ as PACKAGE_DOC
 from .grpo import GRPO_VARIANTS, grpo_part
-from .models import SHAPES
+from .models import SFT_MODELS, SHAPES, attn_implementation, is_gemma2
 from .report import log, table
 from .sft import ALL_SFT_VARIANTS, SFT_VARIANTS, sft_part
 
@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=list(SFT_VARIANTS), help=f"default {','.join(SFT_VARIANTS)}; also liger_flce")
     p.add_argument("--grpo-variants", type=lambda s: parse_list(s, GRPO_VARIANTS, "GRPO variant"),
                    default=list(GRPO_VARIANTS), help=f"default {','.join(GRPO_VARIANTS)}")
+    p.add_argument("--model", choices=sorted(SFT_MODELS), default="qwen3-1.7b",
+                   help="SFT model shape (default qwen3-1.7b; gemma2-2b: 256k vocabulary, final logits soft-capped at "
+                        "30, eager attention); the GRPO part stays Qwen3-0.6B")
     p.add_argument("--steps", type=int, default=3, help="timed steps per run (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps per run (default 1)")
     p.add_argument("--optim", default="adamw_torch", help="SFT optimizer (TrainingArguments.optim; default adamw_torch)")
@@ -72,7 +75,7 @@ def resolve_args(args, parser) -> argparse.Namespace:
     # bf16 weights on CUDA; fp32 on CPU, where bf16 matmuls are very slow and only the plumbing is tested.
     args.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tiny = args.tiny
-    args.sft_shape = "tiny" if tiny else "qwen3-1.7b"
+    args.sft_shape = SFT_MODELS[args.model][1 if tiny else 0]
     args.grpo_shape = "tiny" if tiny else "qwen3-0.6b"
     args.max_positions = 512 if tiny else 40960
     args.seq_lens = args.seq_lens or ([64, 128, 256] if tiny else [4096, 16384, 32768])
@@ -90,8 +93,9 @@ def new_doc(args, argv) -> dict:
         "argv": argv,
         "env": environment(args.device),
         "sft": {
-            "model": f"{args.sft_shape}-shaped Qwen3 (random init, tied, {dt}, sdpa)",
-            "setup": (f"Trainer, batch 1, grad checkpointing, {args.optim}, {args.warmup} warm-up + {args.steps} "
+            "model": (f"{args.sft_shape}-shaped {'Gemma-2' if is_gemma2(args.sft_shape) else 'Qwen3'} (random init, "
+                      f"tied, {dt}, {attn_implementation(args.sft_shape)})"),
+            "setup": (f"Trainer (trl_* variants: trl.SFTTrainer), batch 1, grad checkpointing, {args.optim}, {args.warmup} warm-up + {args.steps} "
                       f"timed steps"),
             "shape": SHAPES[args.sft_shape],
             "variants": args.sft_variants,

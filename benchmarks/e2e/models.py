@@ -1,5 +1,6 @@
-"""The end-to-end benchmark's models and data: Qwen3 shapes (random init), gradient checkpointing under
-either transformers spelling, a step timer and random token rows."""
+"""The end-to-end benchmark's models and data: Qwen3 and Gemma-2 shapes (random init), gradient checkpointing
+under either transformers spelling, a step timer and random token rows (as a torch dataset for ``Trainer`` and
+as pre-tokenized ``input_ids`` for TRL's ``SFTTrainer``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,38 @@ SHAPES = {
                        num_key_value_heads=8, head_dim=128, vocab_size=151936),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=4096),
+    # google/gemma-2-2b's config.json: 256,000-token vocabulary, final logits soft-capped at 30 (attention at 50).
+    "gemma2-2b": dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=256, vocab_size=256000, final_logit_softcapping=30.0,
+                      attn_logit_softcapping=50.0, query_pre_attn_scalar=256, sliding_window=4096),
+    # The tiny shape's random-init logits stay below 1 in magnitude: a cap of 0.5 bends them, so the smoke test's
+    # loss agreement covers the soft-capping (30 would leave them untouched).
+    "tiny-gemma2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, vocab_size=4096, final_logit_softcapping=0.5,
+                        attn_logit_softcapping=50.0, query_pre_attn_scalar=16, sliding_window=32),
 }
+#: ``--model`` → (full shape, ``--tiny`` shape). Default: Qwen3-1.7B.
+SFT_MODELS = {"qwen3-1.7b": ("qwen3-1.7b", "tiny"), "gemma2-2b": ("gemma2-2b", "tiny-gemma2")}
+
+
+def is_gemma2(shape: str) -> bool:
+    return "gemma2" in shape
+
+
+def attn_implementation(shape: str) -> str:
+    """SDPA, except for Gemma-2, which transformers refuses to run under SDPA (no attention-logit soft-capping
+    there): ``eager``, its reference implementation."""
+    return "eager" if is_gemma2(shape) else "sdpa"
+
+
+def model_config(shape: str, max_positions: int):
+    """The transformers config of a named shape (tied embeddings, no KV cache)."""
+    if not is_gemma2(shape):
+        return qwen3_config(shape, max_positions)
+    from transformers import Gemma2Config
+
+    return Gemma2Config(**SHAPES[shape], tie_word_embeddings=True, max_position_embeddings=max_positions,
+                        use_cache=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)
 
 
 def qwen3_config(shape: str, max_positions: int):
@@ -27,13 +59,13 @@ def qwen3_config(shape: str, max_positions: int):
                        use_cache=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)
 
 
-def build_model(config, device: torch.device, dtype: torch.dtype, seed: int):
+def build_model(config, device: torch.device, dtype: torch.dtype, seed: int, attn: str = "sdpa"):
     """A fresh random-init causal LM built directly on ``device`` (same weights for the same seed)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     model.config.use_cache = False
     return model
 
@@ -104,3 +136,10 @@ class RandomTokens(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+    def as_hf_dataset(self):
+        """The same rows as a ``datasets.Dataset`` of pre-tokenized ``input_ids`` (what ``SFTTrainer`` takes
+        without tokenizing; its collator makes the labels from them)."""
+        from datasets import Dataset
+
+        return Dataset.from_dict({"input_ids": self.ids.tolist()})

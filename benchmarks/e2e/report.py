@@ -36,7 +36,7 @@ def sft_table(doc: dict) -> list[str]:
         return []
     lines = [f"SFT  {sft['model']}, {sft['setup']}",
              "  cell: tokens/s | peak GiB (max_memory_allocated over train(): weights+grads+optimizer+activations)"]
-    head = f"  {'variant':10s}" + "".join(f"{f'seq {n}':>22s}" for n in lens) + f"{'longest fit':>14s}"
+    head = f"  {'variant':18s}" + "".join(f"{f'seq {n}':>22s}" for n in lens) + f"{'longest fit':>14s}"
     lines.append(head)
     for v in variants:
         cells = []
@@ -51,7 +51,7 @@ def sft_table(doc: dict) -> list[str]:
             else:
                 cells.append(r["status"])
         fit = longest_fit(runs, v)
-        lines.append(f"  {v:10s}" + "".join(f"{c:>22s}" for c in cells) + f"{(str(fit) if fit else 'none'):>14s}")
+        lines.append(f"  {v:18s}" + "".join(f"{c:>22s}" for c in cells) + f"{(str(fit) if fit else 'none'):>14s}")
     notes = sorted({f"{r['variant']}: {r['note']}" for r in runs if r.get("note") and r["note"] != "time budget"
                     and not r["note"].startswith(("OOM at", "error at"))})
     notes += sorted({f"{r['variant']} @ {r['seq_len']}: {r['error']}" for r in runs if r["status"] == "error"})

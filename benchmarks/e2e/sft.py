@@ -1,4 +1,5 @@
-"""Part A: SFT steps with ``transformers.Trainer``, unpatched vs Liger vs ``apply_fused_loss``."""
+"""Part A: SFT steps with ``transformers.Trainer`` (unpatched vs Liger vs ``apply_fused_loss``) and with TRL's
+``SFTTrainer`` (its own fused LM head vs ``apply_fused_loss``), on the same model and token rows."""
 
 from __future__ import annotations
 
@@ -13,11 +14,17 @@ from typing import Optional
 import torch
 
 from ..measure import GIB, allocated_gib, free_memory, is_oom, peak_gib, reset_peak, short_error, synchronize
-from .models import RandomTokens, build_model, checkpointing_on, make_step_timer, n_params, quiet_run_kwargs, qwen3_config
+from .models import (
+    RandomTokens, attn_implementation, build_model, checkpointing_on, is_gemma2, make_step_timer, model_config, n_params,
+    quiet_run_kwargs,
+)
 from .report import describe_sft, log
 
-SFT_VARIANTS = ("plain", "liger", "hf_fused")
+#: ``Trainer`` variants, then ``SFTTrainer`` ones: ``trl_sft`` (TRL 1.16's own chunked fused LM head, installed by
+#: ``SFTTrainer``) and ``hf_fused_trl_sft`` (``apply_fused_loss(model)`` first: hf_fused answers TRL's fused call).
+SFT_VARIANTS = ("plain", "liger", "hf_fused", "trl_sft", "hf_fused_trl_sft")
 ALL_SFT_VARIANTS = SFT_VARIANTS + ("liger_flce",)
+TRL_SFT_VARIANTS = ("trl_sft", "hf_fused_trl_sft")
 
 def liger_unavailable(device: torch.device) -> Optional[str]:
     """None when transformers' ``use_liger_kernel`` can run here, else why not."""
@@ -70,14 +77,40 @@ def sft_training_args(variant: str, out_dir: str, args, device: torch.device):
     return TrainingArguments(**kwargs)
 
 
-def _sft_once(variant: str, seq_len: int, args, device: torch.device) -> dict:
+def sft_trl_config(out_dir: str, seq_len: int, args, device: torch.device):
+    """``SFTConfig`` with the ``Trainer`` variants' settings; ``max_length`` the row length (no truncation),
+    no packing, ``loss_type="nll"`` (TRL's default: mean negative log-likelihood over the label tokens)."""
+    from trl import SFTConfig
+
+    return SFTConfig(
+        output_dir=out_dir, max_steps=args.warmup + args.steps, per_device_train_batch_size=1,
+        gradient_accumulation_steps=1, learning_rate=1e-5, optim=args.optim, max_length=seq_len, packing=False,
+        loss_type="nll", **quiet_run_kwargs(args, device, SFTConfig),
+    )
+
+
+def _make_trainer(variant: str, model, dataset: RandomTokens, tmp: str, seq_len: int, args, device, timer):
+    if variant in TRL_SFT_VARIANTS:
+        from trl import SFTTrainer
+
+        from .grpo import word_tokenizer
+
+        # The rows are pre-tokenized ids; the tokenizer only supplies the pad / eos ids SFTTrainer asks for.
+        return SFTTrainer(model=model, args=sft_trl_config(tmp, seq_len, args, device),
+                          train_dataset=dataset.as_hf_dataset(), processing_class=word_tokenizer(), callbacks=[timer])
     from transformers import Trainer
+
+    return Trainer(model=model, args=sft_training_args(variant, tmp, args, device), train_dataset=dataset,
+                   callbacks=[timer])
+
+
+def _sft_once(variant: str, seq_len: int, args, device: torch.device) -> dict:
     from transformers.trainer_callback import PrinterCallback
 
     t_build = time.perf_counter()
-    config = qwen3_config(args.sft_shape, max(args.max_positions, seq_len))
-    model = build_model(config, device, args.dtype, args.seed)
-    if variant == "hf_fused":
+    config = model_config(args.sft_shape, max(args.max_positions, seq_len))
+    model = build_model(config, device, args.dtype, args.seed, attn_implementation(args.sft_shape))
+    if variant in ("hf_fused", "hf_fused_trl_sft"):
         from hf_fused import apply_fused_loss
 
         apply_fused_loss(model)
@@ -87,8 +120,7 @@ def _sft_once(variant: str, seq_len: int, args, device: torch.device) -> dict:
     timer = make_step_timer(device)
     dataset = RandomTokens(args.warmup + args.steps, seq_len, config.vocab_size, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(model=model, args=sft_training_args(variant, tmp, args, device), train_dataset=dataset,
-                          callbacks=[timer])
+        trainer = _make_trainer(variant, model, dataset, tmp, seq_len, args, device, timer)
         trainer.remove_callback(PrinterCallback)  # no per-step log dicts on stdout
         reset_peak(device)
         t_train = time.perf_counter()
@@ -125,7 +157,8 @@ def run_sft(variant: str, seq_len: int, args, device: torch.device) -> dict:
     """One (variant, sequence length) run; OOM and other errors become a status, never an exception."""
     leftover = free_memory(device)
     t0 = time.perf_counter()
-    ctx = (restored_module_globals("transformers.models.qwen3.modeling_qwen3") if variant.startswith("liger")
+    family = "gemma2" if is_gemma2(args.sft_shape) else "qwen3"
+    ctx = (restored_module_globals(f"transformers.models.{family}.modeling_{family}") if variant.startswith("liger")
            else contextlib.nullcontext())
     try:
         with ctx:
