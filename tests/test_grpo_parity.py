@@ -528,3 +528,32 @@ def test_reference_model_wrapped_by_accelerate_bf16(patch, tmp_path):
     # ratios and loss by a few 1e-2 relative. The check is that both are the same objective, not rounding-equal.
     for key in ("kl", "entropy"):
         assert math.isclose(got.metrics[key][0], ref.metrics[key][0], rel_tol=5e-2, abs_tol=1e-3), key
+
+
+# ------------------------------------------------------------------------------------------------------------
+# TRL's default precision: GRPOConfig leaves bf16 unset, which TRL turns into True (autocast, on CPU too).
+
+
+@pytest.mark.parametrize("loss_type,beta", [("dapo", 0.0), ("grpo", 0.04)])
+def test_trl_default_config_bf16_no_further_from_fp32_than_trl(loss_type, beta, tmp_path):
+    """``FusedGRPOTrainer`` and ``GRPOTrainer`` with TRL's default ``bf16``: every parameter gradient of one
+    generation batch (one vector, a stable statistic) is as close to the fp32 ``GRPOTrainer``'s as TRL's own bf16
+    run is (within 1.25×, the bound the ops meet under autocast). Both round the body to bf16 alike; TRL's CPU head
+    also rounds its logits to bf16, hf_fused's keeps them fp32."""
+    fp32 = Case(config=dict(loss_type=loss_type, beta=beta, bf16=False), off_policy_noise=OFF)
+    default = Case(config=dict(loss_type=loss_type, beta=beta, bf16=None), off_policy_noise=OFF)
+    ref = run_step(build_trainer(GRPOTrainer, fp32, tmp_path / "fp32"), fp32)
+    trl_trainer = build_trainer(GRPOTrainer, default, tmp_path / "trl")
+    fused_trainer = build_trainer(FusedGRPOTrainer, default, tmp_path / "fused")
+    assert trl_trainer.args.bf16 and fused_trainer.args.bf16  # TRL's default really is bf16
+    trl, got = run_step(trl_trainer, default), run_step(fused_trainer, default)
+
+    def vector(step):
+        return torch.cat([step.grads[n].double().flatten() for n in sorted(step.grads)])
+
+    want = vector(ref)
+    e = float((vector(trl) - want).norm() / want.norm())
+    f = float((vector(got) - want).norm() / want.norm())
+    assert e > 0, "bf16 changed nothing: autocast was not on"
+    print(f"bf16 gradient error: hf_fused {f:.3g}, TRL {e:.3g}")
+    assert f <= 1.25 * e, f"hf_fused bf16 gradient error {f:.3g} vs TRL's bf16 {e:.3g}"
