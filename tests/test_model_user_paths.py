@@ -41,6 +41,9 @@ def _dataset(n=8, seed=0):
 TRAIN, EVAL = _dataset(8, seed=0), _dataset(4, seed=1)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
 def _args(tmp_path, **overrides):
     kwargs = dict(
         output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no", seed=0, data_seed=0,
@@ -70,7 +73,8 @@ def _rel(a, b):
 # ---------------------------------------------------------------------------------- Trainer(bf16=True)
 
 
-def test_plain_trainer_bf16_is_no_further_from_fp32_than_unpatched(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_plain_trainer_bf16_is_no_further_from_fp32_than_unpatched(tmp_path, device):
     """The README's example on CPU: ``apply_fused_loss`` then ``Trainer(bf16=True)`` (autocast on an fp32
     model; it crashed in the first backward before). Three steps against the unpatched ``Trainer(bf16=True)``
     and an fp32 run: the final parameters (a vector, so its error is a stable statistic) are as close to
@@ -79,10 +83,11 @@ def test_plain_trainer_bf16_is_no_further_from_fp32_than_unpatched(tmp_path):
     held to the two bf16 runs agreeing: both round every layer to bf16 (2**-8 relative per rounding) and
     differ only in the head's roundings, which moves the loss by under 2**-8 and the grad norm by a few
     roundings (1e-2)."""
-    base = make_model("qwen3", tie_word_embeddings=False)
-    fp32 = _train(copy.deepcopy(base), tmp_path / "fp32")
-    eager = _train(copy.deepcopy(base), tmp_path / "eager", bf16=True)
-    fused = _train(apply_fused_loss(copy.deepcopy(base)), tmp_path / "fused", bf16=True)
+    base = make_model("qwen3", tie_word_embeddings=False).to(device)
+    on = dict(use_cpu=device == "cpu")
+    fp32 = _train(copy.deepcopy(base), tmp_path / "fp32", **on)
+    eager = _train(copy.deepcopy(base), tmp_path / "eager", bf16=True, **on)
+    fused = _train(apply_fused_loss(copy.deepcopy(base)), tmp_path / "fused", bf16=True, **on)
     e, f = _rel(eager[2], fp32[2]), _rel(fused[2], fp32[2])
     assert e > 0, "bf16 changed nothing: autocast was not on"
     assert f <= 1.25 * e, f"final parameters: fused bf16 error {f:.3g} vs unpatched bf16 {e:.3g}"
@@ -90,16 +95,17 @@ def test_plain_trainer_bf16_is_no_further_from_fp32_than_unpatched(tmp_path):
     assert float(((fused[1] - eager[1]) / eager[1]).abs().max()) <= 1e-2, (fused[1], eager[1])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
-def test_autocast_gradients_no_further_from_fp32_than_unpatched(arch):
+def test_autocast_gradients_no_further_from_fp32_than_unpatched(arch, device):
     """One forward+backward under bf16 autocast, every parameter's gradient (one vector) against the fp32
     unpatched model's: the patched model's error is at most 1.25× the unpatched model's under the same
     autocast (Gemma 2: soft-cap)."""
-    base = make_model(arch, tie_word_embeddings=False)
-    input_ids, attention_mask, labels = make_batch()
+    base = make_model(arch, tie_word_embeddings=False).to(device)
+    input_ids, attention_mask, labels = (t.to(device) for t in make_batch())
 
     def grad_vector(model, autocast):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
         return torch.cat([p.grad.double().flatten() for p in model.parameters()])
