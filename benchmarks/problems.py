@@ -11,7 +11,8 @@ Two kinds:
 
 A GRPO problem may be **off-policy with a KL term** (``--shapes grpo-offpolicy-kl``): old log-probs that differ
 from the current ones (so the ratio is not 1 and both DAPO clips are active on some tokens) and a reference
-model's log-probs, with ``beta`` = :data:`BETA` times TRL's k3 estimator added per token, exactly TRL 1.16's
+model's log-probs, with ``beta`` = :data:`BETA` times TRL's k3 estimator added per token, importance-weighted by the
+ratio as TRL 1.16 does by default (``use_bias_correction_kl=True``): exactly TRL 1.16's
 ``GRPOTrainer._compute_loss`` (token-level importance sampling, no vLLM correction). The old and reference
 log-probs are fixed at input setup: the float64 log-probs of the current inputs plus Gaussian noise
 (:data:`OLD_LOGP_NOISE`, :data:`REF_LOGP_NOISE`), so they are deterministic and close to what a real step
@@ -231,8 +232,10 @@ def trl_per_token_loss(logps: torch.Tensor, advantages: torch.Tensor, old_logps:
 
         r  = exp(logp − old)                                   (old = logp.detach() when None: r = 1)
         pg = −min(r·A, clamp(r, 1 − 0.2, 1 + 0.28)·A)
-        kl = exp(ref − logp) − (ref − logp) − 1                (k3; only when ref is given)
+        kl = (exp(ref − logp) − (ref − logp) − 1) · r          (k3, bias-corrected; only when ref is given)
         loss = pg + β·kl
+
+    The ``· r`` is TRL 1.16's default ``GRPOConfig.use_bias_correction_kl=True`` (``per_token_kl * coef_1``).
 
     ``advantages`` broadcasts against ``logps`` (``[B, 1]`` for per-sequence advantages of ``[B, T]``); constants
     are cast to ``logps``' dtype, so the float64 reference runs it all in float64."""
@@ -242,7 +245,7 @@ def trl_per_token_loss(logps: torch.Tensor, advantages: torch.Tensor, old_logps:
     per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - EPSILON_LOW, 1 + EPSILON_HIGH) * adv)
     if ref_logps is not None and beta != 0.0:
         d = ref_logps.to(logps.dtype) - logps
-        per_token = per_token + beta * (torch.exp(d) - d - 1)
+        per_token = per_token + beta * (torch.exp(d) - d - 1) * ratio
     return per_token
 
 
