@@ -148,24 +148,22 @@ class LigerGRPOPeer(Peer):
         return ("liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss(beta=0, use_ref_model=False, loss_type=<the "
                 "problem's>, max_completion_length=T, epsilon_low=0.2, epsilon_high=0.28, compiled=True, "
                 "chunk_size=1)(hidden[B,T,H], weight, ids, mask, advantages): the whole loss in one call (TRL's "
-                "use_liger_kernel path before TRL 1.16); no log-probs out. Off-policy KL problem: beta=0.04, "
-                "use_ref_model=True, and old_per_token_logps= / ref_per_token_logps= the problem's")
+                "use_liger_kernel path before TRL 1.16); no log-probs out")
+
+    def unsupported_problem(self, problem):
+        if problem.off_policy_kl:  # Liger 0.8.5 grpo_loss.py: per_token_loss + beta * k3, no "· coef_1"
+            return ("its KL term is k3 without TRL 1.16's default bias correction (use_bias_correction_kl: k3 · ratio), "
+                    "a different objective")
+        return None
 
     def grpo(self, inp):
-        key = (inp.loss_type, inp.mask.shape[1], inp.beta)
+        key = (inp.loss_type, inp.mask.shape[1])
         if key not in self._fns:
             self._fns[key] = self._cls(
-                beta=inp.beta, use_ref_model=inp.ref_logps is not None, loss_type=inp.loss_type,
-                max_completion_length=inp.mask.shape[1], epsilon_low=EPSILON_LOW, epsilon_high=EPSILON_HIGH,
-                compiled=True, chunk_size=1,
+                beta=0.0, use_ref_model=False, loss_type=inp.loss_type, max_completion_length=inp.mask.shape[1],
+                epsilon_low=EPSILON_LOW, epsilon_high=EPSILON_HIGH, compiled=True, chunk_size=1,
             )
-        extra = {}
-        if inp.old_logps is not None:
-            extra["old_per_token_logps"] = inp.old_logps
-        if inp.ref_logps is not None:
-            extra["ref_per_token_logps"] = inp.ref_logps
-        loss, _metrics = self._fns[key](inp.hidden, inp.weight, inp.token_ids, inp.mask.long(), inp.advantages,
-                                        **extra)
+        loss, _metrics = self._fns[key](inp.hidden, inp.weight, inp.token_ids, inp.mask.long(), inp.advantages)
         return loss, None, None
 
 
