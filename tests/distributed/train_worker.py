@@ -190,7 +190,7 @@ def main(case: dict) -> None:
     initial = full_parameters(model)
     extra = {}
     if case["trainer"] == "FusedTrainer" and case.get("tile_budget_bytes"):
-        extra["fused_loss_kwargs"] = {"tile_budget_bytes": case["tile_budget_bytes"]}
+        extra["fused_options"] = {"tile_budget_bytes": case["tile_budget_bytes"]}
     trainer = trainer_cls(model=model, args=args, train_dataset=TinyDataset(),
                           data_collator=transformers.default_data_collator, **extra)
     counts.clear()  # from here on: training only (not the patch-time probe)
