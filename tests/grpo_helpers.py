@@ -370,3 +370,54 @@ def copy_weights(src, dst):
     with torch.no_grad():
         for name, p in src.named_parameters():
             dst_params[name].copy_(p)
+
+
+# --- memory: the largest vocabulary-sized activation a block computes --------------------------------------------
+
+_VIEW_OPS = {"t", "transpose", "permute", "view", "_unsafe_view", "expand", "alias", "detach", "slice", "select",
+             "unsqueeze", "squeeze", "as_strided", "reshape", "unbind", "split", "chunk", "lift_fresh"}
+
+
+class VocabRows:
+    """Inside ``with VocabRows(vocab) as rec:``, ``rec.max_rows`` is the largest number of rows of any freshly
+    computed (non-view) tensor whose last dimension is ``vocab`` and which has more than ``min_numel`` elements
+    (``(H + 8)·V`` leaves out the ``[V, H]`` parameters and gradients)."""
+
+    def __init__(self, vocab: int, min_numel: int = 0):
+        self.vocab, self.min_numel, self.rows = vocab, min_numel, []
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func.__name__.split(".")[0] not in _VIEW_OPS:
+                    for t in out if isinstance(out, (tuple, list)) else [out]:
+                        if (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == outer.vocab
+                                and t.numel() > outer.min_numel):
+                            outer.rows.append(t.numel() // outer.vocab)
+                return out
+
+        self._mode = Record()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+    @property
+    def max_rows(self) -> int:
+        return max(self.rows, default=0)
+
+
+def train_and_log(cls, case: "Case", tmp_path):
+    """``trainer.train()`` of ``cls`` on ``case``: the log history without timings, and each parameter's update."""
+    trainer = build_trainer(cls, case, tmp_path)
+    start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    logs = [{k: v for k, v in entry.items() if "time" not in k and "per_second" not in k}
+            for entry in trainer.state.log_history]
+    return logs, {n: p.detach() - start[n] for n, p in trainer.model.named_parameters()}

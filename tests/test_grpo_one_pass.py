@@ -19,7 +19,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from grpo_helpers import DEVICE, Case, assert_same_step, build_trainer, max_grad_relerr, run_step  # noqa: E402
+from grpo_helpers import (  # noqa: E402
+    DEVICE, Case, assert_same_step, build_trainer, max_grad_relerr, run_step, train_and_log,
+)
 from trl import GRPOTrainer  # noqa: E402
 
 from hf_fused.ops import get_backend  # noqa: E402
@@ -165,12 +167,7 @@ E2E = Case(
 
 
 def _train(cls, tmp_path):
-    trainer = build_trainer(cls, E2E, tmp_path)
-    start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer.train()
-    logs = [{k: v for k, v in entry.items() if "time" not in k and "per_second" not in k}
-            for entry in trainer.state.log_history]
-    return logs, {n: p.detach() - start[n] for n, p in trainer.model.named_parameters()}
+    return train_and_log(cls, E2E, tmp_path)
 
 
 def test_train_end_to_end_in_one_pass_matches_trl(tmp_path, monkeypatch):

@@ -19,6 +19,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from grpo_helpers import (  # noqa: E402
+    VocabRows,
+    train_and_log,
     DEVICE,
     VOCAB_SIZE,
     Case,
@@ -316,12 +318,7 @@ E2E = Case(
 
 
 def _train(cls, tmp_path):
-    trainer = build_trainer(cls, E2E, tmp_path)
-    start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer.train()
-    logs = [{k: v for k, v in entry.items() if "time" not in k and "per_second" not in k}
-            for entry in trainer.state.log_history]
-    return logs, {n: p.detach() - start[n] for n, p in trainer.model.named_parameters()}
+    return train_and_log(cls, E2E, tmp_path)
 
 
 def test_train_end_to_end_matches_trl(tmp_path):
@@ -346,30 +343,12 @@ def test_train_end_to_end_matches_trl(tmp_path):
 
 # --- memory: no vocabulary-sized activation beyond one tile --------------------------------------------------------
 
-_VIEW_OPS = {"t", "transpose", "permute", "view", "_unsafe_view", "expand", "alias", "detach", "slice", "select",
-             "unsqueeze", "squeeze", "as_strided", "reshape", "unbind", "split", "chunk", "lift_fresh"}
-
-
 def _largest_vocab_activation(trainer, case):
     """Largest number of rows of any freshly computed tensor whose last dimension is the vocabulary, during a full
-    generation-batch step (old/reference log-probs, loss, backward). Parameters (and their gradients and
-    transposes, ``[V, H]`` / ``[H, V]``) are excluded by only counting tensors with ``numel > (H + 8) · V``."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func.__name__.split(".")[0] not in _VIEW_OPS:
-                for t in out if isinstance(out, (tuple, list)) else [out]:
-                    if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == VOCAB_SIZE:
-                        seen.append(t.numel() // VOCAB_SIZE)
-            return out
-
-    with Record():
+    generation-batch step (old/reference log-probs, loss, backward)."""
+    with VocabRows(VOCAB_SIZE) as rec:
         step = run_step(trainer, case)
-    return max(seen, default=0), step
+    return rec.max_rows, step
 
 
 def test_no_vocab_sized_activation_during_training_step(tmp_path):

@@ -26,7 +26,7 @@ import hf_fused.integrations.trl.head as trl_head
 import hf_fused.integrations.trl.hooks as trl_hooks
 from hf_fused.integrations.trl import TrlProtocolError
 import trl.trainer.utils as trl_utils
-from grpo_helpers import WORDS, make_model, make_tokenizer
+from grpo_helpers import WORDS, VocabRows, make_model, make_tokenizer
 from tiny_models import single_thread  # noqa: F401  (autouse fixture)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -571,31 +571,12 @@ def test_evaluate_matches_trl(trainer_name, tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------------------------------------------
 # Memory: on hf_fused no vocabulary-sized activation beyond one tile, whatever the number of tokens
 
-_VIEW_OPS = {"t", "transpose", "permute", "view", "_unsafe_view", "expand", "alias", "detach", "slice", "select",
-             "unsqueeze", "squeeze", "as_strided", "reshape", "unbind", "split", "chunk", "lift_fresh"}
-
-
 def _largest_vocab_activation(trainer, vocab: int, hidden: int) -> int:
     """Rows of the largest freshly computed ``[..., V]`` tensor during one optimizer step of ``trainer.train()``
-    (max_steps=1). Parameters and their gradients (``[V, H]``) are excluded by counting only tensors with more
-    than ``(H + 8)·V`` elements."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func.__name__.split(".")[0] not in _VIEW_OPS:
-                for t in out if isinstance(out, (tuple, list)) else [out]:
-                    if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == vocab \
-                            and t.numel() > (hidden + 8) * vocab:
-                        seen.append(t.numel() // vocab)
-            return out
-
-    with Record():
+    (max_steps=1), the ``[V, H]`` parameters and gradients left out."""
+    with VocabRows(vocab, min_numel=(hidden + 8) * vocab) as rec:
         trainer.train()
-    return max(seen, default=0)
+    return rec.max_rows
 
 
 @pytest.mark.parametrize("name", ["sft", "dpo", "kto", "rloo"])

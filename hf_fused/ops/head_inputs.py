@@ -120,3 +120,13 @@ def check_num_items(num_items_in_batch):
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"num_items_in_batch must be a finite number > 0, got {value!r}")
     return num_items_in_batch.reshape(()) if isinstance(num_items_in_batch, torch.Tensor) else num_items_in_batch
+
+
+def per_token_outputs(hidden: torch.Tensor, rows: torch.Tensor, n: int, logp_rows: torch.Tensor,
+                      ent_rows: Optional[torch.Tensor], return_entropy: bool):
+    """``(logprobs [N], entropy [N] or None)`` fp32 from the kept rows' values (0 at ignored rows)."""
+    logprobs = hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, logp_rows)
+    entropy = None
+    if return_entropy:
+        entropy = hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, ent_rows)
+    return logprobs, entropy

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from .backends import get_backend
-from .head_inputs import check_per_token, flatten_head_inputs
+from .head_inputs import check_per_token, flatten_head_inputs, per_token_outputs
 from .logit_transform import LogitTransform
 from .precision import autocast_off, cast_like_linear, refuse_double_backward
 from .tiling import valid_rows, validate_tile_budget
@@ -49,11 +49,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
                 logp_rows, ent_rows, lse = backend.logprobs_forward(
                     hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy
                 )
-        n = labels.numel()
-        logprobs = hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, logp_rows)
-        entropy = None
-        if return_entropy:
-            entropy = hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, ent_rows)
+        logprobs, entropy = per_token_outputs(hidden, rows, labels.numel(), logp_rows, ent_rows, return_entropy)
         ctx.save_for_backward(hidden, weight, bias, labels, rows, lse, ent_rows)
         ctx.config = (transform, tile_budget_bytes, backend)
         return logprobs, entropy

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .backends import get_backend
-from .head_inputs import flatten_head_inputs
+from .head_inputs import flatten_head_inputs, per_token_outputs
 from .logit_transform import LogitTransform
 from .logprobs import HINT_RTOL, HintMissedWarning
 from .precision import autocast_off, cast_like_linear, refuse_double_backward
@@ -402,11 +402,7 @@ class HintedLogprobsFunction(torch.autograd.Function):
                 logp, ent, lse = backend.logprobs_forward(
                     hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy
                 )
-        n = labels.numel()
-        logprobs = hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, logp)
-        entropy = None
-        if return_entropy:
-            entropy = hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, ent)
+        logprobs, entropy = per_token_outputs(hidden, rows, labels.numel(), logp, ent, return_entropy)
         ctx.save_for_backward(hidden, weight, bias, labels, rows, lse, ent)
         ctx.config = (transform, tile_budget_bytes, backend, need)
         return logprobs, entropy
