@@ -351,7 +351,10 @@ def dense_trainer_class(base):
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
                                                batch_size=None, compute_entropy=False, compute_aux_loss=False,
                                                **kwargs):
-            out = model(input_ids=input_ids, attention_mask=attention_mask)
+            from hf_fused import original_forward_only
+
+            with original_forward_only(model):  # the oracle builds the full logits on purpose
+                out = model(input_ids=input_ids, attention_mask=attention_mask)
             logits = out.logits[:, -logits_to_keep - 1 : -1] / self.temperature
             logp_all = logits.log_softmax(-1)
             logp = logp_all.gather(-1, input_ids[:, -logits_to_keep:, None]).squeeze(-1)
