@@ -63,7 +63,6 @@ class FusedRequest:
     temperature: float = 1.0
     return_entropy: bool = False
     grad_hint: Optional[torch.Tensor] = None  # aligned with labels, see linear_logprobs
-    cast_lm_head_to_fp32: bool = False  # TRL's option: the head in fp32, outside autocast
     result: Any = None
     called: bool = False
     head: Any = None  # ``head(lm_head, hidden) -> result`` in place of the modes' math (hf_fused.integrations.trl)
@@ -153,7 +152,6 @@ def fused_forward(model: nn.Module, *args, **kwargs):
         request.temperature = kwargs.pop("temperature", 1.0)
         request.return_entropy = bool(kwargs.pop("return_entropy", False))
         request.grad_hint = kwargs.pop("grad_hint", None)
-    request.cast_lm_head_to_fp32 = bool(kwargs.pop("cast_lm_head_to_fp32", False))
     request.num_items_in_batch = kwargs.get("num_items_in_batch")
     kwargs["labels"] = None
     return_dict = kwargs.pop("return_dict", None)
@@ -259,37 +257,44 @@ def _head_forward(lm_head: nn.Module, request: FusedRequest, hidden: torch.Tenso
 def _head_result(lm_head: nn.Module, request: FusedRequest, hidden: torch.Tensor):
     if request.head is not None:
         return request.head(lm_head, hidden)
-    head_hidden, weight, bias = head_tensors(lm_head, hidden)
-    head_hidden = head_hidden.to(weight.device)
-    labels = request.labels.to(weight.device)
+    head_hidden, weight, bias, labels, _ = head_operands(lm_head, hidden, request.labels)
     if labels.shape != head_hidden.shape[:-1]:
         raise ValueError(
             f"labels are aligned to shape {tuple(labels.shape)} but lm_head receives hidden states of shape "
             f"{tuple(hidden.shape[:-1])}; with logits_to_keep pass shift_labels for the kept positions"
         )
-    if request.cast_lm_head_to_fp32:  # TRL's cast_lm_head_to_fp32: the projection in fp32, outside autocast
-        head_hidden, weight = head_hidden.float(), weight.float()
-        bias = None if bias is None else bias.float()
-    with torch.autocast(head_hidden.device.type, enabled=False) if request.cast_lm_head_to_fp32 else nullcontext():
-        return _fused_ops(request, head_hidden, weight, bias, labels)
-
-
-def _fused_ops(request: FusedRequest, head_hidden, weight, bias, labels):
-    state, transform = request.state, request.state.transform
-    common = dict(
-        ignore_index=request.ignore_index, softcap=transform.softcap, logit_scale=transform.logit_scale,
-        tile_budget_bytes=state.tile_budget_bytes, backend=state.backend,
-    )
+    common = op_options(request.state, ignore_index=request.ignore_index)
     if request.mode == "loss":
         num_items = request.num_items_in_batch
         return linear_cross_entropy(
             head_hidden, weight, labels, bias, reduction="sum" if num_items is not None else "mean",
-            num_items_in_batch=num_items, **common,
+            num_items_in_batch=num_items, backend=request.state.backend, **common,
         )
     return linear_logprobs(
-        head_hidden, weight, labels, bias, temperature=request.temperature,
-        return_entropy=request.return_entropy, grad_hint=_on(request.grad_hint, weight.device), **common,
+        head_hidden, weight, labels, bias, temperature=request.temperature, return_entropy=request.return_entropy,
+        grad_hint=_on(request.grad_hint, weight.device), backend=request.state.backend, **common,
     )
+
+
+def head_operands(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, fp32: bool = False):
+    """``(hidden', weight, bias, labels, precision)`` for the ops from what lm_head received: lm_head read as one
+    linear map (:func:`~hf_fused.model.lm_head.head_tensors`, LoRA included), everything on the weight's device.
+    With ``fp32`` (TRL's ``cast_lm_head_to_fp32``) the operands are fp32 and ``precision`` turns autocast off
+    around the op; otherwise ``precision`` is a null context."""
+    head_hidden, weight, bias = head_tensors(lm_head, hidden)
+    head_hidden, labels = head_hidden.to(weight.device), labels.to(weight.device)
+    if not fp32:
+        return head_hidden, weight, bias, labels, nullcontext()
+    bias = None if bias is None else bias.float()
+    precision = torch.autocast(head_hidden.device.type, enabled=False)
+    return head_hidden.float(), weight.float(), bias, labels, precision
+
+
+def op_options(state: FusedLossState, *, ignore_index: int = -100) -> dict:
+    """The ops' keywords a patched model fixes: its logit transform and memory budget."""
+    transform = state.transform
+    return dict(ignore_index=ignore_index, softcap=transform.softcap, logit_scale=transform.logit_scale,
+                tile_budget_bytes=state.tile_budget_bytes)
 
 
 def _labels_in(signature: inspect.Signature, args, kwargs) -> bool:

@@ -70,21 +70,32 @@ class LinearLogprobsFunction(torch.autograd.Function):
             factor = _hint_factor(hinted[0], g_lp, g_h)
             if factor is not None:
                 return _outputs(hinted[1], hidden, weight, bias, rows, factor)
-        # Rows whose upstream gradients are all 0 (a GRPO completion's padding, say) add nothing: skip them.
-        live = (g_lp if g_lp is not None else g_h) != 0
-        if g_lp is not None and g_h is not None:
-            live |= g_h != 0
-        if not bool(live.all()):
-            keep = live.nonzero().squeeze(1)
-            rows, lse, ent_rows = rows[keep], lse[keep], None if ent_rows is None else ent_rows[keep]
-            g_lp = None if g_lp is None else g_lp[keep]
-            g_h = None if g_h is None else g_h[keep]
-        with autocast_off(hidden.device.type):
-            grads = backend.logprobs_backward(
-                hidden, weight, bias, labels, rows, lse, ent_rows, g_lp, g_h, transform, tile_budget_bytes,
-                need[0], need[1], bias is not None and need[2],
-            )
+        grads, rows = recompute_grads(
+            backend, hidden, weight, bias, labels, rows, lse, ent_rows, g_lp, g_h, transform, tile_budget_bytes,
+            (need[0], need[1], bias is not None and need[2]),
+        )
         return _outputs(grads, hidden, weight, bias, rows)
+
+
+def recompute_grads(backend, hidden, weight, bias, labels, rows, lse, ent_rows, g_lp, g_h, transform,
+                    tile_budget_bytes, need):
+    """The recompute backward of the per-token outputs: ``(grads, rows)`` from upstream ``g_lp`` / ``g_h``
+    (fp32 ``[M]`` over ``rows``, either may be ``None``), with autocast off. Rows whose upstream gradients are
+    all 0 (a GRPO completion's padding, a zero advantage) add nothing and are skipped; the returned ``rows``
+    are the ones the gradients belong to."""
+    live = (g_lp if g_lp is not None else g_h) != 0
+    if g_lp is not None and g_h is not None:
+        live |= g_h != 0
+    if not bool(live.all()):
+        keep = live.nonzero().squeeze(1)
+        rows, lse, ent_rows = rows[keep], lse[keep], None if ent_rows is None else ent_rows[keep]
+        g_lp = None if g_lp is None else g_lp[keep]
+        g_h = None if g_h is None else g_h[keep]
+    with autocast_off(hidden.device.type):
+        grads = backend.logprobs_backward(
+            hidden, weight, bias, labels, rows, lse, ent_rows, g_lp, g_h, transform, tile_budget_bytes, *need
+        )
+    return grads, rows
 
 
 def _outputs(grads, hidden, weight, bias, rows, factor: float = 1.0):

@@ -38,9 +38,9 @@ import torch.nn.functional as F
 from .backends import get_backend
 from .head_inputs import flatten_head_inputs, per_token_outputs
 from .logit_transform import LogitTransform
-from .logprobs import HINT_RTOL, HintMissedWarning
+from .logprobs import HINT_RTOL, HintMissedWarning, recompute_grads
 from .precision import autocast_off, cast_like_linear, refuse_double_backward
-from .tiling import check_tile_budget, valid_rows
+from .tiling import valid_rows, validate_tile_budget
 
 #: ``token_loss(logprobs [r], entropy [r] or None, **per_token_rows) -> losses [r]``
 TokenLossFn = Callable[..., torch.Tensor]
@@ -185,16 +185,9 @@ class LinearTokenLossFunction(torch.autograd.Function):
             (g_lp, g_ent), ctx.row_grads = ctx.row_grads, None
             g_lp = g_lp * factor
             g_ent = None if g_ent is None else g_ent * factor
-            live = g_lp != 0 if g_ent is None else (g_lp != 0) | (g_ent != 0)
-            if not bool(live.all()):  # rows the loss sends nothing (masked out, zero advantage): skip them
-                keep = live.nonzero().squeeze(1)
-                rows, lse, g_lp = rows[keep], lse[keep], g_lp[keep]
-                ent = None if ent is None else ent[keep]
-                g_ent = None if g_ent is None else g_ent[keep]
-            with autocast_off(hidden.device.type):
-                grads = backend.logprobs_backward(
-                    hidden, weight, bias, labels, rows, lse, ent, g_lp, g_ent, transform, tile_budget_bytes, *need
-                )
+            grads, rows = recompute_grads(
+                backend, hidden, weight, bias, labels, rows, lse, ent, g_lp, g_ent, transform, tile_budget_bytes, need
+            )
             factor = 1.0
         d_hidden, d_weight, d_bias = grads.input_grads(hidden, weight, bias, rows, factor)
         return (d_hidden, d_weight, d_bias) + nothing
@@ -303,8 +296,7 @@ def linear_token_loss(
     consts = _flat_per_token(per_token, labels)
     rows = valid_rows(flat.labels, ignore_index)
     grad_enabled = torch.is_grad_enabled()
-    if tile_budget_bytes is not None:
-        check_tile_budget(tile_budget_bytes)  # None stays None: the backend's default rule decides
+    tile_budget_bytes = validate_tile_budget(tile_budget_bytes)  # None stays None: the planner's default rule
     hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
     tile_loss = _TileLoss(token_loss, consts, rows, differentiate=grad_enabled)
     loss, logprobs, entropy = LinearTokenLossFunction.apply(
@@ -471,8 +463,7 @@ def hinted_logprobs(hidden, weight, labels, bias, hint: TokenLossHint, *, ignore
     flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index)
     consts = _flat_per_token(hint.per_token, labels)
     rows = valid_rows(flat.labels, ignore_index)
-    if tile_budget_bytes is not None:
-        check_tile_budget(tile_budget_bytes)
+    tile_budget_bytes = validate_tile_budget(tile_budget_bytes)
     hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
     tile_loss = _TileLoss(hint.token_loss, consts, rows, differentiate=True, keep_row_grads=True)
     logprobs, entropy = HintedLogprobsFunction.apply(

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...model.forward import FusedRequest, _as_kwargs, _intercept_lm_head
-from ...model.lm_head import head_tensors
+from ...model.forward import FusedRequest, _as_kwargs, _intercept_lm_head, head_operands, op_options
 from ...ops import linear_logprobs
 from ...ops.token_loss import pad_hint
 from ...ops.token_statistics import TOKEN_STATISTICS, linear_token_statistics
@@ -91,19 +89,10 @@ def trl_fused_forward(model: nn.Module, *args, **kwargs):
 
 def _head(lm_head: nn.Module, hidden: torch.Tensor, *, labels, options: TrlHeadOptions, state, grad_hint):
     """Every per-token field TRL's head returns, from the states lm_head received (``[B, T, H]``)."""
-    head_hidden, weight, bias = head_tensors(lm_head, hidden)
-    head_hidden = head_hidden.to(weight.device)
-    labels = labels.to(weight.device)
-    precision = nullcontext()
-    if options.cast_lm_head_to_fp32:  # TRL: the projection in fp32, outside autocast
-        precision = torch.autocast(head_hidden.device.type, enabled=False)
-        head_hidden, weight = head_hidden.float(), weight.float()
-        bias = None if bias is None else bias.float()
-    transform = state.transform
-    common = dict(
-        ignore_index=-100, temperature=options.temperature, softcap=transform.softcap,
-        logit_scale=transform.logit_scale, tile_budget_bytes=state.tile_budget_bytes,
+    head_hidden, weight, bias, labels, precision = head_operands(
+        lm_head, hidden, labels, fp32=options.cast_lm_head_to_fp32  # TRL: the projection in fp32, outside autocast
     )
+    common = dict(op_options(state), temperature=options.temperature)
     statistics = [name for name in TOKEN_STATISTICS if name in options.outputs]
     with precision:
         log_probs, entropy = linear_logprobs(
