@@ -81,15 +81,11 @@ def _grad_logprobs(grad_scale, factor: float, row_weights, rows) -> torch.Tensor
     return g.expand(rows.numel()).contiguous() if row_weights is None else g * row_weights
 
 
-def _check_finite_weights(weights: torch.Tensor, kept: Optional[torch.Tensor] = None) -> None:
-    bad = ~torch.isfinite(weights)
-    if kept is not None:
-        bad &= kept
-    if bool(bad.any()):
-        raise ValueError(
-            "token_weights must be finite at non-ignored positions (NaN or inf found); ignored positions "
-            "may hold anything"
-        )
+def _raise_not_finite():
+    raise ValueError(
+        "token_weights must be finite at non-ignored positions (NaN or inf found); ignored positions "
+        "may hold anything"
+    )
 
 
 def linear_cross_entropy(
@@ -156,12 +152,12 @@ def linear_cross_entropy(
             not one finite number > 0, invalid transform values, ``token_weights`` not shaped like labels,
             on another device or not finite at a non-ignored position.
         RuntimeError: in backward, for second-order gradients (``create_graph=True``).
+        TypeError: non-tensor or wrongly typed inputs.
 
     Mixed precision: under ``torch.autocast`` hidden, weight and bias are cast to the autocast dtype
     exactly as ``F.linear`` (the model's lm_head call) would cast them, and forward and backward both
     compute from those operands with autocast off; accumulation stays fp32 and the gradients reach the
     original tensors in their own dtypes.
-        TypeError: non-tensor or wrongly typed inputs.
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
@@ -177,7 +173,8 @@ def linear_cross_entropy(
         weights = check_per_token(token_weights, labels, "token_weights")
         # Ignored tokens have loss 0 whatever their weight (a NaN weight there must not poison it).
         kept = labels != ignore_index
-        _check_finite_weights(weights, kept)
+        if bool((~torch.isfinite(weights) & kept).any()):
+            _raise_not_finite()
         return -logprobs * torch.where(kept, weights, 0.0)
     transform = LogitTransform(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
     flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index)
@@ -186,9 +183,11 @@ def linear_cross_entropy(
     row_weights = None
     if token_weights is not None:
         row_weights = check_per_token(token_weights, labels, "token_weights").reshape(-1).index_select(0, rows)
-        _check_finite_weights(row_weights)
         nonzero = row_weights != 0
-        if not bool(nonzero.all()):  # e.g. a GRPO group whose advantages are all 0
+        finite, all_nonzero = torch.stack([torch.isfinite(row_weights).all(), nonzero.all()]).tolist()  # one sync
+        if not finite:
+            _raise_not_finite()
+        if not all_nonzero:  # e.g. a GRPO group whose advantages are all 0
             keep = nonzero.nonzero().squeeze(1)
             rows, row_weights = rows[keep], row_weights[keep]
     if num_items_in_batch is not None:
