@@ -227,13 +227,17 @@ def _router_aux_loss_coef(model: nn.Module) -> float:
 @contextmanager
 def _intercept_lm_head(lm_head: nn.Module, request: FusedRequest):
     """Route this call's ``lm_head(hidden)`` to :func:`_head_forward`; restore the head afterwards."""
+    with lm_head_answering(lm_head, lambda hidden: _head_forward(lm_head, request, hidden)):
+        yield
+
+
+@contextmanager
+def lm_head_answering(lm_head: nn.Module, answer):
+    """Within the block, ``lm_head(hidden, ...)`` returns ``answer(hidden)`` (an instance ``forward``, so
+    module hooks such as ZeRO-3's gather still run around it); any instance ``forward`` it had is restored."""
     had_instance_forward = "forward" in lm_head.__dict__
     previous = lm_head.__dict__.get("forward")
-
-    def intercept(self, hidden, *args, **kwargs):
-        return _head_forward(self, request, hidden)
-
-    lm_head.forward = types.MethodType(intercept, lm_head)
+    lm_head.forward = types.MethodType(lambda self, hidden, *args, **kwargs: answer(hidden), lm_head)
     try:
         yield
     finally:

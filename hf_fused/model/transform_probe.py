@@ -12,13 +12,13 @@ otherwise a scale and soft-cap fitted to the map are, when they reproduce it; ot
 from __future__ import annotations
 
 import math
-import types
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
 from ..ops import LogitTransform
+from .forward import lm_head_answering
 
 #: Raw logits fed to the forward: 0 and ±2**k for k in [-6, 14] (exact in fp32, bf16 and fp16);
 #: the small ones show the scale, the large ones a soft-cap.
@@ -63,23 +63,14 @@ def probe_logit_transform(causal_lm: nn.Module, input_ids: torch.Tensor) -> Logi
         FusedLossVerificationError: the forward's map is neither the config's transform nor a fitted
             scale and soft-cap, naming the model type.
     """
-    lm_head = causal_lm.get_output_embeddings()
     seen = {}
 
-    def answer(self, hidden, *args, **kwargs):
+    def answer(hidden):
         seen["dtype"] = hidden.dtype
         return _GRID.to(hidden.device, hidden.dtype).expand(*hidden.shape[:-1], _GRID.numel()).contiguous()
 
-    had = "forward" in lm_head.__dict__
-    previous = lm_head.__dict__.get("forward")
-    lm_head.forward = types.MethodType(answer, lm_head)
-    try:
+    with lm_head_answering(causal_lm.get_output_embeddings(), answer):
         out = causal_lm(input_ids=input_ids, use_cache=False)
-    finally:
-        if had:
-            lm_head.forward = previous
-        else:
-            del lm_head.forward
     logits = out.logits if hasattr(out, "logits") else out[0]
     name = _model_name(causal_lm)
     if logits is None or logits.shape[-1] != _GRID.numel():
@@ -110,15 +101,8 @@ def _rtol(*dtypes: torch.dtype) -> float:
     return 16 * max(eps, torch.finfo(torch.float32).eps)
 
 
-def _apply(transform: LogitTransform, raw: torch.Tensor) -> torch.Tensor:
-    z = raw * transform.logit_scale
-    if transform.softcap is not None:
-        z = transform.softcap * torch.tanh(z / transform.softcap)
-    return z / transform.temperature
-
-
 def _reproduces(transform: LogitTransform, got: torch.Tensor, rtol: float) -> bool:
-    want = _apply(transform, _GRID)
+    want, _ = transform.forward(_GRID.clone())  # the ops' own transform, in float64
     return bool(((got - want).abs() <= rtol * want.abs() + 1e-30).all())
 
 
