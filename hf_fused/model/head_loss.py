@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from ..ops import LogitTransform, linear_cross_entropy
 from .distributed import run_head
-from .lm_head import check_head_supported, head_tensors
+from .forward import head_operands
+from .lm_head import check_head_supported
 from .transform_probe import config_logit_transform
 from .unwrap import find_causal_lm
 
@@ -97,9 +98,9 @@ class LinearCrossEntropyLoss(nn.Module):
             )
 
         def compute(hidden: torch.Tensor) -> torch.Tensor:
-            head_hidden, weight, bias = head_tensors(self.lm_head, hidden)
+            head_hidden, weight, bias, labels, _ = head_operands(self.lm_head, hidden, shift_labels)
             return linear_cross_entropy(
-                head_hidden, weight, shift_labels.to(weight.device), bias, ignore_index=self.ignore_index,
+                head_hidden, weight, labels, bias, ignore_index=self.ignore_index,
                 reduction=self.reduction, num_items_in_batch=num_items_in_batch, softcap=self.transform.softcap,
                 logit_scale=self.transform.logit_scale, tile_budget_bytes=self.tile_budget_bytes,
                 backend=self.backend,
@@ -112,11 +113,7 @@ class LinearCrossEntropyLoss(nn.Module):
         """``[..., V]`` logits for inference: ``lm_head(hidden_states)`` with the logit transform applied,
         as the model's own forward returns them. This materializes the logits; use it for generation or
         evaluation on a few positions (e.g. the last)."""
-        logits = self.lm_head(hidden_states)
-        if self.transform.logit_scale != 1.0:
-            logits = logits * self.transform.logit_scale
-        if self.transform.softcap is not None:
-            logits = torch.tanh(logits / self.transform.softcap) * self.transform.softcap
+        logits, _ = self.transform.forward(self.lm_head(hidden_states))  # in place on lm_head's fresh output
         return logits
 
     def extra_repr(self) -> str:
