@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch.nn as nn
 
+from ...model.patch import is_fused
 from ...model.unwrap import find_causal_lm
 from .protocol import OPTIONS_ATTR, TrlHeadOptions, protocol_mismatch, trl_head_options_in
 
@@ -77,7 +78,7 @@ def _install_add_fused_lm_head_hook() -> None:
     @functools.wraps(original)
     def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("log_probs",)):
         options = TrlHeadOptions(float(temperature), bool(cast_lm_head_to_fp32), tuple(outputs))
-        if not _is_patched(model):
+        if not is_fused(model):
             policy = _patched_policy_of_trainer_being_built(model)
             if policy is None:
                 return original(model, temperature, cast_lm_head_to_fp32, outputs)
@@ -134,7 +135,7 @@ def lm_head_adapter_hidden_from_trl(model):
     """While a TRL trainer is built around a patched ``model``, ``get_output_embeddings()`` returns the layer *under*
     a PEFT adapter on lm_head, so TRL's "adapter on lm_head is not supported" check passes. Only the causal LM's
     instance attribute is touched, and it is removed on exit. No-op for an unpatched model (TRL's check stands)."""
-    if not isinstance(model, nn.Module) or not _is_patched(model):
+    if not isinstance(model, nn.Module) or not is_fused(model):
         yield
         return
     inner = find_causal_lm(model)
@@ -156,13 +157,6 @@ def lm_head_adapter_hidden_from_trl(model):
         del inner.get_output_embeddings
 
 
-def _is_patched(model: nn.Module) -> bool:
-    try:
-        return "_hf_fused" in find_causal_lm(model).__dict__
-    except TypeError:
-        return False
-
-
 def _patched_policy_of_trainer_being_built(model: nn.Module) -> Optional[nn.Module]:
     """The patched causal LM of the trainer whose ``__init__`` is adding a head to ``model`` (its reference
     model), found on the call stack; ``None`` when there is none or its policy is not patched."""
@@ -173,7 +167,7 @@ def _patched_policy_of_trainer_being_built(model: nn.Module) -> Optional[nn.Modu
         owner = frame.f_locals.get("self")
         if isinstance(owner, Trainer):
             policy = getattr(owner, "model", None)
-            if isinstance(policy, nn.Module) and policy is not model and _is_patched(policy):
+            if isinstance(policy, nn.Module) and policy is not model and is_fused(policy):
                 return find_causal_lm(policy)
             return None
         frame = frame.f_back
@@ -195,7 +189,7 @@ def _warn_on_distillation_trainer() -> None:
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
         models = [getattr(self, "model", None), getattr(self, "teacher_model", None)]
-        if any(isinstance(m, nn.Module) and _is_patched(m) for m in models) and not _DISTILLATION_WARNED:
+        if any(isinstance(m, nn.Module) and is_fused(m) for m in models) and not _DISTILLATION_WARNED:
             _DISTILLATION_WARNED.append(True)
             warnings.warn(
                 "hf_fused does not compute DistillationTrainer's loss: its student–teacher divergence reads both "
