@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -12,6 +12,7 @@ from .head_inputs import check_per_token, flatten_head_inputs, per_token_outputs
 from .logit_transform import LogitTransform
 from .precision import autocast_off, cast_like_linear, refuse_double_backward
 from .tiling import valid_rows, validate_tile_budget
+from .token_statistics import check_statistics, per_token_statistics
 
 
 #: ``max |g − c·hint| ≤ HINT_RTOL · max |g|`` for the forward's gradients to stand in for the upstream ``g``:
@@ -26,11 +27,14 @@ class LinearLogprobsFunction(torch.autograd.Function):
     With a gradient hint (and a backend budget that holds the one-pass working set) forward also
     computes the gradients of ``Σ hint·logprobs`` from the same logits (6·N·H·V in all); backward hands
     them over, times ``c``, when the upstream gradient is ``c·hint`` and the entropy gets none, and
-    otherwise recomputes as above."""
+    otherwise recomputes as above.
+
+    The token statistics named in ``statistics`` come from the forward's own logits tiles (either path) as
+    further, non-differentiable outputs in that order."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, rows, transform, tile_budget_bytes, backend, return_entropy,
-                grad_hint, grad_enabled):
+                grad_hint, grad_enabled, statistics):
         # An entropy returned but unused must not cost a backward term: let its gradient arrive as None.
         ctx.set_materialize_grads(False)
         need = ctx.needs_input_grad
@@ -40,22 +44,28 @@ class LinearLogprobsFunction(torch.autograd.Function):
             if grad_hint is not None and grad_enabled and any(need[:3]):
                 one_pass = backend.logprobs_with_grads(
                     hidden, weight, bias, labels, rows, grad_hint, transform, tile_budget_bytes, return_entropy,
-                    need[0], need[1], bias is not None and need[2],
+                    need[0], need[1], bias is not None and need[2], statistics=statistics,
                 )
             if one_pass is not None:
-                logp_rows, ent_rows, lse, grads = one_pass
+                logp_rows, ent_rows, lse, grads = one_pass[:4]
+                row_stats = one_pass[4] if statistics else {}
                 ctx.hinted = (grad_hint, grads)
             else:
-                logp_rows, ent_rows, lse = backend.logprobs_forward(
-                    hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy
+                logp_rows, ent_rows, lse, *rest = backend.logprobs_forward(
+                    hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy,
+                    statistics=statistics,
                 )
+                row_stats = rest[0] if statistics else {}
         logprobs, entropy = per_token_outputs(hidden, rows, labels.numel(), logp_rows, ent_rows, return_entropy)
+        token_stats = per_token_statistics(row_stats, rows, labels.numel())
         ctx.save_for_backward(hidden, weight, bias, labels, rows, lse, ent_rows)
         ctx.config = (transform, tile_budget_bytes, backend)
-        return logprobs, entropy
+        stat_outputs = tuple(token_stats[name] for name in statistics)
+        ctx.mark_non_differentiable(*stat_outputs)
+        return (logprobs, entropy) + stat_outputs
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
+    def backward(ctx, grad_logprobs, grad_entropy, *_grad_statistics):
         refuse_double_backward("linear_logprobs")
         hidden, weight, bias, labels, rows, lse, ent_rows = ctx.saved_tensors
         transform, tile_budget_bytes, backend = ctx.config
@@ -65,7 +75,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
         g_lp = None if grad_logprobs is None else grad_logprobs.float().index_select(0, rows)
         g_h = None if grad_entropy is None else grad_entropy.float().index_select(0, rows)
         if (g_lp is None and g_h is None) or not any(need[:3]):
-            return (None,) * 11
+            return (None,) * 12
         if hinted is not None:
             factor = _hint_factor(hinted[0], g_lp, g_h)
             if factor is not None:
@@ -99,7 +109,7 @@ def recompute_grads(backend, hidden, weight, bias, labels, rows, lse, ent_rows, 
 
 
 def _outputs(grads, hidden, weight, bias, rows, factor: float = 1.0):
-    return grads.input_grads(hidden, weight, bias, rows, factor) + (None,) * 8
+    return grads.input_grads(hidden, weight, bias, rows, factor) + (None,) * 9
 
 
 def _hint_factor(hint, g_lp, g_h):
@@ -148,7 +158,11 @@ def linear_logprobs(
     tile_budget_bytes: Optional[int] = None,
     backend: Optional[str] = None,
     grad_hint: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    statistics: Optional[Sequence[str]] = None,
+) -> Union[
+    tuple[torch.Tensor, Optional[torch.Tensor]],
+    tuple[torch.Tensor, Optional[torch.Tensor], dict[str, torch.Tensor]],
+]:
     """Per-token log-probabilities of ``labels`` (and optionally the entropy of the whole distribution)
     under the logits of ``hidden @ weight.T + bias``, never materializing the ``[N, V]`` logits.
 
@@ -177,10 +191,16 @@ def linear_logprobs(
             a per-token function of the log-probs (and entropies) and per-token constants, for losses whose
             gradient is not known before the forward (off-policy ratios, KL, entropy terms); the forward then
             differentiates it tile by tile in the one pass and backward checks it the same way.
+        statistics: optional names among :data:`~hf_fused.ops.token_statistics.TOKEN_STATISTICS`
+            (``"mean_logits"``, ``"is_top1"``, ``"log_sum_sq_probs"``; TRL's fused-head metrics, formulas in
+            :mod:`hf_fused.ops.token_statistics`): computed from the forward's own logits tiles, on either
+            schedule, at a few operations per logit and no extra matmul. Not with a ``TokenLossHint``.
 
     Returns:
         ``(logprobs, entropy)``: fp32 ``[...]`` each (``entropy`` is ``None`` unless requested); 0 with
-        no gradient at ignored positions.
+        no gradient at ignored positions. With ``statistics`` (even empty) a third element
+        ``{name: [...] tensor}`` for each requested name: ``mean_logits`` and ``log_sum_sq_probs`` fp32,
+        ``is_top1`` bool; 0 / ``False`` at ignored positions; never differentiable.
 
     Backward recomputes each tile from ``hidden``/``weight`` (unless a matching ``grad_hint`` made it
     unnecessary) and accepts any upstream gradient on both outputs; gradients for hidden, weight and
@@ -191,13 +211,21 @@ def linear_logprobs(
 
     Raises:
         ValueError / TypeError: as :func:`~hf_fused.ops.linear_cross_entropy`; ``grad_hint`` not a
-            floating-point tensor shaped like ``labels`` on its device.
+            floating-point tensor shaped like ``labels`` on its device; an unknown name in ``statistics``, or
+            ``statistics`` with a ``TokenLossHint``.
         RuntimeError: in backward, for second-order gradients (``create_graph=True``).
     """
     transform = LogitTransform(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
     from .token_loss import TokenLossHint, hinted_logprobs  # deferred: token_loss imports this module
 
+    names = None if statistics is None else check_statistics(statistics)
     if isinstance(grad_hint, TokenLossHint):
+        if names is not None:
+            raise ValueError(
+                "linear_logprobs: statistics= with a TokenLossHint grad_hint is not supported; pass the hint's loss "
+                "to linear_token_loss, or drop the hint (statistics + recompute costs the same 8·N·H·V FLOPs as the "
+                "hint's one pass plus a statistics pass)"
+            )
         return hinted_logprobs(hidden, weight, labels, bias, grad_hint, ignore_index=ignore_index, transform=transform,
                                return_entropy=return_entropy, tile_budget_bytes=tile_budget_bytes, backend=backend)
     flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index)
@@ -206,12 +234,14 @@ def linear_logprobs(
     if grad_hint is not None:
         hint_rows = check_per_token(grad_hint, labels, "grad_hint").reshape(-1).index_select(0, rows)
     hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
-    logprobs, entropy = LinearLogprobsFunction.apply(
+    logprobs, entropy, *stat_outputs = LinearLogprobsFunction.apply(
         hidden2d, weight, bias, flat.labels, rows, transform,
         validate_tile_budget(tile_budget_bytes), get_backend(hidden.device, backend),
-        bool(return_entropy), hint_rows, torch.is_grad_enabled(),
+        bool(return_entropy), hint_rows, torch.is_grad_enabled(), names or (),
     )
     logprobs = logprobs.view(flat.batch_shape)
     if entropy is not None:
         entropy = entropy.view(flat.batch_shape)
-    return logprobs, entropy
+    if names is None:
+        return logprobs, entropy
+    return logprobs, entropy, {name: value.view(flat.batch_shape) for name, value in zip(names, stat_outputs)}

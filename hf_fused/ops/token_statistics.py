@@ -1,4 +1,4 @@
-"""Per-token statistics of the next-token distribution that carry no gradient (metrics), tile by tile.
+"""Per-token statistics of the next-token distribution that carry no gradient (metrics).
 
 TRL's trainers log them from its fused head (``trl.trainer.utils.FusedCausalLMOutput``): the mean logit
 (DPO/KTO ``logits/*``), whether the label is the arg-max (``mean_token_accuracy``) and ``log Σ_v p_v²``
@@ -9,8 +9,11 @@ TRL's trainers log them from its fused head (``trl.trainer.utils.FusedCausalLMOu
     is_top1          = z_y ≥ max_v z_v  and  z_y > max_{v<y} z_v     # arg-max returns the first maximum
     log_sum_sq_probs = log Σ_v exp(2 z_v − 2 lse) = logsumexp(2z) − 2·logsumexp(z)
 
-None of them can be recovered from ``logsumexp``, the label's log-probability and the entropy, so they
-cost one more pass over the logits (2·N·H·V FLOPs), and only when asked for.
+None of them can be recovered from ``logsumexp``, the label's log-probability and the entropy, but each is
+an online reduction over the same logits tiles: :func:`~hf_fused.ops.linear_logprobs` computes them in its
+forward's own statistics pass when given ``statistics=`` (both backends, both schedules; see
+:mod:`~hf_fused.ops.backends.protocol`). This module names them, checks requests and places the per-row
+results; :func:`linear_token_statistics` is the gradient-free entry point (one statistics pass, 2·N·H·V FLOPs).
 """
 
 from __future__ import annotations
@@ -19,19 +22,31 @@ from typing import Optional, Sequence
 
 import torch
 
-from .head_inputs import flatten_head_inputs
-from .logit_transform import LogitTransform
-from .precision import autocast_off, cast_like_linear
-from .tiling import rows_per_tile, tiles, valid_rows
-
-#: The statistics :func:`linear_token_statistics` computes, by name.
+#: The token statistics the ops compute, by name (TRL's ``FusedCausalLMOutput`` field names).
 TOKEN_STATISTICS = ("mean_logits", "is_top1", "log_sum_sq_probs")
 
-#: Vocabulary columns per matmul: the fp32 copy of lm_head's weight exists one chunk at a time (TRL's width).
-VOCAB_CHUNK = 32768
+
+def check_statistics(statistics: Sequence[str]) -> tuple[str, ...]:
+    """``statistics`` as a tuple of distinct names, in the order given.
+
+    Raises:
+        TypeError: a single string instead of a sequence of names.
+        ValueError: a name not in :data:`TOKEN_STATISTICS`.
+    """
+    if isinstance(statistics, str):
+        raise TypeError(f"statistics must be a sequence of names, e.g. ({statistics!r},), not a string")
+    names = tuple(dict.fromkeys(statistics))
+    unknown = [s for s in names if s not in TOKEN_STATISTICS]
+    if unknown:
+        raise ValueError(f"unknown token statistics {unknown}; choose among {TOKEN_STATISTICS}")
+    return names
 
 
-@torch.no_grad()
+def per_token_statistics(row_stats: dict[str, torch.Tensor], rows: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
+    """``{name: [N]}`` from the kept rows' ``{name: [M]}`` (in the order of ``rows``): 0 / ``False`` at ignored rows."""
+    return {name: value.new_zeros(n).index_copy_(0, rows, value) for name, value in row_stats.items()}
+
+
 def linear_token_statistics(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -44,79 +59,34 @@ def linear_token_statistics(
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
     tile_budget_bytes: Optional[int] = None,
+    backend: Optional[str] = None,
 ) -> dict[str, torch.Tensor]:
     """The requested per-token statistics (module docstring) under the logits of ``hidden @ weight.T + bias``,
-    never materializing the ``[N, V]`` logits. No gradient flows through them.
+    never materializing the ``[N, V]`` logits, for metrics only: the statistics forward of
+    :func:`~hf_fused.ops.linear_logprobs` without gradients. When the log-probs are needed too, call
+    ``linear_logprobs(..., statistics=...)`` instead: one pass gives both.
 
     Args:
         hidden: ``[..., H]`` hidden states aligned with ``labels``.  weight: ``[V, H]``.  bias: optional ``[V]``.
         labels: ``[...]`` ids in ``[0, V)`` or ``ignore_index`` (only ``is_top1`` reads them; every statistic is
             computed only on non-ignored positions).
         statistics: names among :data:`TOKEN_STATISTICS`.
-        temperature, softcap, logit_scale, tile_budget_bytes: as in :func:`~hf_fused.ops.linear_logprobs`.
+        temperature, softcap, logit_scale, tile_budget_bytes, backend: as in :func:`~hf_fused.ops.linear_logprobs`.
 
     Returns:
         ``{name: [...] tensor}``: ``mean_logits`` and ``log_sum_sq_probs`` fp32, ``is_top1`` bool; 0 / False at
-        ignored positions.
+        ignored positions. No gradient flows through them.
 
-    Mixed precision: operands cast as ``F.linear`` would be under autocast, logits computed in fp32 from them
-    (as :func:`~hf_fused.ops.linear_logprobs`).
+    Mixed precision: as :func:`~hf_fused.ops.linear_logprobs` (the same logits as its log-probs).
 
     Raises:
         ValueError: an unknown statistic name; and as :func:`~hf_fused.ops.linear_logprobs` for bad inputs.
     """
-    unknown = [s for s in statistics if s not in TOKEN_STATISTICS]
-    if unknown:
-        raise ValueError(f"unknown token statistics {unknown}; choose among {TOKEN_STATISTICS}")
-    transform = LogitTransform(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
-    flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index)
-    rows = valid_rows(flat.labels, ignore_index)
-    hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
-    n, vocab = flat.labels.numel(), weight.shape[0]
-    out = {
-        name: hidden2d.new_zeros(n, dtype=torch.bool if name == "is_top1" else torch.float32)
-        for name in statistics
-    }
-    chunk = min(vocab, VOCAB_CHUNK)
-    with autocast_off(hidden2d.device.type):
-        for idx in tiles(rows, rows_per_tile(chunk, tile_budget_bytes)):
-            stats = _RowStatistics(hidden2d.index_select(0, idx).float(), flat.labels.index_select(0, idx))
-            for start in range(0, vocab, chunk):
-                # fp32 logits from the (possibly bf16) operands, one vocabulary chunk at a time: no fp32 [V, H] copy.
-                raw = stats.hidden @ weight[start : start + chunk].float().t()
-                if bias is not None:
-                    raw += bias[start : start + chunk].float()
-                stats.add(transform.forward(raw)[0], start)
-            for name in statistics:
-                out[name][idx] = stats.result(name, vocab)
-    return {name: value.view(flat.batch_shape) for name, value in out.items()}
+    from .logprobs import linear_logprobs  # deferred: logprobs imports this module
 
-
-class _RowStatistics:
-    """Online reductions over vocabulary chunks for one tile of rows: ``Σ z``, the first arg-max, and the
-    log-sum-exp of ``z`` and of ``2z`` (each a running maximum plus a rescaled sum, as in any online softmax)."""
-
-    def __init__(self, hidden32: torch.Tensor, labels: torch.Tensor):
-        self.hidden, self.labels = hidden32, labels
-        rows = labels.numel()
-        self.sum = hidden32.new_zeros(rows)
-        self.max = hidden32.new_full((rows,), -float("inf"))
-        self.argmax = torch.zeros_like(labels)
-        self.lse = hidden32.new_full((rows,), -float("inf"))
-        self.lse2 = hidden32.new_full((rows,), -float("inf"))
-
-    def add(self, z: torch.Tensor, start: int) -> None:
-        self.sum += z.sum(-1)
-        chunk_max, chunk_arg = z.max(-1)  # the first maximum within the chunk
-        better = chunk_max > self.max  # strictly: an earlier chunk keeps a tie (arg-max returns the first)
-        self.argmax = torch.where(better, chunk_arg + start, self.argmax)
-        self.max = torch.maximum(self.max, chunk_max)
-        self.lse = torch.logaddexp(self.lse, torch.logsumexp(z, -1))
-        self.lse2 = torch.logaddexp(self.lse2, torch.logsumexp(2 * z, -1))
-
-    def result(self, name: str, vocab: int) -> torch.Tensor:
-        if name == "mean_logits":
-            return self.sum / vocab
-        if name == "log_sum_sq_probs":
-            return self.lse2 - 2 * self.lse
-        return self.argmax == self.labels  # is_top1
+    with torch.no_grad():
+        _, _, stats = linear_logprobs(
+            hidden, weight, labels, bias, ignore_index=ignore_index, temperature=temperature, softcap=softcap,
+            logit_scale=logit_scale, tile_budget_bytes=tile_budget_bytes, backend=backend, statistics=statistics,
+        )
+    return stats

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from ...model.forward import FusedRequest, _as_kwargs, _intercept_lm_head, head_operands, op_options
 from ...ops import linear_logprobs
-from ...ops.token_loss import pad_hint
-from ...ops.token_statistics import TOKEN_STATISTICS, linear_token_statistics
+from ...ops.token_loss import TokenLossHint, pad_hint
+from ...ops.token_statistics import TOKEN_STATISTICS
 from . import hooks
 from .protocol import OPTIONS_ATTR, TrlHeadOptions, TrlProtocolError
 
@@ -88,16 +88,20 @@ def trl_fused_forward(model: nn.Module, *args, **kwargs):
 
 
 def _head(lm_head: nn.Module, hidden: torch.Tensor, *, labels, options: TrlHeadOptions, state, grad_hint):
-    """Every per-token field TRL's head returns, from the states lm_head received (``[B, T, H]``)."""
+    """Every per-token field TRL's head returns, from the states lm_head received (``[B, T, H]``): the log-probs,
+    entropy and requested metrics (``is_top1``, ``mean_logits``, ``log_sum_sq_probs``) in one pass over the logits."""
     head_hidden, weight, bias, labels, precision = head_operands(
         lm_head, hidden, labels, fp32=options.cast_lm_head_to_fp32  # TRL: the projection in fp32, outside autocast
     )
-    common = dict(op_options(state), temperature=options.temperature)
     statistics = [name for name in TOKEN_STATISTICS if name in options.outputs]
+    if statistics and isinstance(grad_hint, TokenLossHint):
+        # No TRL trainer asks for both (GRPO/RLOO log no such metric); the statistics forward + recompute backward
+        # costs the 8·N·H·V FLOPs of the hint's one pass plus a statistics pass, and the gradients are the same.
+        grad_hint = None
     with precision:
-        log_probs, entropy = linear_logprobs(
+        log_probs, entropy, stats = linear_logprobs(
             head_hidden, weight, labels, bias, return_entropy="entropy" in options.outputs, backend=state.backend,
-            grad_hint=None if grad_hint is None else grad_hint.to(weight.device), **common,
+            grad_hint=None if grad_hint is None else grad_hint.to(weight.device), statistics=statistics,
+            **op_options(state), temperature=options.temperature,
         )
-        stats = linear_token_statistics(head_hidden, weight, labels, bias, statistics=statistics, **common) if statistics else {}
     return {"log_probs": log_probs, "entropy": entropy, **{name: stats.get(name) for name in TOKEN_STATISTICS}}

@@ -10,11 +10,14 @@ transform), label ``y``:
 
 The logits-gradient ``dz`` then goes through the transform's derivative and the head:
 ``dh = dz · W``, ``dW += dzᵀ · h``, ``db += Σ_rows dz``, all accumulated in fp32.
+
+The gradient-free token statistics (:mod:`hf_fused.ops.token_statistics`) come from the same tile, when asked:
+``Σ_j z_j / V``, ``argmax_j z_j == y`` and ``log Σ_j p_j² = 2·log ‖p‖₂``.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -75,34 +78,39 @@ class TorchReferenceBackend:
         need_hidden: bool,
         need_weight: bool,
         need_bias: bool,
-    ) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[HeadGrads]]]:
+        statistics: Sequence[str] = (),
+    ) -> Optional[tuple]:
         """Per-row ``(logprobs [M], entropy [M] or None, lse [M], grads)`` and, from the same logits, the
         gradients of ``Σ grad_logprobs · logprobs`` (``grad_logprobs`` fp32 ``[M]``): each tile's
         ``dz = g·(onehot(y) − p)`` right after its log-sum-exp. ``grads`` is ``None`` when none is
         requested (then ``grad_logprobs`` may be ``None``: the statistics forward). A GPU backend
         returns ``None`` instead when its budget cannot hold this one-pass working set; the reference
-        always can (its backward holds the same fp32 ``[V, H]``)."""
+        always can (its backward holds the same fp32 ``[V, H]``).
+
+        ``statistics``: names among :data:`~hf_fused.ops.token_statistics.TOKEN_STATISTICS`; when given, a fifth
+        element ``{name: [M]}`` (fp32, ``is_top1`` bool) computed from the same logits tiles."""
         tile_grads = None
         if need_hidden or need_weight or need_bias:
             tile_grads = lambda start, stop, logp, entropy: (grad_logprobs[start:stop], None)  # noqa: E731
         return self._one_pass(hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes,
-                              return_entropy, need_hidden, need_weight, need_bias)
+                              return_entropy, need_hidden, need_weight, need_bias, statistics)
 
     # -- a token-separable loss and its gradients, in one pass (hf_fused.ops.token_loss) ---------------
     def token_loss_with_grads(
         self, hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes, return_entropy,
-        need_hidden, need_weight, need_bias,
+        need_hidden, need_weight, need_bias, statistics=(),
     ):
         """Like :meth:`logprobs_with_grads`, but each tile's per-row gradients come from
         ``tile_grads(start, stop, logp [r], entropy [r] or None) -> (g_lp [r], g_ent [r] or None)`` (fp32, kept
         rows ``start:stop``), called right after the tile's statistics; then
         ``dz_j = g_lp·(1[j = y] − p_j) − g_ent·p_j·(log p_j + H)`` from the same logits. Returns
-        ``(logprobs, entropy or None, lse, grads)``; never ``None`` (see :meth:`logprobs_with_grads`)."""
+        ``(logprobs, entropy or None, lse, grads)`` (and the token statistics as with
+        :meth:`logprobs_with_grads`); never ``None`` (see :meth:`logprobs_with_grads`)."""
         return self._one_pass(hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes,
-                              return_entropy, need_hidden, need_weight, need_bias)
+                              return_entropy, need_hidden, need_weight, need_bias, statistics)
 
     def _one_pass(self, hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes,
-                  return_entropy, need_hidden, need_weight, need_bias):
+                  return_entropy, need_hidden, need_weight, need_bias, statistics=()):
         """The loop behind both methods above; statistics only (``grads`` ``None``) without ``tile_grads``."""
         weight32 = weight.float()
         grads = None
@@ -112,6 +120,10 @@ class TorchReferenceBackend:
         out_logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
         out_lse = torch.empty_like(out_logp)
         out_ent = torch.empty_like(out_logp) if return_entropy else None
+        token_stats = {
+            name: torch.empty(m, dtype=torch.bool if name == "is_top1" else torch.float32, device=hidden.device)
+            for name in statistics
+        }
         start = 0
         for idx in tiles(rows, rows_per_tile(weight.shape[0], tile_budget_bytes)):
             stop = start + idx.numel()
@@ -120,15 +132,23 @@ class TorchReferenceBackend:
                 del tanh  # only a gradient needs it
                 tanh = None
             y = labels.index_select(0, idx).unsqueeze(1)
+            # On z itself, before it becomes log p in place: z − lse can round distinct logits into a tie.
+            if "mean_logits" in token_stats:
+                token_stats["mean_logits"][start:stop] = z.sum(1) / z.shape[1]
+            if "is_top1" in token_stats:  # argmax returns the first maximum, as TRL's accuracy counts it
+                token_stats["is_top1"][start:stop] = z.argmax(1) == y.squeeze(1)
             lse = torch.logsumexp(z, dim=1, keepdim=True)
             out_logp[start:stop] = (z.gather(1, y) - lse).squeeze(1)
             out_lse[start:stop] = lse.squeeze(1)
             logp = z.sub_(lse)  # log p_j, in place of z
-            p = logp.exp() if (out_ent is not None or grads is not None) else None
+            need_p = out_ent is not None or grads is not None or "log_sum_sq_probs" in token_stats
+            p = logp.exp() if need_p else None
             ent = None
             if out_ent is not None:
                 out_ent[start:stop] = -torch.mul(p, logp).sum(1)
                 ent = out_ent[start:stop]
+            if "log_sum_sq_probs" in token_stats:  # log Σ p² = 2·log ‖p‖₂, without a third tile for p²
+                token_stats["log_sum_sq_probs"][start:stop] = 2 * torch.linalg.vector_norm(p, dim=1).log()
             if grads is not None:
                 g_lp, g_ent = tile_grads(start, stop, out_logp[start:stop], ent)
                 # dz in the two tile arrays already alive (logp, p): the working set stays 3 tiles with tanh.
@@ -143,6 +163,8 @@ class TorchReferenceBackend:
                 del dz
             del z, tanh, logp, p
             start = stop
+        if statistics:
+            return out_logp, out_ent, out_lse, grads, token_stats
         return out_logp, out_ent, out_lse, grads
 
     # -- log-probabilities: statistics forward, recompute backward ---------------------------------
@@ -156,13 +178,15 @@ class TorchReferenceBackend:
         transform: LogitTransform,
         tile_budget_bytes: Optional[int],
         return_entropy: bool,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-        """Per-row ``(logprobs [M], entropy [M] or None, lse [M])``, all fp32, for the rows in ``rows``."""
-        logp, entropy, lse, _ = self.logprobs_with_grads(
+        statistics: Sequence[str] = (),
+    ) -> tuple:
+        """Per-row ``(logprobs [M], entropy [M] or None, lse [M])``, all fp32, for the rows in ``rows``; with
+        ``statistics``, a fourth element ``{name: [M]}`` as in :meth:`logprobs_with_grads`."""
+        out = self.logprobs_with_grads(
             hidden, weight, bias, labels, rows, None, transform, tile_budget_bytes, return_entropy,
-            False, False, False,
+            False, False, False, statistics,
         )
-        return logp, entropy, lse
+        return out[:3] + out[4:]
 
     def logprobs_backward(
         self,

@@ -87,11 +87,16 @@ class TritonCublasBackend:
 
     # -- kernel launches ---------------------------------------------------------------------------
     def _stats(self, z, col_offset, bias, labels, stats, scalars, return_entropy):
-        """Fold the raw logits ``z [rows, cols]`` (columns from ``col_offset``) into ``stats`` =
-        (running max, Σexp, Σexp·z, label logit), each fp32 ``[rows]``."""
+        """Fold the raw logits ``z [rows, cols]`` (columns from ``col_offset``) into ``stats`` (:meth:`_new_stats`):
+        the running max, Σexp, Σexp·z and label logit, and those of the token statistics it holds."""
+        run_max, run_sum, run_zp, label_logit, z_sum, arg, sum_sq = stats
         self.kernels.stats_kernel[(z.shape[0],)](
-            z, z.stride(0), z.shape[1], col_offset, bias if bias is not None else labels, labels, *stats,
-            ENTROPY=return_entropy, BLOCK_V=_STATS_BLOCK_V, num_warps=_STATS_WARPS, **scalars,
+            z, z.stride(0), z.shape[1], col_offset, bias if bias is not None else labels, labels,
+            run_max, run_sum, run_zp, label_logit,
+            # statistics not asked for: any valid pointer, never read (their flags compile them out)
+            run_max if z_sum is None else z_sum, labels if arg is None else arg, run_max if sum_sq is None else sum_sq,
+            ENTROPY=return_entropy, SUM_Z=z_sum is not None, ARGMAX=arg is not None, SUM_SQ=sum_sq is not None,
+            BLOCK_V=_STATS_BLOCK_V, num_warps=_STATS_WARPS, **scalars,
         )
 
     def _grad(self, z, col_offset, bias, labels, lse, ent, g_lp, g_ent, scalars, has_g_lp, has_g_ent):
@@ -103,15 +108,42 @@ class TritonCublasBackend:
         )
 
     @staticmethod
-    def _new_stats(m_rows, device):
+    def _new_stats(m_rows, device, statistics=()):
+        """Per-row accumulators ``[M]``: (running max, Σexp(z−m), Σexp(z−m)·z, label logit, Σz, first arg-max,
+        Σexp(2(z−m))), the last three ``None`` unless a statistic in ``statistics`` needs them."""
         f32 = dict(dtype=torch.float32, device=device)
-        return (torch.full((m_rows,), float("-inf"), **f32),) + tuple(torch.zeros(m_rows, **f32) for _ in range(3))
+        zeros = lambda dtype=torch.float32: torch.zeros(m_rows, dtype=dtype, device=device)  # noqa: E731
+        return (
+            torch.full((m_rows,), float("-inf"), **f32), zeros(), zeros(), zeros(),
+            zeros() if "mean_logits" in statistics else None,
+            zeros(torch.int64) if "is_top1" in statistics else None,
+            zeros() if "log_sum_sq_probs" in statistics else None,
+        )
+
+    @staticmethod
+    def _finish(stats, labels, vocab_size, return_entropy, statistics):
+        """``(logprobs, entropy or None, lse, token statistics)`` of the rows from their accumulators
+        (the formulas of :mod:`hf_fused.ops.token_statistics`)."""
+        run_max, run_sum, run_zp, label_logit, z_sum, arg, sum_sq = stats
+        log_sum = run_sum.log()
+        lse = run_max + log_sum
+        entropy = lse - run_zp / run_sum if return_entropy else None
+        values = {
+            "mean_logits": lambda: z_sum / vocab_size,
+            "is_top1": lambda: arg == labels,
+            # log Σ exp(2z − 2·lse) = log Σexp(2(z − m)) − 2·log Σexp(z − m): the running max cancels
+            "log_sum_sq_probs": lambda: sum_sq.log() - 2 * log_sum,
+        }
+        return label_logit - lse, entropy, lse, {name: values[name]() for name in statistics}
 
     # -- the interface -----------------------------------------------------------------------------
-    def logprobs_forward(self, hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy):
+    def logprobs_forward(self, hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy,
+                         statistics=()):
+        """Like :meth:`TorchReferenceBackend.logprobs_forward`, vocabulary chunks outside: the token statistics
+        are online reductions across chunks like the log-sum-exp."""
         h, y = self._compact(hidden, weight, labels, rows)
         m_rows, vocab_size = h.shape[0], weight.shape[0]
-        stats = self._new_stats(m_rows, h.device)
+        stats = self._new_stats(m_rows, h.device, statistics)
         block_rows, cols = self._plan(m_rows, vocab_size, weight.element_size(), tile_budget_bytes)
         scalars = self._scalars(transform, bias)
         tile_buf = torch.empty((block_rows, cols), dtype=weight.dtype, device=h.device)
@@ -120,11 +152,9 @@ class TritonCublasBackend:
             for r0 in range(0, m_rows, block_rows):
                 r1 = min(r0 + block_rows, m_rows)
                 z = torch.mm(h[r0:r1], w_chunk.t(), out=tile_buf[: r1 - r0, : w_chunk.shape[0]])
-                self._stats(z, v0, bias, y[r0:r1], tuple(t[r0:r1] for t in stats), scalars, return_entropy)
-        run_max, run_sum, run_zp, label_logit = stats
-        lse = run_max + run_sum.log()
-        entropy = lse - run_zp / run_sum if return_entropy else None
-        return label_logit - lse, entropy, lse
+                self._stats(z, v0, bias, y[r0:r1], _row_slice(stats, r0, r1), scalars, return_entropy)
+        logp, entropy, lse, token_stats = self._finish(stats, y, vocab_size, return_entropy, statistics)
+        return (logp, entropy, lse, token_stats) if statistics else (logp, entropy, lse)
 
     def logprobs_backward(
         self, hidden, weight, bias, labels, rows, lse, entropy, grad_logprobs, grad_entropy,
@@ -181,7 +211,7 @@ class TritonCublasBackend:
 
     def logprobs_with_grads(
         self, hidden, weight, bias, labels, rows, grad_logprobs, transform, tile_budget_bytes, return_entropy,
-        need_hidden, need_weight, need_bias,
+        need_hidden, need_weight, need_bias, statistics=(),
     ):
         """Like :meth:`TorchReferenceBackend.logprobs_with_grads`: one pass (6·M·H·V), token rows outside
         and whole vocabulary rows per tile, or ``None`` when the planner (:mod:`hf_fused.ops.tiling`) chooses
@@ -192,11 +222,11 @@ class TritonCublasBackend:
             g_lp = grad_logprobs.to(torch.float32).contiguous()
             tile_grads = lambda r0, r1, logp, entropy: (g_lp[r0:r1], None)  # noqa: E731
         return self._one_pass(hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes,
-                              return_entropy, need_hidden, need_weight, need_bias)
+                              return_entropy, need_hidden, need_weight, need_bias, statistics)
 
     def token_loss_with_grads(
         self, hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes, return_entropy,
-        need_hidden, need_weight, need_bias,
+        need_hidden, need_weight, need_bias, statistics=(),
     ):
         """Like :meth:`TorchReferenceBackend.token_loss_with_grads` on the one-pass schedule of
         :meth:`logprobs_with_grads`: per full-vocabulary row block, the statistics kernel, then
@@ -204,16 +234,17 @@ class TritonCublasBackend:
         ``(g_lp, g_ent)``, then the gradient kernel on the same logits. ``None`` when the planner chooses
         two passes (the op then runs statistics + recompute)."""
         return self._one_pass(hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes,
-                              return_entropy, need_hidden, need_weight, need_bias)
+                              return_entropy, need_hidden, need_weight, need_bias, statistics)
 
     def _one_pass(
         self, hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes, return_entropy,
-        need_hidden, need_weight, need_bias,
+        need_hidden, need_weight, need_bias, statistics=(),
     ):
         """The one-pass loop behind both methods above: per full-vocabulary row block, the statistics kernel,
         then (when ``tile_grads`` is given) ``tile_grads(r0, r1, logp, entropy) -> (g_lp, g_ent or None)`` and
         the gradient kernel on the same logits, then dh and the fp32 dW accumulation. ``None`` when the
-        planner chooses two passes; ``grads`` is ``None`` without ``tile_grads``."""
+        planner chooses two passes; ``grads`` is ``None`` without ``tile_grads``. With ``statistics`` the token
+        statistics of the rows come from the same statistics kernel, as a fifth element."""
         block_rows = self._one_pass_rows(weight, need_weight, tile_budget_bytes)
         if not block_rows:
             return None
@@ -224,13 +255,14 @@ class TritonCublasBackend:
         d_hidden = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_hidden else None
         if need_bias and bias is not None:
             grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-        stats = self._new_stats(m_rows, h.device)
+        stats = self._new_stats(m_rows, h.device, statistics)
         scalars = self._scalars(transform, bias)
         tile_buf = torch.empty((min(block_rows, max(m_rows, 1)), vocab_size), dtype=weight.dtype, device=h.device)
         for r0 in range(0, m_rows, block_rows):
             r1 = min(r0 + block_rows, m_rows)
             dz = torch.mm(h[r0:r1], weight.t(), out=tile_buf[: r1 - r0])
-            run_max, run_sum, run_zp, label_logit = row_stats = tuple(t[r0:r1] for t in stats)
+            row_stats = _row_slice(stats, r0, r1)
+            run_max, run_sum, run_zp, label_logit = row_stats[:4]
             self._stats(dz, 0, bias, y[r0:r1], row_stats, scalars, return_entropy)
             if tile_grads is None:
                 continue
@@ -247,7 +279,10 @@ class TritonCublasBackend:
                 grads.bias += dz.float().sum(0)
         grads.hidden = d_hidden
         grads.weight = d_weight32
-        run_max, run_sum, run_zp, label_logit = stats
-        lse = run_max + run_sum.log()
-        entropy = lse - run_zp / run_sum if return_entropy else None
-        return label_logit - lse, entropy, lse, grads if tile_grads is not None else None
+        logp, entropy, lse, token_stats = self._finish(stats, y, vocab_size, return_entropy, statistics)
+        grads = grads if tile_grads is not None else None
+        return (logp, entropy, lse, grads, token_stats) if statistics else (logp, entropy, lse, grads)
+
+
+def _row_slice(stats, r0, r1):
+    return tuple(None if t is None else t[r0:r1] for t in stats)
