@@ -3,7 +3,8 @@
 A developer's tool beside the benchmark: the same inputs and step as ``python -m benchmarks``
 (gradients accumulated into existing ``.grad`` buffers, as its timing loop does), one warm-up, then
 ``--steps`` steps under ``torch.profiler``; prints the kernels by total CUDA time and the wall time
-per step.
+per step. ``--gaps`` also lists where the GPU sat idle between kernels (the cost of host syncs and
+of Python between launches, which kernel totals do not show).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=20, help="kernel rows to print")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--gaps", action="store_true", help="also print the GPU's idle gaps between kernels")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     (problem,) = select_problems(args.shape, quick=False)
@@ -44,7 +46,36 @@ def main(argv: Optional[list[str]] = None) -> int:
         wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
     print(f"{problem.name} / {peer.key}: {wall_ms:.2f} ms per step (wall, under the profiler)")
+    if args.gaps:
+        print_gaps(prof, args.steps, args.rows)
     return 0
+
+
+def print_gaps(prof, steps: int, rows: int, min_us: float = 20.0) -> None:
+    """Idle time of the GPU between consecutive kernels (memcpy/memset count as busy), per step, and the
+    largest gaps with the kernels around them."""
+    from torch.autograd import DeviceType
+
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    )
+    if not spans:
+        print("no GPU events recorded")
+        return
+    gaps, busy_end, before = [], spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start - busy_end >= min_us:
+            gaps.append((start - busy_end, before, name))
+        if end > busy_end:
+            busy_end, before = end, name
+    total = (busy_end - spans[0][0]) / 1e3
+    idle = sum(g for g, _, _ in gaps) / 1e3
+    print(f"GPU span {total / steps:.2f} ms per step, idle in gaps >= {min_us:.0f} us: {idle / steps:.2f} ms per step "
+          f"({len(gaps) / steps:.0f} gaps per step)")
+    for gap, before, after in sorted(gaps, reverse=True)[:rows]:
+        print(f"  {gap / 1e3:8.3f} ms  after {before[:60]!r}  before {after[:60]!r}")
 
 
 if __name__ == "__main__":

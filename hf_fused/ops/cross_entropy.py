@@ -7,11 +7,11 @@ from typing import Optional, Union
 import torch
 
 from .backends import get_backend
-from .head_inputs import check_num_items, check_per_token, flatten_head_inputs
+from .head_inputs import check_per_token, flatten_head_inputs
 from .logit_transform import LogitTransform
 from .logprobs import linear_logprobs
 from .precision import autocast_off, cast_like_linear, refuse_double_backward
-from .tiling import valid_rows, validate_tile_budget
+from .tiling import validate_tile_budget
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -51,11 +51,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         refuse_double_backward("linear_cross_entropy")
         hidden, weight, bias, labels, rows, lse, row_weights = ctx.saved_tensors
         grad_scale, transform, tile_budget_bytes, backend, need = ctx.config
-        # One host sync for the upstream factor: ``loss.backward()`` sends 1, and then the pass over the
-        # [V, H] weight gradient is skipped (1.2 ms for a Qwen head on an H200). A Python float keeps the
-        # factor in fp32 inside bf16 kernels, where a tensor would be rounded to bf16 (e.g. 1/3 for
-        # gradient accumulation: a biased gradient).
-        factor = float(grad_output)
+        # The upstream factor stays an fp32 tensor on the device: no host sync (each one drains the GPU queue),
+        # and fp32 arithmetic keeps it unrounded inside bf16 gradients (e.g. 1/3 for gradient accumulation).
+        factor = grad_output.detach().to(torch.float32)
         if lse is None:  # one pass: the gradients were computed in the forward
             if ctx.grads is None:
                 raise RuntimeError(
@@ -75,7 +73,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None, None
 
 
-def _grad_logprobs(grad_scale, factor: float, row_weights, rows) -> torch.Tensor:
+def _grad_logprobs(grad_scale, factor, row_weights, rows) -> torch.Tensor:
     """``∂(factor · grad_scale · Σ w·loss)/∂logp = −factor·grad_scale·w`` per row, fp32 ``[M]`` (loss = −logp)."""
     g = torch.as_tensor(grad_scale, dtype=torch.float32, device=rows.device).neg() * factor
     return g.expand(rows.numel()).contiguous() if row_weights is None else g * row_weights
@@ -177,8 +175,8 @@ def linear_cross_entropy(
             _raise_not_finite()
         return -logprobs * torch.where(kept, weights, 0.0)
     transform = LogitTransform(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
-    flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index)
-    rows = valid_rows(flat.labels, ignore_index)
+    flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index, num_items_in_batch)
+    rows = flat.rows
     n_valid = rows.numel()
     row_weights = None
     if token_weights is not None:
@@ -191,8 +189,7 @@ def linear_cross_entropy(
             keep = nonzero.nonzero().squeeze(1)
             rows, row_weights = rows[keep], row_weights[keep]
     if num_items_in_batch is not None:
-        num_items_in_batch = check_num_items(num_items_in_batch)
-        grad_scale = 1.0 / num_items_in_batch
+        grad_scale = 1.0 / flat.num_items_in_batch
         if isinstance(grad_scale, torch.Tensor):
             grad_scale = grad_scale.to(device=hidden.device, dtype=torch.float32)
     elif reduction == "mean":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -22,11 +22,15 @@ class HeadGrads:
     weight: Optional[torch.Tensor] = None
     bias: Optional[torch.Tensor] = None
 
-    def input_grads(self, hidden, weight, bias, rows, factor: float = 1.0):
+    def input_grads(self, hidden, weight, bias, rows, factor: Union[float, torch.Tensor] = 1.0):
         """``(d_hidden [N, H], d_weight, d_bias)`` in the inputs' dtypes (``None`` where not computed):
-        each times ``factor`` in fp32 (in place), then rounded once; hidden's rows scattered to ``rows``
-        (0 elsewhere). Consumes the fp32 buffers: each is released as soon as its result exists, so
-        the fp32 ``[M, H]`` is gone before the ``[V, H]`` one is cast."""
+        each times ``factor`` in fp32, then rounded once; hidden's rows scattered to ``rows`` (0 elsewhere).
+
+        ``factor``: a Python float, or an fp32 0-d tensor on the gradients' device (the upstream gradient, kept
+        on the device so that backward needs no host sync; the product is fp32, so the factor is never rounded
+        to bf16). The product and the rounding are one pass when the dtype changes. Consumes the fp32
+        buffers: each is released as soon as its result exists, so the fp32 ``[M, H]`` is gone before the
+        ``[V, H]`` one is cast."""
         out = []
         for name, like in (("hidden", hidden), ("weight", weight), ("bias", bias)):
             grad = getattr(self, name)
@@ -34,16 +38,24 @@ class HeadGrads:
             if grad is None:
                 out.append(None)
                 continue
-            if factor != 1.0:
-                grad.mul_(factor)
-            out.append(_scatter_rows(grad, hidden, rows) if name == "hidden" else grad.to(like.dtype))
-            del grad
+            scaled = _scaled(grad, factor, hidden.dtype if name == "hidden" else like.dtype)
+            out.append(_scatter_rows(scaled, hidden, rows) if name == "hidden" else scaled)
+            del grad, scaled
         return tuple(out)
 
 
+def _scaled(grad: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
+    """``grad · factor`` (fp32 arithmetic) in ``dtype``: in place when ``dtype`` is fp32, else one fused pass."""
+    if isinstance(factor, float) and factor == 1.0:
+        return grad.to(dtype)
+    if dtype == grad.dtype:
+        return grad.mul_(factor)
+    return torch.mul(grad, factor, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
+
+
 def _scatter_rows(d_rows: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The gradients of ``rows`` (``[M, H]``) as hidden's gradient ``[N, H]`` in hidden's dtype (0 on the
-    rows not in ``rows``: ignored tokens)."""
+    """The gradients of ``rows`` (``[M, H]``, already in hidden's dtype) as hidden's gradient ``[N, H]`` (0 on
+    the rows not in ``rows``: ignored tokens)."""
     if rows.numel() == hidden.shape[0]:  # every row, in order (rows come from nonzero(): sorted)
-        return d_rows.to(hidden.dtype)
-    return torch.zeros_like(hidden).index_copy_(0, rows, d_rows.to(hidden.dtype))
+        return d_rows
+    return torch.zeros_like(hidden).index_copy_(0, rows, d_rows)

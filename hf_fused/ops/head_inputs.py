@@ -17,6 +17,8 @@ class FlatHeadInputs:
     bias: Optional[torch.Tensor]  # [V]
     labels: torch.Tensor  # [N] int64
     batch_shape: torch.Size  # the leading ``...`` of hidden, to restore per-token outputs
+    rows: torch.Tensor  # [M] int64: the non-ignored rows, ascending (ignored rows are compacted out before any matmul)
+    num_items_in_batch: object = None  # as given, after :func:`check_num_items`
 
 
 def flatten_head_inputs(
@@ -25,8 +27,14 @@ def flatten_head_inputs(
     labels: torch.Tensor,
     bias: Optional[torch.Tensor],
     ignore_index: int,
+    num_items_in_batch=None,
 ) -> FlatHeadInputs:
-    """Check shapes, dtypes, devices and label range; flatten.
+    """Check shapes, dtypes, devices, label range and ``num_items_in_batch`` (:func:`check_num_items`); flatten;
+    find the non-ignored rows.
+
+    One host sync in all (the label checks, the count of kept rows and a tensor ``num_items_in_batch`` are read
+    together; the rows then come from ``nonzero_static`` with that count): every sync drains the GPU queue, and
+    a training step of a patched model should cost no more of them than the unpatched model's.
 
     Raises:
         TypeError: non-tensor inputs, non-floating hidden/weight, non-integer labels.
@@ -63,19 +71,29 @@ def flatten_head_inputs(
             f"hidden, weight and labels must be on one device, got {hidden.device}, {weight.device}, {labels.device}"
         )
     flat_labels = labels.reshape(-1).long()
-    bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= vocab_size))
-    if bool(bad.any()):
+    kept = flat_labels != ignore_index
+    bad = kept & ((flat_labels < 0) | (flat_labels >= vocab_size))
+    counts = [kept.sum(), bad.sum()]
+    items_tensor = isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() == 1
+    if items_tensor:
+        counts.append(num_items_in_batch.detach().reshape(()).to(device=kept.device, dtype=torch.float64))
+    host = torch.stack([c.to(torch.float64) for c in counts]).tolist()  # the one host sync
+    if host[1]:
         first = flat_labels[bad][0].item()
         raise ValueError(
             f"labels contain {first}, outside [0, {vocab_size}) and not ignore_index={ignore_index}; "
             "mask padding with ignore_index or check the tokenizer/vocabulary size"
         )
+    if num_items_in_batch is not None:
+        num_items_in_batch = check_num_items(num_items_in_batch, host[2] if items_tensor else None)
     return FlatHeadInputs(
         hidden=hidden.reshape(-1, hidden_size),
         weight=weight,
         bias=bias,
         labels=flat_labels,
         batch_shape=hidden.shape[:-1],
+        rows=torch.nonzero_static(kept, size=int(host[0])).squeeze(1),
+        num_items_in_batch=num_items_in_batch,
     )
 
 
@@ -97,10 +115,10 @@ def check_per_token(values, labels: torch.Tensor, name: str) -> torch.Tensor:
     return values.detach().float()
 
 
-def check_num_items(num_items_in_batch):
+def check_num_items(num_items_in_batch, value: Optional[float] = None):
     """``num_items_in_batch`` (transformers' gradient-accumulation normalizer) as given, after checking that
     it is one finite number > 0: a Python number or a one-element tensor (a 0-d tensor on the model's
-    device is what ``Trainer`` passes).
+    device is what ``Trainer`` passes). ``value``: the tensor's value when the caller already read it to the host.
 
     Raises:
         ValueError: several elements, NaN, inf, or not > 0.
@@ -112,7 +130,7 @@ def check_num_items(num_items_in_batch):
                 f"num_items_in_batch must be one number (the token count of the whole accumulated batch), got a "
                 f"tensor of shape {tuple(num_items_in_batch.shape)}"
             )
-        value = num_items_in_batch.item()
+        value = num_items_in_batch.item() if value is None else value
     elif isinstance(num_items_in_batch, (int, float)) and not isinstance(num_items_in_batch, bool):
         value = num_items_in_batch
     else:

@@ -40,7 +40,7 @@ from .head_inputs import flatten_head_inputs, per_token_outputs
 from .logit_transform import LogitTransform
 from .logprobs import HINT_RTOL, HintMissedWarning, recompute_grads
 from .precision import autocast_off, cast_like_linear, refuse_double_backward
-from .tiling import valid_rows, validate_tile_budget
+from .tiling import validate_tile_budget
 
 #: ``token_loss(logprobs [r], entropy [r] or None, **per_token_rows) -> losses [r]``
 TokenLossFn = Callable[..., torch.Tensor]
@@ -170,8 +170,8 @@ class LinearTokenLossFunction(torch.autograd.Function):
         nothing = (None,) * 8
         if grad_loss is None or not any(need):
             return (None, None, None) + nothing
-        # One host sync; a Python float keeps the factor in fp32 (see linear_cross_entropy's backward).
-        factor = float(grad_loss)
+        # An fp32 tensor on the device: no host sync (see linear_cross_entropy's backward).
+        factor = grad_loss.detach().to(torch.float32)
         if lse is None:  # one pass: the gradients were computed in the forward
             if ctx.grads is None:
                 raise RuntimeError(
@@ -294,7 +294,7 @@ def linear_token_loss(
     transform = LogitTransform(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
     flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index)
     consts = _flat_per_token(per_token, labels)
-    rows = valid_rows(flat.labels, ignore_index)
+    rows = flat.rows
     grad_enabled = torch.is_grad_enabled()
     tile_budget_bytes = validate_tile_budget(tile_budget_bytes)  # None stays None: the planner's default rule
     hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
@@ -462,7 +462,7 @@ def hinted_logprobs(hidden, weight, labels, bias, hint: TokenLossHint, *, ignore
     entropy)`` shaped like labels, differentiable, the head gradients of the hint's loss computed in the forward."""
     flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index)
     consts = _flat_per_token(hint.per_token, labels)
-    rows = valid_rows(flat.labels, ignore_index)
+    rows = flat.rows
     tile_budget_bytes = validate_tile_budget(tile_budget_bytes)
     hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
     tile_loss = _TileLoss(hint.token_loss, consts, rows, differentiate=True, keep_row_grads=True)
