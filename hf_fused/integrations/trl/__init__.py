@@ -20,9 +20,9 @@ the order:
 
 The answer (:func:`trl_fused_forward`) runs the model's original forward with ``labels=None`` and the lm_head
 call intercepted (:mod:`hf_fused.model.forward`), and computes every field TRL's head would return from the
-states lm_head receives: log-probs and entropy with :func:`hf_fused.ops.linear_logprobs`, the gradient-free
-statistics with :func:`hf_fused.ops.token_statistics.linear_token_statistics`, ``loss`` and ``label_mask`` as
-TRL defines them. A PEFT adapter on lm_head is part of the head (TRL's head would read the bare weight).
+states lm_head receives: log-probs, entropy and the gradient-free statistics (``is_top1``, ``mean_logits``,
+``log_sum_sq_probs``) in one pass with :func:`hf_fused.ops.linear_logprobs` (``statistics=``), ``loss`` and
+``label_mask`` as TRL defines them. A PEFT adapter on lm_head is part of the head (TRL's head would read the bare weight).
 
 TRL's ``DistillationTrainer`` does not use this protocol: its loss is a student–teacher divergence
 (``trl/kernels/chunked_divergence.py``) computed from the backbones and lm_head weights directly. hf_fused
