@@ -20,24 +20,7 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_helpers  # noqa: E402
-from train_worker import full_parameters  # noqa: E402
-
-
-def count_fused_head_calls() -> dict:
-    """Count hf_fused's head computations during training, and how many found lm_head partitioned by
-    ZeRO-3 (so they went through the gather-for-backward node of hf_fused.model.distributed)."""
-    from hf_fused.model import distributed, forward
-
-    calls = {"all": 0, "partitioned": 0}
-    run_head = forward.run_head
-
-    def counted(lm_head, hidden, compute):
-        calls["all"] += 1
-        calls["partitioned"] += bool(distributed.partitioned_head_params(lm_head))
-        return run_head(lm_head, hidden, compute)
-
-    forward.run_head = counted
-    return calls
+from train_worker import count_fused_head_calls, full_parameters  # noqa: E402
 
 
 def main(case: dict) -> None:

@@ -6,14 +6,7 @@ Each case trains a tiny model for a few optimizer steps through a public entry p
 compared with the single-process, unpatched ``transformers.Trainer`` on the same global batch
 (``ranks × per-device batch``, same sample order): every logged loss, and every updated parameter.
 
-Tolerances (fp32):
-- logged losses: relative 1e-5. The engines average the ranks' token sums in another order than one
-  process does; measured differences are ≤ 1e-7 relative.
-- parameters: ``‖θ − θ_ref‖ / ‖θ_ref − θ_0‖ ≤ 2e-5`` per tensor, i.e. relative to the training update.
-  The optimizer is SGD (update = −lr · gradient, no clipping) so any gradient error shows in proportion;
-  the *unpatched* model under ZeRO-3 already differs from the single process by up to 1.9e-6 (reduction
-  order of the reduce-scatter; measured), and a real fault (a gradient reduced twice or not at all, a
-  missing 1/world, lm_head's LoRA adapter not trained, a wrong GA normalization) moves it by O(1).
+Tolerances (fp32, bf16 twins): tests/distributed/parity.py.
 """
 
 from __future__ import annotations
@@ -23,6 +16,7 @@ import torch
 
 from hf_fused.ops.tiling import rows_per_tile
 from launch import train
+from parity import assert_bf16_twin, assert_matches_reference
 from tiny_models import VOCAB, make_model
 
 pytestmark = [
@@ -32,8 +26,6 @@ pytestmark = [
 
 BATCH = 2  # per device
 RANKS = 2
-LOSS_RTOL = 1e-5
-PARAM_RTOL = 2e-5
 #: rows_per_tile(128, 6144) = 4 rows per tile: a loss call runs several tiles.
 TILE_BUDGET = 6144
 
@@ -54,39 +46,21 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def references(tmp_path_factory, model_dirs):
-    """Single-process unpatched Trainer runs, one per (model, options), computed on first use."""
+    """Single-process unpatched Trainer runs, one per (model, engine, options), computed on first use.
+    ``engine``: None for a plain process, or an engine config launched with one process (DeepSpeed's bf16
+    keeps bf16 weights, so its single-process bf16 reference is DeepSpeed's too)."""
     root = tmp_path_factory.mktemp("references")
     cache = {}
 
-    def get(model: str, **options) -> dict:
-        key = (model, tuple(sorted(options.items())))
+    def get(model: str, engine: str | None = None, **options) -> dict:
+        key = (model, engine, tuple(sorted(options.items())))
         if key not in cache:
             case = dict(model_dir=model_dirs[model], out=str(root / f"ref{len(cache)}.pt"), trainer="Trainer",
                         batch=BATCH * RANKS, **options)
-            cache[key] = train(case, None)
+            cache[key] = train(case, engine, processes=1)
         return cache[key]
 
     return get
-
-
-def assert_matches_reference(got: dict, ref: dict, ranks: int = RANKS) -> None:
-    assert got["world"] == ranks
-    assert len(got["losses"]) == len(ref["losses"]) > 0
-    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
-        assert abs(a - b) <= LOSS_RTOL * abs(b), f"step {step}: logged loss {a} vs reference {b}"
-    assert got["params"].keys() == ref["params"].keys()
-    moved = []
-    for name, ref_p in ref["params"].items():
-        assert torch.equal(got["initial"][name], ref["initial"][name]), f"{name}: runs started apart"
-        update = (ref_p - ref["initial"][name]).norm()
-        err = (got["params"][name] - ref_p).norm()
-        if update > 0:
-            moved.append(name)
-            assert err <= PARAM_RTOL * update, f"{name}: ‖θ−θ_ref‖/‖Δθ_ref‖ = {float(err / update):.3g}"
-        else:
-            assert err == 0, f"{name}: the reference did not move it, the engine run did by {float(err):.3g}"
-    # lm_head (its LoRA adapter under PEFT; the embedding when tied) trains, and the backbone with it.
-    assert any("lm_head" in n or "embed_tokens" in n for n in moved) and len(moved) >= 4, moved
 
 
 CASES = {
@@ -142,28 +116,22 @@ def assert_head_gathered_and_reduced_once_per_micro_batch(got: dict, micro_batch
                       "reductions": micro_batches}, counts
 
 
-def test_zero3_bf16_fused_is_no_further_from_fp32_than_stock_bf16(tmp_path, model_dirs, references):
-    """bf16 twin: ZeRO-3 with ``bf16=True`` (DeepSpeed keeps bf16 weights and fp32 master weights) trains the
-    stock Trainer and FusedTrainer; both are compared with the fp32 single-process reference.
+#: bf16 mixed precision per engine, and the single-process unpatched run under the same bf16 setting:
+#: DeepSpeed (``bf16.enabled``) keeps bf16 weights and fp32 master weights, so its reference is the same
+#: DeepSpeed config in one process; DDP and accelerate's FSDP2 plugin autocast an fp32 model (its
+#: ``mixed_precision: bf16``), as one plain process with ``bf16=True`` does.
+BF16_REFERENCE_ENGINE = {"zero3": "zero3", "zero2": "zero2", "fsdp2": None, "ddp": None}
 
-    bf16 rounds every weight, activation and gradient to 8 significant bits (relative 2^-8 ≈ 4e-3), and
-    the two paths round different intermediates (the stock path rounds the logits to bf16; the fused op
-    keeps fp32 logits and rounds its gradients once), so they cannot agree to fp32 precision. Measured
-    distances to the fp32 run are 2-11 % of the update per tensor for the stock path. The claim tested:
-    the fused run is no further from fp32 than the stock bf16 run (per tensor within 1.25×, losses within
-    2× the stock loss error + 2^-9 relative)."""
-    pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    ref = references("llama")
-    runs = {}
-    for trainer in ("Trainer", "FusedTrainer"):
-        case = dict(model_dir=model_dirs["llama"], out=str(tmp_path / f"{trainer}.pt"), trainer=trainer,
-                    batch=BATCH, bf16=True)
-        runs[trainer] = train(case, "zero3")
-    stock, fused = runs["Trainer"], runs["FusedTrainer"]
-    for step, (f, s, r) in enumerate(zip(fused["losses"], stock["losses"], ref["losses"])):
-        assert abs(f - r) <= 2 * abs(s - r) + 2**-9 * abs(r), f"step {step}: fused {f}, stock {s}, fp32 {r}"
-    for name, ref_p in ref["params"].items():
-        update = (ref_p - ref["initial"][name]).norm()
-        stock_err = (stock["params"][name] - ref_p).norm() / update
-        fused_err = (fused["params"][name] - ref_p).norm() / update
-        assert fused_err <= 1.25 * stock_err, f"{name}: fused {float(fused_err):.3g} vs stock {float(stock_err):.3g}"
+
+@pytest.mark.parametrize("config", list(BF16_REFERENCE_ENGINE))
+def test_bf16_training_matches_single_process_unpatched_bf16(config, tmp_path, model_dirs, references):
+    """bf16 twin of the fp32 cases: ``FusedTrainer(bf16=True)`` under the engine (2 ranks) against the
+    unpatched ``Trainer(bf16=True)`` in one process under the same bf16 setting, and both against the fp32
+    reference (``parity.assert_bf16_twin``: losses within 2^-8, parameters no further from fp32 than stock
+    bf16's, every tensor within 0.25 of the update of stock's; why those bounds: there)."""
+    if config.startswith("zero"):
+        pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
+    stock = references("llama", BF16_REFERENCE_ENGINE[config], bf16=True)
+    case = dict(model_dir=model_dirs["llama"], out=str(tmp_path / "run.pt"), trainer="FusedTrainer", batch=BATCH,
+                bf16=True)
+    assert_bf16_twin(train(case, config), stock, references("llama"))

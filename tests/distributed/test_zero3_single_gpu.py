@@ -10,11 +10,8 @@ from __future__ import annotations
 import pytest
 
 from launch import train
-from test_engines import (
-    TILE_BUDGET,
-    assert_head_gathered_and_reduced_once_per_micro_batch,
-    assert_matches_reference,
-)
+from parity import assert_matches_reference
+from test_engines import TILE_BUDGET, assert_head_gathered_and_reduced_once_per_micro_batch
 from tiny_models import make_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]

@@ -115,6 +115,23 @@ def count_head_events(counts: dict) -> None:
     distributed._Gather.add = counted_add
 
 
+def count_fused_head_calls() -> dict:
+    """Count hf_fused's head computations during training, and how many found lm_head partitioned by
+    ZeRO-3 (so they went through the gather-for-backward node of hf_fused.model.distributed)."""
+    from hf_fused.model import distributed, forward
+
+    calls = {"all": 0, "partitioned": 0}
+    run_head = forward.run_head
+
+    def counted(lm_head, hidden, compute):
+        calls["all"] += 1
+        calls["partitioned"] += bool(distributed.partitioned_head_params(lm_head))
+        return run_head(lm_head, hidden, compute)
+
+    forward.run_head = counted
+    return calls
+
+
 class VocabWidthTracker:
     """A dispatch mode that records the most rows of any tensor an op produces with the vocabulary as its
     last dimension (logits or a tile of them): ``[N, V]`` logits would show N rows. Tensors of the weight's

@@ -1,0 +1,94 @@
+"""Parity assertions shared by tests/distributed: an engine run against the single-process reference
+(fp32), and a bf16 run against its references (bf16 twins).
+
+A run is a dict ``{"losses", "params", "initial", "world"}``: logged loss per optimizer step, every
+parameter after and before training as whole fp32 CPU tensors (canonical names), and the number of ranks.
+
+fp32 tolerances:
+- logged losses: relative 1e-5. The engines average the ranks' token sums in another order than one
+  process does; measured differences are ≤ 1e-7 relative.
+- parameters: ``‖θ − θ_ref‖ / ‖θ_ref − θ_0‖ ≤ 2e-5`` per tensor, i.e. relative to the training update.
+  The optimizer is SGD (update = −lr · gradient, no clipping) so any gradient error shows in proportion;
+  the *unpatched* model under ZeRO-3 already differs from the single process by up to 1.9e-6 (reduction
+  order of the reduce-scatter; measured), and a real fault (a gradient reduced twice or not at all, a
+  missing 1/world, lm_head's LoRA adapter not trained, a wrong GA normalization) moves it by O(1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_RTOL = 1e-5
+PARAM_RTOL = 2e-5
+
+
+def update_errors(got: dict, ref: dict, same_start: bool = True) -> dict[str, float]:
+    """Per parameter ``‖θ − θ_ref‖ / ‖θ_ref − θ_0,ref‖`` (0 for a tensor neither run moved; inf for one that
+    only ``got`` moved). ``same_start``: both runs must have started from the same parameters."""
+    assert got["params"].keys() == ref["params"].keys()
+    errors = {}
+    for name, ref_p in ref["params"].items():
+        if same_start:
+            assert torch.equal(got["initial"][name], ref["initial"][name]), f"{name}: runs started apart"
+        update = (ref_p - ref["initial"][name]).norm()
+        err = (got["params"][name] - ref_p).norm()
+        errors[name] = float(err / update) if update > 0 else (0.0 if err == 0 else float("inf"))
+    return errors
+
+
+def assert_matches_reference(got: dict, ref: dict, ranks: int = 2) -> None:
+    """fp32: every logged loss within ``LOSS_RTOL``, every parameter within ``PARAM_RTOL`` of the update, and
+    lm_head (its LoRA adapter under PEFT; the embedding when tied) trained, with the backbone."""
+    assert got["world"] == ranks
+    assert len(got["losses"]) == len(ref["losses"]) > 0
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+        assert abs(a - b) <= LOSS_RTOL * abs(b), f"step {step}: logged loss {a} vs reference {b}"
+    errors = update_errors(got, ref)
+    for name, err in errors.items():
+        assert err <= PARAM_RTOL, f"{name}: ‖θ−θ_ref‖/‖Δθ_ref‖ = {err:.3g}"
+    moved = [n for n in errors if not torch.equal(ref["params"][n], ref["initial"][n])]
+    assert any("lm_head" in n or "embed_tokens" in n for n in moved) and len(moved) >= 4, moved
+
+
+#: bf16 twins (see :func:`assert_bf16_twin` for why each bound).
+BF16_LOSS_RTOL = 2.0**-8
+BF16_NO_FURTHER = 1.25
+BF16_PER_TENSOR = 0.25
+
+
+def _distance(a: dict, b: dict, fp32: dict) -> float:
+    """``‖θ_a − θ_b‖ / ‖Δθ_fp32‖`` with all parameters as one vector (a stable statistic under bf16, whose
+    per-tensor errors cancel or add up by chance)."""
+    names = sorted(fp32["params"])
+    diff = torch.cat([(a["params"][n] - b["params"][n]).double().flatten() for n in names])
+    update = torch.cat([(fp32["params"][n] - fp32["initial"][n]).double().flatten() for n in names])
+    return float(diff.norm() / update.norm())
+
+
+def assert_bf16_twin(fused: dict, stock: dict, fp32: dict, ranks: int = 2) -> None:
+    """bf16 twin of :func:`assert_matches_reference`: ``fused`` (hf_fused under the engine, ``ranks``
+    processes, bf16) against ``stock`` (the unpatched model in one process under the same bf16 setting) and
+    ``fp32`` (the unpatched single-process fp32 run), all from the same model and global batch:
+
+    1. every logged loss within 2^-8 relative of stock's: both round every layer to bf16 alike (2^-8
+       relative per rounding) and differ in the head's roundings (the stock head rounds the logits to bf16,
+       the fused op keeps them in fp32) and in the ranks' summation order;
+    2. the parameters, as one vector, no further from fp32 than stock's (within 1.25×, the bound the
+       non-distributed twins hold hf_fused's ops to under autocast, tests/test_fused_trainer.py): the
+       engine adds no error of its own to hf_fused's bf16 numerics;
+    3. every parameter tensor within 0.25 of the update of stock's. bf16 changes a 3-step run by percents
+       of the update per tensor (stock vs fp32: up to 11 %), and the rank count alone by as much: two
+       unpatched ZeRO-2 runs, 1 and 2 processes, differ by up to 12 % (a LayerNorm weight ≈ 1 is stored in
+       bf16 at a spacing of 2^-7, coarse next to its update). A distribution fault (a gradient reduced twice
+       or never, a missing 1/world, an adapter left untrained) moves a tensor by O(1) of its update.
+    """
+    assert fused["world"] == ranks and stock["world"] == 1
+    assert len(fused["losses"]) == len(stock["losses"]) == len(fp32["losses"]) > 0
+    for step, (f, s) in enumerate(zip(fused["losses"], stock["losses"])):
+        assert abs(f - s) <= BF16_LOSS_RTOL * abs(s), f"step {step}: fused bf16 loss {f} vs stock bf16 {s}"
+    fused_err, stock_err = _distance(fused, fp32, fp32), _distance(stock, fp32, fp32)
+    assert 0 < stock_err, "bf16 changed nothing: mixed precision was not on"
+    assert fused_err <= BF16_NO_FURTHER * stock_err, (
+        f"parameters: fused bf16 {fused_err:.3g} vs stock bf16 {stock_err:.3g} of the fp32 update")
+    for name, err in update_errors(fused, stock).items():
+        assert err <= BF16_PER_TENSOR, f"{name}: ‖θ−θ_stock‖/‖Δθ_stock‖ = {err:.3g}"
