@@ -1,5 +1,5 @@
 """Parity assertions shared by tests/distributed: an engine run against the single-process reference
-(fp32), and a bf16 run against its references (bf16 twins).
+(fp32), and a bf16 run against the single-process unpatched run under the same bf16 setting (bf16 twins).
 
 A run is a dict ``{"losses", "params", "initial", "world"}``: logged loss per optimizer step, every
 parameter after and before training as whole fp32 CPU tensors (canonical names), and the number of ranks.

@@ -1,7 +1,7 @@
-"""``hf_fused.FusedGRPOTrainer`` under DeepSpeed ZeRO-3 and DDP (``accelerate launch --config_file
-examples/distributed/{zero3,ddp}.yaml``, 2 CPU processes over gloo) against ``trl.GRPOTrainer`` under the
-same engine, on the scripted rollouts of tests/grpo_helpers.py (the same completions for both), 2 optimizer
-steps of SGD with β = 0 (on-policy).
+"""``hf_fused.FusedGRPOTrainer`` under DeepSpeed ZeRO-3 and ZeRO-2, FSDP2 and DDP (``accelerate launch
+--config_file examples/distributed/{zero3,zero2,fsdp2,ddp}.yaml``, 2 CPU processes over gloo) against
+``trl.GRPOTrainer`` under the same engine, on the scripted rollouts of tests/grpo_helpers.py (the same
+completions for both), 2 optimizer steps of SGD with β = 0 (on-policy).
 
 Compared: every logged metric of every step (loss, grad_norm, entropy, rewards, clip ratios; relative
 1e-5 + 1e-7 absolute: fp32 sums in another order), and every updated parameter (``‖θ − θ_stock‖ /
@@ -37,9 +37,9 @@ def _run(tmp_path, config: str, trainer: str, model_dir: str) -> dict:
     return torch.load(out)
 
 
-@pytest.mark.parametrize("config", ["zero3", "ddp"])
+@pytest.mark.parametrize("config", ["zero3", "zero2", "fsdp2", "ddp"])
 def test_fused_grpo_matches_stock_grpo_under_the_same_engine(tmp_path, config):
-    if config == "zero3":
+    if config.startswith("zero"):
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
     import grpo_helpers
 
