@@ -1,0 +1,273 @@
+"""``hi + lo += a @ b``: a matmul that accumulates into an unevaluated pair of half-precision tensors.
+
+Why: the memory-lean gradient loop (:mod:`.triton_cublas`, vocabulary chunks outside) adds one product
+``dz @ w_chunk`` per vocabulary chunk into the hidden-state gradient ``[M, H]``. An fp32 accumulator costs
+``4·M·H`` bytes on top of the gradient; adding into the bf16 gradient itself rounds once per chunk (~19
+roundings for a 151,936-token vocabulary instead of eager's one). Here the running sum is the pair
+``hi + lo`` of two ``[M, N]`` tensors in the gradient's dtype: ``hi`` is the gradient that is returned,
+``lo`` (the same size, half an fp32 buffer) carries what ``hi`` cannot hold. Each chunk's product is
+accumulated in fp32 registers (``tl.dot``) and folded into the pair in the epilogue, per element::
+
+    s  = h + acc                          # Knuth's TwoSum (TAOCP vol. 2, §4.2.2, Theorem B):
+    bp = s − h                            #   s + e == h + acc exactly, in fp32 round-to-nearest
+    e  = (h − (s − bp)) + (acc − bp)
+    t  = s + (l + e)                      # the new sum, one fp32 rounding (Joldes, Muller & Popescu 2017,
+                                          #   "Tight and rigorous error bounds for basic building blocks of
+                                          #   double-word arithmetic", Alg. 4 DWPlusFP, with fp32 as the
+                                          #   working precision and a half-precision pair as storage)
+    hi' = round(t);  lo' = round(t − hi')  # t − hi' is exact in fp32 (t rounded to fewer bits)
+
+where ``h, l`` are ``hi, lo`` read as fp32. Memory traffic per chunk is that of an fp32 ``C`` (read and
+write 2 + 2 bytes per element instead of 4); the extra memory is ``lo``, ``2·M·N`` bytes (128 MiB at
+M = 32768, H = 2048, against 256 MiB for an fp32 accumulator).
+
+The TwoSum makes the fp32 stage exact (``s + e == h + acc``) but is not what makes the pair accurate:
+``t`` is rounded to fp32 anyway and the dropped ``e`` would be ≤ 2⁻²⁴·|s|, 2⁻⁷ or less of ``lo``'s own
+rounding (below), so ``t = (h + l) + acc`` has the same bound (an epilogue without ``e`` passes every test
+in tests/test_ops_compensated.py). It costs four fp32 additions per output element, once per tile.
+
+Error (u = 2⁻⁸ for bf16, 2⁻¹¹ for fp16, the unit roundoff of the storage format): ``|t − (hi' + lo')| ≤
+u·|t − hi'| ≤ u·½ulp(hi')`` — each chunk leaves the pair at most ``u`` half-ulps of ``hi`` away from the fp32
+sum (2⁻⁸ of the final rounding's bound in bf16), versus up to one whole half-ulp per chunk when rounding
+into a bf16 accumulator. After k chunks ``hi`` is the round-to-nearest of an fp32 value within
+``k·u·½ulp`` (plus fp32 accumulation error) of the exact sum: eager's one rounding, except for values that
+lie that close to a rounding tie. fp16 caveat: ``lo`` cannot hold less than fp16's subnormal spacing 2⁻²⁴,
+so the pair's per-chunk error is ``max(u·½ulp(hi), 2⁻²⁵)``; this is within bf16's 2⁻⁸ of ``hi``'s half-ulp
+only for ``|hi| ≳ 2⁻⁶`` (gradients in loss-scaled fp16 training; bf16 has fp32's exponent range and no such
+floor).
+
+No finalize step: a last fold ``hi = round(hi + lo)`` could not improve ``hi``. ``hi`` is already
+``round(t)``, the nearest representable value to the pair's exact sum ``t`` (up to ``lo``'s rounding),
+and ``|lo| ≤ ½ulp(hi)``; ``round(hi + lo)`` equals ``hi`` except when ``lo`` rounded up to exactly half an
+ulp, where round-half-to-even may move ``hi`` one ulp away from ``t``: the fold is a no-op or makes it
+worse, so the caller returns ``hi`` as it is and frees ``lo``.
+
+Rounding to bf16 is done on the bit pattern (round to nearest, ties to even, NaN kept NaN) rather than
+with ``.to(tl.bfloat16)``: Triton's interpreter, which runs these kernels on CPU in CI, truncates
+fp32 → bf16 (Triton 3.9), and one code path on GPU and in CI is what the tests check. Under the
+interpreter the ``tl.dot`` operands are also widened to fp32 first (its ``tl.dot`` on bf16 reads the raw
+bits as integers); products of two bf16 or fp16 values are exact in fp32, so this changes nothing but the
+order of the fp32 additions.
+
+Launch configuration: a fixed table keyed on the shape's class (:func:`default_config`), not
+``triton.autotune``: the kernel updates ``hi``/``lo`` in place, so autotuning would need a copy of both per
+candidate config (``restore_value``), and the row count M changes with every batch (only the non-ignored
+rows are computed), which would re-tune — many timed launches — at each new M in the training loop.
+``benchmarks/compensated_gemm.py`` sweeps :data:`SWEEP_CONFIGS` on a GPU to choose the table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+_FP32_MAX = tl.constexpr(3.4028234663852886e38)  # |s| ≤ this is "s is finite" (NaN compares false)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """One launch shape: a ``block_m × block_n`` output tile per program, ``block_k`` deep K steps,
+    programs ordered in groups of ``group_m`` row-blocks (so the ``b`` columns a group reads stay in L2,
+    as in Triton's matmul tutorial), ``num_warps`` warps, ``num_stages`` software-pipelined loads."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+    @property
+    def name(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/w{self.num_warps}/s{self.num_stages}"
+
+
+# Shared memory per stage: (block_m + block_n)·block_k·2 bytes: 48 KiB for 128×256×64 (3 stages = 144 KiB,
+# within an H100's 227 KiB); the fp32 accumulator is block_m·block_n/(32·num_warps) registers per thread
+# (128 for 128×256 on 8 warps), the most that leaves room for the epilogue's hi/lo reads.
+LARGE = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)
+MEDIUM = GemmConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=4)
+SMALL = GemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)
+
+# What the benchmark times on one GPU run (the table above plus neighbours worth comparing).
+SWEEP_CONFIGS = (
+    LARGE,
+    GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4),
+    GemmConfig(256, 128, 64, group_m=8, num_warps=8, num_stages=3),
+    MEDIUM,
+    GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4),
+    SMALL,
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: fewest, largest programs are fastest
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_config(m: int, n: int, device: torch.device) -> GemmConfig:
+    """The largest tile of ``LARGE``/``MEDIUM``/``SMALL`` that still gives every multiprocessor of ``device``
+    at least two output tiles (fewer tiles than that leaves SMs idle for a whole K loop); ``SMALL`` otherwise."""
+    waves = 2 * _multiprocessors(device)
+    for config in (LARGE, MEDIUM):
+        if triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n) >= waves:
+            return config
+    return SMALL
+
+
+@triton.jit
+def _to_fp32(x, IS_BF16: tl.constexpr):
+    """A bf16 or fp16 block as fp32, exactly (bf16: the 16 bits on top of a zero low half)."""
+    if IS_BF16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _round(x, IS_BF16: tl.constexpr):
+    """fp32 → (the bf16/fp16 value to store, that value as fp32), round to nearest, ties to even."""
+    if IS_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        # Adding 0x7FFF plus the lowest kept bit carries into the kept half exactly when the dropped half
+        # is above one half, or equal to it with an odd kept half; overflow rounds to ±inf as it should.
+        kept = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        kept = tl.where(x != x, 0x7FC0, kept)  # NaN stays NaN (its low bits could carry into the sign)
+        value = (kept << 16).to(tl.float32, bitcast=True)
+        return kept.to(tl.uint16).to(tl.bfloat16, bitcast=True), value
+    half = x.to(tl.float16)
+    return half, half.to(tl.float32)
+
+
+@triton.jit
+def _compensated_addmm_kernel(
+    A, B, HI, LO, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_hm, stride_hn, stride_lm, stride_ln,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, AB_BF16: tl.constexpr, OUT_BF16: tl.constexpr, WIDEN_DOT: tl.constexpr,
+):
+    """One ``[BLOCK_M, BLOCK_N]`` tile of ``(HI, LO) += A @ B`` (see the module docstring for the epilogue)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M consecutive row-blocks sweep the column-blocks together, so a group reads each
+    # B column-block once from DRAM and then from L2.
+    pids_per_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // pids_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % pids_per_group) % group_rows
+    pid_n = (pid % pids_per_group) // group_rows
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    # int64 row/column offsets: a [V, H] weight slice can span more than 2³¹ elements.
+    a_ptrs = A + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
+    b_ptrs = B + rk[:, None] * stride_bk + rn[None, :].to(tl.int64) * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & (rk[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=(rk[:, None] < k_left) & n_ok[None, :], other=0.0)
+        if WIDEN_DOT:
+            acc = tl.dot(_to_fp32(a, AB_BF16), _to_fp32(b, AB_BF16), acc)
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    mask = m_ok[:, None] & n_ok[None, :]
+    hi_ptrs = HI + rm[:, None].to(tl.int64) * stride_hm + rn[None, :] * stride_hn
+    lo_ptrs = LO + rm[:, None].to(tl.int64) * stride_lm + rn[None, :] * stride_ln
+    h = _to_fp32(tl.load(hi_ptrs, mask=mask, other=0.0), OUT_BF16)
+    low = _to_fp32(tl.load(lo_ptrs, mask=mask, other=0.0), OUT_BF16)
+    s = h + acc
+    bp = s - h
+    e = (h - (s - bp)) + (acc - bp)
+    # A non-finite s makes e NaN (inf − inf): keep s itself, so an overflow or inf stays ±inf as in eager.
+    t = tl.where(tl.abs(s) <= _FP32_MAX, s + (low + e), s)
+    hi_new, hi32 = _round(t, OUT_BF16)
+    lo_new, _ = _round(t - hi32, OUT_BF16)
+    tl.store(hi_ptrs, hi_new, mask=mask)
+    tl.store(lo_ptrs, lo_new, mask=mask)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last]`` byte addresses ``t`` can touch (an over-approximation for non-dense strides)."""
+    last = t.data_ptr() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) * t.element_size()
+    return t.data_ptr(), last + t.element_size() - 1
+
+
+def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if x.numel() == 0 or y.numel() == 0:
+        return False
+    (x0, x1), (y0, y1) = _span(x), _span(y)
+    return x0 <= y1 and y0 <= x1
+
+
+def compensated_addmm_(
+    hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, config: Optional[GemmConfig] = None
+) -> None:
+    """``hi + lo += a @ b`` in place, with fp32 accumulation of the product and an error-free fold into the
+    pair (module docstring: formulas, error bound, why no finalize step).
+
+    Args:
+        hi: ``[M, N]`` bf16 or fp16, any strides: the running sum rounded to its dtype (use it as the result).
+        lo: ``[M, N]``, ``hi``'s dtype, any strides: the residual ``≈ sum − hi``; start both at zero. Where
+            ``hi`` is ±inf or NaN (as eager's fp32 sum would be), ``lo`` is NaN and means nothing.
+        a: ``[M, K]`` bf16 or fp16, any strides (e.g. the logits gradient ``dz``, or a transposed view).
+        b: ``[K, N]``, ``a``'s dtype, any strides (e.g. a row slice ``weight[v0:v1]`` of the lm_head weight).
+        config: launch shape; default :func:`default_config` for ``(M, N)`` on the tensors' device.
+
+    Raises:
+        ValueError: on shapes that do not chain, tensors on different devices, or ``hi``/``lo`` memory that
+            overlaps each other or ``a``/``b`` (the kernel reads one while writing the other).
+        TypeError: on dtypes other than bf16/fp16, or ``a``/``b`` (``hi``/``lo``) of different dtypes.
+
+    Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before Triton is imported).
+    """
+    if a.dim() != 2 or b.dim() != 2 or hi.dim() != 2 or a.shape[1] != b.shape[0] or \
+            hi.shape != (a.shape[0], b.shape[1]) or lo.shape != hi.shape:
+        raise ValueError(f"compensated_addmm_ needs hi, lo [M, N], a [M, K], b [K, N]; got hi {tuple(hi.shape)}, "
+                         f"lo {tuple(lo.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if a.dtype not in _HALF_DTYPES or b.dtype != a.dtype or hi.dtype not in _HALF_DTYPES or lo.dtype != hi.dtype:
+        raise TypeError(f"compensated_addmm_ needs a and b of one dtype, hi and lo of one dtype, each bf16 or fp16; "
+                        f"got a {a.dtype}, b {b.dtype}, hi {hi.dtype}, lo {lo.dtype}")
+    if len({t.device for t in (hi, lo, a, b)}) != 1:
+        raise ValueError(f"compensated_addmm_ needs one device; got hi {hi.device}, lo {lo.device}, a {a.device}, "
+                         f"b {b.device}")
+    for out, out_name in ((hi, "hi"), (lo, "lo")):
+        for other, other_name in ((lo, "lo"), (a, "a"), (b, "b")):
+            if other is not out and _overlap(out, other):
+                raise ValueError(f"compensated_addmm_: {out_name} overlaps {other_name} in memory")
+    m, n = hi.shape
+    k = a.shape[1]
+    if m == 0 or n == 0 or k == 0:
+        return  # nothing to add (and no fold: the pair is left exactly as it was)
+    config = config or default_config(m, n, hi.device)
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    with torch.cuda.device(hi.device) if hi.is_cuda else contextlib.nullcontext():
+        _compensated_addmm_kernel[grid](
+            a, b, hi, lo, m, n, k,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), hi.stride(0), hi.stride(1), lo.stride(0), lo.stride(1),
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+            EVEN_K=k % config.block_k == 0, AB_BF16=a.dtype == torch.bfloat16, OUT_BF16=hi.dtype == torch.bfloat16,
+            WIDEN_DOT=not hi.is_cuda, num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+
+
+__all__ = ["GemmConfig", "LARGE", "MEDIUM", "SMALL", "SWEEP_CONFIGS", "compensated_addmm_", "default_config"]
