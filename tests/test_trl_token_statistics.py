@@ -199,6 +199,7 @@ def test_bad_requests_raise():
     hint = TokenLossHint(lambda logp, entropy, a: -a * logp, {"a": torch.ones(4)})
     with pytest.raises(ValueError, match="TokenLossHint"):
         linear_logprobs(hidden, weight, labels, bias, grad_hint=hint, statistics=("is_top1",))
+    assert linear_logprobs(hidden, weight, labels, bias, grad_hint=hint, statistics=())[2] == {}  # none asked: fine
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

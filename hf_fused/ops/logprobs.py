@@ -212,7 +212,7 @@ def linear_logprobs(
     Raises:
         ValueError / TypeError: as :func:`~hf_fused.ops.linear_cross_entropy`; ``grad_hint`` not a
             floating-point tensor shaped like ``labels`` on its device; an unknown name in ``statistics``, or
-            ``statistics`` with a ``TokenLossHint``.
+            statistics named with a ``TokenLossHint``.
         RuntimeError: in backward, for second-order gradients (``create_graph=True``).
     """
     transform = LogitTransform(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
@@ -220,14 +220,15 @@ def linear_logprobs(
 
     names = None if statistics is None else check_statistics(statistics)
     if isinstance(grad_hint, TokenLossHint):
-        if names is not None:
+        if names:
             raise ValueError(
                 "linear_logprobs: statistics= with a TokenLossHint grad_hint is not supported; pass the hint's loss "
                 "to linear_token_loss, or drop the hint (statistics + recompute costs the same 8·N·H·V FLOPs as the "
                 "hint's one pass plus a statistics pass)"
             )
-        return hinted_logprobs(hidden, weight, labels, bias, grad_hint, ignore_index=ignore_index, transform=transform,
-                               return_entropy=return_entropy, tile_budget_bytes=tile_budget_bytes, backend=backend)
+        out = hinted_logprobs(hidden, weight, labels, bias, grad_hint, ignore_index=ignore_index, transform=transform,
+                              return_entropy=return_entropy, tile_budget_bytes=tile_budget_bytes, backend=backend)
+        return out if names is None else out + ({},)
     flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index)
     rows = valid_rows(flat.labels, ignore_index)
     hint_rows = None
