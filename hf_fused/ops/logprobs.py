@@ -40,11 +40,13 @@ class LinearLogprobsFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         ctx.hinted = None
         one_pass = None
+        # Only when asked: a registered backend from before statistics existed still serves every other call.
+        asked = {"statistics": statistics} if statistics else {}
         with autocast_off(hidden.device.type):
             if grad_hint is not None and grad_enabled and any(need[:3]):
                 one_pass = backend.logprobs_with_grads(
                     hidden, weight, bias, labels, rows, grad_hint, transform, tile_budget_bytes, return_entropy,
-                    need[0], need[1], bias is not None and need[2], statistics=statistics,
+                    need[0], need[1], bias is not None and need[2], **asked,
                 )
             if one_pass is not None:
                 logp_rows, ent_rows, lse, grads = one_pass[:4]
@@ -52,8 +54,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
                 ctx.hinted = (grad_hint, grads)
             else:
                 logp_rows, ent_rows, lse, *rest = backend.logprobs_forward(
-                    hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy,
-                    statistics=statistics,
+                    hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy, **asked
                 )
                 row_stats = rest[0] if statistics else {}
         logprobs, entropy = per_token_outputs(hidden, rows, labels.numel(), logp_rows, ent_rows, return_entropy)

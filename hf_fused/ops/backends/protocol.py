@@ -5,7 +5,8 @@ gradients come back as fp32 :class:`~hf_fused.ops.grads.HeadGrads` that the op s
 
 The two forward methods also compute, when ``statistics`` names any, the gradient-free token statistics of
 :mod:`hf_fused.ops.token_statistics` from the same logits tiles (no second pass over the vocabulary), and then
-return one more element: :data:`RowStatistics`. Without ``statistics`` the returns are as before it existed."""
+return one more element: :data:`RowStatistics`. Without ``statistics`` the returns are as before it existed, and
+the ops pass the keyword only when it names something (a backend without it serves every other call)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,9 @@ weight gradient is never held in fp32; the hidden-state gradient is accumulated 
 fp32 ``[M, H]`` buffer, the smaller of the two whenever tokens M < vocabulary V (every LLM batch up
 to V tokens).
 
-Passes: statistics (``2·M·H·V`` FLOPs: log-sum-exp, label logit, entropy) then gradients (recompute
-``2·M·H·V`` + ``dX`` ``2·M·H·V`` + ``dW`` ``2·M·H·V``): ``8·M·H·V`` in all, on the non-ignored rows M only.
+Passes: statistics (``2·M·H·V`` FLOPs: log-sum-exp, label logit, entropy, and the token statistics when
+asked) then gradients (recompute ``2·M·H·V`` + ``dX`` ``2·M·H·V`` + ``dW`` ``2·M·H·V``): ``8·M·H·V`` in all,
+on the non-ignored rows M only.
 One preallocated ``[rows, V_chunk]`` tile in the weight dtype holds the logits cuBLAS writes (as
 eager transformers and TRL's chunked head round them) and then, in place, ``dz``; every statistic and
 accumulation after the matmul is fp32. Its shape comes from :func:`hf_fused.ops.tiling.two_pass_plan`.
