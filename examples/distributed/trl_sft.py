@@ -18,9 +18,9 @@ trains a LoRA adapter on lm_head too, which TRL's own head refuses.) Every optio
 accepted (``ScriptArguments``, ``SFTConfig``, ``ModelConfig``, ``DatasetMixtureConfig``), plus two:
 
 * ``--no_fused_loss``: run TRL's stock head instead (the unpatched reference for the same command).
-* ``--tiny``: offline, no Hub: a 2-layer Llama built from a config, a word-level tokenizer and a dataset of
-  fixed-length lines of Python's own documentation (``pydoc_data.topics``), all written to
-  ``<output_dir>/tiny-model`` before training (so that directory holds the initial weights); any
+* ``--tiny``: offline, no Hub (``tiny.py``): a 2-layer Llama built from a config and a word-level tokenizer,
+  written to ``<output_dir>/tiny-model`` before training (so that directory holds the initial weights), and
+  a dataset of 512 lines of 15 words of Python's own documentation (``pydoc_data.topics``); any
   ``--model_name_or_path`` / ``--dataset_name`` is ignored.
 
 Run from the repository root (the DeepSpeed configs name their JSON files relative to it). Besides TRL's
@@ -29,12 +29,6 @@ Run from the repository root (the DeepSpeed configs name their JSON files relati
 
 import os
 from dataclasses import dataclass, field
-
-#: ``--tiny``: lines of this many words (each word one token, unknown words ``[UNK]``), so that every
-#: sample has the same length and no rank pads differently from a single process.
-TINY_WORDS_PER_LINE = 15
-TINY_LINES = 512
-TINY_VOCAB = 256
 
 
 @dataclass
@@ -50,44 +44,13 @@ class FusedArguments:
     )
 
 
-def build_tiny(directory: str):
-    """Write a 2-layer Llama (seeded initial weights) and a word-level tokenizer to ``directory``, and return
-    a ``DatasetDict`` with a ``train`` split of fixed-length text lines from ``pydoc_data.topics``."""
-    import pydoc_data.topics
-    import torch
-    import transformers
-    from datasets import Dataset, DatasetDict
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    specials = ["[PAD]", "[EOS]", "[UNK]"]
-    splitter = pre_tokenizers.Whitespace()
-    words = [w for key in sorted(pydoc_data.topics.topics)
-             for w, _ in splitter.pre_tokenize_str(pydoc_data.topics.topics[key])]
-    n = TINY_WORDS_PER_LINE
-    lines = [" ".join(words[i:i + n]) for i in range(0, n * TINY_LINES, n)]
-    if not os.path.exists(os.path.join(directory, "config.json")):
-        tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-        tok.pre_tokenizer = splitter
-        tok.train_from_iterator(lines, trainers.WordLevelTrainer(vocab_size=TINY_VOCAB, special_tokens=specials))
-        tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]",
-                                                          eos_token="[EOS]", unk_token="[UNK]")
-        config = transformers.LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-        )
-        torch.manual_seed(0)
-        transformers.LlamaForCausalLM(config).save_pretrained(directory)
-        tokenizer.save_pretrained(directory)
-    return DatasetDict(train=Dataset.from_dict({"text": lines}))
-
-
 def main(script_args, training_args, model_args, dataset_args, fused_args):
     import transformers
     from accelerate.logging import get_logger
-    from datasets import load_dataset
+    from datasets import Dataset, DatasetDict, load_dataset
     from packaging.version import Version
 
+    import tiny
     from hf_fused import apply_fused_loss
     from trl import SFTTrainer, get_dataset, get_peft_config, get_quantization_config
 
@@ -108,7 +71,8 @@ def main(script_args, training_args, model_args, dataset_args, fused_args):
         model_args.model_name_or_path = os.path.join(training_args.output_dir, "tiny-model")
         # The main process writes the model; the others then find it (same seed, same files either way).
         with training_args.main_process_first(desc="tiny model"):
-            dataset = build_tiny(model_args.model_name_or_path)
+            tiny.write_model(model_args.model_name_or_path)
+        dataset = DatasetDict(train=Dataset.from_dict({"text": tiny.lines(512, 15)}))
     elif dataset_args.datasets and script_args.dataset_name:
         logger.warning(
             "Both `datasets` and `dataset_name` are provided. The `datasets` argument will be used to load the "

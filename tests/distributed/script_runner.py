@@ -22,6 +22,7 @@ def main() -> None:
     count_file, script, *args = sys.argv[1:]
     calls = count_fused_head_calls()
     sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as ``python SCRIPT`` sets it: the script's imports
     runpy.run_path(script, run_name="__main__")
     rank = int(os.environ.get("RANK", "0"))
     with open(f"{count_file}.{rank}", "w") as f:
