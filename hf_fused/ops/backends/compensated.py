@@ -75,7 +75,8 @@ _FP32_MAX = tl.constexpr(3.4028234663852886e38)  # |s| ≤ this is "s is finite"
 class GemmConfig:
     """One launch shape: a ``block_m × block_n`` output tile per program, ``block_k`` deep K steps,
     programs ordered in groups of ``group_m`` row-blocks (so the ``b`` columns a group reads stay in L2,
-    as in Triton's matmul tutorial), ``num_warps`` warps, ``num_stages`` software-pipelined loads."""
+    as in Triton's matmul tutorial), ``num_warps`` warps, ``num_stages`` software-pipelined loads, and the
+    epilogue run on ``epilogue_split`` (1, 2 or 4) column slices of the tile one after another."""
 
     block_m: int
     block_n: int
@@ -83,26 +84,32 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    epilogue_split: int = 1
 
     @property
     def name(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/w{self.num_warps}/s{self.num_stages}"
+        return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/w{self.num_warps}/s{self.num_stages}"
+                f"/e{self.epilogue_split}")
 
 
 # Shared memory per stage: (block_m + block_n)·block_k·2 bytes: 48 KiB for 128×256×64 (3 stages = 144 KiB,
-# within an H100's 227 KiB); the fp32 accumulator is block_m·block_n/(32·num_warps) registers per thread
-# (128 for 128×256 on 8 warps), the most that leaves room for the epilogue's hi/lo reads.
-LARGE = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)
-MEDIUM = GemmConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=4)
-SMALL = GemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)
+# 4 = 192 KiB, within an H100's 227 KiB). The fp32 accumulator is block_m·block_n/(32·num_warps) registers
+# per thread (128 for 128×256 on 8 warps); the epilogue_split keeps hi, lo and the fold's temporaries of one
+# column slice beside it within 255 registers. ptxas for sm_90 (Triton 3.9), registers / spilled stack bytes:
+# 128×256 w8: e1 255/632, e2 248/0, e4 196/0; 256×128 w8: e2 254/0, e4 199/0; 128×128 w4: e1 255/536,
+# e4 210/0; 128×128 w8 e1: 208/0; 64×128 w4: e1 225/0, e2 128/0.
+LARGE = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, epilogue_split=4)
+MEDIUM = GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, epilogue_split=1)
+SMALL = GemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4, epilogue_split=2)
 
 # What the benchmark times on one GPU run (the table above plus neighbours worth comparing).
 SWEEP_CONFIGS = (
     LARGE,
-    GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4),
-    GemmConfig(256, 128, 64, group_m=8, num_warps=8, num_stages=3),
+    GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4, epilogue_split=4),
+    GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, epilogue_split=2),
+    GemmConfig(256, 128, 64, group_m=8, num_warps=8, num_stages=3, epilogue_split=4),
     MEDIUM,
-    GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4),
+    GemmConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=4, epilogue_split=4),
     SMALL,
 )
 
@@ -128,8 +135,10 @@ def default_config(m: int, n: int, device: torch.device) -> GemmConfig:
 def _to_fp32(x, IS_BF16: tl.constexpr):
     """A bf16 or fp16 block as fp32, exactly (bf16: the 16 bits on top of a zero low half)."""
     if IS_BF16:
-        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    return x.to(tl.float32)
+        wide = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        wide = x.to(tl.float32)
+    return wide
 
 
 @triton.jit
@@ -142,9 +151,11 @@ def _round(x, IS_BF16: tl.constexpr):
         kept = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         kept = tl.where(x != x, 0x7FC0, kept)  # NaN stays NaN (its low bits could carry into the sign)
         value = (kept << 16).to(tl.float32, bitcast=True)
-        return kept.to(tl.uint16).to(tl.bfloat16, bitcast=True), value
-    half = x.to(tl.float16)
-    return half, half.to(tl.float32)
+        stored = kept.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        stored = x.to(tl.float16)
+        value = stored.to(tl.float32)
+    return stored, value  # one return: the compiler types every return of a function, taken or not
 
 
 @triton.jit
@@ -153,6 +164,7 @@ def _compensated_addmm_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, stride_hm, stride_hn, stride_lm, stride_ln,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, AB_BF16: tl.constexpr, OUT_BF16: tl.constexpr, WIDEN_DOT: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``(HI, LO) += A @ B`` (see the module docstring for the epilogue)."""
     pid = tl.program_id(0)
@@ -190,7 +202,39 @@ def _compensated_addmm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    mask = m_ok[:, None] & n_ok[None, :]
+    # The epilogue in EPILOGUE_SPLIT column slices: a whole 128×256 tile's hi, lo and fold temporaries next to
+    # its accumulator need more than 255 registers per thread (ptxas spills ~600 bytes of stack, sm_90).
+    if EPILOGUE_SPLIT == 1:
+        _fold(acc, HI, LO, rm, rn, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
+    else:
+        left, right = _halves(acc, BLOCK_M, BLOCK_N // 2)
+        rn_left = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+        if EPILOGUE_SPLIT == 2:
+            _fold(left, HI, LO, rm, rn_left, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
+            _fold(right, HI, LO, rm, rn_left + BLOCK_N // 2, M, N, stride_hm, stride_hn, stride_lm, stride_ln,
+                  OUT_BF16)
+        else:
+            q0, q1 = _halves(left, BLOCK_M, BLOCK_N // 4)
+            q2, q3 = _halves(right, BLOCK_M, BLOCK_N // 4)
+            rn_q = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 4)
+            _fold(q0, HI, LO, rm, rn_q, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
+            _fold(q1, HI, LO, rm, rn_q + BLOCK_N // 4, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
+            _fold(q2, HI, LO, rm, rn_q + BLOCK_N // 2, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
+            _fold(q3, HI, LO, rm, rn_q + 3 * (BLOCK_N // 4), M, N, stride_hm, stride_hn, stride_lm, stride_ln,
+                  OUT_BF16)
+
+
+@triton.jit
+def _halves(x, ROWS: tl.constexpr, HALF: tl.constexpr):
+    """``x [ROWS, 2·HALF]`` as its left and right ``[ROWS, HALF]`` column halves."""
+    return tl.split(tl.permute(tl.reshape(x, (ROWS, 2, HALF)), (0, 2, 1)))
+
+
+@triton.jit
+def _fold(acc, HI, LO, rm, rn, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16: tl.constexpr):
+    """``(HI, LO)[rm, rn] ← split(HI + LO + acc)`` for an fp32 product block ``acc [len(rm), len(rn)]``: the
+    TwoSum fold of the module docstring."""
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
     hi_ptrs = HI + rm[:, None].to(tl.int64) * stride_hm + rn[None, :] * stride_hn
     lo_ptrs = LO + rm[:, None].to(tl.int64) * stride_lm + rn[None, :] * stride_ln
     h = _to_fp32(tl.load(hi_ptrs, mask=mask, other=0.0), OUT_BF16)
@@ -259,6 +303,9 @@ def compensated_addmm_(
     if m == 0 or n == 0 or k == 0:
         return  # nothing to add (and no fold: the pair is left exactly as it was)
     config = config or default_config(m, n, hi.device)
+    if config.epilogue_split not in (1, 2, 4) or config.block_n % (16 * config.epilogue_split):
+        raise ValueError(f"compensated_addmm_: epilogue_split must be 1, 2 or 4 and divide block_n into slices of "
+                         f"≥ 16 columns; got {config}")
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     with torch.cuda.device(hi.device) if hi.is_cuda else contextlib.nullcontext():
         _compensated_addmm_kernel[grid](
@@ -266,7 +313,7 @@ def compensated_addmm_(
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), hi.stride(0), hi.stride(1), lo.stride(0), lo.stride(1),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
             EVEN_K=k % config.block_k == 0, AB_BF16=a.dtype == torch.bfloat16, OUT_BF16=hi.dtype == torch.bfloat16,
-            WIDEN_DOT=not hi.is_cuda, num_warps=config.num_warps, num_stages=config.num_stages,
+            WIDEN_DOT=not hi.is_cuda, EPILOGUE_SPLIT=config.epilogue_split, num_warps=config.num_warps, num_stages=config.num_stages,
         )
 
 
