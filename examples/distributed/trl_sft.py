@@ -1,7 +1,9 @@
-"""TRL's SFT script (``trl/scripts/sft.py`` of TRL 1.16) with hf_fused's loss: the one added line is
-``apply_fused_loss(trainer.model)``, after which every fused-head call of ``SFTTrainer`` (its loss, entropy
-and token accuracy) is computed from the hidden states and lm_head tile by tile, never as
-``[tokens, vocab]`` logits. Launch it under any engine with the configs beside it:
+"""TRL's SFT script (``trl/scripts/sft.py`` of TRL 1.16) with hf_fused's loss: the model that ``SFTTrainer``
+would load from ``--model_name_or_path`` is loaded here the same way and passed through ``apply_fused_loss``
+before the trainer sees it, after which every fused-head call of ``SFTTrainer`` (its loss, entropy and token
+accuracy) is computed from the hidden states and lm_head tile by tile, never as ``[tokens, vocab]`` logits.
+(Patching first, not ``apply_fused_loss(trainer.model)`` after, is what lets a LoRA adapter on lm_head pass
+TRL's check.) Launch it under any engine with the configs beside it:
 
 ```bash
 accelerate launch --config_file examples/distributed/zero3.yaml examples/distributed/trl_sft.py \\
@@ -42,6 +44,22 @@ class FusedArguments:
         metadata={"help": "Offline: a tiny model, tokenizer and dataset built locally (ignores "
                           "--model_name_or_path and --dataset_name)."},
     )
+
+
+def load_like_sft_trainer(model_id: str, training_args, quantization_config):
+    """The model ``SFTTrainer(model=model_id, args=training_args, quantization_config=...)`` would load (TRL
+    1.16's helper and keyword arguments). Under ZeRO-3 (``zero3_init_flag``) it is built partitioned: the
+    ``SFTConfig`` already exists. ``training_args.model_init_kwargs`` is consumed here, as the trainer would."""
+    from trl.trainer.utils import create_model_from_path
+
+    kwargs = dict(training_args.model_init_kwargs or {})
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+    if training_args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED"]:
+        kwargs["device_map"] = None  # distributed training requires device_map=None ("auto" fails)
+    kwargs.setdefault("trust_remote_code", training_args.trust_remote_code)
+    training_args.model_init_kwargs = None  # used: the trainer would warn that an instantiated model ignores them
+    return create_model_from_path(model_id, **kwargs)
 
 
 def main(script_args, training_args, model_args, dataset_args, fused_args):
@@ -88,20 +106,23 @@ def main(script_args, training_args, model_args, dataset_args, fused_args):
     else:
         raise ValueError("Either `datasets` or `dataset_name` must be provided.")
 
+    # hf_fused: the model SFTTrainer would load from the name, patched before the trainer sees it: every
+    # fused-head call of the trainer (loss, entropy, token accuracy) then comes from hf_fused's ops, and a
+    # LoRA adapter on lm_head passes TRL's check (hf_fused trains it).
+    quantization_config = get_quantization_config(model_args)
+    model = model_args.model_name_or_path
+    if fused_args.fused_loss:
+        model = apply_fused_loss(load_like_sft_trainer(model, training_args, quantization_config))
+
     # Initialize the SFT trainer
     trainer = SFTTrainer(
-        model=model_args.model_name_or_path,
+        model=model,
         args=training_args,
         train_dataset=dataset[script_args.dataset_train_split],
         eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
-        quantization_config=get_quantization_config(model_args),
+        quantization_config=quantization_config,
         peft_config=get_peft_config(model_args),
     )
-    # hf_fused: the trainer's fused-head calls (loss, entropy, token accuracy) come from hf_fused's ops.
-    # After the trainer is built because TRL's script hands it a model name; under ZeRO-3 the model is
-    # already partitioned here, and the engine wraps it later in train().
-    if fused_args.fused_loss:
-        apply_fused_loss(trainer.model)
 
     # Train the model
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

@@ -1,10 +1,16 @@
-"""Run an example script exactly as ``accelerate launch`` would (``runpy``, as ``__main__``), counting
-hf_fused's head computations, so a test can tell that the script's fused loss really ran (a parity test
-alone cannot: a script that silently kept TRL's head would match its unpatched reference exactly).
+"""Run an example script exactly as ``python SCRIPT`` / ``accelerate launch SCRIPT`` would (``runpy``, as
+``__main__``, the script's folder first on ``sys.path``), recording what a parity test needs from outside
+the script:
 
-    accelerate launch ... tests/distributed/script_runner.py COUNT_FILE SCRIPT [script arguments...]
+* hf_fused's head computations on each rank, so a test can tell that the script's fused loss really ran (a
+  parity test alone cannot: a script that silently kept TRL's head would match its unpatched reference);
+* every parameter, whole, when ``Trainer.train`` starts and when it returns (gathered from ZeRO-3 partitions
+  or FSDP2 DTensors, PEFT adapters included), as ``train_worker.full_parameters`` reads them.
 
-Each rank writes ``{"rank", "head_calls", "partitioned_head_calls"}`` as JSON to ``COUNT_FILE.<rank>``.
+    accelerate launch ... tests/distributed/script_runner.py OUT SCRIPT [script arguments...]
+
+Each rank writes ``{"rank", "head_calls", "partitioned_head_calls"}`` as JSON to ``OUT.<rank>.json``; rank 0
+writes ``torch.save({"initial", "params"})`` to ``OUT.params.pt``.
 """
 
 from __future__ import annotations
@@ -15,17 +21,35 @@ import runpy
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_worker import count_fused_head_calls  # noqa: E402
+from train_worker import count_fused_head_calls, full_parameters  # noqa: E402
+
+
+def record_parameters(out: str) -> None:
+    import torch
+    import transformers
+
+    train = transformers.Trainer.train
+
+    def recorded(self, *args, **kwargs):
+        initial = full_parameters(self.model)  # collective under ZeRO-3: every rank calls it
+        result = train(self, *args, **kwargs)
+        params = full_parameters(self.model)
+        if self.accelerator.is_main_process:
+            torch.save({"initial": initial, "params": params}, f"{out}.params.pt")
+        return result
+
+    transformers.Trainer.train = recorded
 
 
 def main() -> None:
-    count_file, script, *args = sys.argv[1:]
+    out, script, *args = sys.argv[1:]
     calls = count_fused_head_calls()
+    record_parameters(out)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as ``python SCRIPT`` sets it: the script's imports
     runpy.run_path(script, run_name="__main__")
     rank = int(os.environ.get("RANK", "0"))
-    with open(f"{count_file}.{rank}", "w") as f:
+    with open(f"{out}.{rank}.json", "w") as f:
         json.dump({"rank": rank, "head_calls": calls["all"], "partitioned_head_calls": calls["partitioned"]}, f)
 
 

@@ -7,12 +7,17 @@ unpatched (``--no_fused_loss``: TRL's own head) in one plain process on the same
 × 2, same seed, same sample order), with gradient accumulation 2.
 
 Compared: every logged metric of every step (loss, grad_norm, entropy, mean_token_accuracy, num_tokens; loss
-and metrics relative 1e-5: fp32 sums in another order), and every parameter of the saved model relative to the
-update (``parity.assert_matches_reference``: 2e-5; SGD at a constant rate without clipping, so the update is
+and metrics relative 1e-5: fp32 sums in another order), and every parameter when training ends (whole, as
+tests/distributed/script_runner.py reads it) relative to the update (``parity.assert_matches_reference``: 2e-5; SGD at a constant rate without clipping, so the update is
 −lr·gradient and any gradient error shows in proportion). ``--tiny`` lines all have the same token count, so
 no rank pads differently from the single process. Also checked: hf_fused computed the head on every rank (a
 script whose patch silently did nothing would match its reference exactly), under ZeRO-3 on a partitioned
 lm_head, and TRL's head never did in the reference.
+
+SFT with a LoRA adapter on lm_head (``--use_peft --lora_target_modules q_proj v_proj lm_head``) under ZeRO-3
+and FSDP2: TRL's own head refuses that adapter, so there is no unpatched script to compare with; the reference
+is the same script in one process (the fused SFT loss with an adapter on lm_head is checked against the full
+logits in tests/test_trl_trainers.py). Same tolerances; the adapter of lm_head trains.
 
 GRPO: TRL's GRPO script with ``FusedGRPOTrainer`` in place of ``GRPOTrainer``
 (``examples/distributed/trl_grpo.py --tiny``), against the same script with TRL's ``GRPOTrainer``
@@ -51,33 +56,36 @@ ARGS = ["--tiny", "--max_steps", "3", "--gradient_accumulation_steps", "2", "--o
         "--use_cpu", "--disable_tqdm", "True"]
 
 
-def _load(out_dir, count_file, ranks: int) -> dict:
-    from safetensors.torch import load_file
-
+def _load(out_dir, ranks: int) -> dict:
+    """What the script and tests/distributed/script_runner.py (prefix ``out_dir/run``) wrote."""
     logs = [e for e in json.loads((out_dir / "trainer_state.json").read_text())["log_history"] if "loss" in e]
-    counts = [json.loads(open(f"{count_file}.{rank}").read()) for rank in range(ranks)]
+    counts = [json.loads((out_dir / f"run.{rank}.json").read_text()) for rank in range(ranks)]
     return {"logs": logs, "losses": [e["loss"] for e in logs], "counts": counts, "world": ranks,
-            "params": {k: v.float() for k, v in load_file(out_dir / "model.safetensors").items()},
-            "initial": {k: v.float() for k, v in load_file(out_dir / "tiny-model" / "model.safetensors").items()}}
+            **torch.load(out_dir / "run.params.pt")}
+
+
+def _launch(script, out_dir, *args: str, engine: str | None = None) -> dict:
+    """``script`` through the runner: under ``accelerate launch --config_file <engine>.yaml`` (2 ranks), or
+    as one plain process when ``engine`` is None."""
+    runner_args = [str(out_dir / "run"), str(script), *args, "--output_dir", str(out_dir)]
+    if engine is None:
+        run([sys.executable, str(RUNNER), *runner_args])
+    else:
+        accelerate_launch(engine, RUNNER, *runner_args)
+    return _load(out_dir, 1 if engine is None else RANKS)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("trl_sft_reference")
-    count_file = out / "counts"
-    run([sys.executable, str(RUNNER), str(count_file), str(SCRIPT), *ARGS, "--no_fused_loss",
-         "--per_device_train_batch_size", str(BATCH * RANKS), "--output_dir", str(out)])
-    return _load(out, count_file, 1)
+    return _launch(SCRIPT, tmp_path_factory.mktemp("trl_sft_reference"), *ARGS, "--no_fused_loss",
+                   "--per_device_train_batch_size", str(BATCH * RANKS))
 
 
 @pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp2", "ddp"])
 def test_trl_sft_script_matches_unpatched_single_process(engine, tmp_path, reference):
     if engine.startswith("zero"):
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    count_file = tmp_path / "counts"
-    accelerate_launch(engine, RUNNER, str(count_file), str(SCRIPT), *ARGS,
-                      "--per_device_train_batch_size", str(BATCH), "--output_dir", str(tmp_path))
-    got = _load(tmp_path, count_file, RANKS)
+    got = _launch(SCRIPT, tmp_path, *ARGS, "--per_device_train_batch_size", str(BATCH), engine=engine)
 
     assert reference["counts"][0]["head_calls"] == 0, "the unpatched script reached hf_fused"
     for count in got["counts"]:  # each of a rank's 3 × 2 micro-batches (and apply_fused_loss's probe)
@@ -91,6 +99,27 @@ def test_trl_sft_script_matches_unpatched_single_process(engine, tmp_path, refer
             assert math.isclose(g[key], r[key], rel_tol=1e-5, abs_tol=1e-7), f"step {step} {key}: {g[key]} vs {r[key]}"
 
 
+LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0",
+        "--lora_target_modules", "q_proj", "v_proj", "lm_head"]
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tmp_path_factory) -> dict:
+    return _launch(SCRIPT, tmp_path_factory.mktemp("trl_sft_lora_reference"), *ARGS, *LORA,
+                   "--per_device_train_batch_size", str(BATCH * RANKS))
+
+
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+def test_trl_sft_script_with_lora_on_lm_head_matches_single_process(engine, tmp_path, lora_reference):
+    if engine.startswith("zero"):
+        pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
+    got = _launch(SCRIPT, tmp_path, *ARGS, *LORA, "--per_device_train_batch_size", str(BATCH), engine=engine)
+    assert lora_reference["counts"][0]["head_calls"] >= 3 * 2 and all(c["head_calls"] >= 3 * 2 for c in got["counts"])
+    assert_matches_reference(got, lora_reference, ranks=RANKS)
+    adapter = [n for n in got["params"] if "lm_head" in n and "lora_B" in n]
+    assert adapter and all(got["params"][n].abs().max() > 0 for n in adapter), adapter  # B starts at 0
+
+
 #: 2 steps of on-policy GRPO (β = 0, TRL's default loss): one prompt of 4 generations of 8 tokens per rank.
 GRPO_ARGS = ["--tiny", "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",
              "--max_completion_length", "8", "--optim", "sgd", "--learning_rate", "0.5", "--lr_scheduler_type",
@@ -102,13 +131,8 @@ GRPO_ARGS = ["--tiny", "--max_steps", "2", "--per_device_train_batch_size", "4",
 def test_trl_grpo_script_matches_stock_grpo_under_the_same_engine(engine, tmp_path):
     if engine.startswith("zero"):
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    runs = {}
-    for name, extra in (("stock", ["--no_fused_loss"]), ("fused", [])):
-        out = tmp_path / name
-        accelerate_launch(engine, RUNNER, str(out / "counts"), str(GRPO_SCRIPT), *GRPO_ARGS, *extra,
-                          "--output_dir", str(out))
-        runs[name] = _load(out, out / "counts", RANKS)
-    stock, fused = runs["stock"], runs["fused"]
+    stock = _launch(GRPO_SCRIPT, tmp_path / "stock", *GRPO_ARGS, "--no_fused_loss", engine=engine)
+    fused = _launch(GRPO_SCRIPT, tmp_path / "fused", *GRPO_ARGS, engine=engine)
 
     assert all(c["head_calls"] == 0 for c in stock["counts"]), stock["counts"]
     assert all(c["head_calls"] >= 2 for c in fused["counts"]), fused["counts"]  # a forward+backward per step
