@@ -77,6 +77,15 @@ CASES = {
     "fsdp2-FusedTrainer-ga2": ("fsdp2", "llama", "FusedTrainer", dict(ga=2)),
     "fsdp2-FusedTrainer-lora-on-lm_head-checkpointing": (
         "fsdp2", "llama", "FusedTrainer", dict(lora="lm_head", grad_ckpt=True)),
+    # The rest of the engine × feature matrix (docs/distributed.md): every engine with Trainer +
+    # apply_fused_loss, tied embeddings, a LoRA adapter on lm_head, GA 2 and gradient checkpointing.
+    "zero2-Trainer+apply_fused_loss-tied-ga2-checkpointing": (
+        "zero2", "qwen3-tied", "Trainer", dict(fused=True, ga=2, grad_ckpt=True)),
+    "zero2-FusedTrainer-lora-on-lm_head-ga2-checkpointing": (
+        "zero2", "llama", "FusedTrainer", dict(lora="lm_head", ga=2, grad_ckpt=True)),
+    "fsdp2-Trainer+apply_fused_loss-tied": ("fsdp2", "qwen3-tied", "Trainer", dict(fused=True)),
+    "ddp-Trainer+apply_fused_loss-lora-on-lm_head-ga2-checkpointing": (
+        "ddp", "llama", "Trainer", dict(fused=True, lora="lm_head", ga=2, grad_ckpt=True)),
 }
 
 
