@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from .measure import free_memory, median_ms
+from .measure import free_memory, median_ms, short_error
 from .report import text_table
 
 SHAPES = [(m, k, n) for m in (8192, 32768) for k in (8192, 16384) for n in (2048, 4096)]
@@ -70,8 +70,12 @@ def _bench_shape(m: int, k: int, n: int, device: torch.device, repeats: int, con
                  for c in ([default] if default not in configs else []) + list(configs)]
     results = []
     for label, fn in variants:
-        fn()  # compile / warm up
-        results.append((label, median_ms(fn, device, repeats)[0]))
+        try:
+            fn()  # compile / warm up
+            results.append((label, median_ms(fn, device, repeats)[0]))
+        except Exception as exc:  # one configuration out of resources on this GPU should not end the sweep
+            print(f"{m}×{k}×{n} {label}: {short_error(exc)}", flush=True)
+            results.append((label, float("nan")))
     del a, b, acc32, c16, hi, lo
     free_memory(device)
     return results, differs
@@ -105,7 +109,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         shape = f"{m}×{k}×{n}"
         for label, ms in results:
             rows.append([shape, label, f"{ms:.3f}", f"{flops / ms / 1e9:.1f}", f"{ms / base:.2f}"])
-        label, ms = min(results[2:], key=lambda r: r[1])
+        label, ms = min(results[2:], key=lambda r: (r[1] != r[1], r[1]))  # NaN (failed) last
         best.append([shape, label.removeprefix("compensated ").removesuffix(" (default)"), f"{ms:.3f}",
                      f"{flops / ms / 1e9:.1f}", f"{ms / base:.2f}", f"{100 * differs:.3f}"])
         print("\n".join(text_table(header, rows[-len(results):], align_left=2)) + "\n", flush=True)
