@@ -15,8 +15,8 @@ Per shape: median ms (:func:`benchmarks.measure.median_ms`: ``triton.testing.do_
 flushed, about ``--repeats`` timed calls after warm-up), TFLOP/s (``2·M·K·N``), time relative to
 ``cuBLAS addmm → fp32``, and as a sanity check the share of elements where one compensated step from zero
 differs from the fp32 product rounded once (fp32 summation order only: expect ≲ 0.1 %). The best
-configuration per shape is printed last. About a minute on an H100 (most of it Triton compiling six
-configurations once).
+configuration per shape is printed last. Estimated at about a minute on an H100 (mostly Triton compiling
+the seven configurations once; 72 timings of at most ~30 calls of ≤ 15 ms each).
 """
 
 from __future__ import annotations
