@@ -42,7 +42,7 @@ def _count_syncs(model, input_ids) -> int:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     model.zero_grad(set_to_none=True)
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return sum("called a synchronizing" in str(w.message) for w in caught)
 
 
 def main() -> None:

@@ -75,7 +75,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
 def _grad_logprobs(grad_scale, factor, row_weights, rows) -> torch.Tensor:
     """``∂(factor · grad_scale · Σ w·loss)/∂logp = −factor·grad_scale·w`` per row, fp32 ``[M]`` (loss = −logp)."""
-    g = torch.as_tensor(grad_scale, dtype=torch.float32, device=rows.device).neg() * factor
+    if isinstance(grad_scale, torch.Tensor):
+        g = grad_scale.to(device=rows.device, dtype=torch.float32).neg() * factor
+    else:  # torch.full fills on the device; as_tensor of a Python float would copy it over (a host sync)
+        g = torch.full((), -grad_scale, dtype=torch.float32, device=rows.device) * factor
     return g.expand(rows.numel()).contiguous() if row_weights is None else g * row_weights
 
 
