@@ -89,3 +89,70 @@ def test_gpu_backend_asks_the_planner(monkeypatch):
     weight = torch.empty(V, H, dtype=torch.bfloat16, device="meta")
     assert TritonCublasBackend._one_pass_rows(weight, True, None) == 0
     assert seen == [(V, H, BF16, True, None, weight.device)]
+
+
+# -- the two passes' hidden-gradient accumulator ---------------------------------------------------------
+
+
+def test_hidden_accumulator_is_the_pair_residual_for_bf16_an_fp32_buffer_for_fp16_nothing_for_fp32():
+    assert tiling.hidden_accumulator_bytes(1000, H, torch.bfloat16) == 1000 * H * 2
+    assert tiling.hidden_accumulator_bytes(1000, H, torch.float16) == 1000 * H * 4
+    assert tiling.hidden_accumulator_bytes(1000, H, torch.float32) == 0
+
+
+@pytest.mark.parametrize("n_rows", [32768, 8192, 100_000])
+def test_two_pass_tile_and_accumulator_share_the_budget(n_rows):
+    budget = DEFAULT_TILE_BUDGET_BYTES
+    reserved = tiling.hidden_accumulator_bytes(n_rows, H, torch.bfloat16)
+    rows, cols = two_pass_plan(n_rows, V, BF16, budget, reserved)
+    tile = rows * cols * BF16
+    if reserved + tiling.MIN_TWO_PASS_TILE_BYTES <= budget:
+        assert tile + reserved <= budget  # 32768 tokens: the whole lean working set within 256 MiB
+    else:  # the accumulator alone nearly fills the budget: the tile keeps its floor
+        assert tile <= tiling.MIN_TWO_PASS_TILE_BYTES and tile >= tiling.MIN_TWO_PASS_TILE_BYTES // 2
+    assert cols >= tiling.MIN_CHUNK_COLS and (cols == V or cols % tiling.CHUNK_COL_ALIGN == 0)
+
+
+def test_gpu_two_pass_accumulates_a_bf16_hidden_gradient_as_a_compensated_pair():
+    """The triton backend's gradient pass (on CPU under Triton's interpreter) with bf16 hidden states against the
+    same pass accumulating in fp32 (fp32 hidden states: the same bf16 operands after the backend's cast, so the
+    same logits gradient): the pair's gradient is the fp32 sum rounded once, but for sums within the pair's
+    error of a rounding tie (measured: none or a handful of elements; at most one ulp apart there)."""
+    pytest.importorskip("triton")
+    from hf_fused.ops import LogitTransform
+    from hf_fused.ops.backends import compensated
+    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
+
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 48, 64, 4500  # a 2048-column chunk floor: three vocabulary chunks (the last ragged)
+    hidden = torch.randn(n, h, generator=g).bfloat16()
+    weight = (torch.randn(v, h, generator=g) * 0.5).bfloat16()
+    labels = torch.randint(0, v, (n,), generator=g)
+    rows = torch.arange(n)
+    backend, transform = TritonCublasBackend(), LogitTransform()
+    budget = n * 2048 * 2 + tiling.hidden_accumulator_bytes(n, h, torch.bfloat16)  # all rows × 2048 columns + residual
+    logp, _, lse = backend.logprobs_forward(hidden, weight, None, labels, rows, transform, budget, False)[:3]
+    g_lp = torch.randn(n, generator=g)
+    calls = []
+    original = compensated.compensated_addmm_
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    import hf_fused.ops.backends.triton_cublas as triton_cublas
+
+    triton_cublas.compensated_addmm_, saved = spy, triton_cublas.compensated_addmm_
+    try:
+        pair = backend.logprobs_backward(hidden, weight, None, labels, rows, lse, None, g_lp, None, transform, budget,
+                                         True, False, False).hidden
+    finally:
+        triton_cublas.compensated_addmm_ = saved
+    fp32 = backend.logprobs_backward(hidden.float(), weight, None, labels, rows, lse, None, g_lp, None, transform,
+                                     budget, True, False, False).hidden
+    assert len(calls) == 3 and pair.dtype == torch.bfloat16 and fp32.dtype == torch.float32
+    rounded = fp32.bfloat16()
+    differs = pair != rounded
+    assert differs.float().mean() <= 0.01, differs.float().mean()
+    ulp = (rounded.float().abs() * 2.0**-7).clamp(min=2.0**-126)
+    assert ((pair.float() - rounded.float()).abs()[differs] <= ulp[differs]).all()

@@ -10,9 +10,10 @@ import torch
 
 @dataclass
 class HeadGrads:
-    """Gradients of the head's inputs; ``None`` for those not requested. All fp32, so that the op can
+    """Gradients of the head's inputs; ``None`` for those not requested. fp32, so that the op can
     scale them by the upstream gradient before their one rounding to the inputs' dtypes
-    (:meth:`input_grads`).
+    (:meth:`input_grads`); except a gradient a backend accumulated already rounded to its input's dtype
+    (the GPU two-pass hidden gradient in bf16), which only a factor of 1 may reach.
 
     hidden: ``[M, H]``, the gradients of the token rows ``rows`` the backend was given, in that order.
     weight: ``[V, H]``.  bias: ``[V]``.
@@ -48,6 +49,8 @@ def _scaled(grad: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
     """``grad · factor`` (fp32 arithmetic) in ``dtype``: in place when ``dtype`` is fp32, else one fused pass."""
     if isinstance(factor, float) and factor == 1.0:
         return grad.to(dtype)
+    if grad.dtype != torch.float32:
+        raise RuntimeError("hf_fused internal error: a gradient rounded by the backend cannot be scaled again")
     if dtype == grad.dtype:
         return grad.mul_(factor)
     return torch.mul(grad, factor, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))

@@ -9,8 +9,12 @@ The GPU backend has two schedules (:mod:`hf_fused.ops.backends.triton_cublas`):
 - one pass (6·N·H·V FLOPs): token rows outside, whole vocabulary rows per tile, gradients right after each
   row block's log-sum-exp; it holds an fp32 ``[V, H]`` weight-gradient accumulator (none for a frozen
   lm_head) plus a ``[rows, V]`` tile in the weight's dtype (:func:`one_pass_rows`);
-- two passes (8·N·H·V): vocabulary chunks outside, one ``[rows, cols]`` tile of ``tile_budget_bytes``
-  (:func:`two_pass_plan`); the memory-lean path.
+- two passes (8·N·H·V): vocabulary chunks outside, one ``[rows, cols]`` tile; the memory-lean path. Its
+  gradient pass also accumulates the hidden-state gradient across vocabulary chunks: for a bf16 gradient as a
+  compensated pair (the gradient itself plus a bf16 residual of ``2·M·H`` bytes, no less accurate than one
+  fp32 accumulation, :mod:`hf_fused.ops.backends.compensated`), for fp16 in an fp32 ``[M, H]`` buffer, for
+  fp32 in the gradient itself. The budget covers the tile and that extra accumulator memory
+  (:func:`hidden_accumulator_bytes`, :func:`two_pass_plan`).
 
 **The default rule** (``tile_budget_bytes=None``) on a CUDA device: the one pass with
 ``ONE_PASS_TILE_ROWS`` rows per tile whenever its working set fits in ``ONE_PASS_FREE_SHARE`` of the memory
@@ -43,6 +47,9 @@ ONE_PASS_FREE_SHARE = 0.25
 #: GPU two passes: vocabulary chunks are at least this wide (more row blocks instead), multiples of the align.
 MIN_CHUNK_COLS = 2048
 CHUNK_COL_ALIGN = 128
+#: GPU two passes: the tile keeps at least this much when the hidden-gradient accumulator takes the rest of the
+#: budget (thinner matmuls waste the GPU); the working set then exceeds a budget below accumulator + this.
+MIN_TWO_PASS_TILE_BYTES = 32 * 1024**2
 
 
 def check_tile_budget(tile_budget_bytes: Optional[int]) -> int:
@@ -132,14 +139,28 @@ def one_pass_rows(
     return rows if rows >= MIN_ONE_PASS_ROWS else 0
 
 
-def two_pass_plan(n_rows: int, vocab_size: int, elem_bytes: int, tile_budget_bytes: Optional[int]) -> tuple[int, int]:
+def hidden_accumulator_bytes(n_rows: int, hidden_size: int, grad_dtype: torch.dtype) -> int:
+    """Bytes the GPU gradient pass holds beyond the hidden-state gradient itself to accumulate it over vocabulary
+    chunks (module docstring): the bf16 residual of the compensated pair, an fp32 buffer for any other half
+    dtype, nothing for fp32."""
+    if grad_dtype == torch.bfloat16:
+        return n_rows * hidden_size * 2
+    return 0 if grad_dtype == torch.float32 else n_rows * hidden_size * 4
+
+
+def two_pass_plan(
+    n_rows: int, vocab_size: int, elem_bytes: int, tile_budget_bytes: Optional[int], reserved_bytes: int = 0
+) -> tuple[int, int]:
     """``(rows per block, columns per chunk)`` of the GPU two passes: one ``[rows, cols]`` tile in the weight's
-    dtype within the budget (``DEFAULT_TILE_BUDGET_BYTES`` by default), chunks at least ``MIN_CHUNK_COLS`` wide.
+    dtype within the budget (``DEFAULT_TILE_BUDGET_BYTES`` by default) less ``reserved_bytes`` (the gradient
+    pass's hidden accumulator, :func:`hidden_accumulator_bytes`) but at least ``MIN_TWO_PASS_TILE_BYTES``, chunks
+    at least ``MIN_CHUNK_COLS`` wide.
 
     Raises:
         ValueError: if the budget is not a positive integer.
     """
     budget = check_tile_budget(tile_budget_bytes)
+    budget = max(budget - reserved_bytes, min(budget, MIN_TWO_PASS_TILE_BYTES))
     cols = budget // (max(n_rows, 1) * elem_bytes)
     if cols >= min(vocab_size, MIN_CHUNK_COLS):
         cols = min(vocab_size, max(CHUNK_COL_ALIGN, cols // CHUNK_COL_ALIGN * CHUNK_COL_ALIGN))
@@ -161,6 +182,7 @@ def describe_plan(
     if rows:
         size = one_pass_working_set(vocab_size, hidden_size, elem, need_weight, min(rows, max(n_rows, 1)))
         return f"one pass (6·N·H·V): {rows} rows per tile, {size / 2**30:.2f} GiB working set"
-    block_rows, cols = two_pass_plan(n_rows, vocab_size, elem, tile_budget_bytes)
-    return (f"two passes (8·N·H·V): {block_rows}×{cols} tile, {block_rows * cols * elem / 2**30:.2f} GiB "
-            "plus the fp32 hidden-state gradient of the kept rows")
+    reserved = hidden_accumulator_bytes(n_rows, hidden_size, weight.dtype)
+    block_rows, cols = two_pass_plan(n_rows, vocab_size, elem, tile_budget_bytes, reserved)
+    return (f"two passes (8·N·H·V): {block_rows}×{cols} tile, {(block_rows * cols * elem + reserved) / 2**30:.2f} "
+            f"GiB working set with the hidden-state gradient's accumulator (for {weight.dtype} hidden states)")

@@ -2,9 +2,10 @@
 
 Loop order: vocabulary chunks outside, token rows inside. Each weight-gradient chunk ``dW[v0:v1]`` is
 complete after its chunk (cuBLAS reduces over all rows in fp32 and rounds once), so the ``[V, H]``
-weight gradient is never held in fp32; the hidden-state gradient is accumulated across chunks in an
-fp32 ``[M, H]`` buffer, the smaller of the two whenever tokens M < vocabulary V (every LLM batch up
-to V tokens).
+weight gradient is never held in fp32; the hidden-state gradient ``[M, H]`` accumulates across chunks: a bf16
+one as a compensated pair (the gradient itself plus a bf16 residual, :mod:`.compensated`: a Triton matmul whose
+fp32 accumulator is folded into the pair error-free, no less accurate than eager's one rounding), others in an
+fp32 buffer. The planner counts that accumulator's extra memory inside the budget.
 
 Passes: statistics (``2·M·H·V`` FLOPs: log-sum-exp, label logit, entropy, and the token statistics when
 asked) then gradients (recompute ``2·M·H·V`` + ``dX`` ``2·M·H·V`` + ``dW`` ``2·M·H·V``): ``8·M·H·V`` in all,
@@ -28,7 +29,8 @@ from typing import Optional
 import torch
 
 from ..logit_transform import LogitTransform
-from ..tiling import one_pass_rows, two_pass_plan
+from ..tiling import hidden_accumulator_bytes, one_pass_rows, two_pass_plan
+from .compensated import compensated_addmm_
 from ..grads import HeadGrads
 
 # Triton launch shapes, measured on an H200 (docs/gpu_results.md).
@@ -64,9 +66,9 @@ class TritonCublasBackend:
 
     # -- planning: every decision is :mod:`hf_fused.ops.tiling`'s ---------------------------------------
     @staticmethod
-    def _plan(n_rows: int, vocab_size: int, elem_bytes: int, tile_budget_bytes: Optional[int]):
+    def _plan(n_rows: int, vocab_size: int, elem_bytes: int, tile_budget_bytes: Optional[int], reserved_bytes: int = 0):
         """(rows per block, columns per chunk) of the two passes (:func:`~hf_fused.ops.tiling.two_pass_plan`)."""
-        return two_pass_plan(n_rows, vocab_size, elem_bytes, tile_budget_bytes)
+        return two_pass_plan(n_rows, vocab_size, elem_bytes, tile_budget_bytes, reserved_bytes)
 
     @staticmethod
     def _compact(hidden, weight, labels, rows):
@@ -164,7 +166,15 @@ class TritonCublasBackend:
         h, y = self._compact(hidden, weight, labels, rows)
         m_rows, vocab_size = h.shape[0], weight.shape[0]
         grads = HeadGrads()
-        d_hidden32 = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_hidden else None
+        # The hidden-state gradient accumulates over vocabulary chunks: for a bf16 gradient as the compensated
+        # pair (d_hidden, d_hidden_lo) (no less accurate than one fp32 accumulation, half the extra memory);
+        # else in fp32 (the gradient itself when hidden is fp32).
+        pair = need_hidden and hidden.dtype == torch.bfloat16 and h.dtype == torch.bfloat16
+        d_hidden = d_hidden_lo = None
+        if need_hidden:
+            d_hidden = torch.zeros(h.shape, dtype=h.dtype if pair else torch.float32, device=h.device)
+            d_hidden_lo = torch.zeros_like(d_hidden) if pair else None
+        reserved = hidden_accumulator_bytes(m_rows, h.shape[1], hidden.dtype) if need_hidden else 0
         if need_weight:
             grads.weight = torch.zeros_like(weight)
         if need_bias and bias is not None:
@@ -173,7 +183,7 @@ class TritonCublasBackend:
         g_lp = zeros if grad_logprobs is None else grad_logprobs.to(torch.float32).contiguous()
         g_ent = zeros if grad_entropy is None else grad_entropy.to(torch.float32).contiguous()
         ent = zeros if entropy is None else entropy
-        block_rows, cols = self._plan(m_rows, vocab_size, weight.element_size(), tile_budget_bytes)
+        block_rows, cols = self._plan(m_rows, vocab_size, weight.element_size(), tile_budget_bytes, reserved)
         scalars = self._scalars(transform, bias)
         tile_buf = torch.empty((block_rows, cols), dtype=weight.dtype, device=h.device)
         for v0 in range(0, vocab_size, cols):
@@ -189,8 +199,10 @@ class TritonCublasBackend:
                     dz, v0, bias, y[r0:r1], lse[r0:r1], ent[r0:r1], g_lp[r0:r1], g_ent[r0:r1], scalars,
                     grad_logprobs is not None, grad_entropy is not None,
                 )
-                if d_hidden32 is not None:
-                    _addmm_f32_(d_hidden32[r0:r1], dz, w_chunk)
+                if pair:
+                    compensated_addmm_(d_hidden[r0:r1], d_hidden_lo[r0:r1], dz, w_chunk)
+                elif d_hidden is not None:
+                    _addmm_f32_(d_hidden[r0:r1], dz, w_chunk)
                 if d_w_chunk32 is not None:
                     _addmm_f32_(d_w_chunk32, dz.t(), h[r0:r1])
                 elif need_weight:
@@ -199,7 +211,7 @@ class TritonCublasBackend:
                     grads.bias[v0:v1] += dz.float().sum(0)
             if d_w_chunk32 is not None:
                 grads.weight[v0:v1] = d_w_chunk32
-        grads.hidden = d_hidden32  # fp32 [M, H], rows in the order of ``rows``
+        grads.hidden = d_hidden  # [M, H] fp32, or bf16 already rounded (the pair); rows in the order of ``rows``
         return grads
 
     # -- one pass: token rows outside, full vocabulary per tile --------------------------------------
