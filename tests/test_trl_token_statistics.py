@@ -277,8 +277,8 @@ def test_bf16_against_stock_trl(backend):
 
 
 def test_bf16_tie_of_rounded_logits():
-    """Two logits 4 and 4 + 2⁻¹⁰ (exact in fp32) round to one bf16 value. TRL and eager transformers see a tie, so a
-    label on the later, larger one is not top-1 for them; the torch backend (fp32 logits of the bf16 operands,
+    """Two logits 4 and 4 + 2⁻¹⁰ (exact in fp32) round to one bf16 value. TRL and eager transformers see a tie, so
+    a label on the later, larger one is not top-1 for them; the torch backend (fp32 logits of the bf16 operands,
     float64's answer) counts it, the Triton backend (bf16 logits tile, TRL's answer) does not."""
     hidden = torch.tensor([[1.0, 2.0**-10]] * 2).bfloat16()
     weight = torch.zeros(TRITON_V, 2)

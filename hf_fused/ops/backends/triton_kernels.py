@@ -2,8 +2,8 @@
 
 ``stats_kernel`` folds a chunk into running per-row statistics (online log-sum-exp, the label logit,
 Σ p·z for the entropy and, when asked, the gradient-free token statistics of
-:mod:`hf_fused.ops.token_statistics`: Σ z, the first arg-max, Σ exp(2(z − m))); ``grad_kernel`` turns a chunk into the logits-gradient ``dz`` that the two
-gradient matmuls consume. Both apply the logit transform (bias, scale, soft-cap, temperature) on the
+:mod:`hf_fused.ops.token_statistics`: Σ z, the first arg-max, Σ exp(2(z − m))); ``grad_kernel`` turns a
+chunk into the logits-gradient ``dz`` that the two gradient matmuls consume. Both apply the logit transform (bias, scale, soft-cap, temperature) on the
 fly, so raw matmul output is read once per kernel. One program per row, streaming the row in
 ``BLOCK_V`` column blocks. Runs on CPU tensors under ``TRITON_INTERPRET=1`` (used by CI).
 
