@@ -23,8 +23,8 @@ PARAM_RTOL = 2e-5
 
 
 def update_errors(got: dict, ref: dict, same_start: bool = True) -> dict[str, float]:
-    """Per parameter ``‖θ − θ_ref‖ / ‖θ_ref − θ_0,ref‖`` (0 for a tensor neither run moved; inf for one that
-    only ``got`` moved). ``same_start``: both runs must have started from the same parameters."""
+    """Per parameter ``‖θ − θ_ref‖ / ‖θ_ref − θ_0,ref‖`` (0 for a tensor neither run moved; inf for one
+    that only ``got`` moved). ``same_start``: both runs must have started from the same parameters."""
     assert got["params"].keys() == ref["params"].keys()
     errors = {}
     for name, ref_p in ref["params"].items():

@@ -1,16 +1,17 @@
-"""TRL's scripts with hf_fused's one line, launched as users launch them.
+"""TRL's scripts with hf_fused's one change, launched as users launch them.
 
-SFT: TRL's SFT script with hf_fused's one line (``examples/distributed/trl_sft.py``) launched as users launch it,
-``accelerate launch --config_file examples/distributed/<engine>.yaml examples/distributed/trl_sft.py --tiny
-...`` on 2 CPU processes (gloo), under DeepSpeed ZeRO-2 and ZeRO-3, FSDP2 and DDP, against the same script run
+SFT: TRL's SFT script with the model passed through ``apply_fused_loss`` before ``SFTTrainer``
+(``examples/distributed/trl_sft.py``), ``accelerate launch --config_file examples/distributed/<engine>.yaml
+examples/distributed/trl_sft.py --tiny ...`` on 2 CPU processes (gloo), under DeepSpeed ZeRO-2 and ZeRO-3, FSDP2 and DDP, against the same script run
 unpatched (``--no_fused_loss``: TRL's own head) in one plain process on the same global batch (per-device batch
 × 2, same seed, same sample order), with gradient accumulation 2.
 
 Compared: every logged metric of every step (loss, grad_norm, entropy, mean_token_accuracy, num_tokens; loss
 and metrics relative 1e-5: fp32 sums in another order), and every parameter when training ends (whole, as
-tests/distributed/script_runner.py reads it) relative to the update (``parity.assert_matches_reference``: 2e-5; SGD at a constant rate without clipping, so the update is
-−lr·gradient and any gradient error shows in proportion). ``--tiny`` lines all have the same token count, so
-no rank pads differently from the single process. Also checked: hf_fused computed the head on every rank (a
+tests/distributed/script_runner.py reads it) relative to the update (``parity.assert_matches_reference``:
+2e-5; SGD at a constant rate without clipping, so the update is −lr·gradient and any gradient error shows in
+proportion). ``--tiny`` lines all have the same token count, so no rank pads differently from the single
+process. Also checked: hf_fused computed the head on every rank (a
 script whose patch silently did nothing would match its reference exactly), under ZeRO-3 on a partitioned
 lm_head, and TRL's head never did in the reference.
 
