@@ -2,9 +2,9 @@
 
 SFT: TRL's SFT script with the model passed through ``apply_fused_loss`` before ``SFTTrainer``
 (``examples/distributed/trl_sft.py``), ``accelerate launch --config_file examples/distributed/<engine>.yaml
-examples/distributed/trl_sft.py --tiny ...`` on 2 CPU processes (gloo), under DeepSpeed ZeRO-2 and ZeRO-3, FSDP2 and DDP, against the same script run
-unpatched (``--no_fused_loss``: TRL's own head) in one plain process on the same global batch (per-device batch
-× 2, same seed, same sample order), with gradient accumulation 2.
+examples/distributed/trl_sft.py --tiny ...`` on 2 CPU processes (gloo), under DeepSpeed ZeRO-2 and ZeRO-3,
+FSDP2 and DDP, against the same script run unpatched (``--no_fused_loss``: TRL's own head) in one plain process
+on the same global batch (per-device batch × 2, same seed, same sample order), with gradient accumulation 2.
 
 Compared: every logged metric of every step (loss, grad_norm, entropy, mean_token_accuracy, num_tokens; loss
 and metrics relative 1e-5: fp32 sums in another order), and every parameter when training ends (whole, as
