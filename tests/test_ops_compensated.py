@@ -253,7 +253,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from hf_fused.ops.backends import compensated as C
 
-names = ["A", "B", "HI", "LO", "M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn",
+names = ["A", "B", "HI", "LO", "HI_ROWS", "M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn",
          "stride_hm", "stride_hn", "stride_lm", "stride_ln"]
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for cfg in (C.LARGE, C.MEDIUM, C.SMALL):
@@ -261,7 +261,7 @@ for cfg in (C.LARGE, C.MEDIUM, C.SMALL):
         unit = {"stride_ak": 1} if layout == "a row-major" else {"stride_am": 1}
         consts = dict(unit, stride_bn=1, stride_hn=1, stride_ln=1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=dtype == "bf16", AB_BF16=dtype == "bf16",
-                      OUT_BF16=dtype == "bf16", WIDEN_DOT=False, EPILOGUE_SPLIT=cfg.epilogue_split)
+                      OUT_BF16=dtype == "bf16", WIDEN_DOT=False, EPILOGUE_SPLIT=cfg.epilogue_split, GATHER_HI=False)
         sig = {n: ("constexpr" if n in consts else ("*" + dtype if i < 4 else "i32")) for i, n in enumerate(names)}
         sig.update({n: "constexpr" for n in consts})
         # What a launch specializes for the lean loop's tensors: 16-aligned pointers and strides, any row count M.
@@ -325,3 +325,26 @@ def test_every_benchmarked_config_on_gpu(config, fp32_matmul):
     a, w = _lean_path_operands(1000, 2000, 1000, 5, torch.bfloat16, device="cuda", seed=4)  # ragged for every tile
     _check_no_worse_than_eager(a, w, 1000, torch.bfloat16, config)
     _check_no_worse_than_eager(a, w, 1000, torch.bfloat16, config, transpose_a=True)
+
+
+@interpreted
+def test_gathered_hi_rows_equal_the_compact_pair_scattered():
+    # hi as the rows of a taller gradient (the kept tokens of [N_tokens, H]): the same sums as a compact pair,
+    # landing in hi[hi_rows], the other rows untouched.
+    a, w = _lean_path_operands(40, 48, 64, 3, torch.bfloat16, seed=5)
+    config = GemmConfig(32, 64, 16, group_m=2, num_warps=4, num_stages=2, epilogue_split=2)
+    hi_c, lo_c = torch.zeros(40, 48, dtype=torch.bfloat16), torch.zeros(40, 48, dtype=torch.bfloat16)
+    rows = torch.randperm(70, generator=torch.Generator().manual_seed(6))[:40].sort().values
+    hi_g = torch.full((70, 48), 3.0, dtype=torch.bfloat16)
+    hi_g[rows] = 0
+    lo_g = torch.zeros(40, 48, dtype=torch.bfloat16)
+    for i in range(3):
+        chunk = slice(64 * i, 64 * (i + 1))
+        compensated_addmm_(hi_c, lo_c, a[:, chunk], w[chunk], config=config)
+        compensated_addmm_(hi_g, lo_g, a[:, chunk], w[chunk], hi_rows=rows, config=config)
+    assert torch.equal(hi_g[rows], hi_c) and torch.equal(lo_g, lo_c)
+    others = torch.ones(70, dtype=torch.bool)
+    others[rows] = False
+    assert (hi_g[others] == 3.0).all()
+    with pytest.raises(ValueError, match="hi_rows"):
+        compensated_addmm_(hi_g, lo_g, a[:, :64], w[:64], hi_rows=rows.int())

@@ -128,11 +128,12 @@ def test_gpu_two_pass_accumulates_a_bf16_hidden_gradient_as_a_compensated_pair()
     hidden = torch.randn(n, h, generator=g).bfloat16()
     weight = (torch.randn(v, h, generator=g) * 0.5).bfloat16()
     labels = torch.randint(0, v, (n,), generator=g)
-    rows = torch.arange(n)
+    rows = torch.arange(n)[torch.arange(n) % 5 != 0]  # ignored tokens: the pair writes hidden's whole gradient
     backend, transform = TritonCublasBackend(), LogitTransform()
-    budget = n * 2048 * 2 + tiling.hidden_accumulator_bytes(n, h, torch.bfloat16)  # all rows × 2048 columns + residual
+    m = rows.numel()
+    budget = m * 2048 * 2 + tiling.hidden_accumulator_bytes(m, h, torch.bfloat16)  # all rows × 2048 columns + residual
     logp, _, lse = backend.logprobs_forward(hidden, weight, None, labels, rows, transform, budget, False)[:3]
-    g_lp = torch.randn(n, generator=g)
+    g_lp = torch.randn(m, generator=g)
     calls = []
     original = compensated.compensated_addmm_
 
@@ -151,6 +152,11 @@ def test_gpu_two_pass_accumulates_a_bf16_hidden_gradient_as_a_compensated_pair()
     fp32 = backend.logprobs_backward(hidden.float(), weight, None, labels, rows, lse, None, g_lp, None, transform,
                                      budget, True, False, False).hidden
     assert len(calls) == 3 and pair.dtype == torch.bfloat16 and fp32.dtype == torch.float32
+    assert pair.shape == (n, h) and fp32.shape == (m, h)
+    ignored = torch.ones(n, dtype=torch.bool)
+    ignored[rows] = False
+    assert (pair[ignored] == 0).all()
+    pair = pair[rows]
     rounded = fp32.bfloat16()
     differs = pair != rounded
     assert differs.float().mean() <= 0.01, differs.float().mean()

@@ -15,13 +15,16 @@ class HeadGrads:
     (:meth:`input_grads`); except a gradient a backend accumulated already rounded to its input's dtype
     (the GPU two-pass hidden gradient in bf16), which only a factor of 1 may reach.
 
-    hidden: ``[M, H]``, the gradients of the token rows ``rows`` the backend was given, in that order.
+    hidden: ``[M, H]``, the gradients of the token rows ``rows`` the backend was given, in that order (or the
+    whole ``[N, H]`` gradient when ``hidden_scattered``).
     weight: ``[V, H]``.  bias: ``[V]``.
     """
 
     hidden: Optional[torch.Tensor] = None
     weight: Optional[torch.Tensor] = None
     bias: Optional[torch.Tensor] = None
+    #: ``hidden`` is already hidden's whole ``[N, H]`` gradient (ignored rows 0), not the ``[M, H]`` kept rows.
+    hidden_scattered: bool = False
 
     def input_grads(self, hidden, weight, bias, rows, factor: Union[float, torch.Tensor] = 1.0):
         """``(d_hidden [N, H], d_weight, d_bias)`` in the inputs' dtypes (``None`` where not computed):
@@ -40,7 +43,8 @@ class HeadGrads:
                 out.append(None)
                 continue
             scaled = _scaled(grad, factor, hidden.dtype if name == "hidden" else like.dtype)
-            out.append(_scatter_rows(scaled, hidden, rows) if name == "hidden" else scaled)
+            scatter = name == "hidden" and not self.hidden_scattered
+            out.append(_scatter_rows(scaled, hidden, rows) if scatter else scaled)
             del grad, scaled
         return tuple(out)
 

@@ -164,13 +164,14 @@ def _round(x, IS_BF16: tl.constexpr):
 
 @triton.jit
 def _compensated_addmm_kernel(
-    A, B, HI, LO, M, N, K,
+    A, B, HI, LO, HI_ROWS, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_hm, stride_hn, stride_lm, stride_ln,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, AB_BF16: tl.constexpr, OUT_BF16: tl.constexpr, WIDEN_DOT: tl.constexpr,
-    EPILOGUE_SPLIT: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr, GATHER_HI: tl.constexpr,
 ):
-    """One ``[BLOCK_M, BLOCK_N]`` tile of ``(HI, LO) += A @ B`` (see the module docstring for the epilogue)."""
+    """One ``[BLOCK_M, BLOCK_N]`` tile of ``(HI, LO) += A @ B`` (see the module docstring for the epilogue);
+    with ``GATHER_HI`` product row ``i`` lands in ``HI`` row ``HI_ROWS[i]`` (``LO`` stays compact)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -206,25 +207,28 @@ def _compensated_addmm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
+    hm = rm
+    if GATHER_HI:
+        hm = tl.load(HI_ROWS + rm, mask=m_ok, other=0)
     # The epilogue in EPILOGUE_SPLIT column slices: a whole 128×256 tile's hi, lo and fold temporaries next to
     # its accumulator need more than 255 registers per thread (ptxas spills ~600 bytes of stack, sm_90).
     if EPILOGUE_SPLIT == 1:
-        _fold(acc, HI, LO, rm, rn, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
+        _fold(acc, HI, LO, rm, hm, rn, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
     else:
         left, right = _halves(acc, BLOCK_M, BLOCK_N // 2)
         rn_left = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
         if EPILOGUE_SPLIT == 2:
-            _fold(left, HI, LO, rm, rn_left, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
-            _fold(right, HI, LO, rm, rn_left + BLOCK_N // 2, M, N, stride_hm, stride_hn, stride_lm, stride_ln,
+            _fold(left, HI, LO, rm, hm, rn_left, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
+            _fold(right, HI, LO, rm, hm, rn_left + BLOCK_N // 2, M, N, stride_hm, stride_hn, stride_lm, stride_ln,
                   OUT_BF16)
         else:
             q0, q1 = _halves(left, BLOCK_M, BLOCK_N // 4)
             q2, q3 = _halves(right, BLOCK_M, BLOCK_N // 4)
             rn_q = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 4)
-            _fold(q0, HI, LO, rm, rn_q, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
-            _fold(q1, HI, LO, rm, rn_q + BLOCK_N // 4, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
-            _fold(q2, HI, LO, rm, rn_q + BLOCK_N // 2, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
-            _fold(q3, HI, LO, rm, rn_q + 3 * (BLOCK_N // 4), M, N, stride_hm, stride_hn, stride_lm, stride_ln,
+            _fold(q0, HI, LO, rm, hm, rn_q, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
+            _fold(q1, HI, LO, rm, hm, rn_q + BLOCK_N // 4, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
+            _fold(q2, HI, LO, rm, hm, rn_q + BLOCK_N // 2, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
+            _fold(q3, HI, LO, rm, hm, rn_q + 3 * (BLOCK_N // 4), M, N, stride_hm, stride_hn, stride_lm, stride_ln,
                   OUT_BF16)
 
 
@@ -235,11 +239,11 @@ def _halves(x, ROWS: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _fold(acc, HI, LO, rm, rn, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16: tl.constexpr):
-    """``(HI, LO)[rm, rn] ← split(HI + LO + acc)`` for an fp32 product block ``acc [len(rm), len(rn)]``: the
-    TwoSum fold of the module docstring."""
+def _fold(acc, HI, LO, rm, hm, rn, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16: tl.constexpr):
+    """``(HI[hm], LO[rm])[:, rn] ← split(HI + LO + acc)`` for an fp32 product block ``acc [len(rm), len(rn)]``
+    (``hm``: the rows of ``HI``, ``rm`` itself unless gathered): the TwoSum fold of the module docstring."""
     mask = (rm < M)[:, None] & (rn < N)[None, :]
-    hi_ptrs = HI + rm[:, None].to(tl.int64) * stride_hm + rn[None, :] * stride_hn
+    hi_ptrs = HI + hm[:, None].to(tl.int64) * stride_hm + rn[None, :] * stride_hn
     lo_ptrs = LO + rm[:, None].to(tl.int64) * stride_lm + rn[None, :] * stride_ln
     h = _to_fp32(tl.load(hi_ptrs, mask=mask, other=0.0), OUT_BF16)
     low = _to_fp32(tl.load(lo_ptrs, mask=mask, other=0.0), OUT_BF16)
@@ -268,7 +272,8 @@ def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 def compensated_addmm_(
-    hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, config: Optional[GemmConfig] = None
+    hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, hi_rows: Optional[torch.Tensor] = None,
+    config: Optional[GemmConfig] = None,
 ) -> None:
     """``hi + lo += a @ b`` in place, with fp32 accumulation of the product and an error-free fold into the
     pair (module docstring: formulas, error bound, why no finalize step).
@@ -279,6 +284,9 @@ def compensated_addmm_(
             ``hi`` is ±inf or NaN (as eager's fp32 sum would be), ``lo`` is NaN and means nothing.
         a: ``[M, K]`` bf16, any strides (e.g. the logits gradient ``dz``, or a transposed view).
         b: ``[K, N]``, ``a``'s dtype, any strides (e.g. a row slice ``weight[v0:v1]`` of the lm_head weight).
+        hi_rows: optional ``[M]`` int64 row indices into a taller ``hi [R, N]``: row ``i`` of the sum is
+            ``hi[hi_rows[i]] + lo[i]`` (the kept tokens' rows of a whole ``[N_tokens, H]`` gradient, so that
+            ``hi`` is the returned gradient itself, with no compact copy to scatter afterwards).
         config: launch shape; default :func:`default_config` for ``(M, N)`` on the tensors' device.
 
     Raises:
@@ -288,8 +296,13 @@ def compensated_addmm_(
 
     Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before Triton is imported).
     """
+    if hi_rows is not None and (hi_rows.dim() != 1 or hi_rows.dtype != torch.int64 or
+                                hi_rows.numel() != a.shape[0] or hi_rows.device != hi.device):
+        raise ValueError(f"compensated_addmm_: hi_rows must be int64 [M] = [{a.shape[0]}] on hi's device, got "
+                         f"{hi_rows.dtype} {tuple(hi_rows.shape)} on {hi_rows.device}")
+    hi_m = a.shape[0] if hi_rows is None else hi.shape[0]
     if a.dim() != 2 or b.dim() != 2 or hi.dim() != 2 or a.shape[1] != b.shape[0] or \
-            hi.shape != (a.shape[0], b.shape[1]) or lo.shape != hi.shape:
+            hi.shape != (hi_m, b.shape[1]) or lo.shape != (a.shape[0], b.shape[1]):
         raise ValueError(f"compensated_addmm_ needs hi, lo [M, N], a [M, K], b [K, N]; got hi {tuple(hi.shape)}, "
                          f"lo {tuple(lo.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}")
     if a.dtype not in _HALF_DTYPES or b.dtype != a.dtype or hi.dtype not in _HALF_DTYPES or lo.dtype != hi.dtype:
@@ -302,7 +315,7 @@ def compensated_addmm_(
         for other, other_name in ((lo, "lo"), (a, "a"), (b, "b")):
             if other is not out and _overlap(out, other):
                 raise ValueError(f"compensated_addmm_: {out_name} overlaps {other_name} in memory")
-    m, n = hi.shape
+    m, n = lo.shape
     k = a.shape[1]
     if m == 0 or n == 0 or k == 0:
         return  # nothing to add (and no fold: the pair is left exactly as it was)
@@ -313,11 +326,11 @@ def compensated_addmm_(
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     with torch.cuda.device(hi.device) if hi.is_cuda else contextlib.nullcontext():
         _compensated_addmm_kernel[grid](
-            a, b, hi, lo, m, n, k,
+            a, b, hi, lo, lo if hi_rows is None else hi_rows, m, n, k,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), hi.stride(0), hi.stride(1), lo.stride(0), lo.stride(1),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
             EVEN_K=k % config.block_k == 0, AB_BF16=a.dtype == torch.bfloat16, OUT_BF16=hi.dtype == torch.bfloat16,
-            WIDEN_DOT=not hi.is_cuda, EPILOGUE_SPLIT=config.epilogue_split, num_warps=config.num_warps, num_stages=config.num_stages,
+            WIDEN_DOT=not hi.is_cuda, EPILOGUE_SPLIT=config.epilogue_split, GATHER_HI=hi_rows is not None, num_warps=config.num_warps, num_stages=config.num_stages,
         )
 
 

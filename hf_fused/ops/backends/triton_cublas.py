@@ -169,11 +169,16 @@ class TritonCublasBackend:
         # The hidden-state gradient accumulates over vocabulary chunks: for a bf16 gradient as the compensated
         # pair (d_hidden, d_hidden_lo) (no less accurate than one fp32 accumulation, half the extra memory);
         # else in fp32 (the gradient itself when hidden is fp32).
+        # The pair's hi is hidden's gradient itself ([N, H], the kept rows written through ``hi_rows``), so only
+        # the residual is extra memory.
         pair = need_hidden and hidden.dtype == torch.bfloat16 and h.dtype == torch.bfloat16
+        gather = pair and m_rows != hidden.shape[0]
         d_hidden = d_hidden_lo = None
-        if need_hidden:
-            d_hidden = torch.zeros(h.shape, dtype=h.dtype if pair else torch.float32, device=h.device)
-            d_hidden_lo = torch.zeros_like(d_hidden) if pair else None
+        if pair:
+            d_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=h.device)
+            d_hidden_lo = torch.zeros(h.shape, dtype=h.dtype, device=h.device)
+        elif need_hidden:
+            d_hidden = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
         reserved = hidden_accumulator_bytes(m_rows, h.shape[1], hidden.dtype) if need_hidden else 0
         if need_weight:
             grads.weight = torch.zeros_like(weight)
@@ -199,7 +204,9 @@ class TritonCublasBackend:
                     dz, v0, bias, y[r0:r1], lse[r0:r1], ent[r0:r1], g_lp[r0:r1], g_ent[r0:r1], scalars,
                     grad_logprobs is not None, grad_entropy is not None,
                 )
-                if pair:
+                if gather:
+                    compensated_addmm_(d_hidden, d_hidden_lo[r0:r1], dz, w_chunk, hi_rows=rows[r0:r1])
+                elif pair:
                     compensated_addmm_(d_hidden[r0:r1], d_hidden_lo[r0:r1], dz, w_chunk)
                 elif d_hidden is not None:
                     _addmm_f32_(d_hidden[r0:r1], dz, w_chunk)
@@ -211,7 +218,8 @@ class TritonCublasBackend:
                     grads.bias[v0:v1] += dz.float().sum(0)
             if d_w_chunk32 is not None:
                 grads.weight[v0:v1] = d_w_chunk32
-        grads.hidden = d_hidden  # [M, H] fp32, or bf16 already rounded (the pair); rows in the order of ``rows``
+        grads.hidden = d_hidden  # fp32 [M, H] in the order of ``rows``, or (the pair) hidden's whole bf16 gradient
+        grads.hidden_scattered = pair
         return grads
 
     # -- one pass: token rows outside, full vocabulary per tile --------------------------------------
