@@ -52,3 +52,45 @@ def write_model(directory: str) -> None:
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+
+
+def model_kwargs_and_dataset(script_args, training_args, model_args, dataset_args, fused_args, column: str,
+                             n_lines: int, words_per_line: int):
+    """What TRL 1.16's own scripts (``trl/scripts/sft.py``, ``grpo.py``) do before building the trainer, shared
+    by both example scripts: ``training_args.model_init_kwargs`` from the model arguments, and the dataset (with
+    ``--tiny``: the local tiny model written to ``<output_dir>/tiny-model`` and ``n_lines`` lines of
+    ``words_per_line`` words in column ``column``). Returns the dataset."""
+    from datasets import Dataset, DatasetDict, load_dataset
+    from trl import get_dataset
+
+    model_init_kwargs = dict(
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype,
+    )
+    if training_args.model_init_kwargs is not None:
+        model_init_kwargs.update(training_args.model_init_kwargs)
+    training_args.model_init_kwargs = model_init_kwargs
+
+    if fused_args.tiny:
+        model_args.model_name_or_path = os.path.join(training_args.output_dir, "tiny-model")
+        # The main process writes the model; the others then find it (same seed, same files either way).
+        with training_args.main_process_first(desc="tiny model"):
+            write_model(model_args.model_name_or_path)
+        return DatasetDict(train=Dataset.from_dict({column: lines(n_lines, words_per_line)}))
+    if dataset_args.datasets and script_args.dataset_name:
+        from accelerate.logging import get_logger
+
+        get_logger(__name__).warning(
+            "Both `datasets` and `dataset_name` are provided. The `datasets` argument will be used to load the "
+            "dataset and `dataset_name` will be ignored."
+        )
+        return get_dataset(dataset_args)
+    if dataset_args.datasets:
+        return get_dataset(dataset_args)
+    if script_args.dataset_name:
+        return load_dataset(
+            script_args.dataset_name, name=script_args.dataset_config, streaming=script_args.dataset_streaming
+        )
+    raise ValueError("Either `datasets` or `dataset_name` must be provided.")

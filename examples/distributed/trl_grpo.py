@@ -90,21 +90,17 @@ def characters(completions, **kwargs):
 
 def main(script_args, training_args, model_args, dataset_args, fused_args):
     import transformers
-    from accelerate.logging import get_logger
-    from datasets import Dataset, DatasetDict, load_dataset
     from packaging.version import Version
 
     import tiny
     from hf_fused import FusedGRPOTrainer
-    from trl import GRPOTrainer, get_dataset, get_peft_config, get_quantization_config
+    from trl import GRPOTrainer, get_peft_config, get_quantization_config
     from trl.rewards import (
         accuracy_reward,
         get_soft_overlong_punishment,
         reasoning_accuracy_reward,
         think_format_reward,
     )
-
-    logger = get_logger(__name__)
 
     reward_funcs_registry = {
         "accuracy_reward": accuracy_reward,
@@ -136,37 +132,8 @@ def main(script_args, training_args, model_args, dataset_args, fused_args):
     if fused_args.tiny and not reward_funcs:
         reward_funcs.append(characters)
 
-    model_init_kwargs = dict(
-        revision=model_args.model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype,
-    )
-    if training_args.model_init_kwargs is not None:
-        model_init_kwargs.update(training_args.model_init_kwargs)
-    training_args.model_init_kwargs = model_init_kwargs
-
-    # Load the dataset
-    if fused_args.tiny:
-        model_args.model_name_or_path = os.path.join(training_args.output_dir, "tiny-model")
-        # The main process writes the model; the others then find it (same seed, same files either way).
-        with training_args.main_process_first(desc="tiny model"):
-            tiny.write_model(model_args.model_name_or_path)
-        dataset = DatasetDict(train=Dataset.from_dict({"prompt": tiny.lines(256, 6)}))
-    elif dataset_args.datasets and script_args.dataset_name:
-        logger.warning(
-            "Both `datasets` and `dataset_name` are provided. The `datasets` argument will be used to load the "
-            "dataset and `dataset_name` will be ignored."
-        )
-        dataset = get_dataset(dataset_args)
-    elif dataset_args.datasets and not script_args.dataset_name:
-        dataset = get_dataset(dataset_args)
-    elif not dataset_args.datasets and script_args.dataset_name:
-        dataset = load_dataset(
-            script_args.dataset_name, name=script_args.dataset_config, streaming=script_args.dataset_streaming
-        )
-    else:
-        raise ValueError("Either `datasets` or `dataset_name` must be provided.")
+    dataset = tiny.model_kwargs_and_dataset(script_args, training_args, model_args, dataset_args, fused_args,
+                                            "prompt", 256, 6)
 
     # Initialize the GRPO trainer (hf_fused: FusedGRPOTrainer in place of GRPOTrainer)
     trainer_cls = FusedGRPOTrainer if fused_args.fused_loss else GRPOTrainer

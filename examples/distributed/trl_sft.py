@@ -29,7 +29,6 @@ Run from the repository root (the DeepSpeed configs name their JSON files relati
 ``save_model`` the script writes ``trainer_state.json`` (every logged step) to ``--output_dir``.
 """
 
-import os
 from dataclasses import dataclass, field
 
 
@@ -64,47 +63,14 @@ def load_like_sft_trainer(model_id: str, training_args, quantization_config):
 
 def main(script_args, training_args, model_args, dataset_args, fused_args):
     import transformers
-    from accelerate.logging import get_logger
-    from datasets import Dataset, DatasetDict, load_dataset
     from packaging.version import Version
 
     import tiny
     from hf_fused import apply_fused_loss
-    from trl import SFTTrainer, get_dataset, get_peft_config, get_quantization_config
+    from trl import SFTTrainer, get_peft_config, get_quantization_config
 
-    logger = get_logger(__name__)
-
-    model_init_kwargs = dict(
-        revision=model_args.model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype,
-    )
-    if training_args.model_init_kwargs is not None:
-        model_init_kwargs.update(training_args.model_init_kwargs)
-    training_args.model_init_kwargs = model_init_kwargs
-
-    # Load the dataset
-    if fused_args.tiny:
-        model_args.model_name_or_path = os.path.join(training_args.output_dir, "tiny-model")
-        # The main process writes the model; the others then find it (same seed, same files either way).
-        with training_args.main_process_first(desc="tiny model"):
-            tiny.write_model(model_args.model_name_or_path)
-        dataset = DatasetDict(train=Dataset.from_dict({"text": tiny.lines(512, 15)}))
-    elif dataset_args.datasets and script_args.dataset_name:
-        logger.warning(
-            "Both `datasets` and `dataset_name` are provided. The `datasets` argument will be used to load the "
-            "dataset and `dataset_name` will be ignored."
-        )
-        dataset = get_dataset(dataset_args)
-    elif dataset_args.datasets and not script_args.dataset_name:
-        dataset = get_dataset(dataset_args)
-    elif not dataset_args.datasets and script_args.dataset_name:
-        dataset = load_dataset(
-            script_args.dataset_name, name=script_args.dataset_config, streaming=script_args.dataset_streaming
-        )
-    else:
-        raise ValueError("Either `datasets` or `dataset_name` must be provided.")
+    dataset = tiny.model_kwargs_and_dataset(script_args, training_args, model_args, dataset_args, fused_args,
+                                            "text", 512, 15)
 
     # hf_fused: the model SFTTrainer would load from the name, patched before the trainer sees it: every
     # fused-head call of the trainer (loss, entropy, token accuracy) then comes from hf_fused's ops, and a
