@@ -89,9 +89,9 @@ def _count_backend_calls(monkeypatch):
         original = getattr(backend, name)
 
         def counted(*args, _key=key, _original=original, **kwargs):
-            if _key == "logprobs_backward" or any(args[-3:]):  # need_hidden/need_weight/need_bias
+            if _key == "logprobs_backward" or kwargs["need"].any:  # one-pass calls that compute gradients
                 calls[_key] += 1
-                dtypes.add(args[1].dtype)
+                dtypes.add(args[0].weight.dtype)
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(backend, name, counted)

@@ -6,10 +6,13 @@ the rule is checked on CPU exactly as the GPU backend applies it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from hf_fused.ops import tiling
+from hf_fused.ops.head_inputs import HeadInputs, NeededGrads
 from hf_fused.ops.tiling import (
     DEFAULT_TILE_BUDGET_BYTES, MIN_ONE_PASS_ROWS, ONE_PASS_FREE_SHARE, ONE_PASS_TILE_ROWS, describe_plan,
     one_pass_rows, one_pass_working_set, two_pass_plan,
@@ -132,8 +135,10 @@ def test_gpu_two_pass_accumulates_a_bf16_hidden_gradient_as_a_compensated_pair()
     backend, transform = TritonCublasBackend(), LogitTransform()
     m = rows.numel()
     budget = m * 2048 * 2 + tiling.hidden_accumulator_bytes(m, h, torch.bfloat16)  # all rows × 2048 columns + residual
-    logp, _, lse = backend.logprobs_forward(hidden, weight, None, labels, rows, transform, budget, False)[:3]
+    head = HeadInputs(hidden, weight, None, labels, rows, transform, budget)
+    lse = backend.logprobs_forward(head).lse
     g_lp = torch.randn(m, generator=g)
+    only_hidden = NeededGrads(hidden=True, weight=False, bias=False)
     calls = []
     original = compensated.compensated_addmm_
 
@@ -145,12 +150,11 @@ def test_gpu_two_pass_accumulates_a_bf16_hidden_gradient_as_a_compensated_pair()
 
     triton_cublas.compensated_addmm_, saved = spy, triton_cublas.compensated_addmm_
     try:
-        pair = backend.logprobs_backward(hidden, weight, None, labels, rows, lse, None, g_lp, None, transform, budget,
-                                         True, False, False).hidden
+        pair = backend.logprobs_backward(head, lse, None, g_lp, None, need=only_hidden).hidden
     finally:
         triton_cublas.compensated_addmm_ = saved
-    fp32 = backend.logprobs_backward(hidden.float(), weight, None, labels, rows, lse, None, g_lp, None, transform,
-                                     budget, True, False, False).hidden
+    fp32 = backend.logprobs_backward(replace(head, hidden=hidden.float()), lse, None, g_lp, None,
+                                     need=only_hidden).hidden
     assert len(calls) == 3 and pair.dtype == torch.bfloat16 and fp32.dtype == torch.float32
     assert pair.shape == (n, h) and fp32.shape == (m, h)
     ignored = torch.ones(n, dtype=torch.bool)

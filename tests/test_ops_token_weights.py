@@ -62,7 +62,8 @@ def test_zero_weight_tokens_are_skipped(backend, monkeypatch):
     token_weights = weights_like(labels, 53, zero_every=3)
     impl = get_backend(hidden.device, backend)
     seen, original = [], impl.logprobs_with_grads
-    monkeypatch.setattr(impl, "logprobs_with_grads", lambda *a, **k: seen.append(a[4].numel()) or original(*a, **k))
+    monkeypatch.setattr(impl, "logprobs_with_grads",
+                        lambda head, *a, **k: seen.append(head.rows.numel()) or original(head, *a, **k))
     check_weighted(hidden, weight, bias, labels, token_weights, backend=backend)
     assert seen == [int(((labels != -100) & (token_weights != 0)).sum())]
 

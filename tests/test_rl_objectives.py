@@ -151,9 +151,9 @@ def test_masked_positions_are_never_scored(monkeypatch):
     backend = get_backend(torch.device("cpu"), "torch")
     original = backend.token_loss_with_grads
 
-    def spy(hidden_, weight_, bias_, labels_, rows, *args):
-        seen.append(rows.numel())
-        return original(hidden_, weight_, bias_, labels_, rows, *args)
+    def spy(head, *args, **kwargs):
+        seen.append(head.rows.numel())
+        return original(head, *args, **kwargs)
 
     monkeypatch.setattr(backend, "token_loss_with_grads", spy)
     out = linear_grpo_loss(hidden, weight, labels, advantages=advantages, response_mask=mask, loss_denominator=10,

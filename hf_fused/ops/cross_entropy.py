@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
 
-from .backends import get_backend
-from .head_inputs import check_per_token, flatten_head_inputs
+from .backends import Backend, get_backend
+from .head_inputs import HeadInputs, NeededGrads, check_per_token, flatten_head_inputs
 from .logit_transform import LogitTransform
 from .logprobs import linear_logprobs
 from .precision import autocast_off, cast_like_linear, refuse_double_backward
 from .tiling import validate_tile_budget
 
 _REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclass(frozen=True, eq=False)
+class _CrossEntropyCall:
+    """Everything :class:`LinearCrossEntropyFunction` takes besides the differentiable hidden, weight and bias
+    (``head``'s own are those tensors as the op passes them; the Function rebuilds ``head`` from its
+    arguments)."""
+
+    head: HeadInputs
+    backend: Backend
+    grad_scale: Union[float, torch.Tensor]  # 1 / (the loss's normalizer)
+    row_weights: Optional[torch.Tensor]  # [M] fp32 per kept row, or None
+    grad_enabled: bool
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -24,33 +38,33 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     factor folded in (8·N·H·V in all, nothing gradient-sized held between the two)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, rows, grad_scale, transform, tile_budget_bytes, backend,
-                grad_enabled, row_weights):
+    def forward(ctx, hidden, weight, bias, call: _CrossEntropyCall):
+        head = replace(call.head, hidden=hidden, weight=weight, bias=bias)
+        backend, grad_scale, row_weights, rows = call.backend, call.grad_scale, call.row_weights, head.rows
         need = ctx.needs_input_grad
-        need = (grad_enabled and need[0], grad_enabled and need[1], grad_enabled and bias is not None and need[2])
-        ctx.config = (grad_scale, transform, tile_budget_bytes, backend, need)
+        need = NeededGrads(call.grad_enabled and need[0], call.grad_enabled and need[1],
+                           call.grad_enabled and bias is not None and need[2])
+        ctx.config = (grad_scale, backend, need)
         ctx.grads, lse, one_pass = None, None, None
         with autocast_off(hidden.device.type):
-            if any(need):
+            if need.any:
                 one_pass = backend.logprobs_with_grads(
-                    hidden, weight, bias, labels, rows, _grad_logprobs(grad_scale, 1.0, row_weights, rows),
-                    transform, tile_budget_bytes, False, *need,
+                    head, _grad_logprobs(grad_scale, 1.0, row_weights, rows), need=need
                 )
             if one_pass is not None:
-                logp, _, _, ctx.grads = one_pass
+                logp, ctx.grads = one_pass.logprobs, one_pass.grads
             else:
-                logp, _, lse = backend.logprobs_forward(
-                    hidden, weight, bias, labels, rows, transform, tile_budget_bytes, False
-                )
-        ctx.save_for_backward(hidden, weight, bias, labels, rows, lse, row_weights)
+                statistics = backend.logprobs_forward(head)
+                logp, lse = statistics.logprobs, statistics.lse
+        head.save_for_backward(ctx, lse, row_weights)
         loss_sum = -(logp if row_weights is None else logp * row_weights).sum()
         return loss_sum * grad_scale
 
     @staticmethod
     def backward(ctx, grad_output):
         refuse_double_backward("linear_cross_entropy")
-        hidden, weight, bias, labels, rows, lse, row_weights = ctx.saved_tensors
-        grad_scale, transform, tile_budget_bytes, backend, need = ctx.config
+        head, (lse, row_weights) = HeadInputs.saved(ctx)
+        grad_scale, backend, need = ctx.config
         # The upstream factor stays an fp32 tensor on the device: no host sync (each one drains the GPU queue),
         # and fp32 arithmetic keeps it unrounded inside bf16 gradients (e.g. 1/3 for gradient accumulation).
         factor = grad_output.detach().to(torch.float32)
@@ -63,14 +77,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 )
             grads, ctx.grads = ctx.grads, None  # free the stored gradients as soon as they are handed over
         else:
-            with autocast_off(hidden.device.type):
+            with autocast_off(head.hidden.device.type):
                 grads = backend.logprobs_backward(
-                    hidden, weight, bias, labels, rows, lse, None,
-                    _grad_logprobs(grad_scale, factor, row_weights, rows), None, transform, tile_budget_bytes, *need,
+                    head, lse, None, _grad_logprobs(grad_scale, factor, row_weights, head.rows), None, need=need
                 )
             factor = 1.0
-        d_hidden, d_weight, d_bias = grads.input_grads(hidden, weight, bias, rows, factor)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None, None
+        d_hidden, d_weight, d_bias = grads.input_grads(head.hidden, head.weight, head.bias, head.rows, factor)
+        return d_hidden, d_weight, d_bias, None
 
 
 def _grad_logprobs(grad_scale, factor, row_weights, rows) -> torch.Tensor:
@@ -200,8 +213,7 @@ def linear_cross_entropy(
     else:
         grad_scale = 1.0
     hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
-    return LinearCrossEntropyFunction.apply(
-        hidden2d, weight, bias, flat.labels, rows, grad_scale, transform,
-        validate_tile_budget(tile_budget_bytes), get_backend(hidden.device, backend),
-        torch.is_grad_enabled(), row_weights,
-    )
+    head = HeadInputs(hidden2d, weight, bias, flat.labels, rows, transform, validate_tile_budget(tile_budget_bytes))
+    call = _CrossEntropyCall(head, get_backend(hidden.device, backend), grad_scale, row_weights,
+                             torch.is_grad_enabled())
+    return LinearCrossEntropyFunction.apply(hidden2d, weight, bias, call)

@@ -1,13 +1,65 @@
-"""Validation and flattening shared by the public ops: ``[..., H]`` hidden states and ``[...]`` labels
-become ``[N, H]`` and ``[N]``, with errors that say what was wrong."""
+"""The head's inputs: validation and flattening shared by the public ops (``[..., H]`` hidden states and
+``[...]`` labels become ``[N, H]`` and ``[N]``, with errors that say what was wrong), and :class:`HeadInputs`,
+the operands every backend method takes (:mod:`hf_fused.ops.backends.protocol`)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import NamedTuple, Optional
 
 import torch
+
+from .logit_transform import LogitTransform
+
+
+@dataclass(frozen=True, eq=False)
+class HeadInputs:
+    """The operands a backend computes from: one flattened head and how to tile it.
+
+    hidden: ``[N, H]``, already cast as ``F.linear`` would be (:func:`~hf_fused.ops.precision.cast_like_linear`).
+    weight: ``[V, H]``.  bias: ``[V]`` or ``None``.  labels: ``[N]`` int64.
+    rows: ``[M]`` int64, the rows to compute, ascending; every per-row tensor of the contract is ``[M]`` in
+        this order.
+    transform: the logit transform.  tile_budget_bytes: the working-set bound the planner
+        (:mod:`hf_fused.ops.tiling`) tiles within; ``None``: its default rule.
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    labels: torch.Tensor
+    rows: torch.Tensor
+    transform: LogitTransform
+    tile_budget_bytes: Optional[int]
+
+    def with_rows(self, rows: torch.Tensor) -> "HeadInputs":
+        """The same head restricted to ``rows`` (a subset of :attr:`rows`, ascending)."""
+        return replace(self, rows=rows)
+
+    def save_for_backward(self, ctx, *tensors: Optional[torch.Tensor]) -> None:
+        """Save this head (its tensors through ``ctx.save_for_backward``, so that they are freed after backward
+        and checked for in-place changes) and ``tensors`` after them, for :meth:`saved`."""
+        ctx.save_for_backward(self.hidden, self.weight, self.bias, self.labels, self.rows, *tensors)
+        ctx.head_settings = (self.transform, self.tile_budget_bytes)
+
+    @staticmethod
+    def saved(ctx) -> tuple["HeadInputs", list]:
+        """``(head, [tensors])`` as :meth:`save_for_backward` saved them."""
+        hidden, weight, bias, labels, rows, *tensors = ctx.saved_tensors
+        return HeadInputs(hidden, weight, bias, labels, rows, *ctx.head_settings), tensors
+
+
+class NeededGrads(NamedTuple):
+    """Which of the head's inputs a gradient is requested for."""
+
+    hidden: bool
+    weight: bool
+    bias: bool
+
+    @property
+    def any(self) -> bool:
+        return self.hidden or self.weight or self.bias
 
 
 @dataclass

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 import torch
 
-from .backends import get_backend
-from .head_inputs import check_per_token, flatten_head_inputs, per_token_outputs
+from .backends import Backend, get_backend
+from .head_inputs import HeadInputs, NeededGrads, check_per_token, flatten_head_inputs, per_token_outputs
 from .logit_transform import LogitTransform
 from .precision import autocast_off, cast_like_linear, refuse_double_backward
 from .tiling import valid_rows, validate_tile_budget
@@ -18,6 +19,19 @@ from .token_statistics import check_statistics, per_token_statistics
 #: ``max |g − c·hint| ≤ HINT_RTOL · max |g|`` for the forward's gradients to stand in for the upstream ``g``:
 #: a few fp32 roundings of the same products (TRL's normalizers), far below bf16 gradient noise.
 HINT_RTOL = 1e-6
+
+
+@dataclass(frozen=True, eq=False)
+class _LogprobsCall:
+    """Everything :class:`LinearLogprobsFunction` takes besides the differentiable hidden, weight and bias
+    (the Function rebuilds ``head`` with those)."""
+
+    head: HeadInputs
+    backend: Backend
+    return_entropy: bool
+    grad_hint: Optional[torch.Tensor]  # [M] fp32 per kept row, or None
+    grad_enabled: bool
+    statistics: tuple[str, ...]
 
 
 class LinearLogprobsFunction(torch.autograd.Function):
@@ -33,34 +47,30 @@ class LinearLogprobsFunction(torch.autograd.Function):
     further, non-differentiable outputs in that order."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, rows, transform, tile_budget_bytes, backend, return_entropy,
-                grad_hint, grad_enabled, statistics):
+    def forward(ctx, hidden, weight, bias, call: _LogprobsCall):
+        head = replace(call.head, hidden=hidden, weight=weight, bias=bias)
+        backend, grad_hint, statistics = call.backend, call.grad_hint, call.statistics
+        rows, labels = head.rows, head.labels
         # An entropy returned but unused must not cost a backward term: let its gradient arrive as None.
         ctx.set_materialize_grads(False)
         need = ctx.needs_input_grad
+        need = NeededGrads(need[0], need[1], bias is not None and need[2])
         ctx.hinted = None
         one_pass = None
-        # Only when asked: a registered backend from before statistics existed still serves every other call.
-        asked = {"statistics": statistics} if statistics else {}
         with autocast_off(hidden.device.type):
-            if grad_hint is not None and grad_enabled and any(need[:3]):
+            if grad_hint is not None and call.grad_enabled and any(ctx.needs_input_grad[:3]):
                 one_pass = backend.logprobs_with_grads(
-                    hidden, weight, bias, labels, rows, grad_hint, transform, tile_budget_bytes, return_entropy,
-                    need[0], need[1], bias is not None and need[2], **asked,
+                    head, grad_hint, need=need, return_entropy=call.return_entropy, statistics=statistics
                 )
             if one_pass is not None:
-                logp_rows, ent_rows, lse, grads = one_pass[:4]
-                row_stats = one_pass[4] if statistics else {}
-                ctx.hinted = (grad_hint, grads)
+                ctx.hinted = (grad_hint, one_pass.grads)
             else:
-                logp_rows, ent_rows, lse, *rest = backend.logprobs_forward(
-                    hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy, **asked
-                )
-                row_stats = rest[0] if statistics else {}
-        logprobs, entropy = per_token_outputs(hidden, rows, labels.numel(), logp_rows, ent_rows, return_entropy)
-        token_stats = per_token_statistics(row_stats, rows, labels.numel())
-        ctx.save_for_backward(hidden, weight, bias, labels, rows, lse, ent_rows)
-        ctx.config = (transform, tile_budget_bytes, backend)
+                one_pass = backend.logprobs_forward(head, return_entropy=call.return_entropy, statistics=statistics)
+        logprobs, entropy = per_token_outputs(hidden, rows, labels.numel(), one_pass.logprobs, one_pass.entropy,
+                                              call.return_entropy)
+        token_stats = per_token_statistics(one_pass.statistics, rows, labels.numel())
+        head.save_for_backward(ctx, one_pass.lse, one_pass.entropy)
+        ctx.backend = backend
         stat_outputs = tuple(token_stats[name] for name in statistics)
         ctx.mark_non_differentiable(*stat_outputs)
         return (logprobs, entropy) + stat_outputs
@@ -68,49 +78,39 @@ class LinearLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *_grad_statistics):
         refuse_double_backward("linear_logprobs")
-        hidden, weight, bias, labels, rows, lse, ent_rows = ctx.saved_tensors
-        transform, tile_budget_bytes, backend = ctx.config
+        head, (lse, ent_rows) = HeadInputs.saved(ctx)
         need = ctx.needs_input_grad
         hinted, ctx.hinted = ctx.hinted, None  # handed over once; a second backward recomputes
         # Ignored positions carry no gradient whatever the upstream says.
-        g_lp = None if grad_logprobs is None else grad_logprobs.float().index_select(0, rows)
-        g_h = None if grad_entropy is None else grad_entropy.float().index_select(0, rows)
+        g_lp = None if grad_logprobs is None else grad_logprobs.float().index_select(0, head.rows)
+        g_h = None if grad_entropy is None else grad_entropy.float().index_select(0, head.rows)
         if (g_lp is None and g_h is None) or not any(need[:3]):
-            return (None,) * 12
+            return None, None, None, None
         if hinted is not None:
             factor = _hint_factor(hinted[0], g_lp, g_h)
             if factor is not None:
-                return _outputs(hinted[1], hidden, weight, bias, rows, factor)
-        grads, rows = recompute_grads(
-            backend, hidden, weight, bias, labels, rows, lse, ent_rows, g_lp, g_h, transform, tile_budget_bytes,
-            (need[0], need[1], bias is not None and need[2]),
-        )
-        return _outputs(grads, hidden, weight, bias, rows)
+                return hinted[1].input_grads(head.hidden, head.weight, head.bias, head.rows, factor) + (None,)
+        need = NeededGrads(need[0], need[1], head.bias is not None and need[2])
+        grads, rows = recompute_grads(ctx.backend, head, lse, ent_rows, g_lp, g_h, need)
+        return grads.input_grads(head.hidden, head.weight, head.bias, rows) + (None,)
 
 
-def recompute_grads(backend, hidden, weight, bias, labels, rows, lse, ent_rows, g_lp, g_h, transform,
-                    tile_budget_bytes, need):
+def recompute_grads(backend: Backend, head: HeadInputs, lse, ent_rows, g_lp, g_h, need: NeededGrads):
     """The recompute backward of the per-token outputs: ``(grads, rows)`` from upstream ``g_lp`` / ``g_h``
-    (fp32 ``[M]`` over ``rows``, either may be ``None``), with autocast off. Rows whose upstream gradients are
-    all 0 (a GRPO completion's padding, a zero advantage) add nothing and are skipped; the returned ``rows``
+    (fp32 ``[M]`` over ``head.rows``, either may be ``None``), with autocast off. Rows whose upstream gradients
+    are all 0 (a GRPO completion's padding, a zero advantage) add nothing and are skipped; the returned ``rows``
     are the ones the gradients belong to."""
     live = (g_lp if g_lp is not None else g_h) != 0
     if g_lp is not None and g_h is not None:
         live |= g_h != 0
     if not bool(live.all()):
         keep = live.nonzero().squeeze(1)
-        rows, lse, ent_rows = rows[keep], lse[keep], None if ent_rows is None else ent_rows[keep]
+        head, lse, ent_rows = head.with_rows(head.rows[keep]), lse[keep], None if ent_rows is None else ent_rows[keep]
         g_lp = None if g_lp is None else g_lp[keep]
         g_h = None if g_h is None else g_h[keep]
-    with autocast_off(hidden.device.type):
-        grads = backend.logprobs_backward(
-            hidden, weight, bias, labels, rows, lse, ent_rows, g_lp, g_h, transform, tile_budget_bytes, *need
-        )
-    return grads, rows
-
-
-def _outputs(grads, hidden, weight, bias, rows, factor: float = 1.0):
-    return grads.input_grads(hidden, weight, bias, rows, factor) + (None,) * 9
+    with autocast_off(head.hidden.device.type):
+        grads = backend.logprobs_backward(head, lse, ent_rows, g_lp, g_h, need=need)
+    return grads, head.rows
 
 
 def _hint_factor(hint, g_lp, g_h):
@@ -236,11 +236,10 @@ def linear_logprobs(
     if grad_hint is not None:
         hint_rows = check_per_token(grad_hint, labels, "grad_hint").reshape(-1).index_select(0, rows)
     hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
-    logprobs, entropy, *stat_outputs = LinearLogprobsFunction.apply(
-        hidden2d, weight, bias, flat.labels, rows, transform,
-        validate_tile_budget(tile_budget_bytes), get_backend(hidden.device, backend),
-        bool(return_entropy), hint_rows, torch.is_grad_enabled(), names or (),
-    )
+    head = HeadInputs(hidden2d, weight, bias, flat.labels, rows, transform, validate_tile_budget(tile_budget_bytes))
+    call = _LogprobsCall(head, get_backend(hidden.device, backend), bool(return_entropy), hint_rows,
+                         torch.is_grad_enabled(), names or ())
+    logprobs, entropy, *stat_outputs = LinearLogprobsFunction.apply(hidden2d, weight, bias, call)
     logprobs = logprobs.view(flat.batch_shape)
     if entropy is not None:
         entropy = entropy.view(flat.batch_shape)

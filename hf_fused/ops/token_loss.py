@@ -29,14 +29,14 @@ advantages) are fine: pass them per token in ``per_token`` or close over them in
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
-from .backends import get_backend
-from .head_inputs import flatten_head_inputs, per_token_outputs
+from .backends import Backend, HeadPass, get_backend
+from .head_inputs import HeadInputs, NeededGrads, flatten_head_inputs, per_token_outputs
 from .logit_transform import LogitTransform
 from .logprobs import HINT_RTOL, HintMissedWarning, recompute_grads
 from .precision import autocast_off, cast_like_linear, refuse_double_backward
@@ -120,6 +120,33 @@ class _TileLoss:
         return losses.float()
 
 
+@dataclass(frozen=True, eq=False)
+class _TokenLossCall:
+    """Everything :class:`LinearTokenLossFunction` and :class:`HintedLogprobsFunction` take besides the
+    differentiable hidden, weight and bias (the Functions rebuild ``head`` with those)."""
+
+    head: HeadInputs
+    backend: Backend
+    tile_loss: _TileLoss
+    return_entropy: bool  # the op returns the entropy
+    need_entropy: bool  # the token loss reads it (computed either way when either is set)
+    grad_enabled: bool
+
+    def needed_grads(self, ctx, bias) -> NeededGrads:
+        need = ctx.needs_input_grad
+        enabled = self.grad_enabled
+        return NeededGrads(enabled and need[0], enabled and need[1], enabled and bias is not None and need[2])
+
+    def one_pass(self, head: HeadInputs, need: NeededGrads) -> Optional[HeadPass]:
+        """The backend's one pass of the token loss, or ``None`` (nothing to differentiate, no such method,
+        or the planner chose two passes)."""
+        if not need.any or not hasattr(self.backend, "token_loss_with_grads"):
+            return None
+        return self.backend.token_loss_with_grads(
+            head, self.tile_loss, need=need, return_entropy=self.return_entropy or self.need_entropy
+        )
+
+
 class LinearTokenLossFunction(torch.autograd.Function):
     """One pass when the backend can hold its working set (``token_loss_with_grads``; always on the torch
     reference): statistics, per-row loss gradients and head gradients tile by tile in the forward; backward
@@ -128,32 +155,27 @@ class LinearTokenLossFunction(torch.autograd.Function):
     8·N·H·V, the same result."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, rows, tile_loss, transform, tile_budget_bytes, backend,
-                need_entropy, grad_enabled):
-        need = ctx.needs_input_grad
-        need = (grad_enabled and need[0], grad_enabled and need[1], grad_enabled and bias is not None and need[2])
-        ctx.config = (transform, tile_budget_bytes, backend, need)
+    def forward(ctx, hidden, weight, bias, call: _TokenLossCall):
+        head = replace(call.head, hidden=hidden, weight=weight, bias=bias)
+        rows, tile_loss = head.rows, call.tile_loss
+        need = call.needed_grads(ctx, bias)
+        ctx.backend, ctx.need = call.backend, need
         ctx.grads, ctx.row_grads = None, None
-        lse = ent = None
-        one_pass = None
+        lse = None
         with autocast_off(hidden.device.type):
-            if any(need) and hasattr(backend, "token_loss_with_grads"):
-                one_pass = backend.token_loss_with_grads(
-                    hidden, weight, bias, labels, rows, tile_loss, transform, tile_budget_bytes, need_entropy,
-                    *need,
-                )
+            one_pass = call.one_pass(head, need)
             if one_pass is not None:
-                logp, ent, _, ctx.grads = one_pass
+                ctx.grads = one_pass.grads
             else:
                 # Statistics, then the loss and its per-row gradients on all rows at once (elementwise, so
                 # the same values as tile by tile); backward recomputes the tiles.
-                logp, ent, lse = backend.logprobs_forward(
-                    hidden, weight, bias, labels, rows, transform, tile_budget_bytes, need_entropy
-                )
-                tile_loss.differentiate = any(need)
-                ctx.row_grads = tile_loss(0, rows.numel(), logp, ent)
-        ctx.save_for_backward(hidden, weight, bias, labels, rows, lse, ent)
-        n = labels.numel()
+                one_pass = call.backend.logprobs_forward(head, return_entropy=call.need_entropy)
+                lse = one_pass.lse
+                tile_loss.differentiate = need.any
+                ctx.row_grads = tile_loss(0, rows.numel(), one_pass.logprobs, one_pass.entropy)
+        logp, ent = one_pass.logprobs, one_pass.entropy
+        head.save_for_backward(ctx, lse, ent)
+        n = head.labels.numel()
         logprobs = hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, logp)
         entropy = None if ent is None else hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, ent)
         if entropy is None:
@@ -165,13 +187,13 @@ class LinearTokenLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_logprobs, _grad_entropy):
         refuse_double_backward("linear_token_loss")
-        hidden, weight, bias, labels, rows, lse, ent = ctx.saved_tensors
-        transform, tile_budget_bytes, backend, need = ctx.config
-        nothing = (None,) * 8
-        if grad_loss is None or not any(need):
-            return (None, None, None) + nothing
+        head, (lse, ent) = HeadInputs.saved(ctx)
+        need = ctx.need
+        if grad_loss is None or not need.any:
+            return None, None, None, None
         # An fp32 tensor on the device: no host sync (see linear_cross_entropy's backward).
         factor = grad_loss.detach().to(torch.float32)
+        rows = head.rows
         if lse is None:  # one pass: the gradients were computed in the forward
             if ctx.grads is None:
                 raise RuntimeError(
@@ -185,12 +207,9 @@ class LinearTokenLossFunction(torch.autograd.Function):
             (g_lp, g_ent), ctx.row_grads = ctx.row_grads, None
             g_lp = g_lp * factor
             g_ent = None if g_ent is None else g_ent * factor
-            grads, rows = recompute_grads(
-                backend, hidden, weight, bias, labels, rows, lse, ent, g_lp, g_ent, transform, tile_budget_bytes, need
-            )
+            grads, rows = recompute_grads(ctx.backend, head, lse, ent, g_lp, g_ent, need)
             factor = 1.0
-        d_hidden, d_weight, d_bias = grads.input_grads(hidden, weight, bias, rows, factor)
-        return (d_hidden, d_weight, d_bias) + nothing
+        return grads.input_grads(head.hidden, head.weight, head.bias, rows, factor) + (None,)
 
 
 def _flat_per_token(per_token: Optional[Mapping[str, torch.Tensor]], labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -299,10 +318,10 @@ def linear_token_loss(
     tile_budget_bytes = validate_tile_budget(tile_budget_bytes)  # None stays None: the planner's default rule
     hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
     tile_loss = _TileLoss(token_loss, consts, rows, differentiate=grad_enabled)
-    loss, logprobs, entropy = LinearTokenLossFunction.apply(
-        hidden2d, weight, bias, flat.labels, rows, tile_loss, transform, tile_budget_bytes,
-        get_backend(hidden.device, backend), bool(need_entropy), grad_enabled,
-    )
+    head = HeadInputs(hidden2d, weight, bias, flat.labels, rows, transform, tile_budget_bytes)
+    call = _TokenLossCall(head, get_backend(hidden.device, backend), tile_loss, bool(need_entropy),
+                          bool(need_entropy), grad_enabled)
+    loss, logprobs, entropy = LinearTokenLossFunction.apply(hidden2d, weight, bias, call)
     logprobs = logprobs.view(flat.batch_shape)
     if entropy is not None:
         entropy = entropy.view(flat.batch_shape)
@@ -374,62 +393,41 @@ class HintedLogprobsFunction(torch.autograd.Function):
     forward when the backend holds its working set, the head gradients kept for a backward that matches."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, rows, tile_loss, transform, tile_budget_bytes, backend,
-                return_entropy, need_entropy, grad_enabled):
+    def forward(ctx, hidden, weight, bias, call: _TokenLossCall):
+        head = replace(call.head, hidden=hidden, weight=weight, bias=bias)
         ctx.set_materialize_grads(False)
-        need = ctx.needs_input_grad
-        need = (grad_enabled and need[0], grad_enabled and need[1], grad_enabled and bias is not None and need[2])
+        need = call.needed_grads(ctx, bias)
+        ctx.backend, ctx.need = call.backend, need
         ctx.hinted = None
-        one_pass = None
         with autocast_off(hidden.device.type):
-            if any(need) and hasattr(backend, "token_loss_with_grads"):
-                one_pass = backend.token_loss_with_grads(
-                    hidden, weight, bias, labels, rows, tile_loss, transform, tile_budget_bytes,
-                    return_entropy or need_entropy, *need,
-                )
+            one_pass = call.one_pass(head, need)
             if one_pass is not None:
-                logp, ent, lse, grads = one_pass
-                ctx.hinted = tile_loss.stacked_row_grads() + (grads,)
+                ctx.hinted = call.tile_loss.stacked_row_grads() + (one_pass.grads,)
             else:
-                logp, ent, lse = backend.logprobs_forward(
-                    hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy
-                )
-        logprobs, entropy = per_token_outputs(hidden, rows, labels.numel(), logp, ent, return_entropy)
-        ctx.save_for_backward(hidden, weight, bias, labels, rows, lse, ent)
-        ctx.config = (transform, tile_budget_bytes, backend, need)
+                one_pass = call.backend.logprobs_forward(head, return_entropy=call.return_entropy)
+        logprobs, entropy = per_token_outputs(hidden, head.rows, head.labels.numel(), one_pass.logprobs,
+                                              one_pass.entropy, call.return_entropy)
+        head.save_for_backward(ctx, one_pass.lse, one_pass.entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         refuse_double_backward("linear_logprobs")
-        hidden, weight, bias, labels, rows, lse, ent = ctx.saved_tensors
-        transform, tile_budget_bytes, backend, need = ctx.config
+        head, (lse, ent) = HeadInputs.saved(ctx)
+        need = ctx.need
         hinted, ctx.hinted = ctx.hinted, None  # handed over once; a second backward recomputes
-        nothing = (None,) * 9
-        g_lp = None if grad_logprobs is None else grad_logprobs.float().index_select(0, rows)
-        g_h = None if grad_entropy is None else grad_entropy.float().index_select(0, rows)
-        if (g_lp is None and g_h is None) or not any(need):
-            return (None, None, None) + nothing
+        g_lp = None if grad_logprobs is None else grad_logprobs.float().index_select(0, head.rows)
+        g_h = None if grad_entropy is None else grad_entropy.float().index_select(0, head.rows)
+        if (g_lp is None and g_h is None) or not need.any:
+            return None, None, None, None
         if hinted is not None:
             factor = _token_hint_factor(hinted[0], hinted[1], g_lp, g_h)
             if factor is not None:
-                return hinted[2].input_grads(hidden, weight, bias, rows, factor) + nothing
+                return hinted[2].input_grads(head.hidden, head.weight, head.bias, head.rows, factor) + (None,)
         if g_h is not None and ent is None:  # cannot happen: entropy is returned only when computed
             raise RuntimeError("linear_logprobs: an entropy gradient without a saved entropy")
-        live = (g_lp if g_lp is not None else g_h) != 0
-        if g_lp is not None and g_h is not None:
-            live |= g_h != 0
-        if not bool(live.all()):  # rows the loss sends nothing (masked out): skip them
-            keep = live.nonzero().squeeze(1)
-            rows, lse = rows[keep], lse[keep]
-            ent = None if ent is None else ent[keep]
-            g_lp = None if g_lp is None else g_lp[keep]
-            g_h = None if g_h is None else g_h[keep]
-        with autocast_off(hidden.device.type):
-            grads = backend.logprobs_backward(
-                hidden, weight, bias, labels, rows, lse, ent, g_lp, g_h, transform, tile_budget_bytes, *need
-            )
-        return grads.input_grads(hidden, weight, bias, rows) + nothing
+        grads, rows = recompute_grads(ctx.backend, head, lse, ent, g_lp, g_h, need)
+        return grads.input_grads(head.hidden, head.weight, head.bias, rows) + (None,)
 
 
 def _token_hint_factor(hint_lp, hint_ent, g_lp, g_h) -> Optional[float]:
@@ -466,9 +464,9 @@ def hinted_logprobs(hidden, weight, labels, bias, hint: TokenLossHint, *, ignore
     tile_budget_bytes = validate_tile_budget(tile_budget_bytes)
     hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
     tile_loss = _TileLoss(hint.token_loss, consts, rows, differentiate=True, keep_row_grads=True)
-    logprobs, entropy = HintedLogprobsFunction.apply(
-        hidden2d, weight, bias, flat.labels, rows, tile_loss, transform, tile_budget_bytes,
-        get_backend(hidden.device, backend), bool(return_entropy), bool(hint.need_entropy), torch.is_grad_enabled(),
-    )
+    head = HeadInputs(hidden2d, weight, bias, flat.labels, rows, transform, tile_budget_bytes)
+    call = _TokenLossCall(head, get_backend(hidden.device, backend), tile_loss, bool(return_entropy),
+                          bool(hint.need_entropy), torch.is_grad_enabled())
+    logprobs, entropy = HintedLogprobsFunction.apply(hidden2d, weight, bias, call)
     logprobs = logprobs.view(flat.batch_shape)
     return logprobs, None if entropy is None else entropy.view(flat.batch_shape)

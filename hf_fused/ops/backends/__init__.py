@@ -1,11 +1,12 @@
 """Backends implement the tiled math; the public ops choose one per call.
 
-A backend provides ``logprobs_with_grads``, ``logprobs_forward`` and ``logprobs_backward`` with the
-signatures of :class:`~hf_fused.ops.backends.torch_reference.TorchReferenceBackend`, and optionally
-``token_loss_with_grads`` (the one pass of :func:`~hf_fused.ops.linear_token_loss` and of a ``TokenLossHint``;
-without it those run statistics + recompute). The pure-PyTorch
-reference runs everywhere and is what CI tests; faster GPU backends register here and are chosen
-automatically for CUDA tensors. ``HF_FUSED_BACKEND=<name>`` or the ``backend=`` argument forces one.
+A backend meets :class:`~hf_fused.ops.backends.protocol.Backend`: ``logprobs_with_grads``,
+``logprobs_forward`` and ``logprobs_backward``, each taking one :class:`~hf_fused.ops.head_inputs.HeadInputs` and
+its own per-call arguments, the forward ones returning a :class:`~hf_fused.ops.backends.protocol.HeadPass`; and
+optionally ``token_loss_with_grads`` (:class:`~hf_fused.ops.backends.protocol.TokenLossBackend`: the one pass of
+:func:`~hf_fused.ops.linear_token_loss` and of a ``TokenLossHint``; without it those run statistics +
+recompute). The pure-PyTorch reference runs everywhere and is what CI tests; faster GPU backends register
+here and are chosen automatically for CUDA tensors. ``HF_FUSED_BACKEND=<name>`` or the ``backend=`` argument forces one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Callable, Optional
 import torch
 
 from ..grads import HeadGrads
-from .protocol import Backend
+from ..head_inputs import HeadInputs, NeededGrads
+from .protocol import Backend, HeadPass, TokenLossBackend
 from .torch_reference import TorchReferenceBackend
 
 _REGISTRY: dict[str, Callable[[], object]] = {"torch": TorchReferenceBackend}
@@ -75,4 +77,15 @@ def _default_name(device: torch.device) -> str:
     return "torch"
 
 
-__all__ = ["Backend", "HeadGrads", "TorchReferenceBackend", "available_backends", "get_backend", "register_backend"]
+__all__ = [
+    "Backend",
+    "HeadGrads",
+    "HeadInputs",
+    "HeadPass",
+    "NeededGrads",
+    "TokenLossBackend",
+    "TorchReferenceBackend",
+    "available_backends",
+    "get_backend",
+    "register_backend",
+]

@@ -22,35 +22,40 @@ from typing import Optional, Sequence
 import torch
 
 from ..grads import HeadGrads
-from ..logit_transform import LogitTransform
+from ..head_inputs import HeadInputs, NeededGrads
 from ..tiling import rows_per_tile, tiles
+from .protocol import HeadPass, TileGrads
+
+_NO_GRADS = NeededGrads(False, False, False)
+
 
 class TorchReferenceBackend:
-    """The CPU/CI reference. GPU backends implement the same three methods: ``logprobs_with_grads``
-    (one pass, with the gradients of a known upstream), ``logprobs_forward`` (statistics) and
-    ``logprobs_backward`` (recompute)."""
+    """The CPU/CI reference, meeting :class:`~hf_fused.ops.backends.protocol.TokenLossBackend`:
+    ``logprobs_with_grads`` (one pass, with the gradients of a known upstream), ``logprobs_forward``
+    (statistics), ``logprobs_backward`` (recompute) and ``token_loss_with_grads``."""
 
     name = "torch"
 
     # -- shared tile steps -------------------------------------------------------------------------
     @staticmethod
-    def _logits(hidden, weight32, bias, idx, transform: LogitTransform):
-        h32 = hidden.index_select(0, idx).float()
+    def _logits(head: HeadInputs, weight32, idx):
+        h32 = head.hidden.index_select(0, idx).float()
         raw = h32 @ weight32.t()
-        if bias is not None:
-            raw += bias.float()
-        z, tanh = transform.forward(raw)
+        if head.bias is not None:
+            raw += head.bias.float()
+        z, tanh = head.transform.forward(raw)
         return h32, z, tanh
 
     @staticmethod
-    def _new_grads(m_rows, hidden, weight, bias, need_hidden, need_weight, need_bias) -> HeadGrads:
+    def _new_grads(head: HeadInputs, need: NeededGrads) -> HeadGrads:
+        hidden, weight, bias = head.hidden, head.weight, head.bias
         return HeadGrads(
-            hidden=torch.zeros((m_rows, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
-            if need_hidden
+            hidden=torch.zeros((head.rows.numel(), hidden.shape[1]), dtype=torch.float32, device=hidden.device)
+            if need.hidden
             else None,
-            weight=torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None,
+            weight=torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need.weight else None,
             bias=torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-            if (need_bias and bias is not None)
+            if (need.bias and bias is not None)
             else None,
         )
 
@@ -65,57 +70,42 @@ class TorchReferenceBackend:
 
     # -- log-probabilities and the gradients of Σ g·logp, in one pass --------------------------------
     def logprobs_with_grads(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: Optional[torch.Tensor],
-        labels: torch.Tensor,
-        rows: torch.Tensor,
-        grad_logprobs: Optional[torch.Tensor],
-        transform: LogitTransform,
-        tile_budget_bytes: Optional[int],
-        return_entropy: bool,
-        need_hidden: bool,
-        need_weight: bool,
-        need_bias: bool,
-        statistics: Sequence[str] = (),
-    ) -> Optional[tuple]:
-        """Per-row ``(logprobs [M], entropy [M] or None, lse [M], grads)`` and, from the same logits, the
-        gradients of ``Σ grad_logprobs · logprobs`` (``grad_logprobs`` fp32 ``[M]``): each tile's
-        ``dz = g·(onehot(y) − p)`` right after its log-sum-exp. ``grads`` is ``None`` when none is
-        requested (then ``grad_logprobs`` may be ``None``: the statistics forward). A GPU backend
-        returns ``None`` instead when its budget cannot hold this one-pass working set; the reference
+        self, head: HeadInputs, grad_logprobs: Optional[torch.Tensor], *, need: NeededGrads,
+        return_entropy: bool = False, statistics: Sequence[str] = (),
+    ) -> HeadPass:
+        """Per-row statistics and, from the same logits, the gradients of ``Σ grad_logprobs · logprobs``
+        (``grad_logprobs`` fp32 ``[M]``): each tile's ``dz = g·(onehot(y) − p)`` right after its log-sum-exp.
+        ``grads`` is ``None`` when ``need`` requests none (then ``grad_logprobs`` may be ``None``). A GPU
+        backend returns ``None`` instead when its budget cannot hold this one-pass working set; the reference
         always can (its backward holds the same fp32 ``[V, H]``).
 
-        ``statistics``: names among :data:`~hf_fused.ops.token_statistics.TOKEN_STATISTICS`; when given, a fifth
-        element ``{name: [M]}`` (fp32, ``is_top1`` bool) computed from the same logits tiles."""
+        ``statistics``: names among :data:`~hf_fused.ops.token_statistics.TOKEN_STATISTICS`, computed from the
+        same logits tiles into :attr:`HeadPass.statistics` (fp32, ``is_top1`` bool)."""
         tile_grads = None
-        if need_hidden or need_weight or need_bias:
+        if need.any:
             tile_grads = lambda start, stop, logp, entropy: (grad_logprobs[start:stop], None)  # noqa: E731
-        return self._one_pass(hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes,
-                              return_entropy, need_hidden, need_weight, need_bias, statistics)
+        return self._one_pass(head, tile_grads, need, return_entropy, statistics)
 
     # -- a token-separable loss and its gradients, in one pass (hf_fused.ops.token_loss) ---------------
     def token_loss_with_grads(
-        self, hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes, return_entropy,
-        need_hidden, need_weight, need_bias, statistics=(),
-    ):
+        self, head: HeadInputs, tile_grads: TileGrads, *, need: NeededGrads, return_entropy: bool = False,
+        statistics: Sequence[str] = (),
+    ) -> HeadPass:
         """Like :meth:`logprobs_with_grads`, but each tile's per-row gradients come from
         ``tile_grads(start, stop, logp [r], entropy [r] or None) -> (g_lp [r], g_ent [r] or None)`` (fp32, kept
         rows ``start:stop``), called right after the tile's statistics; then
-        ``dz_j = g_lp·(1[j = y] − p_j) − g_ent·p_j·(log p_j + H)`` from the same logits. Returns
-        ``(logprobs, entropy or None, lse, grads)`` (and the token statistics as with
-        :meth:`logprobs_with_grads`); never ``None`` (see :meth:`logprobs_with_grads`)."""
-        return self._one_pass(hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes,
-                              return_entropy, need_hidden, need_weight, need_bias, statistics)
+        ``dz_j = g_lp·(1[j = y] − p_j) − g_ent·p_j·(log p_j + H)`` from the same logits. Never ``None`` (see
+        :meth:`logprobs_with_grads`)."""
+        return self._one_pass(head, tile_grads, need, return_entropy, statistics)
 
-    def _one_pass(self, hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes,
-                  return_entropy, need_hidden, need_weight, need_bias, statistics=()):
-        """The loop behind both methods above; statistics only (``grads`` ``None``) without ``tile_grads``."""
+    def _one_pass(self, head: HeadInputs, tile_grads: Optional[TileGrads], need: NeededGrads,
+                  return_entropy: bool, statistics: Sequence[str]) -> HeadPass:
+        """The loop behind the forward methods; statistics only (``grads`` ``None``) without ``tile_grads``."""
+        hidden, weight, labels, rows, transform = head.hidden, head.weight, head.labels, head.rows, head.transform
         weight32 = weight.float()
         grads = None
         if tile_grads is not None:
-            grads = self._new_grads(rows.numel(), hidden, weight, bias, need_hidden, need_weight, need_bias)
+            grads = self._new_grads(head, need)
         m = rows.numel()
         out_logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
         out_lse = torch.empty_like(out_logp)
@@ -125,9 +115,9 @@ class TorchReferenceBackend:
             for name in statistics
         }
         start = 0
-        for idx in tiles(rows, rows_per_tile(weight.shape[0], tile_budget_bytes)):
+        for idx in tiles(rows, rows_per_tile(weight.shape[0], head.tile_budget_bytes)):
             stop = start + idx.numel()
-            h32, z, tanh = self._logits(hidden, weight32, bias, idx, transform)
+            h32, z, tanh = self._logits(head, weight32, idx)
             if grads is None:
                 del tanh  # only a gradient needs it
                 tanh = None
@@ -163,55 +153,28 @@ class TorchReferenceBackend:
                 del dz
             del z, tanh, logp, p
             start = stop
-        if statistics:
-            return out_logp, out_ent, out_lse, grads, token_stats
-        return out_logp, out_ent, out_lse, grads
+        return HeadPass(out_logp, out_ent, out_lse, grads, token_stats)
 
     # -- log-probabilities: statistics forward, recompute backward ---------------------------------
     def logprobs_forward(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: Optional[torch.Tensor],
-        labels: torch.Tensor,
-        rows: torch.Tensor,
-        transform: LogitTransform,
-        tile_budget_bytes: Optional[int],
-        return_entropy: bool,
-        statistics: Sequence[str] = (),
-    ) -> tuple:
-        """Per-row ``(logprobs [M], entropy [M] or None, lse [M])``, all fp32, for the rows in ``rows``; with
-        ``statistics``, a fourth element ``{name: [M]}`` as in :meth:`logprobs_with_grads`."""
-        out = self.logprobs_with_grads(
-            hidden, weight, bias, labels, rows, None, transform, tile_budget_bytes, return_entropy,
-            False, False, False, statistics,
-        )
-        return out[:3] + out[4:]
+        self, head: HeadInputs, *, return_entropy: bool = False, statistics: Sequence[str] = (),
+    ) -> HeadPass:
+        """Per-row ``logprobs``, ``entropy`` (or ``None``) and ``lse``, all fp32, for the rows in ``head.rows``;
+        the token statistics as in :meth:`logprobs_with_grads`; ``grads`` ``None``."""
+        return self._one_pass(head, None, _NO_GRADS, return_entropy, statistics)
 
     def logprobs_backward(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: Optional[torch.Tensor],
-        labels: torch.Tensor,
-        rows: torch.Tensor,
-        lse: torch.Tensor,
-        entropy: Optional[torch.Tensor],
-        grad_logprobs: Optional[torch.Tensor],
-        grad_entropy: Optional[torch.Tensor],
-        transform: LogitTransform,
-        tile_budget_bytes: Optional[int],
-        need_hidden: bool,
-        need_weight: bool,
-        need_bias: bool,
+        self, head: HeadInputs, lse: torch.Tensor, entropy: Optional[torch.Tensor],
+        grad_logprobs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor], *, need: NeededGrads,
     ) -> HeadGrads:
         """Gradients from upstream ``grad_logprobs [M]`` / ``grad_entropy [M]`` (fp32, either may be None)."""
+        weight, labels, rows = head.weight, head.labels, head.rows
         weight32 = weight.float()
-        grads = self._new_grads(rows.numel(), hidden, weight, bias, need_hidden, need_weight, need_bias)
+        grads = self._new_grads(head, need)
         start = 0
-        for idx in tiles(rows, rows_per_tile(weight.shape[0], tile_budget_bytes)):
+        for idx in tiles(rows, rows_per_tile(weight.shape[0], head.tile_budget_bytes)):
             stop = start + idx.numel()
-            h32, z, tanh = self._logits(hidden, weight32, bias, idx, transform)
+            h32, z, tanh = self._logits(head, weight32, idx)
             logp = z.sub_(lse[start:stop].unsqueeze(1))  # log p_j, in place of z
             p = logp.exp()
             # Build dz in the two tile arrays already alive (logp, p): the working set stays 3 tiles.
@@ -228,7 +191,7 @@ class TorchReferenceBackend:
                 # ∂logp_y/∂z_j = 1[j = y] − p_j: the −p_j part is above
                 g_lp = grad_logprobs[start:stop].unsqueeze(1)
                 dz.scatter_add_(1, labels.index_select(0, idx).unsqueeze(1), g_lp)
-            dz = transform.backward(dz, tanh)
+            dz = head.transform.backward(dz, tanh)
             self._accumulate(grads, dz, h32, start, stop, weight32)
             del z, tanh, dz
             start = stop

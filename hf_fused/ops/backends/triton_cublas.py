@@ -24,14 +24,16 @@ two passes above, the gradient pass in its backward.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
+from ..grads import HeadGrads
+from ..head_inputs import HeadInputs, NeededGrads
 from ..logit_transform import LogitTransform
 from ..tiling import hidden_accumulator_bytes, one_pass_rows, two_pass_plan
 from .compensated import compensated_addmm_
-from ..grads import HeadGrads
+from .protocol import HeadPass, TileGrads
 
 # Triton launch shapes, measured on an H200 (docs/gpu_results.md).
 _STATS_BLOCK_V, _STATS_WARPS = 512, 2
@@ -55,7 +57,8 @@ def _mm_f32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 class TritonCublasBackend:
-    """Same interface as :class:`~hf_fused.ops.backends.torch_reference.TorchReferenceBackend`."""
+    """Same interface as :class:`~hf_fused.ops.backends.torch_reference.TorchReferenceBackend`
+    (:class:`~hf_fused.ops.backends.protocol.TokenLossBackend`)."""
 
     name = "triton"
 
@@ -71,8 +74,9 @@ class TritonCublasBackend:
         return two_pass_plan(n_rows, vocab_size, elem_bytes, tile_budget_bytes, reserved_bytes)
 
     @staticmethod
-    def _compact(hidden, weight, labels, rows):
-        hidden = hidden.to(weight.dtype)
+    def _compact(head: HeadInputs):
+        """The kept rows' hidden states (in weight's dtype) and labels."""
+        hidden, labels, rows = head.hidden.to(head.weight.dtype), head.labels, head.rows
         if rows.numel() == hidden.shape[0]:
             return hidden, labels
         return hidden.index_select(0, rows), labels.index_select(0, rows)
@@ -140,15 +144,17 @@ class TritonCublasBackend:
         return label_logit - lse, entropy, lse, {name: values[name]() for name in statistics}
 
     # -- the interface -----------------------------------------------------------------------------
-    def logprobs_forward(self, hidden, weight, bias, labels, rows, transform, tile_budget_bytes, return_entropy,
-                         statistics=()):
+    def logprobs_forward(
+        self, head: HeadInputs, *, return_entropy: bool = False, statistics: Sequence[str] = (),
+    ) -> HeadPass:
         """Like :meth:`TorchReferenceBackend.logprobs_forward`, vocabulary chunks outside: the token statistics
         are online reductions across chunks like the log-sum-exp."""
-        h, y = self._compact(hidden, weight, labels, rows)
+        weight, bias = head.weight, head.bias
+        h, y = self._compact(head)
         m_rows, vocab_size = h.shape[0], weight.shape[0]
         stats = self._new_stats(m_rows, h.device, statistics)
-        block_rows, cols = self._plan(m_rows, vocab_size, weight.element_size(), tile_budget_bytes)
-        scalars = self._scalars(transform, bias)
+        block_rows, cols = self._plan(m_rows, vocab_size, weight.element_size(), head.tile_budget_bytes)
+        scalars = self._scalars(head.transform, bias)
         tile_buf = torch.empty((block_rows, cols), dtype=weight.dtype, device=h.device)
         for v0 in range(0, vocab_size, cols):
             w_chunk = weight[v0 : v0 + cols]
@@ -157,13 +163,16 @@ class TritonCublasBackend:
                 z = torch.mm(h[r0:r1], w_chunk.t(), out=tile_buf[: r1 - r0, : w_chunk.shape[0]])
                 self._stats(z, v0, bias, y[r0:r1], _row_slice(stats, r0, r1), scalars, return_entropy)
         logp, entropy, lse, token_stats = self._finish(stats, y, vocab_size, return_entropy, statistics)
-        return (logp, entropy, lse, token_stats) if statistics else (logp, entropy, lse)
+        return HeadPass(logp, entropy, lse, None, token_stats)
 
     def logprobs_backward(
-        self, hidden, weight, bias, labels, rows, lse, entropy, grad_logprobs, grad_entropy,
-        transform, tile_budget_bytes, need_hidden, need_weight, need_bias,
+        self, head: HeadInputs, lse: torch.Tensor, entropy: Optional[torch.Tensor],
+        grad_logprobs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor], *, need: NeededGrads,
     ) -> HeadGrads:
-        h, y = self._compact(hidden, weight, labels, rows)
+        """Like :meth:`TorchReferenceBackend.logprobs_backward`, vocabulary chunks outside (module docstring)."""
+        hidden, weight, bias, rows = head.hidden, head.weight, head.bias, head.rows
+        need_hidden, need_weight = need.hidden, need.weight
+        h, y = self._compact(head)
         m_rows, vocab_size = h.shape[0], weight.shape[0]
         grads = HeadGrads()
         # The hidden-state gradient accumulates over vocabulary chunks: for a bf16 gradient as the compensated
@@ -182,14 +191,14 @@ class TritonCublasBackend:
         reserved = hidden_accumulator_bytes(m_rows, h.shape[1], hidden.dtype) if need_hidden else 0
         if need_weight:
             grads.weight = torch.zeros_like(weight)
-        if need_bias and bias is not None:
+        if need.bias and bias is not None:
             grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
         zeros = torch.zeros(m_rows, dtype=torch.float32, device=h.device)
         g_lp = zeros if grad_logprobs is None else grad_logprobs.to(torch.float32).contiguous()
         g_ent = zeros if grad_entropy is None else grad_entropy.to(torch.float32).contiguous()
         ent = zeros if entropy is None else entropy
-        block_rows, cols = self._plan(m_rows, vocab_size, weight.element_size(), tile_budget_bytes, reserved)
-        scalars = self._scalars(transform, bias)
+        block_rows, cols = self._plan(m_rows, vocab_size, weight.element_size(), head.tile_budget_bytes, reserved)
+        scalars = self._scalars(head.transform, bias)
         tile_buf = torch.empty((block_rows, cols), dtype=weight.dtype, device=h.device)
         for v0 in range(0, vocab_size, cols):
             v1 = min(v0 + cols, vocab_size)
@@ -231,53 +240,50 @@ class TritonCublasBackend:
                              weight.device)
 
     def logprobs_with_grads(
-        self, hidden, weight, bias, labels, rows, grad_logprobs, transform, tile_budget_bytes, return_entropy,
-        need_hidden, need_weight, need_bias, statistics=(),
-    ):
+        self, head: HeadInputs, grad_logprobs: Optional[torch.Tensor], *, need: NeededGrads,
+        return_entropy: bool = False, statistics: Sequence[str] = (),
+    ) -> Optional[HeadPass]:
         """Like :meth:`TorchReferenceBackend.logprobs_with_grads`: one pass (6·M·H·V), token rows outside
         and whole vocabulary rows per tile, or ``None`` when the planner (:mod:`hf_fused.ops.tiling`) chooses
         the two passes."""
-        need_grad = need_hidden or need_weight or need_bias
         tile_grads = None
-        if need_grad:
+        if need.any:
             g_lp = grad_logprobs.to(torch.float32).contiguous()
             tile_grads = lambda r0, r1, logp, entropy: (g_lp[r0:r1], None)  # noqa: E731
-        return self._one_pass(hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes,
-                              return_entropy, need_hidden, need_weight, need_bias, statistics)
+        return self._one_pass(head, tile_grads, need, return_entropy, statistics)
 
     def token_loss_with_grads(
-        self, hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes, return_entropy,
-        need_hidden, need_weight, need_bias, statistics=(),
-    ):
+        self, head: HeadInputs, tile_grads: TileGrads, *, need: NeededGrads, return_entropy: bool = False,
+        statistics: Sequence[str] = (),
+    ) -> Optional[HeadPass]:
         """Like :meth:`TorchReferenceBackend.token_loss_with_grads` on the one-pass schedule of
         :meth:`logprobs_with_grads`: per full-vocabulary row block, the statistics kernel, then
         ``tile_grads(r0, r1, logp, entropy)`` on the block's ``[rows]`` statistics for the per-row
         ``(g_lp, g_ent)``, then the gradient kernel on the same logits. ``None`` when the planner chooses
         two passes (the op then runs statistics + recompute)."""
-        return self._one_pass(hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes,
-                              return_entropy, need_hidden, need_weight, need_bias, statistics)
+        return self._one_pass(head, tile_grads, need, return_entropy, statistics)
 
-    def _one_pass(
-        self, hidden, weight, bias, labels, rows, tile_grads, transform, tile_budget_bytes, return_entropy,
-        need_hidden, need_weight, need_bias, statistics=(),
-    ):
+    def _one_pass(self, head: HeadInputs, tile_grads: Optional[TileGrads], need: NeededGrads,
+                  return_entropy: bool, statistics: Sequence[str]) -> Optional[HeadPass]:
         """The one-pass loop behind both methods above: per full-vocabulary row block, the statistics kernel,
         then (when ``tile_grads`` is given) ``tile_grads(r0, r1, logp, entropy) -> (g_lp, g_ent or None)`` and
         the gradient kernel on the same logits, then dh and the fp32 dW accumulation. ``None`` when the
-        planner chooses two passes; ``grads`` is ``None`` without ``tile_grads``. With ``statistics`` the token
-        statistics of the rows come from the same statistics kernel, as a fifth element."""
-        block_rows = self._one_pass_rows(weight, need_weight, tile_budget_bytes)
+        planner chooses two passes; ``grads`` is ``None`` without ``tile_grads``. The token statistics of the
+        rows come from the same statistics kernel."""
+        weight, bias = head.weight, head.bias
+        need_hidden, need_weight = need.hidden, need.weight
+        block_rows = self._one_pass_rows(weight, need_weight, head.tile_budget_bytes)
         if not block_rows:
             return None
-        h, y = self._compact(hidden, weight, labels, rows)
+        h, y = self._compact(head)
         m_rows, vocab_size = h.shape[0], weight.shape[0]
         grads = HeadGrads()
         d_weight32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         d_hidden = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_hidden else None
-        if need_bias and bias is not None:
+        if need.bias and bias is not None:
             grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
         stats = self._new_stats(m_rows, h.device, statistics)
-        scalars = self._scalars(transform, bias)
+        scalars = self._scalars(head.transform, bias)
         tile_buf = torch.empty((min(block_rows, max(m_rows, 1)), vocab_size), dtype=weight.dtype, device=h.device)
         for r0 in range(0, m_rows, block_rows):
             r1 = min(r0 + block_rows, m_rows)
@@ -301,8 +307,7 @@ class TritonCublasBackend:
         grads.hidden = d_hidden
         grads.weight = d_weight32
         logp, entropy, lse, token_stats = self._finish(stats, y, vocab_size, return_entropy, statistics)
-        grads = grads if tile_grads is not None else None
-        return (logp, entropy, lse, grads, token_stats) if statistics else (logp, entropy, lse, grads)
+        return HeadPass(logp, entropy, lse, grads if tile_grads is not None else None, token_stats)
 
 
 def _row_slice(stats, r0, r1):
