@@ -97,16 +97,18 @@ def test_gpu_backend_asks_the_planner(monkeypatch):
 # -- the two passes' hidden-gradient accumulator ---------------------------------------------------------
 
 
-def test_hidden_accumulator_is_the_pair_residual_for_bf16_an_fp32_buffer_for_fp16_nothing_for_fp32():
-    assert tiling.hidden_accumulator_bytes(1000, H, torch.bfloat16) == 1000 * H * 2
-    assert tiling.hidden_accumulator_bytes(1000, H, torch.float16) == 1000 * H * 4
-    assert tiling.hidden_accumulator_bytes(1000, H, torch.float32) == 0
+def test_hidden_accumulator_pair_only_under_an_explicit_budget():
+    # default rule: the fastest two passes (fp32 buffer, cuBLAS); an explicit budget: the bf16 pair's residual
+    assert tiling.hidden_accumulator(1000, H, torch.bfloat16, None) == ("fp32", 1000 * H * 4)
+    assert tiling.hidden_accumulator(1000, H, torch.bfloat16, 2**28) == ("pair", 1000 * H * 2)
+    assert tiling.hidden_accumulator(1000, H, torch.float16, 2**28) == ("fp32", 1000 * H * 4)
+    assert tiling.hidden_accumulator(1000, H, torch.float32, 2**28) == ("none", 0)
 
 
 @pytest.mark.parametrize("n_rows", [32768, 8192, 100_000])
 def test_two_pass_tile_and_accumulator_share_the_budget(n_rows):
     budget = DEFAULT_TILE_BUDGET_BYTES
-    reserved = tiling.hidden_accumulator_bytes(n_rows, H, torch.bfloat16)
+    _, reserved = tiling.hidden_accumulator(n_rows, H, torch.bfloat16, budget)
     rows, cols = two_pass_plan(n_rows, V, BF16, budget, reserved)
     tile = rows * cols * BF16
     if reserved + tiling.MIN_TWO_PASS_TILE_BYTES <= budget:
@@ -134,7 +136,7 @@ def test_gpu_two_pass_accumulates_a_bf16_hidden_gradient_as_a_compensated_pair()
     rows = torch.arange(n)[torch.arange(n) % 5 != 0]  # ignored tokens: the pair writes hidden's whole gradient
     backend, transform = TritonCublasBackend(), LogitTransform()
     m = rows.numel()
-    budget = m * 2048 * 2 + tiling.hidden_accumulator_bytes(m, h, torch.bfloat16)  # all rows × 2048 columns + residual
+    budget = m * 2048 * 2 + tiling.hidden_accumulator(m, h, torch.bfloat16, 1)[1]  # all rows × 2048 columns + residual
     head = HeadInputs(hidden, weight, None, labels, rows, transform, budget)
     lse = backend.logprobs_forward(head).lse
     g_lp = torch.randn(m, generator=g)
@@ -151,11 +153,18 @@ def test_gpu_two_pass_accumulates_a_bf16_hidden_gradient_as_a_compensated_pair()
     triton_cublas.compensated_addmm_, saved = spy, triton_cublas.compensated_addmm_
     try:
         pair = backend.logprobs_backward(head, lse, None, g_lp, None, need=only_hidden).hidden
+        # The default rule (no budget) keeps the fastest two passes: cuBLAS into an fp32 buffer, no pair.
+        default = backend.logprobs_backward(replace(head, tile_budget_bytes=None), lse, None, g_lp, None,
+                                            need=only_hidden).hidden
     finally:
         triton_cublas.compensated_addmm_ = saved
     fp32 = backend.logprobs_backward(replace(head, hidden=hidden.float()), lse, None, g_lp, None,
                                      need=only_hidden).hidden
     assert len(calls) == 3 and pair.dtype == torch.bfloat16 and fp32.dtype == torch.float32
+    assert default.dtype == torch.float32 and default.shape == (m, h)
+    fp32_default = backend.logprobs_backward(replace(head, hidden=hidden.float(), tile_budget_bytes=None), lse, None,
+                                             g_lp, None, need=only_hidden).hidden
+    assert torch.equal(default, fp32_default)  # the same plan and the same fp32 accumulation
     assert pair.shape == (n, h) and fp32.shape == (m, h)
     ignored = torch.ones(n, dtype=torch.bool)
     ignored[rows] = False

@@ -10,11 +10,12 @@ The GPU backend has two schedules (:mod:`hf_fused.ops.backends.triton_cublas`):
   row block's log-sum-exp; it holds an fp32 ``[V, H]`` weight-gradient accumulator (none for a frozen
   lm_head) plus a ``[rows, V]`` tile in the weight's dtype (:func:`one_pass_rows`);
 - two passes (8·N·H·V): vocabulary chunks outside, one ``[rows, cols]`` tile; the memory-lean path. Its
-  gradient pass also accumulates the hidden-state gradient across vocabulary chunks: for a bf16 gradient as a
-  compensated pair (the gradient itself plus a bf16 residual of ``2·M·H`` bytes, no less accurate than one
-  fp32 accumulation, :mod:`hf_fused.ops.backends.compensated`), for fp16 in an fp32 ``[M, H]`` buffer, for
-  fp32 in the gradient itself. The budget covers the tile and that extra accumulator memory
-  (:func:`hidden_accumulator_bytes`, :func:`two_pass_plan`).
+  gradient pass also accumulates the hidden-state gradient across vocabulary chunks (:func:`hidden_accumulator`):
+  under the default rule in an fp32 ``[M, H]`` buffer beside a ``DEFAULT_TILE_BUDGET_BYTES`` tile (cuBLAS
+  writes it: the fastest two passes); under an explicit budget, for a bf16 gradient, as a compensated pair
+  (the gradient itself plus a bf16 residual of ``2·M·H`` bytes, no less accurate than the fp32 buffer,
+  :mod:`hf_fused.ops.backends.compensated`; ~10% slower), and the budget then covers the tile and that
+  accumulator together (:func:`two_pass_plan`). An fp32 gradient is its own accumulator.
 
 **The default rule** (``tile_budget_bytes=None``) on a CUDA device: the one pass with
 ``ONE_PASS_TILE_ROWS`` rows per tile whenever its working set fits in ``ONE_PASS_FREE_SHARE`` of the memory
@@ -139,22 +140,27 @@ def one_pass_rows(
     return rows if rows >= MIN_ONE_PASS_ROWS else 0
 
 
-def hidden_accumulator_bytes(n_rows: int, hidden_size: int, grad_dtype: torch.dtype) -> int:
-    """Bytes the GPU gradient pass holds beyond the hidden-state gradient itself to accumulate it over vocabulary
-    chunks (module docstring): the bf16 residual of the compensated pair, an fp32 buffer for any other half
-    dtype, nothing for fp32."""
-    if grad_dtype == torch.bfloat16:
-        return n_rows * hidden_size * 2
-    return 0 if grad_dtype == torch.float32 else n_rows * hidden_size * 4
+def hidden_accumulator(
+    n_rows: int, hidden_size: int, grad_dtype: torch.dtype, tile_budget_bytes: Optional[int]
+) -> tuple[str, int]:
+    """How the GPU gradient pass accumulates the hidden-state gradient of ``n_rows`` kept tokens over vocabulary
+    chunks, and the bytes that holds beyond the gradient itself (module docstring): ``("none", 0)`` for an fp32
+    gradient (it is the accumulator), ``("pair", 2·M·H)`` for bf16 under an explicit budget (the compensated
+    pair's residual), else ``("fp32", 4·M·H)``."""
+    if grad_dtype == torch.float32:
+        return "none", 0
+    if grad_dtype == torch.bfloat16 and tile_budget_bytes is not None:
+        return "pair", n_rows * hidden_size * 2
+    return "fp32", n_rows * hidden_size * 4
 
 
 def two_pass_plan(
     n_rows: int, vocab_size: int, elem_bytes: int, tile_budget_bytes: Optional[int], reserved_bytes: int = 0
 ) -> tuple[int, int]:
     """``(rows per block, columns per chunk)`` of the GPU two passes: one ``[rows, cols]`` tile in the weight's
-    dtype within the budget (``DEFAULT_TILE_BUDGET_BYTES`` by default) less ``reserved_bytes`` (the gradient
-    pass's hidden accumulator, :func:`hidden_accumulator_bytes`) but at least ``MIN_TWO_PASS_TILE_BYTES``, chunks
-    at least ``MIN_CHUNK_COLS`` wide.
+    dtype within the budget (``DEFAULT_TILE_BUDGET_BYTES`` by default) less ``reserved_bytes`` (under an explicit
+    budget, the gradient pass's hidden accumulator, :func:`hidden_accumulator`) but at least
+    ``MIN_TWO_PASS_TILE_BYTES``, chunks at least ``MIN_CHUNK_COLS`` wide.
 
     Raises:
         ValueError: if the budget is not a positive integer.
@@ -182,7 +188,8 @@ def describe_plan(
     if rows:
         size = one_pass_working_set(vocab_size, hidden_size, elem, need_weight, min(rows, max(n_rows, 1)))
         return f"one pass (6·N·H·V): {rows} rows per tile, {size / 2**30:.2f} GiB working set"
-    reserved = hidden_accumulator_bytes(n_rows, hidden_size, weight.dtype)
-    block_rows, cols = two_pass_plan(n_rows, vocab_size, elem, tile_budget_bytes, reserved)
-    return (f"two passes (8·N·H·V): {block_rows}×{cols} tile, {(block_rows * cols * elem + reserved) / 2**30:.2f} "
-            f"GiB working set with the hidden-state gradient's accumulator (for {weight.dtype} hidden states)")
+    kind, extra = hidden_accumulator(n_rows, hidden_size, weight.dtype, tile_budget_bytes)
+    block_rows, cols = two_pass_plan(n_rows, vocab_size, elem, tile_budget_bytes,
+                                     extra if tile_budget_bytes is not None else 0)
+    return (f"two passes (8·N·H·V): {block_rows}×{cols} tile, {(block_rows * cols * elem + extra) / 2**30:.2f} "
+            f"GiB working set with the hidden-state gradient's accumulator ({kind}, for {weight.dtype} hidden states)")

@@ -2,10 +2,11 @@
 
 Loop order: vocabulary chunks outside, token rows inside. Each weight-gradient chunk ``dW[v0:v1]`` is
 complete after its chunk (cuBLAS reduces over all rows in fp32 and rounds once), so the ``[V, H]``
-weight gradient is never held in fp32; the hidden-state gradient ``[M, H]`` accumulates across chunks: a bf16
-one as a compensated pair (the gradient itself plus a bf16 residual, :mod:`.compensated`: a Triton matmul whose
-fp32 accumulator is folded into the pair error-free, no less accurate than eager's one rounding), others in an
-fp32 buffer. The planner counts that accumulator's extra memory inside the budget.
+weight gradient is never held in fp32; the hidden-state gradient ``[M, H]`` accumulates across chunks in an fp32
+buffer (cuBLAS), or, under an explicit ``tile_budget_bytes`` and for bf16, as a compensated pair (the gradient
+itself plus a bf16 residual, :mod:`.compensated`: a Triton matmul whose fp32 accumulator is folded into the
+pair error-free, no less accurate than eager's one rounding) counted inside the budget
+(:func:`hf_fused.ops.tiling.hidden_accumulator`).
 
 Passes: statistics (``2·M·H·V`` FLOPs: log-sum-exp, label logit, entropy, and the token statistics when
 asked) then gradients (recompute ``2·M·H·V`` + ``dX`` ``2·M·H·V`` + ``dW`` ``2·M·H·V``): ``8·M·H·V`` in all,
@@ -31,7 +32,7 @@ import torch
 from ..grads import HeadGrads
 from ..head_inputs import HeadInputs, NeededGrads
 from ..logit_transform import LogitTransform
-from ..tiling import hidden_accumulator_bytes, one_pass_rows, two_pass_plan
+from ..tiling import hidden_accumulator, one_pass_rows, two_pass_plan
 from .compensated import compensated_addmm_
 from .protocol import HeadPass, TileGrads
 
@@ -175,12 +176,12 @@ class TritonCublasBackend:
         h, y = self._compact(head)
         m_rows, vocab_size = h.shape[0], weight.shape[0]
         grads = HeadGrads()
-        # The hidden-state gradient accumulates over vocabulary chunks: for a bf16 gradient as the compensated
-        # pair (d_hidden, d_hidden_lo) (no less accurate than one fp32 accumulation, half the extra memory);
-        # else in fp32 (the gradient itself when hidden is fp32).
-        # The pair's hi is hidden's gradient itself ([N, H], the kept rows written through ``hi_rows``), so only
-        # the residual is extra memory.
-        pair = need_hidden and hidden.dtype == torch.bfloat16 and h.dtype == torch.bfloat16
+        # The hidden-state gradient accumulates over vocabulary chunks (tiling.hidden_accumulator): in fp32 under
+        # the default rule (cuBLAS writes it), or, under an explicit budget, for bf16 as the compensated pair
+        # (d_hidden, d_hidden_lo) whose hi is hidden's whole gradient (the kept rows written through ``hi_rows``),
+        # so only the bf16 residual is extra; the explicit budget then covers it too.
+        kind, extra = hidden_accumulator(m_rows, h.shape[1], hidden.dtype, head.tile_budget_bytes)
+        pair = need_hidden and kind == "pair" and h.dtype == torch.bfloat16
         gather = pair and m_rows != hidden.shape[0]
         d_hidden = d_hidden_lo = None
         if pair:
@@ -188,7 +189,7 @@ class TritonCublasBackend:
             d_hidden_lo = torch.zeros(h.shape, dtype=h.dtype, device=h.device)
         elif need_hidden:
             d_hidden = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-        reserved = hidden_accumulator_bytes(m_rows, h.shape[1], hidden.dtype) if need_hidden else 0
+        reserved = extra if need_hidden and head.tile_budget_bytes is not None else 0
         if need_weight:
             grads.weight = torch.zeros_like(weight)
         if need.bias and bias is not None:
