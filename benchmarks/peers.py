@@ -207,7 +207,7 @@ class QuackPeer(Peer):
 
     @staticmethod
     def _chunk(hidden_size: int) -> int:
-        # QuACK 0.6.5 raises "m == n makes row/col inference ambiguous" when the chunk equals H.
+        # QuACK 0.6.5 raised "m == n makes row/col inference ambiguous" when the chunk equals H (0.6.4 runs it).
         return 8192 if hidden_size == 4096 else 4096
 
     def describe(self):
