@@ -234,3 +234,31 @@ def _assert_one_rounding_apart(a, b):
     for it relative to its own magnitude), plus fp32 noise of 1e-6 of the largest entry."""
     bound = 2.0**-8 * (a.abs() + b.abs()) + 1e-6 * b.abs().max()
     assert bool(((a - b).abs() <= bound).all()), f"max |a-b| {(a - b).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("device,backend", PLACES)
+def test_fp32_parameters_under_autocast_get_their_fp32_accumulated_gradients(device, backend):
+    """``Trainer(bf16=True)`` on an fp32 model: eager's ``F.linear`` rounds the weight's gradient to bf16 before
+    autograd casts it back to fp32; the ops hand the fp32 parameters the fp32 accumulators themselves (the cast
+    to bf16 happens inside their Functions), so the gradients are not bf16-representable and are no further
+    from the gradient of the same bf16-operand computation in float64 than eager's. The torch backend runs its
+    one pass (gradients in the forward) and the two-pass budget recomputes in backward: both keep the weight fp32."""
+    _skip_interpreter_bf16(device, backend, torch.float32, torch.bfloat16)
+    hidden, weight, bias, labels, _ = _inputs(torch.float32, seed=3, device=device)
+    # float64 reference of the computation the ops perform: bf16 operands, exact arithmetic after that
+    h64, w64, b64 = (leaf64(t.detach().bfloat16(), requires_grad=True) for t in (hidden, weight, bias))
+    F.cross_entropy(F.linear(h64, w64, b64), labels, ignore_index=-100).backward()
+    with torch.autocast(device, dtype=torch.bfloat16):
+        F.cross_entropy(F.linear(hidden, weight, bias).float(), labels, ignore_index=-100).backward()
+    eager = [t.grad.clone() for t in (hidden, weight, bias)]
+    assert all(g.dtype == torch.float32 and torch.equal(g, g.bfloat16().float()) for g in eager[1:])
+    for budget in (None, 1 << 16):  # the planner's default, then a budget too small for a one pass
+        for t in (hidden, weight, bias):
+            t.grad = None
+        with torch.autocast(device, dtype=torch.bfloat16):
+            linear_cross_entropy(hidden, weight, labels, bias, backend=backend, tile_budget_bytes=budget).backward()
+        for name, t, e, r in zip(("hidden", "weight", "bias"), (hidden, weight, bias), eager, (h64, w64, b64)):
+            assert t.grad.dtype == torch.float32
+            assert rel_err(t.grad, r.grad) <= rel_err(e, r.grad) + 1e-7, name
+            if name != "hidden":  # hidden arrives in fp32 but its gradient is also bf16-rounded in eager
+                assert not torch.equal(t.grad, t.grad.bfloat16().float()), f"{name} gradient rounded to bf16"

@@ -11,7 +11,7 @@ from .backends import Backend, get_backend
 from .head_inputs import HeadInputs, NeededGrads, check_per_token, flatten_head_inputs
 from .logit_transform import LogitTransform
 from .logprobs import linear_logprobs
-from .precision import autocast_off, cast_like_linear, refuse_double_backward
+from .precision import autocast_dtype, autocast_off, refuse_double_backward
 from .tiling import validate_tile_budget
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -39,7 +39,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, call: _CrossEntropyCall):
-        head = replace(call.head, hidden=hidden, weight=weight, bias=bias)
+        given = replace(call.head, hidden=hidden, weight=weight, bias=bias)
+        head = given.computed()  # the operands F.linear would compute from; gradients go to the given tensors
         backend, grad_scale, row_weights, rows = call.backend, call.grad_scale, call.row_weights, head.rows
         need = ctx.needs_input_grad
         need = NeededGrads(call.grad_enabled and need[0], call.grad_enabled and need[1],
@@ -56,14 +57,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             else:
                 statistics = backend.logprobs_forward(head)
                 logp, lse = statistics.logprobs, statistics.lse
-        head.save_for_backward(ctx, lse, row_weights)
+        given.save_for_backward(ctx, lse, row_weights)
         loss_sum = -(logp if row_weights is None else logp * row_weights).sum()
         return loss_sum * grad_scale
 
     @staticmethod
     def backward(ctx, grad_output):
         refuse_double_backward("linear_cross_entropy")
-        head, (lse, row_weights) = HeadInputs.saved(ctx)
+        given, (lse, row_weights) = HeadInputs.saved(ctx)
         grad_scale, backend, need = ctx.config
         # The upstream factor stays an fp32 tensor on the device: no host sync (each one drains the GPU queue),
         # and fp32 arithmetic keeps it unrounded inside bf16 gradients (e.g. 1/3 for gradient accumulation).
@@ -77,12 +78,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 )
             grads, ctx.grads = ctx.grads, None  # free the stored gradients as soon as they are handed over
         else:
-            with autocast_off(head.hidden.device.type):
+            with autocast_off(given.hidden.device.type):
                 grads = backend.logprobs_backward(
-                    head, lse, None, _grad_logprobs(grad_scale, factor, row_weights, head.rows), None, need=need
+                    given.computed(), lse, None, _grad_logprobs(grad_scale, factor, row_weights, given.rows), None, need=need
                 )
             factor = 1.0
-        d_hidden, d_weight, d_bias = grads.input_grads(head.hidden, head.weight, head.bias, head.rows, factor)
+        d_hidden, d_weight, d_bias = grads.input_grads(given.hidden, given.weight, given.bias, given.rows, factor)
         return d_hidden, d_weight, d_bias, None
 
 
@@ -212,8 +213,8 @@ def linear_cross_entropy(
         grad_scale = 1.0 / max(n_valid, 1)
     else:
         grad_scale = 1.0
-    hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
-    head = HeadInputs(hidden2d, weight, bias, flat.labels, rows, transform, validate_tile_budget(tile_budget_bytes))
+    head = HeadInputs(flat.hidden, flat.weight, flat.bias, flat.labels, rows, transform,
+                      validate_tile_budget(tile_budget_bytes), autocast_dtype(flat.hidden.device.type))
     call = _CrossEntropyCall(head, get_backend(hidden.device, backend), grad_scale, row_weights,
                              torch.is_grad_enabled())
-    return LinearCrossEntropyFunction.apply(hidden2d, weight, bias, call)
+    return LinearCrossEntropyFunction.apply(flat.hidden, flat.weight, flat.bias, call)

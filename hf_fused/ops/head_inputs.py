@@ -17,12 +17,16 @@ from .logit_transform import LogitTransform
 class HeadInputs:
     """The operands a backend computes from: one flattened head and how to tile it.
 
-    hidden: ``[N, H]``, already cast as ``F.linear`` would be (:func:`~hf_fused.ops.precision.cast_like_linear`).
-    weight: ``[V, H]``.  bias: ``[V]`` or ``None``.  labels: ``[N]`` int64.
+    hidden: ``[N, H]``.  weight: ``[V, H]``.  bias: ``[V]`` or ``None``.  labels: ``[N]`` int64.
     rows: ``[M]`` int64, the rows to compute, ascending; every per-row tensor of the contract is ``[M]`` in
         this order.
     transform: the logit transform.  tile_budget_bytes: the working-set bound the planner
         (:mod:`hf_fused.ops.tiling`) tiles within; ``None``: its default rule.
+    compute_dtype: the dtype ``F.linear`` would compute in under autocast (``None`` outside it): backends take
+        :meth:`computed` heads, whose hidden, weight and bias are cast to it; the ops' autograd Functions keep
+        the tensors as given, so that an fp32 parameter's gradient comes back in fp32 straight from the fp32
+        accumulators (never rounded to bf16 on the way, as eager autocast's is) and no half-precision copy of
+        the weight is held from forward to backward.
     """
 
     hidden: torch.Tensor
@@ -32,6 +36,17 @@ class HeadInputs:
     rows: torch.Tensor
     transform: LogitTransform
     tile_budget_bytes: Optional[int]
+    compute_dtype: Optional[torch.dtype] = None
+
+    def computed(self) -> "HeadInputs":
+        """This head with hidden, weight and bias cast to :attr:`compute_dtype` as autocast casts ``F.linear``'s
+        operands (itself when there is none)."""
+        dtype = self.compute_dtype
+        if dtype is None:
+            return self
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return replace(self, hidden=self.hidden.to(dtype), weight=self.weight.to(dtype), bias=bias,
+                       compute_dtype=None)
 
     def with_rows(self, rows: torch.Tensor) -> "HeadInputs":
         """The same head restricted to ``rows`` (a subset of :attr:`rows`, ascending)."""
@@ -41,7 +56,7 @@ class HeadInputs:
         """Save this head (its tensors through ``ctx.save_for_backward``, so that they are freed after backward
         and checked for in-place changes) and ``tensors`` after them, for :meth:`saved`."""
         ctx.save_for_backward(self.hidden, self.weight, self.bias, self.labels, self.rows, *tensors)
-        ctx.head_settings = (self.transform, self.tile_budget_bytes)
+        ctx.head_settings = (self.transform, self.tile_budget_bytes, self.compute_dtype)
 
     @staticmethod
     def saved(ctx) -> tuple["HeadInputs", list]:

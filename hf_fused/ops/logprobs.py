@@ -11,8 +11,8 @@ import torch
 from .backends import Backend, get_backend
 from .head_inputs import HeadInputs, NeededGrads, check_per_token, flatten_head_inputs, per_token_outputs
 from .logit_transform import LogitTransform
-from .precision import autocast_off, cast_like_linear, refuse_double_backward
-from .tiling import valid_rows, validate_tile_budget
+from .precision import autocast_dtype, autocast_off, refuse_double_backward
+from .tiling import validate_tile_budget
 from .token_statistics import check_statistics, per_token_statistics
 
 
@@ -48,7 +48,8 @@ class LinearLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, call: _LogprobsCall):
-        head = replace(call.head, hidden=hidden, weight=weight, bias=bias)
+        given = replace(call.head, hidden=hidden, weight=weight, bias=bias)
+        head = given.computed()  # the operands F.linear would compute from; gradients go to the given tensors
         backend, grad_hint, statistics = call.backend, call.grad_hint, call.statistics
         rows, labels = head.rows, head.labels
         # An entropy returned but unused must not cost a backward term: let its gradient arrive as None.
@@ -69,7 +70,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
         logprobs, entropy = per_token_outputs(hidden, rows, labels.numel(), one_pass.logprobs, one_pass.entropy,
                                               call.return_entropy)
         token_stats = per_token_statistics(one_pass.statistics, rows, labels.numel())
-        head.save_for_backward(ctx, one_pass.lse, one_pass.entropy)
+        given.save_for_backward(ctx, one_pass.lse, one_pass.entropy)
         ctx.backend = backend
         stat_outputs = tuple(token_stats[name] for name in statistics)
         ctx.mark_non_differentiable(*stat_outputs)
@@ -78,21 +79,21 @@ class LinearLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *_grad_statistics):
         refuse_double_backward("linear_logprobs")
-        head, (lse, ent_rows) = HeadInputs.saved(ctx)
+        given, (lse, ent_rows) = HeadInputs.saved(ctx)
         need = ctx.needs_input_grad
         hinted, ctx.hinted = ctx.hinted, None  # handed over once; a second backward recomputes
         # Ignored positions carry no gradient whatever the upstream says.
-        g_lp = None if grad_logprobs is None else grad_logprobs.float().index_select(0, head.rows)
-        g_h = None if grad_entropy is None else grad_entropy.float().index_select(0, head.rows)
+        g_lp = None if grad_logprobs is None else grad_logprobs.float().index_select(0, given.rows)
+        g_h = None if grad_entropy is None else grad_entropy.float().index_select(0, given.rows)
         if (g_lp is None and g_h is None) or not any(need[:3]):
             return None, None, None, None
         if hinted is not None:
             factor = _hint_factor(hinted[0], g_lp, g_h)
             if factor is not None:
-                return hinted[1].input_grads(head.hidden, head.weight, head.bias, head.rows, factor) + (None,)
-        need = NeededGrads(need[0], need[1], head.bias is not None and need[2])
-        grads, rows = recompute_grads(ctx.backend, head, lse, ent_rows, g_lp, g_h, need)
-        return grads.input_grads(head.hidden, head.weight, head.bias, rows) + (None,)
+                return hinted[1].input_grads(given.hidden, given.weight, given.bias, given.rows, factor) + (None,)
+        need = NeededGrads(need[0], need[1], given.bias is not None and need[2])
+        grads, rows = recompute_grads(ctx.backend, given.computed(), lse, ent_rows, g_lp, g_h, need)
+        return grads.input_grads(given.hidden, given.weight, given.bias, rows) + (None,)
 
 
 def recompute_grads(backend: Backend, head: HeadInputs, lse, ent_rows, g_lp, g_h, need: NeededGrads):
@@ -231,15 +232,15 @@ def linear_logprobs(
                               return_entropy=return_entropy, tile_budget_bytes=tile_budget_bytes, backend=backend)
         return out if names is None else out + ({},)
     flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index)
-    rows = valid_rows(flat.labels, ignore_index)
+    rows = flat.rows
     hint_rows = None
     if grad_hint is not None:
         hint_rows = check_per_token(grad_hint, labels, "grad_hint").reshape(-1).index_select(0, rows)
-    hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
-    head = HeadInputs(hidden2d, weight, bias, flat.labels, rows, transform, validate_tile_budget(tile_budget_bytes))
+    head = HeadInputs(flat.hidden, flat.weight, flat.bias, flat.labels, rows, transform,
+                      validate_tile_budget(tile_budget_bytes), autocast_dtype(flat.hidden.device.type))
     call = _LogprobsCall(head, get_backend(hidden.device, backend), bool(return_entropy), hint_rows,
                          torch.is_grad_enabled(), names or ())
-    logprobs, entropy, *stat_outputs = LinearLogprobsFunction.apply(hidden2d, weight, bias, call)
+    logprobs, entropy, *stat_outputs = LinearLogprobsFunction.apply(flat.hidden, flat.weight, flat.bias, call)
     logprobs = logprobs.view(flat.batch_shape)
     if entropy is not None:
         entropy = entropy.view(flat.batch_shape)

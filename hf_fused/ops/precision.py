@@ -2,12 +2,14 @@
 
 Under ``torch.autocast`` (what ``Trainer(bf16=True)`` does to an fp32 model) ``lm_head(h)`` is an
 ``F.linear`` that autocast runs with ``h``, ``W`` and ``b`` cast to the autocast dtype. The ops do the
-same cast once, at their boundary, and then run forward AND backward with autocast off: an autograd
+same cast once, at their boundary (:meth:`~hf_fused.ops.head_inputs.HeadInputs.computed`, inside their autograd
+Functions), and then run forward AND backward with autocast off: an autograd
 Function's backward runs outside the forward's autocast region, so a backward that recomputed logits
 under different casting rules than its forward would normalize them with a log-sum-exp they did not come
 from (probabilities that do not sum to 1, gradients 2.5× further from float64 than eager's). With the
-cast at the boundary both passes see the same bf16/fp16 operands, and autograd's cast node hands the fp32
-parameters their gradients exactly as it does for the eager ``F.linear``.
+cast at the boundary both passes see the same bf16/fp16 operands. The Functions take the tensors as given, so an
+fp32 parameter's gradient is the fp32 accumulator itself, rounded once to fp32 — not to bf16 first, as eager's
+``F.linear`` under autocast rounds it — and no half-precision copy of the weight lives from forward to backward.
 """
 
 from __future__ import annotations
@@ -23,15 +25,6 @@ def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     if device_type not in ("cpu", "cuda", "xpu", "mps", "hpu") or not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
-
-
-def cast_like_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
-    """``(hidden, weight, bias)`` cast as autocast would cast ``F.linear``'s operands (unchanged outside
-    autocast). Differentiable: the gradients reach the original tensors in their own dtypes."""
-    dtype = autocast_dtype(hidden.device.type)
-    if dtype is None:
-        return hidden, weight, bias
-    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 @contextmanager

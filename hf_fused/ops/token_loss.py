@@ -39,7 +39,7 @@ from .backends import Backend, HeadPass, get_backend
 from .head_inputs import HeadInputs, NeededGrads, flatten_head_inputs, per_token_outputs
 from .logit_transform import LogitTransform
 from .logprobs import HINT_RTOL, HintMissedWarning, recompute_grads
-from .precision import autocast_off, cast_like_linear, refuse_double_backward
+from .precision import autocast_dtype, autocast_off, refuse_double_backward
 from .tiling import validate_tile_budget
 
 #: ``token_loss(logprobs [r], entropy [r] or None, **per_token_rows) -> losses [r]``
@@ -156,7 +156,8 @@ class LinearTokenLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, call: _TokenLossCall):
-        head = replace(call.head, hidden=hidden, weight=weight, bias=bias)
+        given = replace(call.head, hidden=hidden, weight=weight, bias=bias)
+        head = given.computed()  # the operands F.linear would compute from; gradients go to the given tensors
         rows, tile_loss = head.rows, call.tile_loss
         need = call.needed_grads(ctx, bias)
         ctx.backend, ctx.need = call.backend, need
@@ -174,7 +175,7 @@ class LinearTokenLossFunction(torch.autograd.Function):
                 tile_loss.differentiate = need.any
                 ctx.row_grads = tile_loss(0, rows.numel(), one_pass.logprobs, one_pass.entropy)
         logp, ent = one_pass.logprobs, one_pass.entropy
-        head.save_for_backward(ctx, lse, ent)
+        given.save_for_backward(ctx, lse, ent)
         n = head.labels.numel()
         logprobs = hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, logp)
         entropy = None if ent is None else hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, ent)
@@ -187,13 +188,13 @@ class LinearTokenLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_logprobs, _grad_entropy):
         refuse_double_backward("linear_token_loss")
-        head, (lse, ent) = HeadInputs.saved(ctx)
+        given, (lse, ent) = HeadInputs.saved(ctx)
         need = ctx.need
         if grad_loss is None or not need.any:
             return None, None, None, None
         # An fp32 tensor on the device: no host sync (see linear_cross_entropy's backward).
         factor = grad_loss.detach().to(torch.float32)
-        rows = head.rows
+        rows = given.rows
         if lse is None:  # one pass: the gradients were computed in the forward
             if ctx.grads is None:
                 raise RuntimeError(
@@ -207,9 +208,9 @@ class LinearTokenLossFunction(torch.autograd.Function):
             (g_lp, g_ent), ctx.row_grads = ctx.row_grads, None
             g_lp = g_lp * factor
             g_ent = None if g_ent is None else g_ent * factor
-            grads, rows = recompute_grads(ctx.backend, head, lse, ent, g_lp, g_ent, need)
+            grads, rows = recompute_grads(ctx.backend, given.computed(), lse, ent, g_lp, g_ent, need)
             factor = 1.0
-        return grads.input_grads(head.hidden, head.weight, head.bias, rows, factor) + (None,)
+        return grads.input_grads(given.hidden, given.weight, given.bias, rows, factor) + (None,)
 
 
 def _flat_per_token(per_token: Optional[Mapping[str, torch.Tensor]], labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -316,12 +317,12 @@ def linear_token_loss(
     rows = flat.rows
     grad_enabled = torch.is_grad_enabled()
     tile_budget_bytes = validate_tile_budget(tile_budget_bytes)  # None stays None: the planner's default rule
-    hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
     tile_loss = _TileLoss(token_loss, consts, rows, differentiate=grad_enabled)
-    head = HeadInputs(hidden2d, weight, bias, flat.labels, rows, transform, tile_budget_bytes)
+    head = HeadInputs(flat.hidden, flat.weight, flat.bias, flat.labels, rows, transform, tile_budget_bytes,
+                      autocast_dtype(flat.hidden.device.type))
     call = _TokenLossCall(head, get_backend(hidden.device, backend), tile_loss, bool(need_entropy),
                           bool(need_entropy), grad_enabled)
-    loss, logprobs, entropy = LinearTokenLossFunction.apply(hidden2d, weight, bias, call)
+    loss, logprobs, entropy = LinearTokenLossFunction.apply(flat.hidden, flat.weight, flat.bias, call)
     logprobs = logprobs.view(flat.batch_shape)
     if entropy is not None:
         entropy = entropy.view(flat.batch_shape)
@@ -394,7 +395,8 @@ class HintedLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, call: _TokenLossCall):
-        head = replace(call.head, hidden=hidden, weight=weight, bias=bias)
+        given = replace(call.head, hidden=hidden, weight=weight, bias=bias)
+        head = given.computed()  # the operands F.linear would compute from; gradients go to the given tensors
         ctx.set_materialize_grads(False)
         need = call.needed_grads(ctx, bias)
         ctx.backend, ctx.need = call.backend, need
@@ -407,27 +409,27 @@ class HintedLogprobsFunction(torch.autograd.Function):
                 one_pass = call.backend.logprobs_forward(head, return_entropy=call.return_entropy)
         logprobs, entropy = per_token_outputs(hidden, head.rows, head.labels.numel(), one_pass.logprobs,
                                               one_pass.entropy, call.return_entropy)
-        head.save_for_backward(ctx, one_pass.lse, one_pass.entropy)
+        given.save_for_backward(ctx, one_pass.lse, one_pass.entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         refuse_double_backward("linear_logprobs")
-        head, (lse, ent) = HeadInputs.saved(ctx)
+        given, (lse, ent) = HeadInputs.saved(ctx)
         need = ctx.need
         hinted, ctx.hinted = ctx.hinted, None  # handed over once; a second backward recomputes
-        g_lp = None if grad_logprobs is None else grad_logprobs.float().index_select(0, head.rows)
-        g_h = None if grad_entropy is None else grad_entropy.float().index_select(0, head.rows)
+        g_lp = None if grad_logprobs is None else grad_logprobs.float().index_select(0, given.rows)
+        g_h = None if grad_entropy is None else grad_entropy.float().index_select(0, given.rows)
         if (g_lp is None and g_h is None) or not need.any:
             return None, None, None, None
         if hinted is not None:
             factor = _token_hint_factor(hinted[0], hinted[1], g_lp, g_h)
             if factor is not None:
-                return hinted[2].input_grads(head.hidden, head.weight, head.bias, head.rows, factor) + (None,)
+                return hinted[2].input_grads(given.hidden, given.weight, given.bias, given.rows, factor) + (None,)
         if g_h is not None and ent is None:  # cannot happen: entropy is returned only when computed
             raise RuntimeError("linear_logprobs: an entropy gradient without a saved entropy")
-        grads, rows = recompute_grads(ctx.backend, head, lse, ent, g_lp, g_h, need)
-        return grads.input_grads(head.hidden, head.weight, head.bias, rows) + (None,)
+        grads, rows = recompute_grads(ctx.backend, given.computed(), lse, ent, g_lp, g_h, need)
+        return grads.input_grads(given.hidden, given.weight, given.bias, rows) + (None,)
 
 
 def _token_hint_factor(hint_lp, hint_ent, g_lp, g_h) -> Optional[float]:
@@ -462,11 +464,11 @@ def hinted_logprobs(hidden, weight, labels, bias, hint: TokenLossHint, *, ignore
     consts = _flat_per_token(hint.per_token, labels)
     rows = flat.rows
     tile_budget_bytes = validate_tile_budget(tile_budget_bytes)
-    hidden2d, weight, bias = cast_like_linear(flat.hidden, flat.weight, flat.bias)
     tile_loss = _TileLoss(hint.token_loss, consts, rows, differentiate=True, keep_row_grads=True)
-    head = HeadInputs(hidden2d, weight, bias, flat.labels, rows, transform, tile_budget_bytes)
+    head = HeadInputs(flat.hidden, flat.weight, flat.bias, flat.labels, rows, transform, tile_budget_bytes,
+                      autocast_dtype(flat.hidden.device.type))
     call = _TokenLossCall(head, get_backend(hidden.device, backend), tile_loss, bool(return_entropy),
                           bool(hint.need_entropy), torch.is_grad_enabled())
-    logprobs, entropy = HintedLogprobsFunction.apply(hidden2d, weight, bias, call)
+    logprobs, entropy = HintedLogprobsFunction.apply(flat.hidden, flat.weight, flat.bias, call)
     logprobs = logprobs.view(flat.batch_shape)
     return logprobs, None if entropy is None else entropy.view(flat.batch_shape)
