@@ -19,7 +19,7 @@ from ..ops import LogitTransform, linear_cross_entropy
 from .distributed import run_head
 from .forward import head_operands
 from .lm_head import check_head_supported
-from .transform_probe import config_logit_transform
+from .transform_probe import config_logit_transform, measure_logit_transform
 from .unwrap import find_causal_lm
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -41,7 +41,7 @@ class LinearCrossEntropyLoss(nn.Module):
         ignore_index: label value to ignore.
         reduction: ``"mean"`` / ``"sum"`` (scalar fp32) or ``"none"`` (``[B, T]`` fp32 per-token losses).
         logit_scale, softcap: the model's logit transform ``softcap·tanh(z·logit_scale / softcap)``.
-            :meth:`from_model` reads them from the model's config.
+            :meth:`from_model` measures them from the model's forward.
         tile_budget_bytes, backend: as in :func:`hf_fused.ops.linear_cross_entropy`.
 
     Raises:
@@ -64,17 +64,38 @@ class LinearCrossEntropyLoss(nn.Module):
         self.backend = backend
 
     @classmethod
-    def from_model(cls, model: nn.Module, **kwargs) -> "LinearCrossEntropyLoss":
-        """The loss for ``model``'s own lm_head (found through PEFT / DDP / DeepSpeed / compile wrappers)
-        with the logit transform its config declares (Gemma's soft-cap, Cohere's / Granite's scale).
-        Keywords are passed to the constructor and override the config's transform.
+    def from_model(cls, model: nn.Module, *, verify: bool = True, **kwargs) -> "LinearCrossEntropyLoss":
+        """The loss for ``model``'s own lm_head (found through PEFT / DDP / DeepSpeed / compile wrappers) with the
+        logit transform its forward applies, the one :func:`hf_fused.apply_fused_loss` uses:
+
+        - a model patched by :func:`~hf_fused.apply_fused_loss`: the transform the patch holds (measured at patch
+          time, or read from the config under ``apply_fused_loss(..., verify=False)``);
+        - otherwise measured from the forward
+          (:func:`~hf_fused.model.transform_probe.measure_logit_transform`): one ``[2, 8]`` forward on random
+          tokens, in eval mode, without gradients (training flags restored). The config's transform (Gemma's
+          soft-cap, Cohere's / Granite's scale) is taken when it reproduces what the forward does; a config
+          attribute the forward ignores changes nothing, and a scale or soft-cap applied in code is measured.
+          The model's forward must be runnable, so call this before splitting it into pipeline stages (or
+          moving parts to the meta device); with ``verify=False`` the config's transform is read unchecked.
+
+        Keywords are passed to the constructor; ``logit_scale`` / ``softcap`` override the transform.
 
         Raises:
             TypeError: no causal LM with an lm_head inside ``model``.
+            FusedLossVerificationError: the forward transforms its logits in a way hf_fused cannot reproduce
+                (pass ``verify=False``, or ``logit_scale`` / ``softcap``, to build the loss anyway).
         """
         causal_lm = find_causal_lm(model)
-        transform = config_logit_transform(causal_lm)
-        options = dict(logit_scale=transform.logit_scale, softcap=transform.softcap)
+        state = causal_lm.__dict__.get("_hf_fused")  # patched by apply_fused_loss
+        if "logit_scale" in kwargs and "softcap" in kwargs:
+            transform = None  # both given: nothing to measure
+        elif state is not None:
+            transform = state.transform
+        elif verify:
+            transform = measure_logit_transform(causal_lm)
+        else:
+            transform = config_logit_transform(causal_lm)
+        options = {} if transform is None else dict(logit_scale=transform.logit_scale, softcap=transform.softcap)
         options.update(kwargs)
         return cls(causal_lm.get_output_embeddings(), **options)
 

@@ -11,13 +11,9 @@ import torch
 import torch.nn as nn
 
 from .forward import FusedLossState, PatchedForward
-from .distributed import gathered_per_module
 from .lm_head import check_head_supported
-from .transform_probe import FusedLossVerificationError, config_logit_transform, probe_logit_transform
+from .transform_probe import FusedLossVerificationError, config_logit_transform, probe_inputs, probe_logit_transform
 from .unwrap import check_causal_lm, find_causal_lm
-
-#: Probe size for the patch-time check: short, so it costs about one tiny forward.
-_PROBE_SHAPE = (2, 8)
 
 
 def apply_fused_loss(
@@ -179,31 +175,18 @@ def verify_patch(causal_lm: nn.Module) -> None:
         FusedLossVerificationError: naming the model type and the largest difference.
     """
     state = causal_lm._hf_fused
-    device = _probe_device(causal_lm)
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, _probe_vocab_size(causal_lm), _PROBE_SHAPE, generator=generator).to(device)
-    modes = {m: m.training for m in causal_lm.modules()}
-    causal_lm.eval()
-    try:
-        # Through the module call (without labels the patched forward is the original one), so the hooks
-        # of a wrapper such as FSDP2's fully_shard or ZeRO-3 gather the parameters for the reference too;
-        # a ZeRO-3 model not yet in its engine gathers module by module (hf_fused.model.distributed).
-        with gathered_per_module(causal_lm):
-            state.transform = probe_logit_transform(causal_lm, input_ids)
-            # The dtype lm_head computed in (autocast inside a wrapper such as accelerate's may compute in bf16
-            # and hand back fp32): it sets the tolerance below.
-            head_dtypes = []
-            hook = causal_lm.get_output_embeddings().register_forward_hook(
-                lambda m, i, o: head_dtypes.append(o.dtype)
-            )
-            try:
-                ref_logits = causal_lm(input_ids=input_ids, use_cache=False).logits
-            finally:
-                hook.remove()
-            out = causal_lm(input_ids=input_ids, labels=input_ids, fused_output="logprobs", use_cache=False)
-    finally:
-        for module, training in modes.items():
-            module.training = training
+    # Without labels the patched forward runs the original one.
+    with probe_inputs(causal_lm) as input_ids:
+        state.transform = probe_logit_transform(causal_lm, input_ids)
+        # The dtype lm_head computed in (autocast inside a wrapper such as accelerate's may compute in bf16
+        # and hand back fp32): it sets the tolerance below.
+        head_dtypes = []
+        hook = causal_lm.get_output_embeddings().register_forward_hook(lambda m, i, o: head_dtypes.append(o.dtype))
+        try:
+            ref_logits = causal_lm(input_ids=input_ids, use_cache=False).logits
+        finally:
+            hook.remove()
+        out = causal_lm(input_ids=input_ids, labels=input_ids, fused_output="logprobs", use_cache=False)
     ref = torch.log_softmax(ref_logits[:, :-1].double(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     got = out.logprobs[:, :-1].double()
     low_precision = any(d in (torch.bfloat16, torch.float16) for d in [ref_logits.dtype, *head_dtypes])
@@ -218,26 +201,3 @@ def verify_patch(causal_lm: nn.Module) -> None:
             f"with logit transform {state.transform}. This architecture transforms lm_head outputs in a way "
             "hf_fused does not read from its config. Pass verify=False to patch anyway (at your own risk)."
         )
-
-
-def _probe_vocab_size(causal_lm: nn.Module) -> int:
-    """Token ids the probe may use: the config's vocabulary, or lm_head's rows where the config has none.
-    Under ZeRO-3 ``lm_head.weight`` outside its forward is an empty shard: its ``ds_shape`` is the full one."""
-    weight = causal_lm.get_output_embeddings().weight
-    rows = weight.shape[0] if weight.numel() else getattr(weight, "ds_shape", weight.shape)[0]
-    config_vocab = getattr(causal_lm.config.get_text_config(), "vocab_size", None)
-    sizes = [n for n in (rows, config_vocab) if n]
-    if not sizes:
-        raise FusedLossVerificationError(
-            f"hf_fused cannot tell the vocabulary size of {type(causal_lm).__name__} for its patch-time probe; "
-            "pass verify=False"
-        )
-    return min(sizes)
-
-
-def _probe_device(causal_lm: nn.Module) -> torch.device:
-    embeddings = causal_lm.get_input_embeddings()
-    weight = getattr(embeddings, "weight", None)
-    if weight is not None and weight.device.type != "meta":
-        return weight.device
-    return next(causal_lm.parameters()).device

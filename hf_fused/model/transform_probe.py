@@ -12,13 +12,18 @@ otherwise a scale and soft-cap fitted to the map are, when they reproduce it; ot
 from __future__ import annotations
 
 import math
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
 
 from ..ops import LogitTransform
+from .distributed import gathered_per_module
 from .forward import lm_head_answering
+
+#: Probe batch ``[batch, tokens]``: short, so a probe costs about one tiny forward.
+PROBE_SHAPE = (2, 8)
 
 #: Raw logits fed to the forward: 0 and ±2**k for k in [-6, 14] (exact in fp32, bf16 and fp16);
 #: the small ones show the scale, the large ones a soft-cap.
@@ -53,11 +58,52 @@ def config_logit_transform(causal_lm: nn.Module) -> LogitTransform:
     return LogitTransform(logit_scale=scale, softcap=float(softcap) if softcap else None)
 
 
+@contextmanager
+def probe_inputs(causal_lm: nn.Module) -> Iterator[torch.Tensor]:
+    """Probe token ids (:data:`PROBE_SHAPE`, seed 0, below the vocabulary size, on the input embeddings' device),
+    with ``causal_lm`` in the state a probe needs for the block: every module in eval mode (dropout off, so the
+    forward is a fixed map of lm_head's output) and, for a ZeRO-3 model not yet in its engine, its parameters
+    gathered module by module (:func:`~hf_fused.model.distributed.gathered_per_module`; collective: every rank
+    must run the same forward). Each module's training flag is restored on exit. Run forwards under
+    ``torch.no_grad()``.
+
+    Raises:
+        FusedLossVerificationError: neither lm_head nor the config tells the vocabulary size.
+    """
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, _probe_vocab_size(causal_lm), PROBE_SHAPE, generator=generator)
+    input_ids = input_ids.to(_probe_device(causal_lm))
+    modes = {m: m.training for m in causal_lm.modules()}
+    causal_lm.eval()
+    try:
+        # Forwards go through the module call (a patched model without labels runs its original forward), so
+        # the hooks of a wrapper such as FSDP2's fully_shard or ZeRO-3 gather the parameters.
+        with gathered_per_module(causal_lm):
+            yield input_ids
+    finally:
+        for module, training in modes.items():
+            module.training = training
+
+
+@torch.no_grad()
+def measure_logit_transform(causal_lm: nn.Module) -> LogitTransform:
+    """The logit transform ``causal_lm``'s forward applies, measured by :func:`probe_logit_transform` on
+    :func:`probe_inputs` (one short forward; training flags restored, no gradients, parameters untouched).
+    The forward must be runnable: parameters materialized (not on the meta device), on one device or
+    dispatched by accelerate, or ZeRO-3/FSDP2-sharded with every rank calling this.
+
+    Raises:
+        FusedLossVerificationError: as :func:`probe_logit_transform`.
+    """
+    with probe_inputs(causal_lm) as input_ids:
+        return probe_logit_transform(causal_lm, input_ids)
+
+
 @torch.no_grad()
 def probe_logit_transform(causal_lm: nn.Module, input_ids: torch.Tensor) -> LogitTransform:
     """The transform ``causal_lm``'s forward applies to lm_head outputs, measured on ``input_ids``
-    (see the module docstring). The model must be in eval mode; its forward runs once, through the module
-    call (so wrapper hooks such as FSDP2's and ZeRO-3's gather run).
+    (see the module docstring). The model must be in eval mode (:func:`probe_inputs` puts it there); its forward
+    runs once, through the module call (so wrapper hooks such as FSDP2's and ZeRO-3's gather run).
 
     Raises:
         FusedLossVerificationError: the forward's map is neither the config's transform nor a fitted
@@ -128,3 +174,26 @@ def _fit(got: torch.Tensor) -> Optional[LogitTransform]:
 def _model_name(causal_lm: nn.Module) -> str:
     model_type = getattr(getattr(causal_lm, "config", None), "model_type", None) or type(causal_lm).__name__
     return f"{model_type} ({type(causal_lm).__name__})"
+
+
+def _probe_vocab_size(causal_lm: nn.Module) -> int:
+    """Token ids the probe may use: the config's vocabulary, or lm_head's rows where the config has none.
+    Under ZeRO-3 ``lm_head.weight`` outside its forward is an empty shard: its ``ds_shape`` is the full one."""
+    weight = causal_lm.get_output_embeddings().weight
+    rows = weight.shape[0] if weight.numel() else getattr(weight, "ds_shape", weight.shape)[0]
+    config_vocab = getattr(causal_lm.config.get_text_config(), "vocab_size", None)
+    sizes = [n for n in (rows, config_vocab) if n]
+    if not sizes:
+        raise FusedLossVerificationError(
+            f"hf_fused cannot tell the vocabulary size of {type(causal_lm).__name__} for its patch-time probe; "
+            "pass verify=False"
+        )
+    return min(sizes)
+
+
+def _probe_device(causal_lm: nn.Module) -> torch.device:
+    embeddings = causal_lm.get_input_embeddings()
+    weight = getattr(embeddings, "weight", None)
+    if weight is not None and weight.device.type != "meta":
+        return weight.device
+    return next(causal_lm.parameters()).device

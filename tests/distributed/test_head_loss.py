@@ -1,8 +1,9 @@
 """``hf_fused.LinearCrossEntropyLoss`` in one process, against the unpatched model's own loss: the loss and
 every parameter gradient (fp32, relative 1e-5: the fused op accumulates in fp32 over tiles in another
 order than the dense ``log_softmax``; measured ≤ 1e-6), with the causal shift, ``num_items_in_batch``,
-``reduction="none"``, the logit transform read from the config (Gemma 2's soft-cap), a LoRA adapter on
-lm_head, and ``forward_logits`` against the model's logits. The 2-stage pipeline lives in test_pipeline.py."""
+``reduction="none"``, the logit transform measured from the forward as ``apply_fused_loss`` does (Gemma 2's
+soft-cap; a config soft-cap the forward ignores; a scale applied in code; a patched model's own transform), a LoRA
+adapter on lm_head, and ``forward_logits`` against the model's logits. The 2-stage pipeline lives in test_pipeline.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_fused import LinearCrossEntropyLoss
+from transformers import LlamaForCausalLM
+
+from hf_fused import LinearCrossEntropyLoss, apply_fused_loss
 from tiny_models import assert_close, make_batch, make_model, single_thread  # noqa: F401
 
 
@@ -43,6 +46,67 @@ def test_loss_and_gradients_match_the_models_own_loss(arch):
     ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         assert_close(p.grad, ref_params[name].grad, f"grad {name}")
+
+
+class _TripledLogits(LlamaForCausalLM):
+    """Multiplies its logits by 3 in its forward; nothing in its config says so."""
+
+    def forward(self, *args, labels=None, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 3
+        if labels is not None:
+            out.loss = self.loss_function(out.logits, labels, self.config.vocab_size)
+        return out
+
+
+def _assert_matches_own_loss(model, loss_fn, reference=None):
+    """``loss_fn`` on ``model``'s backbone states equals the unpatched ``reference``'s own loss (default: a copy of
+    ``model``), and so does every parameter gradient."""
+    reference = copy.deepcopy(model) if reference is None else reference
+    ids, mask, labels = make_batch(seed=3)
+    loss = _split_loss(model, loss_fn, ids, mask, labels)
+    loss.backward()
+    ref = reference(input_ids=ids, attention_mask=mask, labels=labels).loss
+    ref.backward()
+    assert_close(loss.detach(), ref.detach(), "loss")
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert_close(p.grad, ref_params[name].grad, f"grad {name}")
+
+
+def test_config_softcap_the_forward_ignores_changes_nothing():
+    """Llama's forward ignores ``final_logit_softcapping``: from_model measures the forward, so its loss does too,
+    with logits far past the claimed cap (where applying it would move the loss far beyond the tolerance)."""
+    model = make_model("llama", tie_word_embeddings=False)
+    model.config.final_logit_softcapping = 2.0
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+    assert LinearCrossEntropyLoss.from_model(model, verify=False).transform.softcap == 2.0  # the config's claim
+    model.train()
+    loss_fn = LinearCrossEntropyLoss.from_model(model)
+    assert loss_fn.transform.softcap is None and loss_fn.transform.logit_scale == 1.0
+    assert model.training and all(p.grad is None for p in model.parameters())  # the probe left no trace
+    _assert_matches_own_loss(model, loss_fn)
+
+
+def test_scale_applied_in_the_forward_is_measured():
+    model = _TripledLogits(make_model("llama").config)
+    loss_fn = LinearCrossEntropyLoss.from_model(model)
+    assert loss_fn.transform.logit_scale == 3.0 and loss_fn.transform.softcap is None
+    _assert_matches_own_loss(model, loss_fn)
+
+
+def test_patched_model_gives_the_transform_the_patch_measured():
+    """No second probe: the loss takes the patched model's transform, and matches the unpatched model's loss."""
+    model = _TripledLogits(make_model("llama").config)
+    reference = copy.deepcopy(model)
+    apply_fused_loss(model)
+    probes = []
+    model.model.register_forward_hook(lambda *_: probes.append(1))
+    loss_fn = LinearCrossEntropyLoss.from_model(model)
+    assert probes == [] and loss_fn.transform == model._hf_fused.transform
+    assert loss_fn.transform.logit_scale == 3.0
+    _assert_matches_own_loss(model, loss_fn, reference)
 
 
 def test_num_items_in_batch_sums_microbatches_to_the_full_batch_loss():
