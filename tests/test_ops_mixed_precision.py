@@ -243,7 +243,9 @@ def test_fp32_parameters_under_autocast_get_their_fp32_accumulated_gradients(dev
     to bf16 happens inside their Functions), so the gradients are not bf16-representable and are no further
     from the gradient of the same bf16-operand computation in float64 than eager's. The torch backend runs its
     one pass (gradients in the forward) and the two-pass budget recomputes in backward: both keep the weight fp32."""
-    _skip_interpreter_bf16(device, backend, torch.float32, torch.bfloat16)
+    # Triton's interpreter truncates the bf16 logits tile (see _skip_interpreter_bf16): there only the dtypes and
+    # the absence of a bf16 rounding of the gradients are checked; the error bound runs on the GPU.
+    interpreted = device == "cpu" and backend == "triton"
     hidden, weight, bias, labels, _ = _inputs(torch.float32, seed=3, device=device)
     # float64 reference of the computation the ops perform: bf16 operands, exact arithmetic after that
     h64, w64, b64 = (leaf64(t.detach().bfloat16(), requires_grad=True) for t in (hidden, weight, bias))
@@ -259,6 +261,9 @@ def test_fp32_parameters_under_autocast_get_their_fp32_accumulated_gradients(dev
             linear_cross_entropy(hidden, weight, labels, bias, backend=backend, tile_budget_bytes=budget).backward()
         for name, t, e, r in zip(("hidden", "weight", "bias"), (hidden, weight, bias), eager, (h64, w64, b64)):
             assert t.grad.dtype == torch.float32
-            assert rel_err(t.grad, r.grad) <= rel_err(e, r.grad) + 1e-7, name
+            # The torch backend's logits stay fp32: never worse than eager. The triton backend rounds its logits
+            # tile to bf16 as eager does, so its error is eager's up to summation order: the file's 1.25× bound.
+            bound = 1.0 if backend == "torch" else RATIO
+            assert interpreted or rel_err(t.grad, r.grad) <= bound * rel_err(e, r.grad) + 1e-7, name
             if name != "hidden":  # hidden arrives in fp32 but its gradient is also bf16-rounded in eager
                 assert not torch.equal(t.grad, t.grad.bfloat16().float()), f"{name} gradient rounded to bf16"

@@ -37,6 +37,9 @@ class HeadInputs:
     transform: LogitTransform
     tile_budget_bytes: Optional[int]
     compute_dtype: Optional[torch.dtype] = None
+    #: In a :meth:`computed` head: the given weight's dtype, which its gradient comes back in (an fp32 weight under
+    #: autocast gets an fp32 gradient: backends write it in fp32 instead of the compute dtype).
+    weight_grad_dtype: Optional[torch.dtype] = None
 
     def computed(self) -> "HeadInputs":
         """This head with hidden, weight and bias cast to :attr:`compute_dtype` as autocast casts ``F.linear``'s
@@ -46,7 +49,7 @@ class HeadInputs:
             return self
         bias = None if self.bias is None else self.bias.to(dtype)
         return replace(self, hidden=self.hidden.to(dtype), weight=self.weight.to(dtype), bias=bias,
-                       compute_dtype=None)
+                       compute_dtype=None, weight_grad_dtype=self.weight.dtype)
 
     def with_rows(self, rows: torch.Tensor) -> "HeadInputs":
         """The same head restricted to ``rows`` (a subset of :attr:`rows`, ascending)."""

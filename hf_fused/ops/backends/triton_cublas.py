@@ -191,7 +191,9 @@ class TritonCublasBackend:
             d_hidden = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
         reserved = extra if need_hidden and head.tile_budget_bytes is not None else 0
         if need_weight:
-            grads.weight = torch.zeros_like(weight)
+            # In the given weight's dtype: fp32 for an fp32 weight under autocast (cuBLAS writes fp32 from the
+            # bf16 operands), the compute dtype otherwise (one rounding, as eager's).
+            grads.weight = torch.zeros(weight.shape, dtype=head.weight_grad_dtype or weight.dtype, device=weight.device)
         if need.bias and bias is not None:
             grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
         zeros = torch.zeros(m_rows, dtype=torch.float32, device=h.device)
@@ -223,7 +225,10 @@ class TritonCublasBackend:
                 if d_w_chunk32 is not None:
                     _addmm_f32_(d_w_chunk32, dz.t(), h[r0:r1])
                 elif need_weight:
-                    torch.mm(dz.t(), h[r0:r1], out=grads.weight[v0:v1])
+                    if grads.weight.dtype == weight.dtype:
+                        torch.mm(dz.t(), h[r0:r1], out=grads.weight[v0:v1])
+                    else:
+                        _mm_f32_(grads.weight[v0:v1], dz.t(), h[r0:r1])
                 if grads.bias is not None:
                     grads.bias[v0:v1] += dz.float().sum(0)
             if d_w_chunk32 is not None:
