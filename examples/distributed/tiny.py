@@ -1,4 +1,5 @@
-"""``--tiny`` for the TRL scripts here: an offline model, tokenizer and text, with no Hub access.
+"""What the two TRL scripts here share: ``--tiny`` (an offline model, tokenizer and text, with no Hub access), and
+the setup and ending steps of TRL 1.16's own scripts (:func:`model_kwargs_and_dataset`, :func:`train_and_save`).
 
 A 2-layer Llama built from a config with seeded initial weights and a word-level tokenizer learned from
 Python's own documentation (``pydoc_data.topics``, shipped with CPython), saved with ``save_pretrained`` so
@@ -94,3 +95,21 @@ def model_kwargs_and_dataset(script_args, training_args, model_args, dataset_arg
             script_args.dataset_name, name=script_args.dataset_config, streaming=script_args.dataset_streaming
         )
     raise ValueError("Either `datasets` or `dataset_name` must be provided.")
+
+
+def train_and_save(trainer, training_args, script_args) -> None:
+    """The end of TRL 1.16's scripts: train, save the model and ``trainer_state.json`` (every logged step), push
+    if asked, and close the trackers (transformers ≥ 5.18)."""
+    import transformers
+    from packaging.version import Version
+
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.accelerator.print("✅ Training completed.")
+    trainer.save_model(training_args.output_dir)
+    trainer.save_state()
+    trainer.accelerator.print(f"💾 Model saved to {training_args.output_dir}.")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+        trainer.accelerator.print(f"🤗 Model pushed to the Hub in https://huggingface.co/{trainer.hub_model_id}.")
+    if Version(transformers.__version__) >= Version("5.18.0"):
+        trainer.end()

@@ -89,9 +89,6 @@ def characters(completions, **kwargs):
 
 
 def main(script_args, training_args, model_args, dataset_args, fused_args):
-    import transformers
-    from packaging.version import Version
-
     import tiny
     from hf_fused import FusedGRPOTrainer
     from trl import GRPOTrainer, get_peft_config, get_quantization_config
@@ -147,24 +144,7 @@ def main(script_args, training_args, model_args, dataset_args, fused_args):
         peft_config=get_peft_config(model_args),
     )
 
-    # Train the model
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-
-    # Log training complete
-    trainer.accelerator.print("✅ Training completed.")
-
-    # Save and push to Hub
-    trainer.save_model(training_args.output_dir)
-    trainer.save_state()  # trainer_state.json: the log history of every step
-    trainer.accelerator.print(f"💾 Model saved to {training_args.output_dir}.")
-
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
-        trainer.accelerator.print(f"🤗 Model pushed to the Hub in https://huggingface.co/{trainer.hub_model_id}.")
-
-    # Finish the trackers and destroy the process group
-    if Version(transformers.__version__) >= Version("5.18.0"):
-        trainer.end()
+    tiny.train_and_save(trainer, training_args, script_args)
 
 
 def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
