@@ -76,7 +76,8 @@ def apply_fused_loss(
     state.tile_budget_bytes = tile_budget_bytes
     state.backend = backend
     _install_trainer_integration()
-    from ..integrations.trl import serve_trl_fused_head  # TRL trainers call their own fused head: answer it
+    # TRL's trainers call their own fused head: answer it (hooks on TRL's modules; this does not import TRL).
+    from ..integrations.trl import serve_trl_fused_head
 
     serve_trl_fused_head(causal_lm)
     if verify:

@@ -8,8 +8,9 @@ then call ``model(..., labels=labels, fused_lm_head=True)``, which returns a ``F
 bypassed. The one switch, :func:`hf_fused.apply_fused_loss`, makes hf_fused answer that call instead, whatever
 the order:
 
-* **patched before the trainer is built**: :func:`serve_trl_fused_head` wraps ``add_fused_lm_head`` (in
-  ``trl.trainer.utils`` and in every loaded TRL module that imported it). For a patched model the wrapper only
+* **patched before the trainer is built**: :func:`serve_trl_fused_head` has ``add_fused_lm_head`` wrapped (in
+  ``trl.trainer.utils`` and in every loaded TRL module that imported it) when TRL's trainers are imported, at once
+  if they already are: patching itself never imports TRL (:mod:`.hooks`). For a patched model the wrapper only
   records the trainer's head options; hf_fused's forward answers ``fused_lm_head=True``. A model that is not
   patched gets TRL's head, except a reference model added while a trainer whose policy is patched is being
   built: it is patched too (same ``tile_budget_bytes`` / ``backend``), so reference log-probs come from

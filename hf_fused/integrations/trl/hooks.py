@@ -1,4 +1,10 @@
-"""Installing hf_fused's answer to TRL's fused head: once per process, when a model is first patched.
+"""Installing hf_fused's answer to TRL's fused head: once per process, when TRL's modules are imported.
+
+The first :func:`hf_fused.apply_fused_loss` registers the hooks below on TRL's modules
+(:func:`hf_fused.integrations.import_hooks.when_imported`): those already loaded are adjusted at once, the others
+right after they are imported, before any trainer can be built from them. So patching never imports TRL (seconds,
+for its trainers); a process pays for TRL only when it imports it, and whatever order the user takes
+(patch, then import and build a trainer; or import, patch, build; or build, then patch) finds the hooks in place.
 
 * ``add_fused_lm_head`` (in ``trl.trainer.utils`` and every loaded TRL module that imported it) is wrapped: for a
   patched model it only records the trainer's options; a reference model added while a trainer around a patched
@@ -12,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import importlib.util
 import sys
 import types
@@ -23,6 +28,7 @@ import torch.nn as nn
 
 from ...model.patch import is_fused
 from ...model.unwrap import find_causal_lm
+from ..import_hooks import when_imported
 from .protocol import OPTIONS_ATTR, TrlHeadOptions, protocol_mismatch, trl_head_options_in
 
 
@@ -30,14 +36,15 @@ def serve_trl_fused_head(causal_lm: nn.Module) -> None:
     """Make ``causal_lm`` (just patched by :func:`hf_fused.apply_fused_loss`) answer TRL's fused-head calls.
 
     Reads the options of a TRL head already installed on the model (patched after the trainer was built) and
-    wraps TRL's ``add_fused_lm_head`` (once per process) for trainers built afterwards. No-op without TRL.
+    has TRL's ``add_fused_lm_head`` wrapped (once per process, when TRL's modules are imported; see the module
+    docstring) for trainers built afterwards. Does not import TRL. No-op without TRL.
 
     Raises:
         TrlProtocolError: a TRL head is installed on the model but its shape is not TRL 1.16's.
     """
     if importlib.util.find_spec("trl") is None:
         return
-    _install_add_fused_lm_head_hook()
+    _install_hooks()
     options = trl_head_options_in(causal_lm._hf_fused.original_forward(causal_lm))
     if options is not None:
         setattr(causal_lm, OPTIONS_ATTR, options)
@@ -48,21 +55,23 @@ def trl_head_options(model: nn.Module) -> Optional[TrlHeadOptions]:
     return find_causal_lm(model).__dict__.get(OPTIONS_ATTR)
 
 
-_HOOK: dict = {}  # "original": TRL's add_fused_lm_head; "refused": why the protocol is not served
+_HOOK: dict = {}  # "installed": hooks registered; "original": TRL's add_fused_lm_head; "refused": why not served
 
 
-def _install_add_fused_lm_head_hook() -> None:
-    """Once per process: wrap ``add_fused_lm_head`` (see the module docstring), let TRL's trainers accept a PEFT
-    adapter on a patched model's lm_head, and make ``DistillationTrainer`` say it does not use hf_fused."""
+def _install_hooks() -> None:
+    """Once per process: register the hooks on TRL's modules (run now for those already imported)."""
     if _HOOK:
         return
-    try:
-        import trl.trainer.utils as trl_utils
-    except Exception as error:  # a broken TRL must not break apply_fused_loss for models TRL never sees
-        _HOOK["refused"] = f"TRL is installed but could not be imported ({type(error).__name__}: {error})"
-        warnings.warn(f"hf_fused: {_HOOK['refused']}; its trainers cannot be served.", stacklevel=3)
-        return
+    _HOOK["installed"] = True
+    when_imported("trl.trainer.utils", _wrap_add_fused_lm_head)
+    for module_name in _TRAINERS_REFUSING_HEAD_ADAPTERS:
+        when_imported(module_name, _let_trainer_accept_lm_head_adapters)
+    when_imported("trl.trainer.distillation_trainer", _warn_on_distillation_trainer)
 
+
+def _wrap_add_fused_lm_head(trl_utils: types.ModuleType) -> None:
+    """Wrap ``add_fused_lm_head`` (see the module docstring) in ``trl.trainer.utils`` and in every loaded TRL module
+    that imported it; or, for a TRL whose protocol is not 1.16's, record why not and warn."""
     original = trl_utils.add_fused_lm_head
     _HOOK["original"] = original
     why = protocol_mismatch(trl_utils)
@@ -95,8 +104,6 @@ def _install_add_fused_lm_head_hook() -> None:
         name = getattr(module, "__name__", None)
         if isinstance(name, str) and name.startswith("trl") and vars(module).get("add_fused_lm_head") is original:
             module.add_fused_lm_head = add_fused_lm_head
-    _let_trainers_accept_lm_head_adapters()
-    _warn_on_distillation_trainer()
 
 
 #: TRL 1.16 trainers that refuse a PEFT adapter on lm_head (their head would read the bare weight).
@@ -107,27 +114,26 @@ _TRAINERS_REFUSING_HEAD_ADAPTERS = {
 }
 
 
-def _let_trainers_accept_lm_head_adapters() -> None:
+def _let_trainer_accept_lm_head_adapters(module: types.ModuleType) -> None:
     """TRL's trainers raise when a PEFT adapter sits on lm_head, because TRL's head would ignore it. On a patched
     model hf_fused computes the head with the adapter (:func:`hf_fused.model.lm_head.head_tensors`), so while such a
-    trainer is built around a patched model its lm_head check sees the layer under the adapter."""
-    for module_name, class_name in _TRAINERS_REFUSING_HEAD_ADAPTERS.items():
-        cls = getattr(importlib.import_module(module_name), class_name)
-        init = cls.__init__
-        if getattr(init, "__hf_fused__", False):
-            continue
+    trainer is built around a patched model its lm_head check sees the layer under the adapter. Not where hf_fused
+    refused TRL's protocol (TRL's head then computes, without the adapter)."""
+    if "refused" in _HOOK:
+        return
+    cls = getattr(module, _TRAINERS_REFUSING_HEAD_ADAPTERS[module.__name__])
+    init = cls.__init__
+    if getattr(init, "__hf_fused__", False):
+        return
 
-        def make(init):
-            @functools.wraps(init)
-            def __init__(self, *args, **kwargs):
-                model = kwargs.get("model", args[0] if args else None)
-                with lm_head_adapter_hidden_from_trl(model):
-                    init(self, *args, **kwargs)
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        model = kwargs.get("model", args[0] if args else None)
+        with lm_head_adapter_hidden_from_trl(model):
+            init(self, *args, **kwargs)
 
-            __init__.__hf_fused__ = True
-            return __init__
-
-        cls.__init__ = make(init)
+    __init__.__hf_fused__ = True
+    cls.__init__ = __init__
 
 
 @contextlib.contextmanager
@@ -174,13 +180,12 @@ def _patched_policy_of_trainer_being_built(model: nn.Module) -> Optional[nn.Modu
     return None
 
 
-def _warn_on_distillation_trainer() -> None:
+def _warn_on_distillation_trainer(module: types.ModuleType) -> None:
     """``DistillationTrainer`` computes a student–teacher divergence from the lm_head weights itself, which
     hf_fused has no op for: say so once when it is given a patched model, and leave it on TRL's kernel."""
-    try:
-        from trl.trainer.distillation_trainer import DistillationTrainer
-    except ImportError:
+    if "refused" in _HOOK:
         return
+    DistillationTrainer = module.DistillationTrainer
     init = DistillationTrainer.__init__
     if getattr(init, "__hf_fused__", False):
         return
