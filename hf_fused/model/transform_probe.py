@@ -122,7 +122,9 @@ def probe_logit_transform(causal_lm: nn.Module, input_ids: torch.Tensor) -> Logi
     if logits is None or logits.shape[-1] != _GRID.numel():
         raise FusedLossVerificationError(
             f"hf_fused could not read the logit transform of {name}: its forward does not return lm_head's "
-            f"output as logits of the same width. Pass verify=False to patch anyway (at your own risk)."
+            "output as logits of the same width. "
+            "Pass verify=False (to apply_fused_loss or LinearCrossEntropyLoss.from_model) to use the config's "
+            "transform anyway (at your own risk)."
         )
     got = logits.reshape(-1, _GRID.numel())[-1].double().cpu()
     rtol = _rtol(seen.get("dtype", logits.dtype), logits.dtype)
@@ -137,7 +139,8 @@ def probe_logit_transform(causal_lm: nn.Module, input_ids: torch.Tensor) -> Logi
         f"hf_fused could not reproduce the logit transform of {name}: for raw logits {_GRID.tolist()} its "
         f"forward returns {got.tolist()}, which neither the config's {candidates[0]} nor a fitted scale and "
         "soft-cap reproduce. This architecture transforms lm_head outputs in a way hf_fused does not "
-        "support. Pass verify=False to patch anyway (at your own risk)."
+        "support. Pass verify=False (to apply_fused_loss or LinearCrossEntropyLoss.from_model) to use the "
+        "config's transform anyway (at your own risk)."
     )
 
 
