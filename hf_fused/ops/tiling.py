@@ -83,14 +83,6 @@ def rows_per_tile(vocab_size: int, tile_budget_bytes: Optional[int] = None) -> i
     return max(1, check_tile_budget(tile_budget_bytes) // (TILE_BUFFERS * 4 * max(1, vocab_size)))
 
 
-def valid_rows(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Indices ``[M]`` (int64) of the rows of flat ``labels [N]`` that are not ``ignore_index``.
-
-    Ignored rows are compacted out here, before any matmul touches them.
-    """
-    return (labels != ignore_index).nonzero().squeeze(1)
-
-
 def tiles(rows: torch.Tensor, tile_rows: int) -> Iterator[torch.Tensor]:
     """Consecutive slices of the row index vector ``rows``, ``tile_rows`` at a time."""
     for start in range(0, rows.numel(), tile_rows):
@@ -166,7 +158,8 @@ def two_pass_plan(
         ValueError: if the budget is not a positive integer.
     """
     budget = check_tile_budget(tile_budget_bytes)
-    budget = max(budget - reserved_bytes, min(budget, MIN_TWO_PASS_TILE_BYTES))
+    if tile_budget_bytes is not None:  # the default rule bounds the tile alone
+        budget = max(budget - reserved_bytes, min(budget, MIN_TWO_PASS_TILE_BYTES))
     cols = budget // (max(n_rows, 1) * elem_bytes)
     if cols >= min(vocab_size, MIN_CHUNK_COLS):
         cols = min(vocab_size, max(CHUNK_COL_ALIGN, cols // CHUNK_COL_ALIGN * CHUNK_COL_ALIGN))
@@ -189,7 +182,6 @@ def describe_plan(
         size = one_pass_working_set(vocab_size, hidden_size, elem, need_weight, min(rows, max(n_rows, 1)))
         return f"one pass (6·N·H·V): {rows} rows per tile, {size / 2**30:.2f} GiB working set"
     kind, extra = hidden_accumulator(n_rows, hidden_size, weight.dtype, tile_budget_bytes)
-    block_rows, cols = two_pass_plan(n_rows, vocab_size, elem, tile_budget_bytes,
-                                     extra if tile_budget_bytes is not None else 0)
+    block_rows, cols = two_pass_plan(n_rows, vocab_size, elem, tile_budget_bytes, extra)
     return (f"two passes (8·N·H·V): {block_rows}×{cols} tile, {(block_rows * cols * elem + extra) / 2**30:.2f} "
             f"GiB working set with the hidden-state gradient's accumulator ({kind}, for {weight.dtype} hidden states)")

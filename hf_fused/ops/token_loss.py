@@ -177,8 +177,7 @@ class LinearTokenLossFunction(torch.autograd.Function):
         logp, ent = one_pass.logprobs, one_pass.entropy
         given.save_for_backward(ctx, lse, ent)
         n = head.labels.numel()
-        logprobs = hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, logp)
-        entropy = None if ent is None else hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, ent)
+        logprobs, entropy = per_token_outputs(hidden, rows, n, logp, ent, ent is not None)
         if entropy is None:
             ctx.mark_non_differentiable(logprobs)
         else:

@@ -189,7 +189,7 @@ class TritonCublasBackend:
             d_hidden_lo = torch.zeros(h.shape, dtype=h.dtype, device=h.device)
         elif need_hidden:
             d_hidden = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-        reserved = extra if need_hidden and head.tile_budget_bytes is not None else 0
+        reserved = extra if need_hidden else 0
         if need_weight:
             # In the given weight's dtype: fp32 for an fp32 weight under autocast (cuBLAS writes fp32 from the
             # bf16 operands), the compute dtype otherwise (one rounding, as eager's).
