@@ -145,17 +145,20 @@ def flatten_head_inputs(
     bad = kept & ((flat_labels < 0) | (flat_labels >= vocab_size))
     counts = [kept.sum(), bad.sum()]
     items_tensor = isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() == 1
-    if items_tensor:
-        counts.append(num_items_in_batch.detach().reshape(()).to(device=kept.device, dtype=torch.float64))
-    host = torch.stack([c.to(torch.float64) for c in counts]).tolist()  # the one host sync
+    if items_tensor:  # whether it is one finite number > 0, as an int64 flag (float64 is not on every device)
+        items = num_items_in_batch.detach().reshape(())
+        counts.append((torch.isfinite(items) & (items > 0)).to(device=kept.device, dtype=torch.int64))
+    host = torch.stack(counts).tolist()  # the one host sync
     if host[1]:
         first = flat_labels[bad][0].item()
         raise ValueError(
             f"labels contain {first}, outside [0, {vocab_size}) and not ignore_index={ignore_index}; "
             "mask padding with ignore_index or check the tokenizer/vocabulary size"
         )
-    if num_items_in_batch is not None:
-        num_items_in_batch = check_num_items(num_items_in_batch, host[2] if items_tensor else None)
+    if items_tensor and host[2]:
+        num_items_in_batch = num_items_in_batch.reshape(())  # valid: stays on its device
+    elif num_items_in_batch is not None:
+        num_items_in_batch = check_num_items(num_items_in_batch)  # a number, or raises naming the bad value
     return FlatHeadInputs(
         hidden=hidden.reshape(-1, hidden_size),
         weight=weight,
@@ -185,10 +188,10 @@ def check_per_token(values, labels: torch.Tensor, name: str) -> torch.Tensor:
     return values.detach().float()
 
 
-def check_num_items(num_items_in_batch, value: Optional[float] = None):
+def check_num_items(num_items_in_batch):
     """``num_items_in_batch`` (transformers' gradient-accumulation normalizer) as given, after checking that
     it is one finite number > 0: a Python number or a one-element tensor (a 0-d tensor on the model's
-    device is what ``Trainer`` passes). ``value``: the tensor's value when the caller already read it to the host.
+    device is what ``Trainer`` passes).
 
     Raises:
         ValueError: several elements, NaN, inf, or not > 0.
@@ -200,7 +203,7 @@ def check_num_items(num_items_in_batch, value: Optional[float] = None):
                 f"num_items_in_batch must be one number (the token count of the whole accumulated batch), got a "
                 f"tensor of shape {tuple(num_items_in_batch.shape)}"
             )
-        value = num_items_in_batch.item() if value is None else value
+        value = num_items_in_batch.item()
     elif isinstance(num_items_in_batch, (int, float)) and not isinstance(num_items_in_batch, bool):
         value = num_items_in_batch
     else:
