@@ -45,7 +45,7 @@ Rounding to bf16 is done on the bit pattern (round to nearest, ties to even, NaN
 with ``.to(tl.bfloat16)``: Triton's interpreter, which runs these kernels on CPU in CI, truncates
 fp32 → bf16 (Triton 3.9), and one code path on GPU and in CI is what the tests check. Under the
 interpreter the ``tl.dot`` operands are also widened to fp32 first (its ``tl.dot`` on bf16 reads the raw
-bits as integers); products of two bf16 or fp16 values are exact in fp32, so this changes nothing but the
+bits as integers); products of two bf16 values are exact in fp32, so this changes nothing but the
 order of the fp32 additions.
 
 Launch configuration: a fixed table keyed on the shape's class (:func:`default_config`), not
@@ -69,7 +69,7 @@ import triton.language as tl
 # bf16 only: an fp16 pair cannot hold a residual below fp16's subnormal spacing (2⁻²⁴), and on an H100 the
 # fp16 pair's largest error came out 1.7% above eager's one rounding after 5 chunks (bf16: no worse), so fp16
 # gradients keep the fp32 accumulator.
-_HALF_DTYPES = (torch.bfloat16,)
+_PAIR_DTYPE = torch.bfloat16
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)  # |s| ≤ this is "s is finite" (NaN compares false)
 
 
@@ -136,30 +136,22 @@ def default_config(m: int, n: int, device: torch.device) -> GemmConfig:
 
 
 @triton.jit
-def _to_fp32(x, IS_BF16: tl.constexpr):
-    """A bf16 or fp16 block as fp32, exactly (bf16: the 16 bits on top of a zero low half)."""
-    if IS_BF16:
-        wide = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        wide = x.to(tl.float32)
-    return wide
+def _to_fp32(x):
+    """A bf16 block as fp32, exactly: the 16 bits on top of a zero low half."""
+    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _round(x, IS_BF16: tl.constexpr):
-    """fp32 → (the bf16/fp16 value to store, that value as fp32), round to nearest, ties to even."""
-    if IS_BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        # Adding 0x7FFF plus the lowest kept bit carries into the kept half exactly when the dropped half
-        # is above one half, or equal to it with an odd kept half; overflow rounds to ±inf as it should.
-        kept = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        kept = tl.where(x != x, 0x7FC0, kept)  # NaN stays NaN (its low bits could carry into the sign)
-        value = (kept << 16).to(tl.float32, bitcast=True)
-        stored = kept.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        stored = x.to(tl.float16)
-        value = stored.to(tl.float32)
-    return stored, value  # one return: the compiler types every return of a function, taken or not
+def _round(x):
+    """fp32 → (the bf16 value to store, that value as fp32), round to nearest, ties to even."""
+    bits = x.to(tl.uint32, bitcast=True)
+    # Adding 0x7FFF plus the lowest kept bit carries into the kept half exactly when the dropped half
+    # is above one half, or equal to it with an odd kept half; overflow rounds to ±inf as it should.
+    kept = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    kept = tl.where(x != x, 0x7FC0, kept)  # NaN stays NaN (its low bits could carry into the sign)
+    value = (kept << 16).to(tl.float32, bitcast=True)
+    stored = kept.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return stored, value
 
 
 @triton.jit
@@ -167,7 +159,7 @@ def _compensated_addmm_kernel(
     A, B, HI, LO, HI_ROWS, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_hm, stride_hn, stride_lm, stride_ln,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, AB_BF16: tl.constexpr, OUT_BF16: tl.constexpr, WIDEN_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr, WIDEN_DOT: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr, GATHER_HI: tl.constexpr,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``(HI, LO) += A @ B`` (see the module docstring for the epilogue);
@@ -201,7 +193,7 @@ def _compensated_addmm_kernel(
             a = tl.load(a_ptrs, mask=m_ok[:, None] & (rk[None, :] < k_left), other=0.0)
             b = tl.load(b_ptrs, mask=(rk[:, None] < k_left) & n_ok[None, :], other=0.0)
         if WIDEN_DOT:
-            acc = tl.dot(_to_fp32(a, AB_BF16), _to_fp32(b, AB_BF16), acc)
+            acc = tl.dot(_to_fp32(a), _to_fp32(b), acc)
         else:
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
@@ -213,23 +205,21 @@ def _compensated_addmm_kernel(
     # The epilogue in EPILOGUE_SPLIT column slices: a whole 128×256 tile's hi, lo and fold temporaries next to
     # its accumulator need more than 255 registers per thread (ptxas spills ~600 bytes of stack, sm_90).
     if EPILOGUE_SPLIT == 1:
-        _fold(acc, HI, LO, rm, hm, rn, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
+        _fold(acc, HI, LO, rm, hm, rn, M, N, stride_hm, stride_hn, stride_lm, stride_ln)
     else:
         left, right = _halves(acc, BLOCK_M, BLOCK_N // 2)
         rn_left = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
         if EPILOGUE_SPLIT == 2:
-            _fold(left, HI, LO, rm, hm, rn_left, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
-            _fold(right, HI, LO, rm, hm, rn_left + BLOCK_N // 2, M, N, stride_hm, stride_hn, stride_lm, stride_ln,
-                  OUT_BF16)
+            _fold(left, HI, LO, rm, hm, rn_left, M, N, stride_hm, stride_hn, stride_lm, stride_ln)
+            _fold(right, HI, LO, rm, hm, rn_left + BLOCK_N // 2, M, N, stride_hm, stride_hn, stride_lm, stride_ln)
         else:
             q0, q1 = _halves(left, BLOCK_M, BLOCK_N // 4)
             q2, q3 = _halves(right, BLOCK_M, BLOCK_N // 4)
             rn_q = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 4)
-            _fold(q0, HI, LO, rm, hm, rn_q, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
-            _fold(q1, HI, LO, rm, hm, rn_q + BLOCK_N // 4, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
-            _fold(q2, HI, LO, rm, hm, rn_q + BLOCK_N // 2, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16)
-            _fold(q3, HI, LO, rm, hm, rn_q + 3 * (BLOCK_N // 4), M, N, stride_hm, stride_hn, stride_lm, stride_ln,
-                  OUT_BF16)
+            _fold(q0, HI, LO, rm, hm, rn_q, M, N, stride_hm, stride_hn, stride_lm, stride_ln)
+            _fold(q1, HI, LO, rm, hm, rn_q + BLOCK_N // 4, M, N, stride_hm, stride_hn, stride_lm, stride_ln)
+            _fold(q2, HI, LO, rm, hm, rn_q + BLOCK_N // 2, M, N, stride_hm, stride_hn, stride_lm, stride_ln)
+            _fold(q3, HI, LO, rm, hm, rn_q + 3 * (BLOCK_N // 4), M, N, stride_hm, stride_hn, stride_lm, stride_ln)
 
 
 @triton.jit
@@ -239,21 +229,21 @@ def _halves(x, ROWS: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _fold(acc, HI, LO, rm, hm, rn, M, N, stride_hm, stride_hn, stride_lm, stride_ln, OUT_BF16: tl.constexpr):
+def _fold(acc, HI, LO, rm, hm, rn, M, N, stride_hm, stride_hn, stride_lm, stride_ln):
     """``(HI[hm], LO[rm])[:, rn] ← split(HI + LO + acc)`` for an fp32 product block ``acc [len(rm), len(rn)]``
     (``hm``: the rows of ``HI``, ``rm`` itself unless gathered): the TwoSum fold of the module docstring."""
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     hi_ptrs = HI + hm[:, None].to(tl.int64) * stride_hm + rn[None, :] * stride_hn
     lo_ptrs = LO + rm[:, None].to(tl.int64) * stride_lm + rn[None, :] * stride_ln
-    h = _to_fp32(tl.load(hi_ptrs, mask=mask, other=0.0), OUT_BF16)
-    low = _to_fp32(tl.load(lo_ptrs, mask=mask, other=0.0), OUT_BF16)
+    h = _to_fp32(tl.load(hi_ptrs, mask=mask, other=0.0))
+    low = _to_fp32(tl.load(lo_ptrs, mask=mask, other=0.0))
     s = h + acc
     bp = s - h
     e = (h - (s - bp)) + (acc - bp)
     # A non-finite s makes e NaN (inf − inf): keep s itself, so an overflow or inf stays ±inf as in eager.
     t = tl.where(tl.abs(s) <= _FP32_MAX, s + (low + e), s)
-    hi_new, hi32 = _round(t, OUT_BF16)
-    lo_new, _ = _round(t - hi32, OUT_BF16)
+    hi_new, hi32 = _round(t)
+    lo_new, _ = _round(t - hi32)
     tl.store(hi_ptrs, hi_new, mask=mask)
     tl.store(lo_ptrs, lo_new, mask=mask)
 
@@ -292,7 +282,7 @@ def compensated_addmm_(
     Raises:
         ValueError: on shapes that do not chain, tensors on different devices, or ``hi``/``lo`` memory that
             overlaps each other or ``a``/``b`` (the kernel reads one while writing the other).
-        TypeError: on a dtype other than bf16 (fp16 is refused: see ``_HALF_DTYPES``).
+        TypeError: on a dtype other than bf16 (fp16 is refused: see ``_PAIR_DTYPE``).
 
     Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before Triton is imported).
     """
@@ -305,7 +295,7 @@ def compensated_addmm_(
             hi.shape != (hi_m, b.shape[1]) or lo.shape != (a.shape[0], b.shape[1]):
         raise ValueError(f"compensated_addmm_ needs hi, lo [M, N], a [M, K], b [K, N]; got hi {tuple(hi.shape)}, "
                          f"lo {tuple(lo.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}")
-    if a.dtype not in _HALF_DTYPES or b.dtype != a.dtype or hi.dtype not in _HALF_DTYPES or lo.dtype != hi.dtype:
+    if any(t.dtype != _PAIR_DTYPE for t in (a, b, hi, lo)):
         raise TypeError(f"compensated_addmm_ needs bf16 a, b, hi and lo (fp16 gradients: use an fp32 accumulator); "
                         f"got a {a.dtype}, b {b.dtype}, hi {hi.dtype}, lo {lo.dtype}")
     if len({t.device for t in (hi, lo, a, b)}) != 1:
@@ -329,8 +319,8 @@ def compensated_addmm_(
             a, b, hi, lo, lo if hi_rows is None else hi_rows, m, n, k,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), hi.stride(0), hi.stride(1), lo.stride(0), lo.stride(1),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-            EVEN_K=k % config.block_k == 0, AB_BF16=a.dtype == torch.bfloat16, OUT_BF16=hi.dtype == torch.bfloat16,
-            WIDEN_DOT=not hi.is_cuda, EPILOGUE_SPLIT=config.epilogue_split, GATHER_HI=hi_rows is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+            EVEN_K=k % config.block_k == 0, WIDEN_DOT=not hi.is_cuda, EPILOGUE_SPLIT=config.epilogue_split,
+            GATHER_HI=hi_rows is not None, num_warps=config.num_warps, num_stages=config.num_stages,
         )
 
 
