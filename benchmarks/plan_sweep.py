@@ -23,6 +23,7 @@ import torch
 
 from hf_fused.ops import LogitTransform, linear_cross_entropy, linear_logprobs
 from hf_fused.ops.backends.triton_cublas import TritonCublasBackend, _addmm_f32_
+from hf_fused.ops.tiling import LeanPlan, hidden_accumulator, lean_two_pass_plan, two_pass_plan
 from .measure import free_memory, median_ms
 from .report import text_table
 
@@ -63,7 +64,8 @@ def _forced_plan(plan):
     """Replace the planner for one measurement (``None`` keeps the real one)."""
     original = TritonCublasBackend.__dict__["_plan"]  # the staticmethod object itself
     if plan is not None:
-        TritonCublasBackend._plan = staticmethod(lambda *a, **k: plan)
+        forced = LeanPlan(*plan, gather_rows=False, bytes=0)
+        TritonCublasBackend._plan = staticmethod(lambda *a, **k: forced)
     return original
 
 
@@ -173,7 +175,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         kind, m, h, v = spec.split(":")
         m, h, v = int(m), int(h), int(v)
         hidden, weight, labels, g_lp, g_ent = _inputs(kind, m, h, v, device)
-        default_plan = TritonCublasBackend._plan(m, v, 2, args.budget)
+        if args.budget is None:
+            default_plan = two_pass_plan(m, v, 2, None)
+        else:  # every row kept (the sweep's inputs) and bf16: the lean plan's compensated pair
+            _, residual = hidden_accumulator(m, h, torch.bfloat16, args.budget)
+            lean = lean_two_pass_plan(m, h, v, 2, args.budget, reserved_bytes=residual,
+                                      accumulator_row_bytes=4 * h + 2 * residual // m, weight_chunk=True)
+            default_plan = (lean.block_rows, lean.cols)
         plans = {"default": None, "split2": (math.ceil(m / 2), min(v, default_plan[1] * 2))}
         plans.update({f"cols={c}": (m, c) for c in map(int, args.cols.split(","))})
         flops = (6 if kind == "ce" else 8) * m * h * v

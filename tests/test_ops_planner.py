@@ -30,6 +30,28 @@ def _free(monkeypatch, free):
 def test_working_set_is_the_fp32_accumulator_plus_the_tile():
     assert NEEDED == V * H * 4 + ONE_PASS_TILE_ROWS * V * BF16
     assert one_pass_working_set(V, H, BF16, False, 100) == 100 * V * BF16  # frozen head: no accumulator
+    assert one_pass_working_set(V, H, BF16, False, 100, 7) == 100 * V * BF16 + 7  # the call's rows' buffers
+
+
+def test_one_pass_counts_the_kept_rows_buffers():
+    """The one pass also holds the kept rows' fp32 hidden gradient (until backward) and, when rows are ignored,
+    their compact copy: the backend passes both to the planner, and an explicit budget covers them."""
+    pytest.importorskip("triton")
+    from hf_fused.ops import LogitTransform
+    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
+
+    n, kept = 32768, 29491
+    weight = torch.empty(V, H, dtype=torch.bfloat16, device="meta")
+    hidden = torch.empty(n, H, dtype=torch.bfloat16, device="meta")
+    head = HeadInputs(hidden, weight, None, torch.empty(n, dtype=torch.long, device="meta"),
+                      torch.empty(kept, dtype=torch.long, device="meta"), LogitTransform(), None)
+    extra = TritonCublasBackend._one_pass_extra_bytes(head, need_hidden=True)
+    assert extra == kept * H * (4 + BF16)
+    assert TritonCublasBackend._one_pass_extra_bytes(replace(head, rows=head.rows[:0].new_empty(n)), True) == n * H * 4
+    budget = V * H * 4 + MIN_ONE_PASS_ROWS * V * BF16
+    assert one_pass_rows(V, H, BF16, True, budget, CUDA) == MIN_ONE_PASS_ROWS
+    assert one_pass_rows(V, H, BF16, True, budget, CUDA, extra) == 0
+    assert one_pass_rows(V, H, BF16, True, budget + extra, CUDA, extra) == MIN_ONE_PASS_ROWS
 
 
 @pytest.mark.parametrize("share,expected", [(1.0, ONE_PASS_TILE_ROWS), (1.01, ONE_PASS_TILE_ROWS), (0.99, 0)])
@@ -91,7 +113,7 @@ def test_gpu_backend_asks_the_planner(monkeypatch):
                         lambda *a: seen.append(a) or 0)
     weight = torch.empty(V, H, dtype=torch.bfloat16, device="meta")
     assert TritonCublasBackend._one_pass_rows(weight, True, None) == 0
-    assert seen == [(V, H, BF16, True, None, weight.device)]
+    assert seen == [(V, H, BF16, True, None, weight.device, 0)]
 
 
 # -- the two passes' hidden-gradient accumulator ---------------------------------------------------------
@@ -136,7 +158,8 @@ def test_gpu_two_pass_accumulates_a_bf16_hidden_gradient_as_a_compensated_pair()
     rows = torch.arange(n)[torch.arange(n) % 5 != 0]  # ignored tokens: the pair writes hidden's whole gradient
     backend, transform = TritonCublasBackend(), LogitTransform()
     m = rows.numel()
-    budget = m * 2048 * 2 + tiling.hidden_accumulator(m, h, torch.bfloat16, 1)[1]  # all rows × 2048 columns + residual
+    # all rows × 2048 columns + the residual + the compact copy of the kept rows
+    budget = m * 2048 * 2 + tiling.hidden_accumulator(m, h, torch.bfloat16, 1)[1] + m * h * 2
     head = HeadInputs(hidden, weight, None, labels, rows, transform, budget)
     lse = backend.logprobs_forward(head).lse
     g_lp = torch.randn(m, generator=g)
@@ -175,3 +198,107 @@ def test_gpu_two_pass_accumulates_a_bf16_hidden_gradient_as_a_compensated_pair()
     assert differs.float().mean() <= 0.01, differs.float().mean()
     ulp = (rounded.float().abs() * 2.0**-7).clamp(min=2.0**-126)
     assert ((pair.float() - rounded.float()).abs()[differs] <= ulp[differs]).all()
+
+
+# -- an explicit budget bounds the lean two passes' whole working set --------------------------------------
+
+LEAN_M = 29_491  # 32768 tokens, 10% ignored: the benchmark's cross-entropy shape
+
+
+def _lean(budget, residual=2, copy=True, weight_chunk=True):
+    return tiling.lean_two_pass_plan(
+        LEAN_M, H, V, BF16, budget, reserved_bytes=LEAN_M * H * residual, copy_bytes=LEAN_M * H * BF16 if copy else 0,
+        gather_row_bytes=H * BF16, accumulator_row_bytes=H * (2 * BF16 + 2 * residual), weight_chunk=weight_chunk)
+
+
+@pytest.mark.parametrize("budget_mib", [256, 384, 1024])
+@pytest.mark.parametrize("residual", [1, 2])
+def test_lean_plan_holds_the_whole_working_set_within_the_budget(budget_mib, residual):
+    budget = budget_mib * 2**20
+    plan = _lean(budget, residual)
+    # counted independently: residual, the kept rows (a compact copy or one gathered block), the tile, and the
+    # fp32 weight-gradient chunk when several row blocks add into it
+    rows = plan.block_rows * H * BF16 if plan.gather_rows else LEAN_M * H * BF16
+    chunk = plan.cols * H * 4 if plan.block_rows < LEAN_M else 0
+    assert LEAN_M * H * residual + rows + plan.block_rows * plan.cols * BF16 + chunk == plan.bytes <= budget
+    assert plan.cols >= tiling.MIN_CHUNK_COLS and plan.cols % tiling.CHUNK_COL_ALIGN == 0
+
+
+def test_lean_plan_gathers_rows_only_when_a_compact_copy_leaves_too_little():
+    # 256 MiB: residual 115 + copy 115 MiB would leave 26 MiB for tile and weight chunk: gather row blocks
+    assert _lean(256 * 2**20).gather_rows
+    # 1 GiB: the copy fits beside a tile of every kept row: no per-chunk gather, one row block
+    plan = _lean(2**30)
+    assert not plan.gather_rows and plan.block_rows == LEAN_M
+
+
+def test_lean_plan_without_ignored_rows_reads_hidden_in_place():
+    plan = _lean(256 * 2**20, copy=False)  # every row kept: nothing to copy or gather
+    assert not plan.gather_rows
+    assert plan.bytes == LEAN_M * H * 2 + plan.block_rows * plan.cols * BF16 + (
+        plan.cols * H * 4 if plan.block_rows < LEAN_M else 0)
+
+
+def test_lean_plan_moves_fewer_bytes_with_wider_chunks():
+    # With a gather, every chunk re-reads the kept rows and the pair: the plan takes fewer, wider chunks over
+    # more row blocks (here 4 blocks × 5120 columns) rather than the narrowest chunks under all rows.
+    plan = _lean(256 * 2**20)
+    assert plan.block_rows < LEAN_M and plan.cols > 2 * tiling.MIN_CHUNK_COLS
+
+
+def test_lean_plan_keeps_the_tile_floor_when_nothing_fits():
+    budget = 64 * 2**20  # below the residual alone (115 MiB)
+    plan = _lean(budget)
+    assert plan.bytes > budget and not plan.gather_rows
+    assert plan.block_rows * plan.cols * BF16 <= tiling.MIN_TWO_PASS_TILE_BYTES
+
+
+def test_gpu_two_pass_gathered_row_blocks_match_the_compact_copy(monkeypatch):
+    """The triton backend's two passes (CPU, Triton's interpreter) with the same tile, once from one compact copy
+    of the kept rows and once gathering each row block per chunk: bit-identical statistics and gradients (the
+    same operands reach the same matmuls), for bf16 hidden states and for fp32 ones cast to a bf16 weight."""
+    pytest.importorskip("triton")
+    from hf_fused.ops import LogitTransform
+    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
+
+    g = torch.Generator().manual_seed(1)
+    n, h, v = 40, 32, 4300
+    weight = (torch.randn(v, h, generator=g) * 0.5).bfloat16()
+    labels = torch.randint(0, v, (n,), generator=g)
+    rows = torch.arange(n)[torch.arange(n) % 3 != 1]
+    m = rows.numel()
+    g_lp, g_ent = torch.randn(m, generator=g), torch.randn(m, generator=g)
+    need = NeededGrads(hidden=True, weight=True, bias=False)
+    backend = TritonCublasBackend()
+    for hidden in (torch.randn(n, h, generator=g).bfloat16(), torch.randn(n, h, generator=g)):
+        head = HeadInputs(hidden, weight, None, labels, rows, LogitTransform(), 2**20)
+        results = []
+        for gather in (False, True):
+            forced = tiling.LeanPlan(block_rows=10, cols=2048, gather_rows=gather, bytes=0)
+            monkeypatch.setattr(TritonCublasBackend, "_plan", staticmethod(lambda *a, **k: forced))
+            fwd = backend.logprobs_forward(head, return_entropy=True)
+            grads = backend.logprobs_backward(head, fwd.lse, fwd.entropy, g_lp, g_ent, need=need)
+            results.append((fwd.logprobs, fwd.entropy, fwd.lse, grads.hidden, grads.weight))
+        for compact, gathered in zip(*results):
+            assert torch.equal(compact, gathered)
+        assert results[0][3].dtype == (torch.bfloat16 if hidden.dtype == torch.bfloat16 else torch.float32)
+
+
+def test_gpu_two_pass_plans_within_an_explicit_budget():
+    """The backend hands the planner everything it will hold: with 10 of 40 rows ignored and a budget just above
+    the residual, the plan gathers row blocks and counts the gather buffer and the weight-gradient chunk."""
+    pytest.importorskip("triton")
+    from hf_fused.ops import LogitTransform
+    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
+
+    n, h, v = 4000, 64, 4300
+    hidden = torch.zeros(n, h, dtype=torch.bfloat16)
+    weight = torch.zeros(v, h, dtype=torch.bfloat16)
+    rows = torch.arange(n)[torch.arange(n) % 4 != 0]
+    m = rows.numel()
+    kind, residual = tiling.hidden_accumulator(m, h, torch.bfloat16, 1)
+    budget = residual + 2048 * (1024 * BF16 + h * BF16) + 2048 * h * 4
+    head = HeadInputs(hidden, weight, None, torch.zeros(n, dtype=torch.long), rows, LogitTransform(), budget)
+    plan = TritonCublasBackend._plan(head, reserved_bytes=residual, accumulator_row_bytes=h * 6, weight_chunk=True)
+    assert kind == "pair" and plan.gather_rows and plan.bytes <= budget
+    assert plan.bytes == residual + plan.block_rows * (plan.cols + h) * BF16 + plan.cols * h * 4

@@ -13,21 +13,25 @@ The GPU backend has two schedules (:mod:`hf_fused.ops.backends.triton_cublas`):
   gradient pass also accumulates the hidden-state gradient across vocabulary chunks (:func:`hidden_accumulator`):
   under the default rule in an fp32 ``[M, H]`` buffer beside a ``DEFAULT_TILE_BUDGET_BYTES`` tile (cuBLAS
   writes it: the fastest two passes); under an explicit budget, for a bf16 gradient, as a compensated pair
-  (the gradient itself plus a bf16 residual of ``2·M·H`` bytes, no less accurate than the fp32 buffer,
-  :mod:`hf_fused.ops.backends.compensated`; ~10% slower), and the budget then covers the tile and that
-  accumulator together (:func:`two_pass_plan`). An fp32 gradient is its own accumulator.
+  (the gradient itself plus a residual, no less accurate than the fp32 buffer,
+  :mod:`hf_fused.ops.backends.compensated`; ~10% slower). An fp32 gradient is its own accumulator. Under an
+  explicit budget the budget covers the whole working set (:func:`lean_two_pass_plan`): that residual, the kept
+  hidden rows (one compact copy, or each row block gathered again for every vocabulary chunk when the copy
+  would leave too little), the tile, and an fp32 weight-gradient chunk when several row blocks add into it.
 
 **The default rule** (``tile_budget_bytes=None``) on a CUDA device: the one pass with
 ``ONE_PASS_TILE_ROWS`` rows per tile whenever its working set fits in ``ONE_PASS_FREE_SHARE`` of the memory
 free on the device at the call (the driver's free memory plus what PyTorch's allocator holds unused);
 otherwise two passes with a ``DEFAULT_TILE_BUDGET_BYTES`` tile. An explicit ``tile_budget_bytes`` is a hard
-bound instead: the one pass only if the budget holds its working set with at least ``MIN_ONE_PASS_ROWS``
-rows, otherwise two passes within the budget. On other devices the default is that bound at
+bound instead: the one pass only if the budget holds its working set (the accumulator, the kept rows' fp32
+hidden gradient and compact copy, and a tile of at least ``MIN_ONE_PASS_ROWS`` rows), otherwise two passes
+within the budget. On other devices the default is that bound at
 ``DEFAULT_TILE_BUDGET_BYTES``. :func:`describe_plan` says which schedule a call would take.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
@@ -92,10 +96,14 @@ def tiles(rows: torch.Tensor, tile_rows: int) -> Iterator[torch.Tensor]:
 # -- the GPU backend's schedules ------------------------------------------------------------------------
 
 
-def one_pass_working_set(vocab_size: int, hidden_size: int, elem_bytes: int, need_weight: bool, rows: int) -> int:
+def one_pass_working_set(
+    vocab_size: int, hidden_size: int, elem_bytes: int, need_weight: bool, rows: int, extra_bytes: int = 0
+) -> int:
     """Bytes the GPU one pass holds beyond inputs and outputs: the fp32 ``[V, H]`` accumulator (when the
-    weight needs a gradient) and a ``[rows, V]`` tile in the weight's dtype."""
-    return (vocab_size * hidden_size * 4 if need_weight else 0) + rows * vocab_size * elem_bytes
+    weight needs a gradient), a ``[rows, V]`` tile in the weight's dtype, and ``extra_bytes`` (what depends on
+    the call's token rows: the kept rows' fp32 hidden-state gradient, held until backward, and their compact
+    copy)."""
+    return (vocab_size * hidden_size * 4 if need_weight else 0) + rows * vocab_size * elem_bytes + extra_bytes
 
 
 def free_device_bytes(device: torch.device) -> Optional[int]:
@@ -114,8 +122,10 @@ def one_pass_rows(
     need_weight: bool,
     tile_budget_bytes: Optional[int],
     device: torch.device,
+    extra_bytes: int = 0,
 ) -> int:
-    """Rows per full-vocabulary tile of the GPU one pass, or 0 for the two passes (module docstring's rule).
+    """Rows per full-vocabulary tile of the GPU one pass, or 0 for the two passes (module docstring's rule);
+    ``extra_bytes`` as in :func:`one_pass_working_set`.
 
     Raises:
         ValueError: if an explicit budget is not a positive integer.
@@ -123,10 +133,11 @@ def one_pass_rows(
     if tile_budget_bytes is None:
         free = free_device_bytes(device)
         if free is not None:
-            needed = one_pass_working_set(vocab_size, hidden_size, elem_bytes, need_weight, ONE_PASS_TILE_ROWS)
+            needed = one_pass_working_set(vocab_size, hidden_size, elem_bytes, need_weight, ONE_PASS_TILE_ROWS,
+                                          extra_bytes)
             return ONE_PASS_TILE_ROWS if needed <= ONE_PASS_FREE_SHARE * free else 0
     budget = check_tile_budget(tile_budget_bytes)
-    rows = (budget - one_pass_working_set(vocab_size, hidden_size, elem_bytes, need_weight, 0)) // (
+    rows = (budget - one_pass_working_set(vocab_size, hidden_size, elem_bytes, need_weight, 0, extra_bytes)) // (
         vocab_size * elem_bytes
     )
     return rows if rows >= MIN_ONE_PASS_ROWS else 0
@@ -149,39 +160,133 @@ def hidden_accumulator(
 def two_pass_plan(
     n_rows: int, vocab_size: int, elem_bytes: int, tile_budget_bytes: Optional[int], reserved_bytes: int = 0
 ) -> tuple[int, int]:
-    """``(rows per block, columns per chunk)`` of the GPU two passes: one ``[rows, cols]`` tile in the weight's
-    dtype within the budget (``DEFAULT_TILE_BUDGET_BYTES`` by default) less ``reserved_bytes`` (under an explicit
-    budget, the gradient pass's hidden accumulator, :func:`hidden_accumulator`) but at least
-    ``MIN_TWO_PASS_TILE_BYTES``, chunks at least ``MIN_CHUNK_COLS`` wide.
+    """``(rows per block, columns per chunk)`` of one ``[rows, cols]`` tile in the weight's dtype within the budget
+    (``DEFAULT_TILE_BUDGET_BYTES`` by default) less ``reserved_bytes`` but at least ``MIN_TWO_PASS_TILE_BYTES``,
+    chunks at least ``MIN_CHUNK_COLS`` wide: the tile of the GPU two passes under the default rule (where the
+    budget bounds the tile alone); :func:`lean_two_pass_plan` plans an explicit budget's whole working set.
 
     Raises:
         ValueError: if the budget is not a positive integer.
     """
     budget = check_tile_budget(tile_budget_bytes)
-    if tile_budget_bytes is not None:  # the default rule bounds the tile alone
+    if tile_budget_bytes is not None:
         budget = max(budget - reserved_bytes, min(budget, MIN_TWO_PASS_TILE_BYTES))
     cols = budget // (max(n_rows, 1) * elem_bytes)
     if cols >= min(vocab_size, MIN_CHUNK_COLS):
-        cols = min(vocab_size, max(CHUNK_COL_ALIGN, cols // CHUNK_COL_ALIGN * CHUNK_COL_ALIGN))
-        return max(n_rows, 1), cols
+        return max(n_rows, 1), _aligned_cols(cols, vocab_size)
     cols = min(vocab_size, MIN_CHUNK_COLS)
     return max(1, min(n_rows, budget // (cols * elem_bytes))), cols
 
 
+def _aligned_cols(cols: int, vocab_size: int) -> int:
+    return min(vocab_size, max(CHUNK_COL_ALIGN, cols // CHUNK_COL_ALIGN * CHUNK_COL_ALIGN))
+
+
+@dataclass(frozen=True)
+class LeanPlan:
+    """The GPU two passes under an explicit ``tile_budget_bytes`` (:func:`lean_two_pass_plan`).
+
+    block_rows, cols: the ``[block_rows, cols]`` tile. gather_rows: the kept hidden rows are gathered block by
+    block into a ``[block_rows, H]`` buffer for every vocabulary chunk, instead of one compact copy of all of
+    them. bytes: the working set the plan holds (at most the budget, but for the floor of
+    ``MIN_TWO_PASS_TILE_BYTES`` when the budget cannot hold even that)."""
+
+    block_rows: int
+    cols: int
+    gather_rows: bool
+    bytes: int
+
+
+#: Block rows the lean plan tries below all of them (halving down to this): smaller row blocks make the fp32
+#: weight-gradient chunk accumulate more often than narrower chunks cost.
+MIN_LEAN_BLOCK_ROWS = 1024
+
+
+def lean_two_pass_plan(
+    n_rows: int, hidden_size: int, vocab_size: int, elem_bytes: int, tile_budget_bytes: int, *,
+    reserved_bytes: int = 0, copy_bytes: int = 0, gather_row_bytes: int = 0, accumulator_row_bytes: int = 0,
+    weight_chunk: bool = False,
+) -> LeanPlan:
+    """The tile of the GPU two passes when ``tile_budget_bytes`` is given: a hard bound on everything the pass
+    holds beyond its inputs and outputs, not on the tile alone.
+
+    The working set: ``reserved_bytes`` (the hidden gradient's accumulator, :func:`hidden_accumulator`); the
+    kept hidden rows in the weight's dtype, either one compact copy (``copy_bytes``, 0 when every row is kept)
+    or a ``[block_rows, H]`` gather buffer (``gather_row_bytes`` per row); the ``[block_rows, cols]`` tile; and
+    when several row blocks add into one vocabulary chunk's weight gradient (``weight_chunk``), its fp32
+    ``[cols, H]`` buffer. Among the plans that fit (all rows per block, or halving down to
+    ``MIN_LEAN_BLOCK_ROWS``, or the most rows beside a ``MIN_CHUNK_COLS`` chunk; each with its widest chunk), the one that moves the
+    fewest bytes in what it repeats: per vocabulary chunk, the accumulator's read and write
+    (``accumulator_row_bytes`` per row) and the gather; per row block and chunk, the fp32 weight-gradient
+    chunk's read and write (ties go to the compact copy). When nothing fits, the plan of
+    :func:`two_pass_plan` with a ``MIN_TWO_PASS_TILE_BYTES`` floor (and its ``bytes`` then exceeds the budget).
+
+    Raises:
+        ValueError: if the budget is not a positive integer.
+    """
+    budget = check_tile_budget(tile_budget_bytes)
+    m = max(n_rows, 1)
+    best: Optional[tuple[int, LeanPlan]] = None
+    hidden_ways = [(False, copy_bytes, 0)] + ([(True, 0, gather_row_bytes)] if copy_bytes else [])
+    for gather, fixed, row_bytes in hidden_ways:
+        avail = budget - reserved_bytes - fixed
+        narrow = min(vocab_size, MIN_CHUNK_COLS)
+        # the most rows beside the narrowest chunk, then all rows and halvings with their widest chunks
+        most = (avail - narrow * hidden_size * 4 * weight_chunk) // (narrow * elem_bytes + row_bytes)
+        candidates = {min(m, most)} if most >= 1 else set()
+        block_rows = m
+        while block_rows == m or block_rows >= MIN_LEAN_BLOCK_ROWS:
+            candidates.add(block_rows)
+            block_rows //= 2
+        for block_rows in sorted(candidates, reverse=True):
+            split = block_rows < m and weight_chunk
+            # block_rows·(cols·e + row_bytes) + [split]·cols·H·4 ≤ avail
+            cols = (avail - block_rows * row_bytes) // (block_rows * elem_bytes + (hidden_size * 4 if split else 0))
+            if cols < narrow:
+                continue
+            cols = _aligned_cols(cols, vocab_size)
+            chunks, blocks = -(-vocab_size // cols), -(-m // block_rows)
+            moved = chunks * m * (accumulator_row_bytes + 2 * row_bytes)
+            moved += chunks * blocks * cols * hidden_size * 8 if split else 0
+            used = fixed + reserved_bytes + block_rows * (cols * elem_bytes + row_bytes)
+            used += cols * hidden_size * 4 if split else 0
+            if best is None or moved < best[0]:
+                best = (moved, LeanPlan(block_rows, cols, gather, used))
+    if best is not None:
+        return best[1]
+    block_rows, cols = two_pass_plan(n_rows, vocab_size, elem_bytes, tile_budget_bytes, reserved_bytes + copy_bytes)
+    split = block_rows < m and weight_chunk
+    used = reserved_bytes + copy_bytes + block_rows * cols * elem_bytes + (cols * hidden_size * 4 if split else 0)
+    return LeanPlan(block_rows, cols, False, used)
+
+
 def describe_plan(
-    weight: torch.Tensor, *, n_rows: int, tile_budget_bytes: Optional[int] = None, need_weight: Optional[bool] = None
+    weight: torch.Tensor, *, n_rows: int, tile_budget_bytes: Optional[int] = None, need_weight: Optional[bool] = None,
+    n_tokens: Optional[int] = None,
 ) -> str:
-    """One line saying which GPU schedule a call with ``weight`` (``[V, H]``, on its device) and ``n_rows``
-    non-ignored tokens would take now, and its working set, e.g. for a log line. The torch reference
-    backend (CPU) always runs its one pass within ``rows_per_tile``."""
+    """One line saying which GPU schedule a call with ``weight`` (``[V, H]``, on its device), ``n_rows``
+    non-ignored tokens out of ``n_tokens`` (default: all kept) and hidden states in the weight's dtype that need a
+    gradient would take now, and its working set, e.g. for a log line. The torch reference backend (CPU)
+    always runs its one pass within ``rows_per_tile``."""
     vocab_size, hidden_size = weight.shape
     need_weight = weight.requires_grad if need_weight is None else need_weight
     elem = weight.element_size()
-    rows = one_pass_rows(vocab_size, hidden_size, elem, need_weight, tile_budget_bytes, weight.device)
+    copy = 0 if n_tokens is None or n_tokens == n_rows else n_rows * hidden_size * elem
+    extra = n_rows * hidden_size * 4 + copy
+    rows = one_pass_rows(vocab_size, hidden_size, elem, need_weight, tile_budget_bytes, weight.device, extra)
     if rows:
-        size = one_pass_working_set(vocab_size, hidden_size, elem, need_weight, min(rows, max(n_rows, 1)))
+        size = one_pass_working_set(vocab_size, hidden_size, elem, need_weight, min(rows, max(n_rows, 1)), extra)
         return f"one pass (6·N·H·V): {rows} rows per tile, {size / 2**30:.2f} GiB working set"
-    kind, extra = hidden_accumulator(n_rows, hidden_size, weight.dtype, tile_budget_bytes)
-    block_rows, cols = two_pass_plan(n_rows, vocab_size, elem, tile_budget_bytes, extra)
-    return (f"two passes (8·N·H·V): {block_rows}×{cols} tile, {(block_rows * cols * elem + extra) / 2**30:.2f} "
-            f"GiB working set with the hidden-state gradient's accumulator ({kind}, for {weight.dtype} hidden states)")
+    kind, acc = hidden_accumulator(n_rows, hidden_size, weight.dtype, tile_budget_bytes)
+    if tile_budget_bytes is None:
+        block_rows, cols = two_pass_plan(n_rows, vocab_size, elem, None)
+        size, rows_how = block_rows * cols * elem + acc + copy, "a compact copy" if copy else "in place"
+    else:
+        moved = 2 * hidden_size * elem + 2 * acc // max(n_rows, 1)
+        plan = lean_two_pass_plan(n_rows, hidden_size, vocab_size, elem, tile_budget_bytes, reserved_bytes=acc,
+                                  copy_bytes=copy, gather_row_bytes=hidden_size * elem, accumulator_row_bytes=moved,
+                                  weight_chunk=need_weight)
+        block_rows, cols, size = plan.block_rows, plan.cols, plan.bytes
+        rows_how = "gathered per block" if plan.gather_rows else "a compact copy" if copy else "in place"
+    return (f"two passes (8·N·H·V): {block_rows}×{cols} tile, {size / 2**30:.2f} GiB working set with the "
+            f"hidden-state gradient's accumulator ({kind}, for {weight.dtype} hidden states), kept rows {rows_how}")

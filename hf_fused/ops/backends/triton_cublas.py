@@ -32,8 +32,13 @@ import torch
 from ..grads import HeadGrads
 from ..head_inputs import HeadInputs, NeededGrads
 from ..logit_transform import LogitTransform
-from ..tiling import hidden_accumulator, one_pass_rows, two_pass_plan
+from ..tiling import LeanPlan, hidden_accumulator, lean_two_pass_plan, one_pass_rows, two_pass_plan
 from .compensated import compensated_addmm_
+
+try:  # the int8 residual (a concurrent change); bf16 before it
+    from .compensated import RESIDUAL_DTYPE
+except ImportError:  # pragma: no cover
+    RESIDUAL_DTYPE = torch.bfloat16
 from .protocol import HeadPass, TileGrads
 
 # Triton launch shapes, measured on an H200 (docs/gpu_results.md).
@@ -70,9 +75,25 @@ class TritonCublasBackend:
 
     # -- planning: every decision is :mod:`hf_fused.ops.tiling`'s ---------------------------------------
     @staticmethod
-    def _plan(n_rows: int, vocab_size: int, elem_bytes: int, tile_budget_bytes: Optional[int], reserved_bytes: int = 0):
-        """(rows per block, columns per chunk) of the two passes (:func:`~hf_fused.ops.tiling.two_pass_plan`)."""
-        return two_pass_plan(n_rows, vocab_size, elem_bytes, tile_budget_bytes, reserved_bytes)
+    def _plan(head: HeadInputs, *, reserved_bytes: int = 0, accumulator_row_bytes: int = 0,
+              weight_chunk: bool = False) -> LeanPlan:
+        """The two passes' tile for ``head``: under the default rule :func:`~hf_fused.ops.tiling.two_pass_plan`
+        (the tile alone within ``DEFAULT_TILE_BUDGET_BYTES``, one compact copy of the kept hidden rows); under an
+        explicit budget :func:`~hf_fused.ops.tiling.lean_two_pass_plan`, which counts the accumulator
+        (``reserved_bytes``, moving ``accumulator_row_bytes`` per row and chunk), the kept rows (a compact copy or a
+        per-block gather) and the fp32 weight-gradient chunk (``weight_chunk``) inside the budget."""
+        hidden, weight = head.hidden, head.weight
+        m_rows, (vocab_size, hidden_size), elem = head.rows.numel(), weight.shape, weight.element_size()
+        if head.tile_budget_bytes is None:
+            block_rows, cols = two_pass_plan(m_rows, vocab_size, elem, None)
+            return LeanPlan(block_rows, cols, False, block_rows * cols * elem)
+        cast = hidden.dtype != weight.dtype  # gathered rows pass through hidden's dtype before the cast
+        copy = 0 if m_rows == hidden.shape[0] and not cast else m_rows * hidden_size * elem
+        return lean_two_pass_plan(
+            m_rows, hidden_size, vocab_size, elem, head.tile_budget_bytes, reserved_bytes=reserved_bytes,
+            copy_bytes=copy, gather_row_bytes=hidden_size * (elem + (hidden.element_size() if cast else 0)),
+            accumulator_row_bytes=accumulator_row_bytes, weight_chunk=weight_chunk,
+        )
 
     @staticmethod
     def _compact(head: HeadInputs):
@@ -81,6 +102,33 @@ class TritonCublasBackend:
         if rows.numel() == hidden.shape[0]:
             return hidden, labels
         return hidden.index_select(0, rows), labels.index_select(0, rows)
+
+    @staticmethod
+    def _row_blocks(head: HeadInputs, plan: LeanPlan, compact: Optional[torch.Tensor]):
+        """``(r0, r1, hidden rows [r1 − r0, H] in weight's dtype)`` for each row block of ``plan``: slices of the
+        ``compact`` copy, or (``plan.gather_rows``, ``compact`` None) the block gathered into one reused buffer.
+        Iterate once per vocabulary chunk."""
+        m_rows = head.rows.numel()
+        if compact is not None:
+            for r0 in range(0, m_rows, plan.block_rows):
+                yield r0, min(r0 + plan.block_rows, m_rows), compact[r0 : r0 + plan.block_rows]
+            return
+        hidden, dtype = head.hidden, head.weight.dtype
+        buf = torch.empty((min(plan.block_rows, m_rows), hidden.shape[1]), dtype=dtype, device=hidden.device)
+        for r0 in range(0, m_rows, plan.block_rows):
+            r1 = min(r0 + plan.block_rows, m_rows)
+            index = head.rows[r0:r1]
+            if hidden.dtype == dtype:
+                yield r0, r1, torch.index_select(hidden, 0, index, out=buf[: r1 - r0])
+            else:
+                yield r0, r1, buf[: r1 - r0].copy_(hidden.index_select(0, index))
+
+    @staticmethod
+    def _rows_source(head: HeadInputs, plan: LeanPlan):
+        """``(compact hidden rows or None when gathered per block, the kept rows' labels)``."""
+        if plan.gather_rows:
+            return None, head.labels.index_select(0, head.rows)
+        return TritonCublasBackend._compact(head)
 
     @staticmethod
     def _scalars(transform: LogitTransform, bias):
@@ -151,17 +199,16 @@ class TritonCublasBackend:
         """Like :meth:`TorchReferenceBackend.logprobs_forward`, vocabulary chunks outside: the token statistics
         are online reductions across chunks like the log-sum-exp."""
         weight, bias = head.weight, head.bias
-        h, y = self._compact(head)
-        m_rows, vocab_size = h.shape[0], weight.shape[0]
-        stats = self._new_stats(m_rows, h.device, statistics)
-        block_rows, cols = self._plan(m_rows, vocab_size, weight.element_size(), head.tile_budget_bytes)
+        plan = self._plan(head)
+        h, y = self._rows_source(head, plan)
+        m_rows, vocab_size = head.rows.numel(), weight.shape[0]
+        stats = self._new_stats(m_rows, weight.device, statistics)
         scalars = self._scalars(head.transform, bias)
-        tile_buf = torch.empty((block_rows, cols), dtype=weight.dtype, device=h.device)
-        for v0 in range(0, vocab_size, cols):
-            w_chunk = weight[v0 : v0 + cols]
-            for r0 in range(0, m_rows, block_rows):
-                r1 = min(r0 + block_rows, m_rows)
-                z = torch.mm(h[r0:r1], w_chunk.t(), out=tile_buf[: r1 - r0, : w_chunk.shape[0]])
+        tile_buf = torch.empty((plan.block_rows, plan.cols), dtype=weight.dtype, device=weight.device)
+        for v0 in range(0, vocab_size, plan.cols):
+            w_chunk = weight[v0 : v0 + plan.cols]
+            for r0, r1, h_rows in self._row_blocks(head, plan, h):
+                z = torch.mm(h_rows, w_chunk.t(), out=tile_buf[: r1 - r0, : w_chunk.shape[0]])
                 self._stats(z, v0, bias, y[r0:r1], _row_slice(stats, r0, r1), scalars, return_entropy)
         logp, entropy, lse, token_stats = self._finish(stats, y, vocab_size, return_entropy, statistics)
         return HeadPass(logp, entropy, lse, None, token_stats)
@@ -173,45 +220,48 @@ class TritonCublasBackend:
         """Like :meth:`TorchReferenceBackend.logprobs_backward`, vocabulary chunks outside (module docstring)."""
         hidden, weight, bias, rows = head.hidden, head.weight, head.bias, head.rows
         need_hidden, need_weight = need.hidden, need.weight
-        h, y = self._compact(head)
-        m_rows, vocab_size = h.shape[0], weight.shape[0]
+        m_rows, (vocab_size, hidden_size) = rows.numel(), weight.shape
         grads = HeadGrads()
         # The hidden-state gradient accumulates over vocabulary chunks (tiling.hidden_accumulator): in fp32 under
         # the default rule (cuBLAS writes it), or, under an explicit budget, for bf16 as the compensated pair
         # (d_hidden, d_hidden_lo) whose hi is hidden's whole gradient (the kept rows written through ``hi_rows``),
-        # so only the bf16 residual is extra; the explicit budget then covers it too.
-        kind, extra = hidden_accumulator(m_rows, h.shape[1], hidden.dtype, head.tile_budget_bytes)
-        pair = need_hidden and kind == "pair" and h.dtype == torch.bfloat16
+        # so only the residual is extra; the explicit budget then covers it too.
+        kind, extra = hidden_accumulator(m_rows, hidden_size, hidden.dtype, head.tile_budget_bytes)
+        pair = need_hidden and kind == "pair" and weight.dtype == torch.bfloat16
+        # bytes the accumulation reads and writes per row and chunk (the plan's cost model): hi + lo, or fp32
+        moved = (2 * hidden_size * hidden.element_size() + 2 * extra // max(m_rows, 1)) if pair else (
+            8 * hidden_size if need_hidden else 0)
+        plan = self._plan(head, reserved_bytes=extra if need_hidden else 0, accumulator_row_bytes=moved,
+                          weight_chunk=need_weight)
+        h, y = self._rows_source(head, plan)
         gather = pair and m_rows != hidden.shape[0]
         d_hidden = d_hidden_lo = None
         if pair:
-            d_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=h.device)
-            d_hidden_lo = torch.zeros(h.shape, dtype=h.dtype, device=h.device)
+            d_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+            d_hidden_lo = torch.zeros((m_rows, hidden_size), dtype=RESIDUAL_DTYPE, device=hidden.device)
         elif need_hidden:
-            d_hidden = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-        reserved = extra if need_hidden else 0
+            d_hidden = torch.zeros((m_rows, hidden_size), dtype=torch.float32, device=hidden.device)
         if need_weight:
             # In the given weight's dtype: fp32 for an fp32 weight under autocast (cuBLAS writes fp32 from the
             # bf16 operands), the compute dtype otherwise (one rounding, as eager's).
             grads.weight = torch.zeros(weight.shape, dtype=head.weight_grad_dtype or weight.dtype, device=weight.device)
         if need.bias and bias is not None:
             grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-        zeros = torch.zeros(m_rows, dtype=torch.float32, device=h.device)
+        zeros = torch.zeros(m_rows, dtype=torch.float32, device=weight.device)
         g_lp = zeros if grad_logprobs is None else grad_logprobs.to(torch.float32).contiguous()
         g_ent = zeros if grad_entropy is None else grad_entropy.to(torch.float32).contiguous()
         ent = zeros if entropy is None else entropy
-        block_rows, cols = self._plan(m_rows, vocab_size, weight.element_size(), head.tile_budget_bytes, reserved)
+        block_rows, cols = plan.block_rows, plan.cols
         scalars = self._scalars(head.transform, bias)
-        tile_buf = torch.empty((block_rows, cols), dtype=weight.dtype, device=h.device)
+        tile_buf = torch.empty((block_rows, cols), dtype=weight.dtype, device=weight.device)
         for v0 in range(0, vocab_size, cols):
             v1 = min(v0 + cols, vocab_size)
             w_chunk = weight[v0:v1]
             d_w_chunk32 = None
             if need_weight and block_rows < m_rows:  # several row blocks add into this chunk
-                d_w_chunk32 = torch.zeros((v1 - v0, weight.shape[1]), dtype=torch.float32, device=weight.device)
-            for r0 in range(0, m_rows, block_rows):
-                r1 = min(r0 + block_rows, m_rows)
-                dz = torch.mm(h[r0:r1], w_chunk.t(), out=tile_buf[: r1 - r0, : v1 - v0])
+                d_w_chunk32 = torch.zeros((v1 - v0, hidden_size), dtype=torch.float32, device=weight.device)
+            for r0, r1, h_rows in self._row_blocks(head, plan, h):
+                dz = torch.mm(h_rows, w_chunk.t(), out=tile_buf[: r1 - r0, : v1 - v0])
                 self._grad(
                     dz, v0, bias, y[r0:r1], lse[r0:r1], ent[r0:r1], g_lp[r0:r1], g_ent[r0:r1], scalars,
                     grad_logprobs is not None, grad_entropy is not None,
@@ -223,12 +273,12 @@ class TritonCublasBackend:
                 elif d_hidden is not None:
                     _addmm_f32_(d_hidden[r0:r1], dz, w_chunk)
                 if d_w_chunk32 is not None:
-                    _addmm_f32_(d_w_chunk32, dz.t(), h[r0:r1])
+                    _addmm_f32_(d_w_chunk32, dz.t(), h_rows)
                 elif need_weight:
                     if grads.weight.dtype == weight.dtype:
-                        torch.mm(dz.t(), h[r0:r1], out=grads.weight[v0:v1])
+                        torch.mm(dz.t(), h_rows, out=grads.weight[v0:v1])
                     else:
-                        _mm_f32_(grads.weight[v0:v1], dz.t(), h[r0:r1])
+                        _mm_f32_(grads.weight[v0:v1], dz.t(), h_rows)
                 if grads.bias is not None:
                     grads.bias[v0:v1] += dz.float().sum(0)
             if d_w_chunk32 is not None:
@@ -239,11 +289,19 @@ class TritonCublasBackend:
 
     # -- one pass: token rows outside, full vocabulary per tile --------------------------------------
     @staticmethod
-    def _one_pass_rows(weight, need_weight, tile_budget_bytes) -> int:
+    def _one_pass_rows(weight, need_weight, tile_budget_bytes, extra_bytes: int = 0) -> int:
         """Rows per full-vocabulary tile of the one pass, or 0 (:func:`~hf_fused.ops.tiling.one_pass_rows`)."""
         vocab_size, hidden_size = weight.shape
         return one_pass_rows(vocab_size, hidden_size, weight.element_size(), need_weight, tile_budget_bytes,
-                             weight.device)
+                             weight.device, extra_bytes)
+
+    @staticmethod
+    def _one_pass_extra_bytes(head: HeadInputs, need_hidden: bool) -> int:
+        """What the one pass holds for the call's kept rows: their fp32 hidden gradient (until backward) and
+        their compact copy in the weight's dtype (none when every row is kept in that dtype)."""
+        m_rows, hidden_size, elem = head.rows.numel(), head.weight.shape[1], head.weight.element_size()
+        copied = m_rows != head.hidden.shape[0] or head.hidden.dtype != head.weight.dtype
+        return m_rows * hidden_size * ((4 if need_hidden else 0) + (elem if copied else 0))
 
     def logprobs_with_grads(
         self, head: HeadInputs, grad_logprobs: Optional[torch.Tensor], *, need: NeededGrads,
@@ -278,7 +336,8 @@ class TritonCublasBackend:
         rows come from the same statistics kernel."""
         weight, bias = head.weight, head.bias
         need_hidden, need_weight = need.hidden, need.weight
-        block_rows = self._one_pass_rows(weight, need_weight, head.tile_budget_bytes)
+        block_rows = self._one_pass_rows(weight, need_weight, head.tile_budget_bytes,
+                                         self._one_pass_extra_bytes(head, need_hidden))
         if not block_rows:
             return None
         h, y = self._compact(head)
