@@ -302,3 +302,23 @@ def test_gpu_two_pass_plans_within_an_explicit_budget():
     plan = TritonCublasBackend._plan(head, reserved_bytes=residual, accumulator_row_bytes=h * 6, weight_chunk=True)
     assert kind == "pair" and plan.gather_rows and plan.bytes <= budget
     assert plan.bytes == residual + plan.block_rows * (plan.cols + h) * BF16 + plan.cols * h * 4
+
+
+def test_gpu_two_pass_gathers_into_one_buffer_for_the_whole_pass():
+    """Every gathered row block, in every vocabulary chunk, lives in the one buffer the plan counted (a block
+    still referenced when the next chunk starts measured a second buffer at the H100's peak before this)."""
+    pytest.importorskip("triton")
+    from hf_fused.ops import LogitTransform
+    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
+
+    n, h = 50, 16
+    hidden = torch.randn(n, h).bfloat16()
+    rows = torch.arange(0, n, 3)
+    head = HeadInputs(hidden, torch.zeros(100, h, dtype=torch.bfloat16), None, torch.zeros(n, dtype=torch.long),
+                      rows, LogitTransform(), 2**20)
+    plan = tiling.LeanPlan(block_rows=6, cols=2048, gather_rows=True, bytes=0)
+    compact, buf, labels = TritonCublasBackend._rows_source(head, plan)
+    assert compact is None and buf.shape == (6, h) and labels.shape == rows.shape
+    for _chunk in range(2):
+        for r0, r1, h_rows in TritonCublasBackend._row_blocks(head, plan, compact, buf):
+            assert h_rows.data_ptr() == buf.data_ptr() and torch.equal(h_rows, hidden[rows[r0:r1]])

@@ -104,9 +104,10 @@ class TritonCublasBackend:
         return hidden.index_select(0, rows), labels.index_select(0, rows)
 
     @staticmethod
-    def _row_blocks(head: HeadInputs, plan: LeanPlan, compact: Optional[torch.Tensor]):
+    def _row_blocks(head: HeadInputs, plan: LeanPlan, compact: Optional[torch.Tensor], buf: Optional[torch.Tensor]):
         """``(r0, r1, hidden rows [r1 − r0, H] in weight's dtype)`` for each row block of ``plan``: slices of the
-        ``compact`` copy, or (``plan.gather_rows``, ``compact`` None) the block gathered into one reused buffer.
+        ``compact`` copy, or (``plan.gather_rows``) the block gathered into ``buf`` (``[block_rows, H]``, one buffer
+        for the whole pass: a block still referenced when the next chunk starts must not hold a second one).
         Iterate once per vocabulary chunk."""
         m_rows = head.rows.numel()
         if compact is not None:
@@ -114,7 +115,6 @@ class TritonCublasBackend:
                 yield r0, min(r0 + plan.block_rows, m_rows), compact[r0 : r0 + plan.block_rows]
             return
         hidden, dtype = head.hidden, head.weight.dtype
-        buf = torch.empty((min(plan.block_rows, m_rows), hidden.shape[1]), dtype=dtype, device=hidden.device)
         for r0 in range(0, m_rows, plan.block_rows):
             r1 = min(r0 + plan.block_rows, m_rows)
             index = head.rows[r0:r1]
@@ -125,10 +125,14 @@ class TritonCublasBackend:
 
     @staticmethod
     def _rows_source(head: HeadInputs, plan: LeanPlan):
-        """``(compact hidden rows or None when gathered per block, the kept rows' labels)``."""
+        """``(compact hidden rows or None, gather buffer or None, the kept rows' labels)`` for :meth:`_row_blocks`."""
         if plan.gather_rows:
-            return None, head.labels.index_select(0, head.rows)
-        return TritonCublasBackend._compact(head)
+            hidden, rows = head.hidden, head.rows
+            buf = torch.empty((min(plan.block_rows, rows.numel()), hidden.shape[1]), dtype=head.weight.dtype,
+                              device=hidden.device)
+            return None, buf, head.labels.index_select(0, rows)
+        h, y = TritonCublasBackend._compact(head)
+        return h, None, y
 
     @staticmethod
     def _scalars(transform: LogitTransform, bias):
@@ -200,14 +204,14 @@ class TritonCublasBackend:
         are online reductions across chunks like the log-sum-exp."""
         weight, bias = head.weight, head.bias
         plan = self._plan(head)
-        h, y = self._rows_source(head, plan)
+        h, buf, y = self._rows_source(head, plan)
         m_rows, vocab_size = head.rows.numel(), weight.shape[0]
         stats = self._new_stats(m_rows, weight.device, statistics)
         scalars = self._scalars(head.transform, bias)
         tile_buf = torch.empty((plan.block_rows, plan.cols), dtype=weight.dtype, device=weight.device)
         for v0 in range(0, vocab_size, plan.cols):
             w_chunk = weight[v0 : v0 + plan.cols]
-            for r0, r1, h_rows in self._row_blocks(head, plan, h):
+            for r0, r1, h_rows in self._row_blocks(head, plan, h, buf):
                 z = torch.mm(h_rows, w_chunk.t(), out=tile_buf[: r1 - r0, : w_chunk.shape[0]])
                 self._stats(z, v0, bias, y[r0:r1], _row_slice(stats, r0, r1), scalars, return_entropy)
         logp, entropy, lse, token_stats = self._finish(stats, y, vocab_size, return_entropy, statistics)
@@ -233,7 +237,7 @@ class TritonCublasBackend:
             8 * hidden_size if need_hidden else 0)
         plan = self._plan(head, reserved_bytes=extra if need_hidden else 0, accumulator_row_bytes=moved,
                           weight_chunk=need_weight)
-        h, y = self._rows_source(head, plan)
+        h, buf, y = self._rows_source(head, plan)
         gather = pair and m_rows != hidden.shape[0]
         d_hidden = d_hidden_lo = None
         if pair:
@@ -260,7 +264,7 @@ class TritonCublasBackend:
             d_w_chunk32 = None
             if need_weight and block_rows < m_rows:  # several row blocks add into this chunk
                 d_w_chunk32 = torch.zeros((v1 - v0, hidden_size), dtype=torch.float32, device=weight.device)
-            for r0, r1, h_rows in self._row_blocks(head, plan, h):
+            for r0, r1, h_rows in self._row_blocks(head, plan, h, buf):
                 dz = torch.mm(h_rows, w_chunk.t(), out=tile_buf[: r1 - r0, : v1 - v0])
                 self._grad(
                     dz, v0, bias, y[r0:r1], lse[r0:r1], ent[r0:r1], g_lp[r0:r1], g_ent[r0:r1], scalars,
