@@ -8,8 +8,9 @@ chunk, N the hidden size) three ways:
   (an fp32 ``[M, N]`` accumulator);
 * ``cuBLAS addmm → bf16``: ``torch.addmm(c, dz, W_c, out=c)`` into the bf16 gradient (no extra memory, one
   rounding per chunk: the accuracy we do not accept, timed as the floor);
-* ``compensated``: :func:`hf_fused.ops.backends.compensated.compensated_addmm_` into a bf16 ``(hi, lo)`` pair,
-  with its default launch configuration and with each of ``SWEEP_CONFIGS``.
+* ``compensated``: :func:`hf_fused.ops.backends.compensated.compensated_addmm_` into a ``(hi, lo)`` pair (bf16
+  ``hi``, int8 residual ``lo``: ``RESIDUAL_DTYPE``), with its default launch configuration and with each of
+  ``SWEEP_CONFIGS``.
 
 Per shape: median ms (:func:`benchmarks.measure.median_ms`: ``triton.testing.do_bench``, CUDA events, L2
 flushed, about ``--repeats`` timed calls after warm-up), TFLOP/s (``2·M·K·N``), time relative to
@@ -51,12 +52,12 @@ def _operands(m: int, k: int, n: int, device: torch.device):
 
 
 def _bench_shape(m: int, k: int, n: int, device: torch.device, repeats: int, configs) -> tuple[list, float]:
-    from hf_fused.ops.backends.compensated import compensated_addmm_, default_config
+    from hf_fused.ops.backends.compensated import RESIDUAL_DTYPE, compensated_addmm_, default_config
 
     a, b = _operands(m, k, n, device)
     acc32 = torch.zeros(m, n, dtype=torch.float32, device=device)
     c16 = torch.zeros(m, n, dtype=torch.bfloat16, device=device)
-    hi, lo = torch.zeros_like(c16), torch.zeros_like(c16)
+    hi, lo = torch.zeros_like(c16), torch.zeros(m, n, dtype=RESIDUAL_DTYPE, device=device)
 
     _addmm_fp32(acc32, a, b)
     compensated_addmm_(hi, lo, a, b)

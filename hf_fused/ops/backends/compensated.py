@@ -1,45 +1,63 @@
-"""``hi + lo += a @ b``: a matmul that accumulates into an unevaluated pair of bf16 tensors.
+"""``hi + lo += a @ b``: a matmul that accumulates into an unevaluated pair: a bf16 ``hi``, an int8 residual ``lo``.
 
 Why: the memory-lean gradient loop (:mod:`.triton_cublas`, vocabulary chunks outside) adds one product
 ``dz @ w_chunk`` per vocabulary chunk into the hidden-state gradient ``[M, H]``. An fp32 accumulator costs
 ``4·M·H`` bytes on top of the gradient; adding into the bf16 gradient itself rounds once per chunk (~19
 roundings for a 151,936-token vocabulary instead of eager's one). Here the running sum is the pair
-``hi + lo`` of two ``[M, N]`` tensors in the gradient's dtype: ``hi`` is the gradient that is returned,
-``lo`` (the same size, half an fp32 buffer) carries what ``hi`` cannot hold. Each chunk's product is
-accumulated in fp32 registers (``tl.dot``) and folded into the pair in the epilogue, per element::
+``(hi, lo)`` of two ``[M, N]`` tensors: ``hi`` (bf16) is the gradient that is returned, ``lo``
+(:data:`RESIDUAL_DTYPE`, int8: a quarter of an fp32 buffer) carries what ``hi`` cannot hold, in fixed point
+relative to ``hi``'s own spacing. The pair stands for::
 
-    s  = h + acc                          # Knuth's TwoSum (TAOCP vol. 2, §4.2.2, Theorem B):
-    bp = s − h                            #   s + e == h + acc exactly, in fp32 round-to-nearest
-    e  = (h − (s − bp)) + (acc − bp)
-    t  = s + (l + e)                      # the new sum, one fp32 rounding (Joldes, Muller & Popescu 2017,
-                                          #   "Tight and rigorous error bounds for basic building blocks of
-                                          #   double-word arithmetic", Alg. 4 DWPlusFP, with fp32 as the
-                                          #   working precision and a half-precision pair as storage)
-    hi' = round(t);  lo' = round(t − hi')  # t − hi' is exact in fp32 (t rounded to fewer bits)
+    hi + lo·ulp(hi)/254,   ulp(hi) = 2^(E−134) for hi's biased exponent E ≥ 1, 2⁻¹³³ (bf16's subnormal
+                           spacing) for E = 0, i.e. zero and subnormals
 
-where ``h, l`` are ``hi, lo`` read as fp32. Memory traffic per chunk is that of an fp32 ``C`` (read and
-write 2 + 2 bytes per element instead of 4); the extra memory is ``lo``, ``2·M·N`` bytes (128 MiB at
-M = 32768, H = 2048, against 256 MiB for an fp32 accumulator).
+so ``lo`` ∈ [−127, 127] spans exactly ``±½ulp(hi)``, the most a round-to-nearest ``hi`` leaves over. Each
+chunk's product is accumulated in fp32 registers (``tl.dot``) and folded into the pair in the epilogue, per
+element (``h``: the stored ``hi`` as fp32; ``l``: ``lo`` decoded with that ``h``'s ulp)::
 
-The TwoSum makes the fp32 stage exact (``s + e == h + acc``) but is not what makes the pair accurate:
-``t`` is rounded to fp32 anyway and the dropped ``e`` would be ≤ 2⁻²⁴·|s|, 2⁻⁷ or less of ``lo``'s own
-rounding (below), so ``t = (h + l) + acc`` has the same bound (an epilogue without ``e`` passes every test
-in tests/test_ops_compensated.py). It costs four fp32 additions per output element, once per tile.
+    t   = (h + l) + acc                   # fp32, two roundings
+    hi' = round_bf16(t)                   # to nearest, ties to even
+    r   = t − hi'                         # exact in fp32 (Sterbenz; t rounded to fewer bits)
+    lo' = rint(r·254/ulp(hi'))            # exact, ties to even; 0 where hi' is ±inf or NaN
 
-Error (u = 2⁻⁸, bf16's unit roundoff): ``|t − (hi' + lo')| ≤
-u·|t − hi'| ≤ u·½ulp(hi')`` — each chunk leaves the pair at most ``u`` half-ulps of ``hi`` away from the fp32
-sum (2⁻⁸ of the final rounding's bound in bf16), versus up to one whole half-ulp per chunk when rounding
-into a bf16 accumulator. After k chunks ``hi`` is the round-to-nearest of an fp32 value within
-``k·u·½ulp`` (plus fp32 accumulation error) of the exact sum: eager's one rounding, except for values that
-lie that close to a rounding tie. fp16 is refused: ``lo`` could not hold less than fp16's subnormal spacing
-2⁻²⁴, and on an H100 an fp16 pair's largest error exceeded eager's (bf16 has fp32's exponent range and no
-such floor).
+Memory traffic per chunk is 6 bytes per output element (read and write 2 + 1), against 8 for an fp32 ``C``;
+the extra memory is ``lo``, ``M·N`` bytes (64 MiB at M = 32768, H = 2048, against 256 MiB for an fp32
+accumulator). ``|r| ≤ ½ulp(hi')`` for every finite ``hi'``, binade edges included: when ``t`` rounds up to a
+power of two, ``hi'``'s ulp is the larger spacing above it and ``|r|`` is at most a quarter of it. ±inf and
+NaN pass through as in eager's fp32 sum (``l`` is always finite, so ``inf + l + acc`` stays inf), and an
+fp32 or bf16 overflow of ``t`` gives ±inf.
 
-No finalize step: a last fold ``hi = round(hi + lo)`` could not improve ``hi``. ``hi`` is already
-``round(t)``, the nearest representable value to the pair's exact sum ``t`` (up to ``lo``'s rounding),
-and ``|lo| ≤ ½ulp(hi)``; ``round(hi + lo)`` equals ``hi`` except when ``lo`` rounded up to exactly half an
-ulp, where round-half-to-even may move ``hi`` one ulp away from ``t``: the fold is a no-op or makes it
-worse, so the caller returns ``hi`` as it is and frees ``lo``.
+The bf16-residual version of this fold formed ``h + acc`` with Knuth's TwoSum (TAOCP vol. 2, §4.2.2) to make
+one of the two fp32 roundings exact. It saves at most ``2⁻²⁴·|t|`` ≈ 2⁻¹⁷ of an ulp of ``hi``, 2⁻⁸ of the
+residual's own step error, and with the int8 decoding and encoding beside it its four extra additions and
+temporaries made ptxas spill (sm_90: 104 bytes for 256×128/e2, 40 for 128×256/s3/e2 gathering hi rows), so
+it is gone.
+
+Error (u = 2⁻⁸, bf16's unit roundoff; ulp at the new ``hi'``). The quantisation of ``lo'`` is the only
+new error of a fold: ``|t − (hi' + lo'·ulp/254)| ≤ ulp/508``, exactly (half a step; ``r``, the scaling and
+the rint are exact). Beside it the fp32 stage rounds twice, ``≤ 2⁻²⁴·(|h + l| + |t|)``, and decoding ``l``
+rounds twice (``2⁻⁷/254`` and the product: ``≤ 2⁻²³·|l| ≤ 2⁻²⁴·ulp(h)``, plus 2⁻¹⁵⁰ where ``l`` is an
+fp32 subnormal). The previous bf16 residual rounded ``r`` to bf16: ``≤ u·|r| ≤ u·½ulp = ulp/512``,
+relative to ``|r|`` (smaller for small ``r``); the int8 step's bound is 256/254 of that (0.8 % more) and
+absolute, both about 2⁻⁹ of an ulp of ``hi`` against a bf16 accumulator's up to ½ulp per chunk. After k
+folds ``hi`` is the round-to-nearest of the fp32 value ``t_k``, and
+
+    |t_k − Σ_j acc_j| ≤ Σ_{j<k} ulp(hi_j)/508 + Σ_{j≤k} (the fold's fp32 and decoding roundings above)
+
+(the k-th fold's own quantisation does not touch ``hi_k``; ``acc_j`` is the j-th fp32-accumulated product):
+eager's one rounding of the fp32 sum, except for values within that distance — at most ``(k−1)/508`` of the
+largest ``hi``'s ulp — of a rounding tie. fp16 is refused: measured with a half-precision residual, an fp16
+pair's largest error exceeded eager's on an H100 (an int8 residual for fp16 is not measured).
+
+No finalize step: a last fold ``hi = round(hi + lo·ulp/254)`` could not improve ``hi``. ``hi`` is already
+``round(t_k)``, the nearest bf16 to the best value the kernel ever held (``t_k``); the stored pair is
+``t_k`` moved by ``lo``'s quantisation, and re-rounding it changes ``hi`` only where that quantisation pushed
+``lo`` onto or past the midpoint to a neighbour: ``lo = ±127`` (exactly ``±½ulp``: a tie, which
+round-half-to-even may resolve one ulp away from ``t_k``), or, where ``|hi|`` is a power of two with E ≥ 2
+(the neighbour towards zero is only ``½ulp`` away, the midpoint ``¼ulp`` = 63.5 steps), ``lo = ∓64`` towards
+zero — which needs ``|r| ≥ ¼ulp``, while ``round(t_k) = hi`` needs ``|r| ≤ ¼ulp``: only ``t_k`` exactly on
+that tie, where the neighbour is no nearer (and not round-half-to-even's choice). The fold is a no-op or makes
+``hi`` worse, so the caller returns ``hi`` as it is and frees ``lo``.
 
 Rounding to bf16 is done on the bit pattern (round to nearest, ties to even, NaN kept NaN) rather than
 with ``.to(tl.bfloat16)``: Triton's interpreter, which runs these kernels on CPU in CI, truncates
@@ -66,11 +84,14 @@ import torch
 import triton
 import triton.language as tl
 
-# bf16 only: an fp16 pair cannot hold a residual below fp16's subnormal spacing (2⁻²⁴), and on an H100 the
-# fp16 pair's largest error came out 1.7% above eager's one rounding after 5 chunks (bf16: no worse), so fp16
-# gradients keep the fp32 accumulator.
+# bf16 only: with a half-precision residual (before the int8 one), an fp16 pair's largest error came out 1.7%
+# above eager's one rounding after 5 chunks on an H100 (bf16: no worse), so fp16 gradients keep the fp32
+# accumulator.
 _PAIR_DTYPE = torch.bfloat16
-_FP32_MAX = tl.constexpr(3.4028234663852886e38)  # |s| ≤ this is "s is finite" (NaN compares false)
+# The residual: int8 fixed point in steps of ulp(hi)/254, so that ±127 is exactly ±½ulp (module docstring).
+RESIDUAL_DTYPE = torch.int8
+_DECODE_STEP = tl.constexpr(2.0**-7 / 254)  # a step, ulp/254, over the binade 2^(E−127) of hi (ulp = 2⁻⁷ of it)
+_RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5·2²³: x + this − this is x rounded to an integer, ties to even, |x| < 2²²
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +118,14 @@ class GemmConfig:
 # Shared memory per stage: (block_m + block_n)·block_k·2 bytes: 48 KiB for 128×256×64 (3 stages = 144 KiB,
 # 4 = 192 KiB, within an H100's 227 KiB). The fp32 accumulator is block_m·block_n/(32·num_warps) registers
 # per thread (128 for 128×256 on 8 warps); the epilogue_split keeps hi, lo and the fold's temporaries of one
-# column slice beside it within 255 registers. ptxas for sm_90 (Triton 3.9), registers / spilled stack bytes:
-# 128×256 w8: e1 255/632, e2 248/0, e4 196/0; 256×128 w8: e2 254/0, e4 199/0; 128×128 w4: e1 255/536,
-# e4 210/0; 128×128 w8 e1: 208/0; 64×128 w4: e1 225/0, e2 128/0.
+# column slice beside it within 255 registers. ptxas for sm_90 (Triton 3.9's bundled one, compiled without a
+# GPU), with the int8 residual, registers / spilled stack bytes (contiguous K; gathered hi rows alike except
+# where noted): 128×256 w8: e1 255/856, e2 255/0 (254/16 gathering hi rows, s3), e4 198/0; 256×128 w8:
+# e2 255/0, e4 192/0; 128×128 w4: e1 255/1032, e4 221/0; 128×128 w8 e1: 215/0; 64×128 w4: e1 222/0,
+# e2 128/0 (the bf16 residual's were 0–36 registers fewer: e.g. 196, 208, 128 for the three below).
 # Stages: 4 beat 3 on 7 of the 8 lean-path shapes of ``python -m benchmarks.compensated_gemm`` on an H100
-# (1.06–1.33× cuBLAS's fp32-output addmm time; docs/gpu_results.md).
+# (1.06–1.33× cuBLAS's fp32-output addmm time; docs/gpu_results.md) — timed with the bf16 residual, not yet
+# re-timed with the int8 one.
 LARGE = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4, epilogue_split=4)
 MEDIUM = GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, epilogue_split=1)
 SMALL = GemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4, epilogue_split=2)
@@ -231,21 +255,50 @@ def _halves(x, ROWS: tl.constexpr, HALF: tl.constexpr):
 @triton.jit
 def _fold(acc, HI, LO, rm, hm, rn, M, N, stride_hm, stride_hn, stride_lm, stride_ln):
     """``(HI[hm], LO[rm])[:, rn] ← split(HI + LO + acc)`` for an fp32 product block ``acc [len(rm), len(rn)]``
-    (``hm``: the rows of ``HI``, ``rm`` itself unless gathered): the TwoSum fold of the module docstring."""
+    (``hm``: the rows of ``HI``, ``rm`` itself unless gathered): the fold of the module docstring."""
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     hi_ptrs = HI + hm[:, None].to(tl.int64) * stride_hm + rn[None, :] * stride_hn
-    lo_ptrs = LO + rm[:, None].to(tl.int64) * stride_lm + rn[None, :] * stride_ln
+    # The same columns, seen by Triton's alignment analysis as runs of 8: otherwise it gives each thread 16
+    # contiguous int8 of lo (one 128-bit access) and hi's loads the same layout, while hi's bf16 store is
+    # capped at 8 per thread, and the layout conversion between them spilled the e2 tiles (ptxas, sm_90).
+    # tl.max_contiguous(rn, 8) did not change the layout.
+    rn8 = (rn // 8) * 8 + rn % 8
+    lo_ptrs = LO + rm[:, None].to(tl.int64) * stride_lm + rn8[None, :] * stride_ln
     h = _to_fp32(tl.load(hi_ptrs, mask=mask, other=0.0))
-    low = _to_fp32(tl.load(lo_ptrs, mask=mask, other=0.0))
-    s = h + acc
-    bp = s - h
-    e = (h - (s - bp)) + (acc - bp)
-    # A non-finite s makes e NaN (inf − inf): keep s itself, so an overflow or inf stays ±inf as in eager.
-    t = tl.where(tl.abs(s) <= _FP32_MAX, s + (low + e), s)
+    low = _decode(tl.load(lo_ptrs, mask=mask, other=0), h)
+    t = (h + low) + acc
     hi_new, hi32 = _round(t)
-    lo_new, _ = _round(t - hi32)
     tl.store(hi_ptrs, hi_new, mask=mask)
-    tl.store(lo_ptrs, lo_new, mask=mask)
+    tl.store(lo_ptrs, _encode(t - hi32, hi32), mask=mask)
+
+
+@triton.jit
+def _decode(q, h):
+    """The residual ``q`` (int8) of the pair element whose hi is ``h`` (fp32) as fp32: ``q·ulp(h)/254``, with
+    ``ulp(h) = 2⁻⁷·2^(E−127)`` for ``h``'s biased exponent E clamped to [1, 254] (zero and subnormals: the
+    subnormal spacing 2⁻¹³³; ±inf/NaN, whose ``q`` is 0: a finite stand-in). ``q·(2⁻⁷/254)`` rounds once
+    (relative error ≤ 2⁻²⁴ in the constant and as much in the product); the power-of-two factor is exact
+    except where the result is an fp32 subnormal (only for |h| < 2⁻¹¹¹: absolute error ≤ 2⁻¹⁵⁰)."""
+    binade = tl.minimum(tl.maximum(h.to(tl.uint32, bitcast=True) & 0x7F800000, 0x00800000), 0x7F000000)
+    return (q.to(tl.float32) * _DECODE_STEP) * binade.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _encode(r, hi32):
+    """The int8 residual ``rint(r·254/ulp(hi))`` ∈ [−127, 127] of a remainder ``r = t − hi`` (fp32, exact) and
+    the new ``hi`` as fp32 ``hi32``; 0 where ``hi`` is ±inf or NaN. Exact, ties to even, with E = ``hi``'s
+    biased exponent (at least 1): ``ulp(hi) = 2^(E−134)``, so ``r·254/ulp = (r·2^(128−E))·(254·2⁶)``. The
+    power of two ``2^(128−E)`` is a normal fp32 for every E in [1, 254] (``2^(134−E)`` itself would reach
+    2¹³³, past fp32's range) and both products are exact: ``r`` is a multiple of ``t``'s fp32 spacing, at
+    least ``2⁻¹⁷·ulp(hi)`` (2⁻¹⁶ in hi's binade, 2⁻¹⁷ below a power of two that t rounded up to, 2⁻¹⁶ of the
+    subnormal spacing), so with ``|r| ≤ ½ulp`` the product is ``127·k·2⁻¹⁶`` for an integer ``|k| ≤ 2¹⁶``:
+    23 bits. Adding and subtracting 1.5·2²³ then rounds it to an integer, ties to even. The clamp to ±127
+    never binds for a round-to-nearest ``hi``; it keeps the int8 conversion defined regardless."""
+    exponent = (hi32.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    scale = ((255 - tl.maximum(exponent, 1)) << 23).to(tl.float32, bitcast=True)
+    q = (r * scale * 16256.0 + _RINT_MAGIC) - _RINT_MAGIC
+    q = tl.where(exponent != 0xFF, tl.minimum(tl.maximum(q, -127.0), 127.0), 0.0)
+    return q.to(tl.int8)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -265,13 +318,16 @@ def compensated_addmm_(
     hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, hi_rows: Optional[torch.Tensor] = None,
     config: Optional[GemmConfig] = None,
 ) -> None:
-    """``hi + lo += a @ b`` in place, with fp32 accumulation of the product and an error-free fold into the
-    pair (module docstring: formulas, error bound, why no finalize step).
+    """``hi + lo·ulp(hi)/254 += a @ b`` in place, with fp32 accumulation of the product and a fold into the
+    pair that rounds only the residual, to ``ulp(hi)/508`` (module docstring: formulas, error bound, why no
+    finalize step).
 
     Args:
         hi: ``[M, N]`` bf16, any strides: the running sum rounded to its dtype (use it as the result).
-        lo: ``[M, N]``, ``hi``'s dtype, any strides: the residual ``≈ sum − hi``; start both at zero. Where
-            ``hi`` is ±inf or NaN (as eager's fp32 sum would be), ``lo`` is NaN and means nothing.
+        lo: ``[M, N]`` :data:`RESIDUAL_DTYPE` (int8), any strides: the residual ``sum − hi ≈ lo·ulp(hi)/254``
+            with ``hi``'s row of the same element; start both at zero
+            (``torch.zeros([M, N], dtype=RESIDUAL_DTYPE, device=...)``). Where ``hi`` is ±inf or NaN (as eager's
+            fp32 sum would be), ``lo`` is 0 and means nothing.
         a: ``[M, K]`` bf16, any strides (e.g. the logits gradient ``dz``, or a transposed view).
         b: ``[K, N]``, ``a``'s dtype, any strides (e.g. a row slice ``weight[v0:v1]`` of the lm_head weight).
         hi_rows: optional ``[M]`` int64 row indices into a taller ``hi [R, N]``: row ``i`` of the sum is
@@ -282,7 +338,8 @@ def compensated_addmm_(
     Raises:
         ValueError: on shapes that do not chain, tensors on different devices, or ``hi``/``lo`` memory that
             overlaps each other or ``a``/``b`` (the kernel reads one while writing the other).
-        TypeError: on a dtype other than bf16 (fp16 is refused: see ``_PAIR_DTYPE``).
+        TypeError: on ``a``, ``b`` or ``hi`` not bf16 (fp16 is refused: see ``_PAIR_DTYPE``), or ``lo`` not
+            :data:`RESIDUAL_DTYPE` (a bf16 ``lo`` of the former bf16 pair included).
 
     Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before Triton is imported).
     """
@@ -295,9 +352,12 @@ def compensated_addmm_(
             hi.shape != (hi_m, b.shape[1]) or lo.shape != (a.shape[0], b.shape[1]):
         raise ValueError(f"compensated_addmm_ needs hi, lo [M, N], a [M, K], b [K, N]; got hi {tuple(hi.shape)}, "
                          f"lo {tuple(lo.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}")
-    if any(t.dtype != _PAIR_DTYPE for t in (a, b, hi, lo)):
-        raise TypeError(f"compensated_addmm_ needs bf16 a, b, hi and lo (fp16 gradients: use an fp32 accumulator); "
-                        f"got a {a.dtype}, b {b.dtype}, hi {hi.dtype}, lo {lo.dtype}")
+    if any(t.dtype != _PAIR_DTYPE for t in (a, b, hi)):
+        raise TypeError(f"compensated_addmm_ needs bf16 a, b and hi (fp16 gradients: use an fp32 accumulator); "
+                        f"got a {a.dtype}, b {b.dtype}, hi {hi.dtype}")
+    if lo.dtype != RESIDUAL_DTYPE:
+        raise TypeError(f"compensated_addmm_ needs an int8 residual lo: allocate it with torch.zeros([M, N], "
+                        f"dtype=RESIDUAL_DTYPE, device=hi.device); got lo {lo.dtype}")
     if len({t.device for t in (hi, lo, a, b)}) != 1:
         raise ValueError(f"compensated_addmm_ needs one device; got hi {hi.device}, lo {lo.device}, a {a.device}, "
                          f"b {b.device}")
@@ -324,4 +384,5 @@ def compensated_addmm_(
         )
 
 
-__all__ = ["GemmConfig", "LARGE", "MEDIUM", "SMALL", "SWEEP_CONFIGS", "compensated_addmm_", "default_config"]
+__all__ = ["GemmConfig", "LARGE", "MEDIUM", "RESIDUAL_DTYPE", "SMALL", "SWEEP_CONFIGS", "compensated_addmm_",
+           "default_config"]
