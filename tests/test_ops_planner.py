@@ -122,7 +122,7 @@ def test_gpu_backend_asks_the_planner(monkeypatch):
 def test_hidden_accumulator_pair_only_under_an_explicit_budget():
     # default rule: the fastest two passes (fp32 buffer, cuBLAS); an explicit budget: the bf16 pair's residual
     assert tiling.hidden_accumulator(1000, H, torch.bfloat16, None) == ("fp32", 1000 * H * 4)
-    assert tiling.hidden_accumulator(1000, H, torch.bfloat16, 2**28) == ("pair", 1000 * H * 2)
+    assert tiling.hidden_accumulator(1000, H, torch.bfloat16, 2**28) == ("pair", 1000 * H * 1)  # int8 residual
     assert tiling.hidden_accumulator(1000, H, torch.float16, 2**28) == ("fp32", 1000 * H * 4)
     assert tiling.hidden_accumulator(1000, H, torch.float32, 2**28) == ("none", 0)
 
@@ -205,7 +205,7 @@ def test_gpu_two_pass_accumulates_a_bf16_hidden_gradient_as_a_compensated_pair()
 LEAN_M = 29_491  # 32768 tokens, 10% ignored: the benchmark's cross-entropy shape
 
 
-def _lean(budget, residual=2, copy=True, weight_chunk=True):
+def _lean(budget, residual=1, copy=True, weight_chunk=True):
     return tiling.lean_two_pass_plan(
         LEAN_M, H, V, BF16, budget, reserved_bytes=LEAN_M * H * residual, copy_bytes=LEAN_M * H * BF16 if copy else 0,
         gather_row_bytes=H * BF16, accumulator_row_bytes=H * (2 * BF16 + 2 * residual), weight_chunk=weight_chunk)
@@ -235,7 +235,7 @@ def test_lean_plan_gathers_rows_only_when_a_compact_copy_leaves_too_little():
 def test_lean_plan_without_ignored_rows_reads_hidden_in_place():
     plan = _lean(256 * 2**20, copy=False)  # every row kept: nothing to copy or gather
     assert not plan.gather_rows
-    assert plan.bytes == LEAN_M * H * 2 + plan.block_rows * plan.cols * BF16 + (
+    assert plan.bytes == LEAN_M * H * 1 + plan.block_rows * plan.cols * BF16 + (
         plan.cols * H * 4 if plan.block_rows < LEAN_M else 0)
 
 
@@ -247,7 +247,7 @@ def test_lean_plan_moves_fewer_bytes_with_wider_chunks():
 
 
 def test_lean_plan_keeps_the_tile_floor_when_nothing_fits():
-    budget = 64 * 2**20  # below the residual alone (115 MiB)
+    budget = 48 * 2**20  # below the residual alone (58 MiB)
     plan = _lean(budget)
     assert plan.bytes > budget and not plan.gather_rows
     assert plan.block_rows * plan.cols * BF16 <= tiling.MIN_TWO_PASS_TILE_BYTES
@@ -322,3 +322,10 @@ def test_gpu_two_pass_gathers_into_one_buffer_for_the_whole_pass():
     for _chunk in range(2):
         for r0, r1, h_rows in TritonCublasBackend._row_blocks(head, plan, compact, buf):
             assert h_rows.data_ptr() == buf.data_ptr() and torch.equal(h_rows, hidden[rows[r0:r1]])
+
+
+def test_the_planner_counts_the_residual_the_kernel_stores():
+    pytest.importorskip("triton")
+    from hf_fused.ops.backends.compensated import RESIDUAL_DTYPE
+
+    assert tiling.PAIR_RESIDUAL_BYTES == RESIDUAL_DTYPE.itemsize

@@ -13,7 +13,7 @@ The GPU backend has two schedules (:mod:`hf_fused.ops.backends.triton_cublas`):
   gradient pass also accumulates the hidden-state gradient across vocabulary chunks (:func:`hidden_accumulator`):
   under the default rule in an fp32 ``[M, H]`` buffer beside a ``DEFAULT_TILE_BUDGET_BYTES`` tile (cuBLAS
   writes it: the fastest two passes); under an explicit budget, for a bf16 gradient, as a compensated pair
-  (the gradient itself plus a residual, no less accurate than the fp32 buffer,
+  (the gradient itself plus an int8 residual of ``M·H`` bytes, no less accurate than the fp32 buffer,
   :mod:`hf_fused.ops.backends.compensated`; ~10% slower). An fp32 gradient is its own accumulator. Under an
   explicit budget the budget covers the whole working set (:func:`lean_two_pass_plan`): that residual, the kept
   hidden rows (one compact copy, or each row block gathered again for every vocabulary chunk when the copy
@@ -49,6 +49,9 @@ ONE_PASS_TILE_ROWS = 2048
 MIN_ONE_PASS_ROWS = 512
 #: GPU default rule: the one pass's working set may take at most this share of the device's free memory.
 ONE_PASS_FREE_SHARE = 0.25
+#: Bytes per element of the compensated pair's residual (``compensated.RESIDUAL_DTYPE``, int8 fixed point; kept
+#: here because this module must import without Triton; a test checks that the two agree).
+PAIR_RESIDUAL_BYTES = 1
 #: GPU two passes: vocabulary chunks are at least this wide (more row blocks instead), multiples of the align.
 MIN_CHUNK_COLS = 2048
 CHUNK_COL_ALIGN = 128
@@ -148,12 +151,12 @@ def hidden_accumulator(
 ) -> tuple[str, int]:
     """How the GPU gradient pass accumulates the hidden-state gradient of ``n_rows`` kept tokens over vocabulary
     chunks, and the bytes that holds beyond the gradient itself (module docstring): ``("none", 0)`` for an fp32
-    gradient (it is the accumulator), ``("pair", 2·M·H)`` for bf16 under an explicit budget (the compensated
+    gradient (it is the accumulator), ``("pair", PAIR_RESIDUAL_BYTES·M·H)`` for bf16 under an explicit budget (the compensated
     pair's residual), else ``("fp32", 4·M·H)``."""
     if grad_dtype == torch.float32:
         return "none", 0
     if grad_dtype == torch.bfloat16 and tile_budget_bytes is not None:
-        return "pair", n_rows * hidden_size * 2
+        return "pair", n_rows * hidden_size * PAIR_RESIDUAL_BYTES
     return "fp32", n_rows * hidden_size * 4
 
 

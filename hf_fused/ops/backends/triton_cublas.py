@@ -1,12 +1,13 @@
 """GPU backend: cuBLAS matmuls for the tiles, Triton epilogues (:mod:`.triton_kernels`) between them.
 
 Loop order: vocabulary chunks outside, token rows inside. Each weight-gradient chunk ``dW[v0:v1]`` is
-complete after its chunk (cuBLAS reduces over all rows in fp32 and rounds once), so the ``[V, H]``
-weight gradient is never held in fp32; the hidden-state gradient ``[M, H]`` accumulates across chunks in an fp32
-buffer (cuBLAS), or, under an explicit ``tile_budget_bytes`` and for bf16, as a compensated pair (the gradient
-itself plus a bf16 residual, :mod:`.compensated`: a Triton matmul whose fp32 accumulator is folded into the
-pair error-free, no less accurate than eager's one rounding) counted inside the budget
-(:func:`hf_fused.ops.tiling.hidden_accumulator`).
+complete after its chunk (cuBLAS reduces over all rows in fp32 and rounds once; over several row blocks into an
+fp32 ``[cols, H]`` buffer), so the ``[V, H]`` weight gradient is never held in fp32; the hidden-state gradient
+``[M, H]`` accumulates across chunks in an fp32 buffer (cuBLAS), or, under an explicit ``tile_budget_bytes`` and
+for bf16, as a compensated pair (the gradient itself plus an int8 residual, :mod:`.compensated`: a Triton matmul
+whose fp32 accumulator is folded into the pair, no less accurate than eager's one rounding). Under an explicit
+budget the plan (:func:`hf_fused.ops.tiling.lean_two_pass_plan`) counts everything inside it, the kept hidden
+rows included: one compact copy, or each row block gathered again per chunk when the copy leaves too little.
 
 Passes: statistics (``2·M·H·V`` FLOPs: log-sum-exp, label logit, entropy, and the token statistics when
 asked) then gradients (recompute ``2·M·H·V`` + ``dX`` ``2·M·H·V`` + ``dW`` ``2·M·H·V``): ``8·M·H·V`` in all,
@@ -33,12 +34,7 @@ from ..grads import HeadGrads
 from ..head_inputs import HeadInputs, NeededGrads
 from ..logit_transform import LogitTransform
 from ..tiling import LeanPlan, hidden_accumulator, lean_two_pass_plan, one_pass_rows, two_pass_plan
-from .compensated import compensated_addmm_
-
-try:  # the int8 residual (a concurrent change); bf16 before it
-    from .compensated import RESIDUAL_DTYPE
-except ImportError:  # pragma: no cover
-    RESIDUAL_DTYPE = torch.bfloat16
+from .compensated import RESIDUAL_DTYPE, compensated_addmm_
 from .protocol import HeadPass, TileGrads
 
 # Triton launch shapes, measured on an H200 (docs/gpu_results.md).
