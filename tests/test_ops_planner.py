@@ -159,7 +159,7 @@ def test_gpu_two_pass_accumulates_a_bf16_hidden_gradient_as_a_compensated_pair()
     backend, transform = TritonCublasBackend(), LogitTransform()
     m = rows.numel()
     # all rows × 2048 columns + the residual + the compact copy of the kept rows
-    budget = m * 2048 * 2 + tiling.hidden_accumulator(m, h, torch.bfloat16, 1)[1] + m * h * 2
+    budget = m * (2048 * 2 + h * 2 + tiling.ROW_VECTOR_BYTES) + tiling.hidden_accumulator(m, h, torch.bfloat16, 1)[1]
     head = HeadInputs(hidden, weight, None, labels, rows, transform, budget)
     lse = backend.logprobs_forward(head).lse
     g_lp = torch.randn(m, generator=g)
@@ -220,7 +220,8 @@ def test_lean_plan_holds_the_whole_working_set_within_the_budget(budget_mib, res
     # fp32 weight-gradient chunk when several row blocks add into it
     rows = plan.block_rows * H * BF16 if plan.gather_rows else LEAN_M * H * BF16
     chunk = plan.cols * H * 4 if plan.block_rows < LEAN_M else 0
-    assert LEAN_M * H * residual + rows + plan.block_rows * plan.cols * BF16 + chunk == plan.bytes <= budget
+    vectors = LEAN_M * tiling.ROW_VECTOR_BYTES  # row indices, labels, log-sum-exp, upstream gradients
+    assert LEAN_M * H * residual + rows + plan.block_rows * plan.cols * BF16 + chunk + vectors == plan.bytes <= budget
     assert plan.cols >= tiling.MIN_CHUNK_COLS and plan.cols % tiling.CHUNK_COL_ALIGN == 0
 
 
@@ -235,7 +236,7 @@ def test_lean_plan_gathers_rows_only_when_a_compact_copy_leaves_too_little():
 def test_lean_plan_without_ignored_rows_reads_hidden_in_place():
     plan = _lean(256 * 2**20, copy=False)  # every row kept: nothing to copy or gather
     assert not plan.gather_rows
-    assert plan.bytes == LEAN_M * H * 1 + plan.block_rows * plan.cols * BF16 + (
+    assert plan.bytes == LEAN_M * (H * 1 + tiling.ROW_VECTOR_BYTES) + plan.block_rows * plan.cols * BF16 + (
         plan.cols * H * 4 if plan.block_rows < LEAN_M else 0)
 
 
@@ -297,11 +298,12 @@ def test_gpu_two_pass_plans_within_an_explicit_budget():
     rows = torch.arange(n)[torch.arange(n) % 4 != 0]
     m = rows.numel()
     kind, residual = tiling.hidden_accumulator(m, h, torch.bfloat16, 1)
-    budget = residual + 2048 * (1024 * BF16 + h * BF16) + 2048 * h * 4
+    budget = residual + m * tiling.ROW_VECTOR_BYTES + 2048 * (1024 * BF16 + h * BF16) + 2048 * h * 4
     head = HeadInputs(hidden, weight, None, torch.zeros(n, dtype=torch.long), rows, LogitTransform(), budget)
     plan = TritonCublasBackend._plan(head, reserved_bytes=residual, accumulator_row_bytes=h * 6, weight_chunk=True)
     assert kind == "pair" and plan.gather_rows and plan.bytes <= budget
-    assert plan.bytes == residual + plan.block_rows * (plan.cols + h) * BF16 + plan.cols * h * 4
+    assert plan.bytes == residual + m * tiling.ROW_VECTOR_BYTES + plan.block_rows * (plan.cols + h) * BF16 + (
+        plan.cols * h * 4)
 
 
 def test_gpu_two_pass_gathers_into_one_buffer_for_the_whole_pass():

@@ -49,6 +49,9 @@ ONE_PASS_TILE_ROWS = 2048
 MIN_ONE_PASS_ROWS = 512
 #: GPU default rule: the one pass's working set may take at most this share of the device's free memory.
 ONE_PASS_FREE_SHARE = 0.25
+#: Bytes per kept row of the per-row vectors a pass holds beside its buffers (row index and label, int64; the
+#: log-sum-exp, entropy, upstream gradients: fp32), counted inside an explicit budget (measured 28 on an H100).
+ROW_VECTOR_BYTES = 32
 #: Bytes per element of the compensated pair's residual (``compensated.RESIDUAL_DTYPE``, int8 fixed point; kept
 #: here because this module must import without Triton; a test checks that the two agree).
 PAIR_RESIDUAL_BYTES = 1
@@ -213,7 +216,8 @@ def lean_two_pass_plan(
     """The tile of the GPU two passes when ``tile_budget_bytes`` is given: a hard bound on everything the pass
     holds beyond its inputs and outputs, not on the tile alone.
 
-    The working set: ``reserved_bytes`` (the hidden gradient's accumulator, :func:`hidden_accumulator`); the
+    The working set: ``reserved_bytes`` (the hidden gradient's accumulator, :func:`hidden_accumulator`) and
+    ``ROW_VECTOR_BYTES`` per row; the
     kept hidden rows in the weight's dtype, either one compact copy (``copy_bytes``, 0 when every row is kept)
     or a ``[block_rows, H]`` gather buffer (``gather_row_bytes`` per row); the ``[block_rows, cols]`` tile; and
     when several row blocks add into one vocabulary chunk's weight gradient (``weight_chunk``), its fp32
@@ -229,6 +233,7 @@ def lean_two_pass_plan(
     """
     budget = check_tile_budget(tile_budget_bytes)
     m = max(n_rows, 1)
+    reserved_bytes += m * ROW_VECTOR_BYTES
     best: Optional[tuple[int, LeanPlan]] = None
     hidden_ways = [(False, copy_bytes, 0)] + ([(True, 0, gather_row_bytes)] if copy_bytes else [])
     for gather, fixed, row_bytes in hidden_ways:
