@@ -286,8 +286,9 @@ def test_gpu_two_pass_gathered_row_blocks_match_the_compact_copy(monkeypatch):
 
 
 def test_gpu_two_pass_plans_within_an_explicit_budget():
-    """The backend hands the planner everything it will hold: with 10 of 40 rows ignored and a budget just above
-    the residual, the plan gathers row blocks and counts the gather buffer and the weight-gradient chunk."""
+    """The backend hands the planner everything it will hold: with a quarter of the rows ignored and a budget too
+    small for their compact copy, the plan gathers row blocks and counts the gather buffer and the weight-gradient
+    chunk."""
     pytest.importorskip("triton")
     from hf_fused.ops import LogitTransform
     from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
@@ -298,7 +299,9 @@ def test_gpu_two_pass_plans_within_an_explicit_budget():
     rows = torch.arange(n)[torch.arange(n) % 4 != 0]
     m = rows.numel()
     kind, residual = tiling.hidden_accumulator(m, h, torch.bfloat16, 1)
-    budget = residual + m * tiling.ROW_VECTOR_BYTES + 2048 * (1024 * BF16 + h * BF16) + 2048 * h * 4
+    # room for the weight-gradient chunk and 64 gathered rows of a 2048-column tile, not for the compact copy
+    budget = residual + m * tiling.ROW_VECTOR_BYTES + 2048 * h * 4 + 64 * (2048 * BF16 + h * BF16)
+    assert budget - residual - m * tiling.ROW_VECTOR_BYTES - m * h * BF16 < 2048 * h * 4
     head = HeadInputs(hidden, weight, None, torch.zeros(n, dtype=torch.long), rows, LogitTransform(), budget)
     plan = TritonCublasBackend._plan(head, reserved_bytes=residual, accumulator_row_bytes=h * 6, weight_chunk=True)
     assert kind == "pair" and plan.gather_rows and plan.bytes <= budget
@@ -331,3 +334,13 @@ def test_the_planner_counts_the_residual_the_kernel_stores():
     from hf_fused.ops.backends.compensated import RESIDUAL_DTYPE
 
     assert tiling.PAIR_RESIDUAL_BYTES == RESIDUAL_DTYPE.itemsize
+
+
+@pytest.mark.parametrize("m", [29_491, 3_000, 1_025])
+def test_lean_plan_splits_rows_into_equal_blocks(m):
+    # 29491 rows in blocks of 7372 would leave a 5th block of 3 rows: four more launches per chunk for nothing
+    for budget in (256 * 2**20, 2**22, 2**24):
+        plan = tiling.lean_two_pass_plan(m, H, V, BF16, budget, reserved_bytes=m * H, copy_bytes=m * H * BF16,
+                                         gather_row_bytes=H * BF16, accumulator_row_bytes=H * 6, weight_chunk=True)
+        blocks = -(-m // plan.block_rows)
+        assert plan.block_rows == -(-m // blocks), (budget, plan)

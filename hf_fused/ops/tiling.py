@@ -221,9 +221,9 @@ def lean_two_pass_plan(
     kept hidden rows in the weight's dtype, either one compact copy (``copy_bytes``, 0 when every row is kept)
     or a ``[block_rows, H]`` gather buffer (``gather_row_bytes`` per row); the ``[block_rows, cols]`` tile; and
     when several row blocks add into one vocabulary chunk's weight gradient (``weight_chunk``), its fp32
-    ``[cols, H]`` buffer. Among the plans that fit (all rows per block, or halving down to
-    ``MIN_LEAN_BLOCK_ROWS``, or the most rows beside a ``MIN_CHUNK_COLS`` chunk; each with its widest chunk), the one that moves the
-    fewest bytes in what it repeats: per vocabulary chunk, the accumulator's read and write
+    ``[cols, H]`` buffer. Among the plans that fit (all rows in 1, 2, 4, ... equal blocks of at least
+    ``MIN_LEAN_BLOCK_ROWS``, or the fewest equal blocks beside a ``MIN_CHUNK_COLS`` chunk; each with its widest
+    chunk), the one that moves the fewest bytes in what it repeats: per vocabulary chunk, the accumulator's read and write
     (``accumulator_row_bytes`` per row) and the gather; per row block and chunk, the fp32 weight-gradient
     chunk's read and write (ties go to the compact copy). When nothing fits, the plan of
     :func:`two_pass_plan` with a ``MIN_TWO_PASS_TILE_BYTES`` floor (and its ``bytes`` then exceeds the budget).
@@ -241,11 +241,11 @@ def lean_two_pass_plan(
         narrow = min(vocab_size, MIN_CHUNK_COLS)
         # the most rows beside the narrowest chunk, then all rows and halvings with their widest chunks
         most = (avail - narrow * hidden_size * 4 * weight_chunk) // (narrow * elem_bytes + row_bytes)
-        candidates = {min(m, most)} if most >= 1 else set()
-        block_rows = m
-        while block_rows == m or block_rows >= MIN_LEAN_BLOCK_ROWS:
-            candidates.add(block_rows)
-            block_rows //= 2
+        candidates = {-(-m // -(-m // most))} if most >= 1 else set()  # in equal blocks
+        blocks = 1  # m split evenly into 1, 2, 4, ... blocks (m // 2 rows would leave a block of one row)
+        while blocks == 1 or -(-m // blocks) >= MIN_LEAN_BLOCK_ROWS:
+            candidates.add(-(-m // blocks))
+            blocks *= 2
         for block_rows in sorted(candidates, reverse=True):
             split = block_rows < m and weight_chunk
             # block_rows·(cols·e + row_bytes) + [split]·cols·H·4 ≤ avail
@@ -263,6 +263,7 @@ def lean_two_pass_plan(
     if best is not None:
         return best[1]
     block_rows, cols = two_pass_plan(n_rows, vocab_size, elem_bytes, tile_budget_bytes, reserved_bytes + copy_bytes)
+    block_rows = -(-m // -(-m // block_rows))  # the same number of blocks, equal
     split = block_rows < m and weight_chunk
     used = reserved_bytes + copy_bytes + block_rows * cols * elem_bytes + (cols * hidden_size * 4 if split else 0)
     return LeanPlan(block_rows, cols, False, used)
