@@ -139,9 +139,11 @@ def linear_cross_entropy(
             (transformers' gradient-accumulation normalization).
         temperature, softcap, logit_scale: the logit transform above.
         tile_budget_bytes: ``None`` (default): the planner's rule (:mod:`hf_fused.ops.tiling`): on a CUDA
-            device the one pass below when its working set (fp32 ``[V, H]`` accumulator plus a 2048-row
-            tile) fits in a quarter of the free device memory, else the lean two passes with a 256 MiB tile;
-            elsewhere a 256 MiB bound. An int: a hard bound on the working set in bytes.
+            device the one pass below when its working set (fp32 ``[V, H]`` accumulator, a 2048-row tile and
+            the kept rows' fp32 hidden gradient) fits in a quarter of the free device memory, else the lean two
+            passes with a 256 MiB tile; elsewhere a 256 MiB bound. An int: a hard bound in bytes on everything
+            the op holds beyond its inputs and outputs on the GPU backend (tile, accumulators, the kept hidden
+            rows, :func:`hf_fused.ops.tiling.lean_two_pass_plan`), and on the tile on the CPU reference.
         backend: force a backend by name (see :mod:`hf_fused.ops.backends`).
         token_weights: optional ``[...]`` floating tensor shaped like ``labels``: each token's loss is
             multiplied by its weight before the reduction (``"mean"`` still divides by the number of
