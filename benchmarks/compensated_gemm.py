@@ -10,19 +10,22 @@ chunk, N the hidden size) three ways:
   rounding per chunk: the accuracy we do not accept, timed as the floor);
 * ``compensated``: :func:`hf_fused.ops.backends.compensated.compensated_addmm_` into a ``(hi, lo)`` pair (bf16
   ``hi``, int8 residual ``lo``: ``RESIDUAL_DTYPE``), with its default launch configuration and with each of
-  ``SWEEP_CONFIGS``.
+  ``SWEEP_CONFIGS``: names ending ``/ptr`` run the pointer-load kernel, ``/tma`` the Hopper one (TMA loads,
+  persistent programs; sm_90 and later); the default is labelled with the kernel it ran.
 
 Per shape: median ms (:func:`benchmarks.measure.median_ms`: ``triton.testing.do_bench``, CUDA events, L2
 flushed, about ``--repeats`` timed calls after warm-up), TFLOP/s (``2·M·K·N``), time relative to
 ``cuBLAS addmm → fp32``, and as a sanity check the share of elements where one compensated step from zero
 differs from the fp32 product rounded once (fp32 summation order only: expect ≲ 0.1 %). The best
-configuration per shape is printed last. Estimated at about a minute on an H100 (mostly Triton compiling
-the seven configurations once; 72 timings of at most ~30 calls of ≤ 15 ms each).
+configuration per shape is printed last. Estimated at about two minutes on an H100 (mostly Triton compiling
+the fifteen configurations once; 136 timings of at most ~30 calls of ≤ 15 ms each). Only the ``/tma`` ones:
+``--tma-only``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Optional
 
@@ -32,7 +35,9 @@ from .measure import free_memory, median_ms, short_error
 from .report import text_table
 
 SHAPES = [(m, k, n) for m in (8192, 32768) for k in (8192, 16384) for n in (2048, 4096)]
-QUICK_SHAPES = [(64, 128, 96), (70, 50, 90)]  # CPU smoke test under TRITON_INTERPRET=1
+# CPU smoke test under TRITON_INTERPRET=1; ragged against its 32×32×16 tiles, with K and N multiples of 8 (the
+# 16-byte strides TMA descriptors need).
+QUICK_SHAPES = [(64, 128, 96), (70, 56, 88)]
 
 
 def _addmm_fp32(acc32: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -52,7 +57,7 @@ def _operands(m: int, k: int, n: int, device: torch.device):
 
 
 def _bench_shape(m: int, k: int, n: int, device: torch.device, repeats: int, configs) -> tuple[list, float]:
-    from hf_fused.ops.backends.compensated import RESIDUAL_DTYPE, compensated_addmm_, default_config
+    from hf_fused.ops.backends.compensated import RESIDUAL_DTYPE, _uses_tma, compensated_addmm_, default_config
 
     a, b = _operands(m, k, n, device)
     acc32 = torch.zeros(m, n, dtype=torch.float32, device=device)
@@ -66,7 +71,8 @@ def _bench_shape(m: int, k: int, n: int, device: torch.device, repeats: int, con
     default = default_config(m, n, device)
     variants = [("cuBLAS addmm → fp32", lambda: _addmm_fp32(acc32, a, b)),
                 ("cuBLAS addmm → bf16", lambda: torch.addmm(c16, a, b, out=c16))]
-    variants += [(f"compensated {c.name}" + (" (default)" if c == default else ""),
+    default_kernel = "tma" if _uses_tma(hi, a, b, default) else "ptr"
+    variants += [(f"compensated {c.name}" + (f" (default, {default_kernel})" if c == default else ""),
                   lambda c=c: compensated_addmm_(hi, lo, a, b, config=c))
                  for c in ([default] if default not in configs else []) + list(configs)]
     results = []
@@ -87,6 +93,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (the Triton interpreter; use --quick)")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per variant (default 20)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and two configurations (CPU smoke test)")
+    parser.add_argument("--tma-only", action="store_true", help="of SWEEP_CONFIGS, only the TMA kernel's")
     parser.add_argument("--shapes", default=None, help="comma-separated M:K:N (default: M ∈ {8192, 32768}, "
                         "K ∈ {8192, 16384}, N ∈ {2048, 4096})")
     args = parser.parse_args(argv)
@@ -99,7 +106,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes.split(",")]
     else:
         shapes = QUICK_SHAPES if args.quick else SHAPES
-    configs = (GemmConfig(32, 32, 16, group_m=2, num_warps=4, num_stages=2), SMALL) if args.quick else SWEEP_CONFIGS
+    if args.quick:
+        tiny = GemmConfig(32, 32, 16, group_m=2, num_warps=4, num_stages=2, tma=False)
+        configs = (tiny, dataclasses.replace(tiny, tma=True), SMALL)
+    else:
+        configs = SWEEP_CONFIGS
+    if args.tma_only:
+        configs = tuple(c for c in configs if c.tma)
 
     header = ["M×K×N", "variant", "ms", "TFLOP/s", "× fp32 cuBLAS"]
     rows, best = [], []
@@ -111,7 +124,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for label, ms in results:
             rows.append([shape, label, f"{ms:.3f}", f"{flops / ms / 1e9:.1f}", f"{ms / base:.2f}"])
         label, ms = min(results[2:], key=lambda r: (r[1] != r[1], r[1]))  # NaN (failed) last
-        best.append([shape, label.removeprefix("compensated ").removesuffix(" (default)"), f"{ms:.3f}",
+        best.append([shape, label.removeprefix("compensated ").split(" (default")[0], f"{ms:.3f}",
                      f"{flops / ms / 1e9:.1f}", f"{ms / base:.2f}", f"{100 * differs:.3f}"])
         print("\n".join(text_table(header, rows[-len(results):], align_left=2)) + "\n", flush=True)
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu (Triton interpreter)'}, "

@@ -4,7 +4,9 @@ once, and measurably more accurate than accumulating into a bf16 tensor; the res
 docstring says, element by element, across bf16's range.
 
 On CPU the kernel runs under TRITON_INTERPRET=1 (set in conftest) with small shapes; the ``gpu`` tests run
-the compiled kernel at larger shapes and through every benchmarked launch configuration.
+the compiled kernel at larger shapes and through every benchmarked launch configuration. The Hopper (TMA)
+kernel runs under the interpreter too when asked for (``GemmConfig(tma=True)``) and is checked against the
+pointer kernel bit for bit.
 """
 
 from __future__ import annotations
@@ -386,45 +388,67 @@ def test_benchmark_runs_on_cpu(capsys):
         assert label in printed
 
 
-# Compiles the kernel for an H100 (sm_90) in a process without TRITON_INTERPRET (the interpreter accepts code
+# Compiles the kernels for an H100 (sm_90) in a process without TRITON_INTERPRET (the interpreter accepts code
 # that the compiler rejects, such as returns of different types) and prints, per launch shape of the default
-# table, the registers, spilled stack bytes, Hopper tensor-core (wgmma) instructions and flush-to-zero (.ftz)
-# instructions of the result (the benchmark's other sweep shapes compile on the GPU when it runs).
+# table, the registers, spilled stack bytes, Hopper tensor-core (wgmma) instructions, TMA bulk-tensor loads
+# (cp.async.bulk.tensor) and flush-to-zero (.ftz) instructions of the result: the pointer kernel, and the TMA
+# kernel that runs the same table on sm_90 (the benchmark's other sweep shapes compile on the GPU when it runs;
+# compensated.py's comment lists their counts).
 _COMPILE_FOR_SM90 = r"""
 import os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from hf_fused.ops.backends import compensated as C
 
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def compile_and_print(fn, names, consts, types, cfg, label):
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    # What a launch specializes for the lean loop's tensors: 16-aligned pointers and strides, any row count M.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in consts and n != "M" and not types.get(n, "").startswith("tensordesc")}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    ptx = kernel.asm["ptx"]
+    wgmma = len(re.findall(r"wgmma.mma_async", ptx))
+    tma = len(re.findall(r"cp.async.bulk.tensor", ptx))
+    ftz = len(re.findall(r"\.ftz", ptx))
+    print(cfg.name, label, regs, stack, wgmma, tma, ftz, flush=True)
+
+
+ptrs = {"A": "*bf16", "B": "*bf16", "HI": "*bf16", "LO": "*i8", "HI_ROWS": "*i64"}
 names = ["A", "B", "HI", "LO", "HI_ROWS", "M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn",
          "stride_hm", "stride_hn", "stride_lm", "stride_ln"]
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for cfg in (C.LARGE, C.MEDIUM, C.SMALL):
     for layout in ("a row-major", "a transposed") if cfg == C.LARGE else ("a row-major",):
-        dtype = "bf16"
         unit = {"stride_ak": 1} if layout == "a row-major" else {"stride_am": 1}
         # The transposed layout also compiles the masked-K loop (EVEN_K off).
         consts = dict(unit, stride_bn=1, stride_hn=1, stride_ln=1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=layout == "a row-major", WIDEN_DOT=False,
                       EPILOGUE_SPLIT=cfg.epilogue_split, GATHER_HI=False)
-        ptrs = {"A": "*bf16", "B": "*bf16", "HI": "*bf16", "LO": "*i8", "HI_ROWS": "*i64"}
-        sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
-        sig.update({n: "constexpr" for n in consts})
-        # What a launch specializes for the lean loop's tensors: 16-aligned pointers and strides, any row count M.
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts and n != "M"}
-        src = triton.compiler.ASTSource(fn=C._compensated_addmm_kernel, signature=sig, constexprs=consts, attrs=attrs)
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(kernel.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                                   check=True).stdout
-        regs = int(re.search(r"REG:(\d+)", usage).group(1))
-        stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-        wgmma = len(re.findall(r"wgmma.mma_async", kernel.asm["ptx"]))
-        ftz = len(re.findall(r"\.ftz", kernel.asm["ptx"]))
-        print(cfg.name, dtype, layout, regs, stack, wgmma, ftz, flush=True)
+        compile_and_print(C._compensated_addmm_kernel, names, consts, ptrs, cfg, "pointer " + layout)
+
+names = ["A_DESC", "B_DESC", "HI", "LO", "HI_ROWS", "M", "N", "K", "stride_hm", "stride_hn", "stride_lm", "stride_ln"]
+for cfg in (C.LARGE, C.MEDIUM, C.SMALL):
+    # The lean path's call (a row-major, hi rows gathered), and for LARGE also a plain one with a column-major a.
+    for a_t, gather in ((False, True), (True, False)) if cfg == C.LARGE else ((False, True),):
+        consts = dict(stride_hn=1, stride_ln=1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      GROUP_M=cfg.group_m, A_T=a_t, B_T=False, NUM_PROGRAMS=132, WIDEN_DOT=False,
+                      EPILOGUE_SPLIT=cfg.epilogue_split, GATHER_HI=gather)
+        a_box = (cfg.block_k, cfg.block_m) if a_t else (cfg.block_m, cfg.block_k)
+        types = dict(ptrs, A_DESC=f"tensordesc<bf16[{a_box[0]}, {a_box[1]}]>",
+                     B_DESC=f"tensordesc<bf16[{cfg.block_k}, {cfg.block_n}]>")
+        label = "tma " + ("a transposed" if a_t else "a row-major") + (" gathered" if gather else "")
+        compile_and_print(C._compensated_addmm_tma_kernel, names, consts, types, cfg, label)
 """
 
 
@@ -440,10 +464,12 @@ def test_kernel_compiles_for_h100_without_spills():
     out = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.rsplit(" ", 4) for line in out.stdout.splitlines()]
-    assert len(rows) == 4
-    for name, regs, stack, wgmma, ftz in rows:
+    rows = [line.rsplit(" ", 5) for line in out.stdout.splitlines()]
+    assert len(rows) == 8
+    for name, regs, stack, wgmma, tma, ftz in rows:
         assert int(wgmma) > 0, name  # the product runs on Hopper tensor cores
+        # The TMA kernel's loads are bulk tensor copies; the pointer kernel's are not.
+        assert (int(tma) > 0) == (" tma " in f" {name} "), (name, tma)
         # No fp32 instruction flushes subnormals to zero: the fold's sums, the residual of a tiny hi and its
         # decoded value are fp32 subnormals where |hi| < 2⁻¹¹¹ (tests above check them under the interpreter).
         assert int(ftz) == 0, name
@@ -498,3 +524,91 @@ def test_gathered_hi_rows_equal_the_compact_pair_scattered():
     assert (hi_g[others] == 3.0).all()
     with pytest.raises(ValueError, match="hi_rows"):
         compensated_addmm_(hi_g, lo_g, a[:, :64], w[:64], hi_rows=rows.int())
+
+
+def _nan_padded(x: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """``x`` as a view into a larger buffer whose rows are a multiple of 8 elements (the 16-byte strides TMA
+    needs) and whose other elements are NaN: a load past the view that is not masked or zero-filled makes the
+    sums NaN. ``transposed``: the buffer holds ``x.T`` (``x`` column-major)."""
+    src = x.t() if transposed else x
+    buf = torch.full((src.shape[0] + 8, (src.shape[1] + 7) // 8 * 8 + 8), float("nan"), dtype=x.dtype)
+    buf[:src.shape[0], :src.shape[1]] = src
+    view = buf[:src.shape[0], :src.shape[1]]
+    return view.t() if transposed else view
+
+
+def _tma_config(pointer: GemmConfig) -> GemmConfig:
+    import dataclasses
+
+    return dataclasses.replace(pointer, tma=True)
+
+
+@interpreted
+@pytest.mark.parametrize("a_t, b_t, epilogue_split, programs", [
+    (False, False, 2, 1), (False, False, 4, 4), (True, False, 1, 4), (False, True, 2, 3), (True, True, 4, 1),
+])
+def test_tma_kernel_matches_pointer_kernel_and_float64(a_t, b_t, epilogue_split, programs, monkeypatch):
+    # The TMA kernel under the interpreter: 32×64×16 tiles over M = 70, N = 90, K = 56 per chunk (ragged in all
+    # three: TMA's zero fill past the descriptor's shape stands in for the masks; NaN beyond the views would
+    # show any load that reads past it), a or b column-major (loaded as the transposed box), and 1, 3 or 4
+    # persistent programs over the 6 tiles (uneven shares). Same per-tile fp32 sums in the same order as the
+    # pointer kernel: bit-identical pairs, and within the float64 bounds of the pointer kernel's tests.
+    from hf_fused.ops.backends import compensated
+
+    monkeypatch.setattr(compensated, "_multiprocessors", lambda device: programs)
+    a, w = _lean_path_operands(70, 90, 56, 5, torch.bfloat16, seed=10)
+    a, w = _nan_padded(a, a_t), _nan_padded(w, b_t)
+    assert (a.stride(0) == 1) == a_t and (w.stride(0) == 1) == b_t
+    pointer = GemmConfig(32, 64, 16, group_m=2, num_warps=4, num_stages=2, epilogue_split=epilogue_split, tma=False)
+    hi, lo, _ = _check_no_worse_than_eager(a, w, 56, torch.bfloat16, _tma_config(pointer))
+    ref_hi, ref_lo, _ = _accumulate(a, w, 56, pointer)
+    assert torch.equal(hi, ref_hi) and torch.equal(lo, ref_lo)
+
+
+@interpreted
+def test_tma_kernel_gathers_hi_rows(monkeypatch):
+    # Gathered hi rows (the lean path's call) on the TMA kernel: the pointer kernel's pair, bit for bit, in
+    # hi[hi_rows], the other rows untouched; 2 programs over the 4 tiles.
+    from hf_fused.ops.backends import compensated
+
+    monkeypatch.setattr(compensated, "_multiprocessors", lambda device: 2)
+    a, w = _lean_path_operands(40, 48, 72, 3, torch.bfloat16, seed=11)
+    a, w = _nan_padded(a), _nan_padded(w)
+    pointer = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=2, epilogue_split=2, tma=False)
+    rows = torch.randperm(70, generator=torch.Generator().manual_seed(12))[:40].sort().values
+    pairs = []
+    for config in (pointer, _tma_config(pointer)):
+        hi = torch.full((70, 48), 3.0, dtype=torch.bfloat16)
+        hi[rows] = 0
+        lo = torch.zeros(40, 48, dtype=RESIDUAL_DTYPE)
+        for i in range(3):
+            chunk = slice(72 * i, 72 * (i + 1))
+            compensated_addmm_(hi, lo, a[:, chunk], w[chunk], hi_rows=rows, config=config)
+        pairs.append((hi, lo))
+    (ref_hi, ref_lo), (hi, lo) = pairs
+    assert torch.equal(hi, ref_hi) and torch.equal(lo, ref_lo)
+    others = torch.ones(70, dtype=torch.bool)
+    others[rows] = False
+    assert (hi[others] == 3.0).all() and hi[rows].abs().sum() > 0
+
+
+@interpreted
+def test_tma_refuses_operands_it_cannot_load():
+    # tma=True where a descriptor cannot describe an operand raises, naming the reason; tma=None (the default
+    # table's) runs the pointer kernel for them (on CPU always), and the same pair comes out.
+    a = torch.randn(16, 50, generator=torch.Generator().manual_seed(13)).bfloat16()
+    b = torch.randn(64, 24, generator=torch.Generator().manual_seed(14)).bfloat16()
+    config = GemmConfig(16, 16, 16, group_m=1, num_warps=4, num_stages=2)
+    cases = [(a, b[:50], "strides \\(50, 1\\)"),  # a 100-byte row stride
+             (a[:, ::2], b[:25], "strides \\(50, 2\\)"),  # no unit stride
+             (a.new_zeros(16, 57)[:, 1:], b[:56], "16-byte aligned")]  # base 2 bytes past an aligned one
+    for a_i, b_i, reason in cases:
+        pairs = []
+        for tma in (None, False):
+            hi = torch.zeros(16, 24, dtype=torch.bfloat16)
+            lo = torch.zeros(16, 24, dtype=RESIDUAL_DTYPE)
+            compensated_addmm_(hi, lo, a_i, b_i, config=GemmConfig(16, 16, 16, group_m=1, num_warps=4, tma=tma))
+            pairs.append((hi, lo))
+        assert torch.equal(pairs[0][0], pairs[1][0]) and torch.equal(pairs[0][1], pairs[1][1])
+        with pytest.raises(ValueError, match=f"TMA kernel, but a does not suit TMA: .*{reason}"):
+            compensated_addmm_(hi, lo, a_i, b_i, config=_tma_config(config))

@@ -71,6 +71,17 @@ Launch configuration: a fixed table keyed on the shape's class (:func:`default_c
 candidate config (``restore_value``), and the row count M changes with every batch (only the non-ignored
 rows are computed), which would re-tune — many timed launches — at each new M in the training loop.
 ``benchmarks/compensated_gemm.py`` sweeps :data:`SWEEP_CONFIGS` on a GPU to choose the table.
+
+Two kernels share the tile order and the epilogue. The pointer-load one (any GPU, any strides) launches a
+program per output tile. The Hopper one (sm_90 and later; ``GemmConfig.tma``, conditions in
+:func:`compensated_addmm_`) loads ``a`` and ``b`` tiles with TMA through host-side tensor descriptors over the
+operands' own shapes (the zero fill past them replaces the masks, ragged K included), and launches one
+persistent program per multiprocessor, looping over the tiles in the same grouped order with the loop nest
+flattened (``tl.range(..., flatten=True)``) so that the next tile's loads overlap this tile's epilogue; no
+warp specialization. Both compute the same fp32 sums in the same order per tile. It is written for the
+memory-lean path's ``dz [M, K]`` row-major and ``w[v0:v1] [K, N]`` (N contiguous) and compiles for sm_90
+with Triton 3.6 and 3.9; it has not been timed on a GPU yet, so the default table is still the pointer
+kernel's, run by the Hopper kernel wherever it applies.
 """
 
 from __future__ import annotations
@@ -99,7 +110,13 @@ class GemmConfig:
     """One launch shape: a ``block_m × block_n`` output tile per program, ``block_k`` deep K steps,
     programs ordered in groups of ``group_m`` row-blocks (so the ``b`` columns a group reads stay in L2,
     as in Triton's matmul tutorial), ``num_warps`` warps, ``num_stages`` software-pipelined loads, and the
-    epilogue run on ``epilogue_split`` (1, 2 or 4) column slices of the tile one after another."""
+    epilogue run on ``epilogue_split`` (1, 2 or 4) column slices of the tile one after another.
+
+    ``tma`` picks the kernel: ``True`` the Hopper one (TMA loads of ``a`` and ``b``, persistent programs; a
+    ``ValueError`` where the operands or the device do not allow it: the conditions are listed under
+    :func:`compensated_addmm_`), ``False`` the pointer-load one, ``None`` the Hopper one on CUDA devices where
+    those conditions hold and the pointer one elsewhere (CPU included: the interpreter runs the Hopper kernel
+    only when asked with ``True``)."""
 
     block_m: int
     block_n: int
@@ -108,11 +125,13 @@ class GemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     epilogue_split: int = 1
+    tma: Optional[bool] = None
 
     @property
     def name(self) -> str:
+        kernel = {None: "", True: "/tma", False: "/ptr"}[self.tma]
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/w{self.num_warps}/s{self.num_stages}"
-                f"/e{self.epilogue_split}")
+                f"/e{self.epilogue_split}{kernel}")
 
 
 # Shared memory per stage: (block_m + block_n)·block_k·2 bytes: 48 KiB for 128×256×64 (3 stages = 144 KiB,
@@ -126,12 +145,21 @@ class GemmConfig:
 # Stages: 4 beat 3 on 7 of the 8 lean-path shapes of ``python -m benchmarks.compensated_gemm`` on an H100
 # (1.06–1.33× cuBLAS's fp32-output addmm time; docs/gpu_results.md) — timed with the bf16 residual, not yet
 # re-timed with the int8 one.
+# The TMA kernel (tma=None or True on sm_90), same compiler, pipelined loads in shared memory, registers / stack
+# bytes (contiguous K; gathered hi rows where they differ), shared memory: 128×256×64 w8: s3/e4 201/0 (202/0),
+# 160 KiB; s4/e4 206/0 (205/0), 208 KiB; s3/e2 254/16 (255/32); s4/e2 254/40 (255/32), 224 KiB; 256×128×64 w8:
+# s3/e4 208/0 (221/0); s3/e2 255/8 (255/16); 128×128×64 w8 s4/e1 243/0 (241/0); 128×128×64 w4 s4/e4 212/0
+# (226/0); 64×128×64 w4 s4/e2 128/0 (129/0). Triton 3.6's compiler: as many spilled bytes or fewer (s4/e2: 16),
+# registers within 10 of these.
+# No timings of the TMA kernel exist yet: the table below is the pointer kernel's, which the TMA kernel runs
+# on sm_90 (all three compile without spills there).
 LARGE = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4, epilogue_split=4)
 MEDIUM = GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, epilogue_split=1)
 SMALL = GemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4, epilogue_split=2)
 
-# What the benchmark times on one GPU run (the table above plus neighbours worth comparing).
-SWEEP_CONFIGS = (
+# What the benchmark times on one GPU run: the table above and neighbours worth comparing, on each kernel
+# (explicit tma=False/True, so that every name says which kernel it timed).
+SWEEP_CONFIGS = tuple(dataclasses.replace(c, tma=False) for c in (
     LARGE,
     GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, epilogue_split=4),
     GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, epilogue_split=2),
@@ -139,7 +167,16 @@ SWEEP_CONFIGS = (
     MEDIUM,
     GemmConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=4, epilogue_split=4),
     SMALL,
-)
+)) + tuple(dataclasses.replace(c, tma=True) for c in (
+    LARGE,
+    GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, epilogue_split=4),
+    GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4, epilogue_split=2),
+    GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, epilogue_split=2),
+    GemmConfig(256, 128, 64, group_m=8, num_warps=8, num_stages=3, epilogue_split=4),
+    MEDIUM,
+    GemmConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=4, epilogue_split=4),
+    SMALL,
+))
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,7 +188,8 @@ def _multiprocessors(device: torch.device) -> int:
 
 def default_config(m: int, n: int, device: torch.device) -> GemmConfig:
     """The largest tile of ``LARGE``/``MEDIUM``/``SMALL`` that still gives every multiprocessor of ``device``
-    at least two output tiles (fewer tiles than that leaves SMs idle for a whole K loop); ``SMALL`` otherwise."""
+    at least two output tiles (fewer tiles than that leaves SMs idle for a whole K loop); ``SMALL`` otherwise.
+    All three leave ``tma`` at None: the TMA kernel on sm_90 and later where the operands allow it."""
     waves = 2 * _multiprocessors(device)
     for config in (LARGE, MEDIUM):
         if triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n) >= waves:
@@ -179,6 +217,21 @@ def _round(x):
 
 
 @triton.jit
+def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The ``(row-block, column-block)`` of output tile number ``pid`` in the grouped order: GROUP_M consecutive
+    row-blocks sweep the column-blocks together, so a group reads each B column-block once from DRAM and then
+    from L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // pids_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % pids_per_group) % group_rows
+    pid_n = (pid % pids_per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
 def _compensated_addmm_kernel(
     A, B, HI, LO, HI_ROWS, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_hm, stride_hn, stride_lm, stride_ln,
@@ -188,16 +241,7 @@ def _compensated_addmm_kernel(
 ):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``(HI, LO) += A @ B`` (see the module docstring for the epilogue);
     with ``GATHER_HI`` product row ``i`` lands in ``HI`` row ``HI_ROWS[i]`` (``LO`` stays compact)."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order: GROUP_M consecutive row-blocks sweep the column-blocks together, so a group reads each
-    # B column-block once from DRAM and then from L2.
-    pids_per_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // pids_per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % pids_per_group) % group_rows
-    pid_n = (pid % pids_per_group) // group_rows
+    pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -222,10 +266,64 @@ def _compensated_addmm_kernel(
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    _epilogue(acc, HI, LO, HI_ROWS, pid_m, pid_n, M, N, stride_hm, stride_hn, stride_lm, stride_ln,
+              BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, GATHER_HI)
 
+
+@triton.jit
+def _compensated_addmm_tma_kernel(
+    A_DESC, B_DESC, HI, LO, HI_ROWS, M, N, K, stride_hm, stride_hn, stride_lm, stride_ln,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    A_T: tl.constexpr, B_T: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WIDEN_DOT: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr, GATHER_HI: tl.constexpr,
+):
+    """``_compensated_addmm_kernel`` for Hopper: ``A``/``B`` tiles come through TMA descriptors (``A_DESC`` over
+    ``a [M, K]`` in ``[BLOCK_M, BLOCK_K]`` blocks, or over ``a.T [K, M]`` in ``[BLOCK_K, BLOCK_M]`` blocks with
+    ``A_T``; ``B_DESC`` over ``b [K, N]`` in ``[BLOCK_K, BLOCK_N]`` blocks, or over ``b.T`` with ``B_T``), whose
+    zero fill past the descriptor's shape stands in for the pointer kernel's masks, and each of NUM_PROGRAMS
+    programs computes tiles ``pid, pid + NUM_PROGRAMS, …`` of the same grouped order; the epilogue is the
+    pointer kernel's."""
+    start = tl.program_id(0)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    # The epilogue's tile number is counted separately from the loads' (as in Triton's persistent matmul
+    # tutorial): with the loop nest flattened, the next tile's loads are issued while this tile's epilogue
+    # runs, and a shared counter would tie the two together.
+    tile_c = start - NUM_PROGRAMS
+    for tile in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k_tiles):
+            off_k = k * BLOCK_K
+            if A_T:
+                a = A_DESC.load([off_k, off_m]).T
+            else:
+                a = A_DESC.load([off_m, off_k])
+            if B_T:
+                b = B_DESC.load([off_n, off_k]).T
+            else:
+                b = B_DESC.load([off_k, off_n])
+            if WIDEN_DOT:
+                acc = tl.dot(_to_fp32(a), _to_fp32(b), acc)
+            else:
+                acc = tl.dot(a, b, acc)
+        tile_c += NUM_PROGRAMS
+        pid_m_c, pid_n_c = _tile(tile_c, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        _epilogue(acc, HI, LO, HI_ROWS, pid_m_c, pid_n_c, M, N, stride_hm, stride_hn, stride_lm, stride_ln,
+                  BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, GATHER_HI)
+
+
+@triton.jit
+def _epilogue(acc, HI, LO, HI_ROWS, pid_m, pid_n, M, N, stride_hm, stride_hn, stride_lm, stride_ln,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, GATHER_HI: tl.constexpr):
+    """Folds the fp32 product tile ``acc [BLOCK_M, BLOCK_N]`` at ``(pid_m, pid_n)`` into the pair."""
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     hm = rm
     if GATHER_HI:
-        hm = tl.load(HI_ROWS + rm, mask=m_ok, other=0)
+        hm = tl.load(HI_ROWS + rm, mask=rm < M, other=0)
     # The epilogue in EPILOGUE_SPLIT column slices: a whole 128×256 tile's hi, lo and fold temporaries next to
     # its accumulator need more than 255 registers per thread (ptxas spills ~600 bytes of stack, sm_90).
     if EPILOGUE_SPLIT == 1:
@@ -333,11 +431,19 @@ def compensated_addmm_(
         hi_rows: optional ``[M]`` int64 row indices into a taller ``hi [R, N]``: row ``i`` of the sum is
             ``hi[hi_rows[i]] + lo[i]`` (the kept tokens' rows of a whole ``[N_tokens, H]`` gradient, so that
             ``hi`` is the returned gradient itself, with no compact copy to scatter afterwards).
-        config: launch shape; default :func:`default_config` for ``(M, N)`` on the tensors' device.
+        config: launch shape and kernel; default :func:`default_config` for ``(M, N)`` on the tensors' device.
+
+    Kernel: the Hopper one (TMA loads of ``a``/``b``, one persistent program per multiprocessor) where
+    ``config.tma`` is not False, ``hi`` is on a CUDA device of compute capability ≥ (9, 0) (or, with
+    ``config.tma`` True only, on CPU under the interpreter), and each of ``a`` and ``b`` has one stride equal
+    to 1 (row-major, or column-major read as the transpose), its other stride a multiple of 8 elements
+    (16 bytes) and its ``data_ptr()`` a multiple of 16; the pointer-load kernel otherwise. ``hi``, ``lo`` and
+    ``hi_rows`` are read and written through pointers by both, with any strides.
 
     Raises:
-        ValueError: on shapes that do not chain, tensors on different devices, or ``hi``/``lo`` memory that
-            overlaps each other or ``a``/``b`` (the kernel reads one while writing the other).
+        ValueError: on shapes that do not chain, tensors on different devices, ``hi``/``lo`` memory that
+            overlaps each other or ``a``/``b`` (the kernel reads one while writing the other), or
+            ``config.tma`` True where the conditions above for the Hopper kernel do not hold.
         TypeError: on ``a``, ``b`` or ``hi`` not bf16 (fp16 is refused: see ``_PAIR_DTYPE``), or ``lo`` not
             :data:`RESIDUAL_DTYPE` (a bf16 ``lo`` of the former bf16 pair included).
 
@@ -373,15 +479,72 @@ def compensated_addmm_(
     if config.epilogue_split not in (1, 2, 4) or config.block_n % (16 * config.epilogue_split):
         raise ValueError(f"compensated_addmm_: epilogue_split must be 1, 2 or 4 and divide block_n into slices of "
                          f"≥ 16 columns; got {config}")
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    use_tma = _uses_tma(hi, a, b, config)
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    common = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                  WIDEN_DOT=not hi.is_cuda, EPILOGUE_SPLIT=config.epilogue_split, GATHER_HI=hi_rows is not None,
+                  num_warps=config.num_warps, num_stages=config.num_stages)
     with torch.cuda.device(hi.device) if hi.is_cuda else contextlib.nullcontext():
-        _compensated_addmm_kernel[grid](
-            a, b, hi, lo, lo if hi_rows is None else hi_rows, m, n, k,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), hi.stride(0), hi.stride(1), lo.stride(0), lo.stride(1),
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-            EVEN_K=k % config.block_k == 0, WIDEN_DOT=not hi.is_cuda, EPILOGUE_SPLIT=config.epilogue_split,
-            GATHER_HI=hi_rows is not None, num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+        if use_tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            a_t, b_t = a.stride(1) != 1, b.stride(1) != 1
+            # Descriptors over the operands' own shapes: TMA fills a box's part past them with zeros, which is
+            # what the pointer kernel's masks load (a vocabulary chunk K of any length included).
+            a_desc = (TensorDescriptor(a, [k, m], [a.stride(1), 1], [config.block_k, config.block_m]) if a_t else
+                      TensorDescriptor(a, [m, k], [a.stride(0), 1], [config.block_m, config.block_k]))
+            b_desc = (TensorDescriptor(b, [n, k], [b.stride(1), 1], [config.block_n, config.block_k]) if b_t else
+                      TensorDescriptor(b, [k, n], [b.stride(0), 1], [config.block_k, config.block_n]))
+            programs = _multiprocessors(hi.device)
+            _compensated_addmm_tma_kernel[(min(tiles, programs),)](
+                a_desc, b_desc, hi, lo, lo if hi_rows is None else hi_rows, m, n, k,
+                hi.stride(0), hi.stride(1), lo.stride(0), lo.stride(1), A_T=a_t, B_T=b_t, NUM_PROGRAMS=programs,
+                **common,
+            )
+        else:
+            _compensated_addmm_kernel[(tiles,)](
+                a, b, hi, lo, lo if hi_rows is None else hi_rows, m, n, k,
+                a.stride(0), a.stride(1), b.stride(0), b.stride(1), hi.stride(0), hi.stride(1), lo.stride(0),
+                lo.stride(1), EVEN_K=k % config.block_k == 0, **common,
+            )
+
+
+def _uses_tma(hi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: GemmConfig) -> bool:
+    """Whether :func:`compensated_addmm_` runs the TMA kernel for these operands and ``config``; raises
+    ``ValueError`` where ``config.tma`` is True and it cannot."""
+    reason = _tma_unmet(hi, a, b, config)
+    if config.tma and reason:
+        raise ValueError(f"compensated_addmm_: {config} asks for the TMA kernel, but {reason}")
+    return reason is None and (bool(config.tma) or hi.is_cuda)
+
+
+def _tma_operand(t: torch.Tensor) -> Optional[str]:
+    """Why a 2-D bf16 operand cannot be read through a TMA descriptor (None if it can): one of its strides must
+    be 1 (the box's contiguous dimension: the last one, or the first read as the transpose), its base address a
+    multiple of 16 bytes and its other stride too (``cuTensorMapEncodeTiled``'s alignment rules, which
+    ``TensorDescriptor`` asserts)."""
+    if t.data_ptr() % 16:
+        return f"its base address {t.data_ptr():#x} is not 16-byte aligned"
+    if t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0:
+        return None
+    if t.stride(0) == 1 and t.stride(1) * t.element_size() % 16 == 0:
+        return None
+    return f"its strides {t.stride()} have no 1 beside a multiple of 16 bytes"
+
+
+def _tma_unmet(hi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: GemmConfig) -> Optional[str]:
+    """Why the TMA kernel cannot run (None if it can): ``config.tma`` is False; ``hi`` is on a CUDA device of
+    compute capability below 9.0 (CPU tensors, under Triton's interpreter, only when ``config.tma`` is True);
+    ``a`` or ``b`` fails :func:`_tma_operand`."""
+    if config.tma is False:
+        return "config.tma is False"
+    if hi.is_cuda and torch.cuda.get_device_capability(hi.device) < (9, 0):
+        return f"{torch.cuda.get_device_name(hi.device)} is not a Hopper (sm_90) or later GPU"
+    for t, name in ((a, "a"), (b, "b")):
+        reason = _tma_operand(t)
+        if reason:
+            return f"{name} does not suit TMA: {reason}"
+    return None
 
 
 __all__ = ["GemmConfig", "LARGE", "MEDIUM", "RESIDUAL_DTYPE", "SMALL", "SWEEP_CONFIGS", "compensated_addmm_",
