@@ -143,7 +143,9 @@ def linear_cross_entropy(
             the kept rows' fp32 hidden gradient) fits in a quarter of the free device memory, else the lean two
             passes with a 256 MiB tile; elsewhere a 256 MiB bound. An int: a hard bound in bytes on everything
             the op holds beyond its inputs and outputs on the GPU backend (tile, accumulators, the kept hidden
-            rows, :func:`hf_fused.ops.tiling.lean_two_pass_plan`), and on the tile on the CPU reference.
+            rows, :func:`hf_fused.ops.tiling.lean_two_pass_plan`), and on the tile on the CPU reference. Not
+            counted: under autocast, the compute-dtype copies of fp32 hidden states and weight, which autocast's
+            ``F.linear`` makes too.
         backend: force a backend by name (see :mod:`hf_fused.ops.backends`).
         token_weights: optional ``[...]`` floating tensor shaped like ``labels``: each token's loss is
             multiplied by its weight before the reduction (``"mean"`` still divides by the number of
