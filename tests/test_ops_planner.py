@@ -344,3 +344,22 @@ def test_lean_plan_splits_rows_into_equal_blocks(m):
                                          gather_row_bytes=H * BF16, accumulator_row_bytes=H * 6, weight_chunk=True)
         blocks = -(-m // plan.block_rows)
         assert plan.block_rows == -(-m // blocks), (budget, plan)
+
+
+@pytest.mark.parametrize("grad_dtype,counted", [(None, True), (torch.bfloat16, True), (torch.float32, False)])
+def test_an_fp32_weight_gradient_is_not_planned_as_an_extra_accumulator(monkeypatch, grad_dtype, counted):
+    """fp32 master weights under autocast: the one pass's fp32 [V, H] buffer becomes the weight's gradient itself,
+    so the planner is asked about the tile alone (the default rule then takes the one pass with less free memory)."""
+    pytest.importorskip("triton")
+    from hf_fused.ops import LogitTransform
+    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
+
+    seen = []
+    monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass_rows", lambda *a: seen.append(a) or 0)
+    n = 64
+    head = HeadInputs(torch.empty(n, H, dtype=torch.bfloat16, device="meta"),
+                      torch.empty(V, H, dtype=torch.bfloat16, device="meta"), None,
+                      torch.empty(n, dtype=torch.long, device="meta"), torch.empty(n, dtype=torch.long, device="meta"),
+                      LogitTransform(), None, weight_grad_dtype=grad_dtype)
+    assert TritonCublasBackend()._one_pass(head, None, NeededGrads(True, True, False), False, ()) is None
+    assert seen[0][3] is counted

@@ -8,7 +8,8 @@ The GPU backend has two schedules (:mod:`hf_fused.ops.backends.triton_cublas`):
 
 - one pass (6·N·H·V FLOPs): token rows outside, whole vocabulary rows per tile, gradients right after each
   row block's log-sum-exp; it holds an fp32 ``[V, H]`` weight-gradient accumulator (none for a frozen
-  lm_head) plus a ``[rows, V]`` tile in the weight's dtype (:func:`one_pass_rows`);
+  lm_head, and none beyond the gradient for an fp32 weight gradient — fp32 master weights — which it is) plus a
+  ``[rows, V]`` tile in the weight's dtype (:func:`one_pass_rows`);
 - two passes (8·N·H·V): vocabulary chunks outside, one ``[rows, cols]`` tile; the memory-lean path. Its
   gradient pass also accumulates the hidden-state gradient across vocabulary chunks (:func:`hidden_accumulator`):
   under the default rule in an fp32 ``[M, H]`` buffer beside a ``DEFAULT_TILE_BUDGET_BYTES`` tile (cuBLAS

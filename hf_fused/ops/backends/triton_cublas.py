@@ -336,7 +336,9 @@ class TritonCublasBackend:
         rows come from the same statistics kernel."""
         weight, bias = head.weight, head.bias
         need_hidden, need_weight = need.hidden, need.weight
-        block_rows = self._one_pass_rows(weight, need_weight, head.tile_budget_bytes,
+        # An fp32 weight gradient (fp32 master weights) is the accumulator itself: nothing to plan for it.
+        accumulator = need_weight and (head.weight_grad_dtype or weight.dtype) != torch.float32
+        block_rows = self._one_pass_rows(weight, accumulator, head.tile_budget_bytes,
                                          self._one_pass_extra_bytes(head, need_hidden))
         if not block_rows:
             return None
