@@ -125,6 +125,9 @@ def test_hidden_accumulator_pair_only_under_an_explicit_budget():
     assert tiling.hidden_accumulator(1000, H, torch.bfloat16, 2**28) == ("pair", 1000 * H * 1)  # int8 residual
     assert tiling.hidden_accumulator(1000, H, torch.float16, 2**28) == ("fp32", 1000 * H * 4)
     assert tiling.hidden_accumulator(1000, H, torch.float32, 2**28) == ("none", 0)
+    # what each reads and writes per row and chunk: bf16 hi + int8 lo, or an fp32 buffer
+    assert tiling.accumulation_row_bytes("pair", H, BF16) == 2 * H * 3
+    assert tiling.accumulation_row_bytes("fp32", H, BF16) == tiling.accumulation_row_bytes("none", H, 4) == 8 * H
 
 
 @pytest.mark.parametrize("n_rows", [32768, 8192, 100_000])

@@ -164,6 +164,15 @@ def hidden_accumulator(
     return "fp32", n_rows * hidden_size * 4
 
 
+def accumulation_row_bytes(kind: str, hidden_size: int, grad_elem_bytes: int) -> int:
+    """Bytes the hidden-gradient accumulation of :func:`hidden_accumulator`'s ``kind`` reads and writes per kept
+    row and vocabulary chunk (the lean plan's cost model): the pair's gradient and residual, or an fp32 buffer
+    (``"fp32"``, or ``"none"``: an fp32 gradient accumulated in place)."""
+    if kind == "pair":
+        return 2 * hidden_size * (grad_elem_bytes + PAIR_RESIDUAL_BYTES)
+    return 8 * hidden_size
+
+
 def two_pass_plan(
     n_rows: int, vocab_size: int, elem_bytes: int, tile_budget_bytes: Optional[int], reserved_bytes: int = 0
 ) -> tuple[int, int]:
@@ -292,9 +301,9 @@ def describe_plan(
         block_rows, cols = two_pass_plan(n_rows, vocab_size, elem, None)
         size, rows_how = block_rows * cols * elem + acc + copy, "a compact copy" if copy else "in place"
     else:
-        moved = 2 * hidden_size * elem + 2 * acc // max(n_rows, 1)
         plan = lean_two_pass_plan(n_rows, hidden_size, vocab_size, elem, tile_budget_bytes, reserved_bytes=acc,
-                                  copy_bytes=copy, gather_row_bytes=hidden_size * elem, accumulator_row_bytes=moved,
+                                  copy_bytes=copy, gather_row_bytes=hidden_size * elem,
+                                  accumulator_row_bytes=accumulation_row_bytes(kind, hidden_size, elem),
                                   weight_chunk=need_weight)
         block_rows, cols, size = plan.block_rows, plan.cols, plan.bytes
         rows_how = "gathered per block" if plan.gather_rows else "a compact copy" if copy else "in place"

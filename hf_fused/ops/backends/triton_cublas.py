@@ -33,7 +33,9 @@ import torch
 from ..grads import HeadGrads
 from ..head_inputs import HeadInputs, NeededGrads
 from ..logit_transform import LogitTransform
-from ..tiling import LeanPlan, hidden_accumulator, lean_two_pass_plan, one_pass_rows, two_pass_plan
+from ..tiling import (
+    LeanPlan, accumulation_row_bytes, hidden_accumulator, lean_two_pass_plan, one_pass_rows, two_pass_plan,
+)
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_
 from .protocol import HeadPass, TileGrads
 
@@ -228,9 +230,8 @@ class TritonCublasBackend:
         # so only the residual is extra; the explicit budget then covers it too.
         kind, extra = hidden_accumulator(m_rows, hidden_size, hidden.dtype, head.tile_budget_bytes)
         pair = need_hidden and kind == "pair" and weight.dtype == torch.bfloat16
-        # bytes the accumulation reads and writes per row and chunk (the plan's cost model): hi + lo, or fp32
-        moved = (2 * hidden_size * hidden.element_size() + 2 * extra // max(m_rows, 1)) if pair else (
-            8 * hidden_size if need_hidden else 0)
+        moved = accumulation_row_bytes("pair" if pair else "fp32", hidden_size, hidden.element_size()) if (
+            need_hidden) else 0
         plan = self._plan(head, reserved_bytes=extra if need_hidden else 0, accumulator_row_bytes=moved,
                           weight_chunk=need_weight)
         h, buf, y = self._rows_source(head, plan)
