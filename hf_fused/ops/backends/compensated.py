@@ -80,8 +80,10 @@ persistent program per multiprocessor, looping over the tiles in the same groupe
 flattened (``tl.range(..., flatten=True)``) so that the next tile's loads overlap this tile's epilogue; no
 warp specialization. Both compute the same fp32 sums in the same order per tile. It is written for the
 memory-lean path's ``dz [M, K]`` row-major and ``w[v0:v1] [K, N]`` (N contiguous) and compiles for sm_90
-with Triton 3.6 and 3.9; it has not been timed on a GPU yet, so the default table is still the pointer
-kernel's, run by the Hopper kernel wherever it applies.
+with Triton 3.6 and 3.9. The default table is the pointer kernel's, run by the Hopper kernel wherever it
+applies: on an H100 (docs/gpu_results.md, fourth session) that is 2–8% faster than the pointer kernel at every
+shape of ``python -m benchmarks.compensated_gemm``, 1.13–1.26× cuBLAS's fp32-output addmm at N = 2048 and 0.96×
+at N = 4096; the rest of the gap is the epilogue, which the next tile's loads overlap only partly.
 """
 
 from __future__ import annotations
@@ -143,16 +145,17 @@ class GemmConfig:
 # e2 255/0, e4 192/0; 128×128 w4: e1 255/1032, e4 221/0; 128×128 w8 e1: 215/0; 64×128 w4: e1 222/0,
 # e2 128/0 (the bf16 residual's were 0–36 registers fewer: e.g. 196, 208, 128 for the three below).
 # Stages: 4 beat 3 on 7 of the 8 lean-path shapes of ``python -m benchmarks.compensated_gemm`` on an H100
-# (1.06–1.33× cuBLAS's fp32-output addmm time; docs/gpu_results.md) — timed with the bf16 residual, not yet
-# re-timed with the int8 one.
+# (1.06–1.33× cuBLAS's fp32-output addmm time with the bf16 residual; with the int8 one 1.06–1.31×, third and
+# fourth sessions in docs/gpu_results.md).
 # The TMA kernel (tma=None or True on sm_90), same compiler, pipelined loads in shared memory, registers / stack
 # bytes (contiguous K; gathered hi rows where they differ), shared memory: 128×256×64 w8: s3/e4 201/0 (202/0),
 # 160 KiB; s4/e4 206/0 (205/0), 208 KiB; s3/e2 254/16 (255/32); s4/e2 254/40 (255/32), 224 KiB; 256×128×64 w8:
 # s3/e4 208/0 (221/0); s3/e2 255/8 (255/16); 128×128×64 w8 s4/e1 243/0 (241/0); 128×128×64 w4 s4/e4 212/0
 # (226/0); 64×128×64 w4 s4/e2 128/0 (129/0). Triton 3.6's compiler: as many spilled bytes or fewer (s4/e2: 16),
 # registers within 10 of these.
-# No timings of the TMA kernel exist yet: the table below is the pointer kernel's, which the TMA kernel runs
-# on sm_90 (all three compile without spills there).
+# On an H100 the TMA kernel with LARGE (s4/e4) was the fastest or within 1% of the fastest TMA config at 4 of the
+# 5 benchmark shapes (s3/e4 at 8192×8192×2048 by 0.5%), so the table below serves both kernels (all three
+# compile without spills for sm_90).
 LARGE = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4, epilogue_split=4)
 MEDIUM = GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, epilogue_split=1)
 SMALL = GemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4, epilogue_split=2)
