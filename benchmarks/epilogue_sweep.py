@@ -73,13 +73,15 @@ def main(argv=None) -> int:
         ok = torch.allclose(out[0] + out[1].log(), lse, rtol=1e-5, atol=1e-5)
         ms = median_ms(lambda: stats(block, warps, new_stats()), device, args.repeats)[0]
         star = "*" if (block, warps) == (tc._STATS_BLOCK_V, tc._STATS_WARPS) else ""
-        rows.append(["stats", f"{block}{star}", warps, f"{ms:.3f}", f"{tile_bytes / ms / 1e9:.2f}", "ok" if ok else "DIFF"])
+        rows.append(["stats", f"{block}{star}", warps, f"{ms:.3f}", f"{tile_bytes / ms / 1e9:.2f}",
+                     "ok" if ok else "DIFF"])
     for block, warps in GRAD_SWEEP:
         grad(block, warps)
         ok = torch.allclose(dz.float(), dz_ref.float(), rtol=1e-2, atol=1e-6)
         ms = median_ms(lambda: grad(block, warps), device, args.repeats)[0]
         star = "*" if (block, warps) == (tc._GRAD_BLOCK_V, tc._GRAD_WARPS) else ""
-        rows.append(["grad", f"{block}{star}", warps, f"{ms:.3f}", f"{2 * tile_bytes / ms / 1e9:.2f}", "ok" if ok else "DIFF"])
+        rows.append(["grad", f"{block}{star}", warps, f"{ms:.3f}", f"{2 * tile_bytes / ms / 1e9:.2f}",
+                     "ok" if ok else "DIFF"])
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     print(f"{name}: one tile of {n} × {v} bf16 logits (std 4); '*' = the backend's launch constants")
     print("\n".join(text_table(["kernel", "BLOCK_V", "warps", "ms", "TB/s", "check"], rows)))

@@ -155,8 +155,8 @@ def hidden_accumulator(
 ) -> tuple[str, int]:
     """How the GPU gradient pass accumulates the hidden-state gradient of ``n_rows`` kept tokens over vocabulary
     chunks, and the bytes that holds beyond the gradient itself (module docstring): ``("none", 0)`` for an fp32
-    gradient (it is the accumulator), ``("pair", PAIR_RESIDUAL_BYTES·M·H)`` for bf16 under an explicit budget (the compensated
-    pair's residual), else ``("fp32", 4·M·H)``."""
+    gradient (it is the accumulator), ``("pair", PAIR_RESIDUAL_BYTES·M·H)`` for bf16 under an explicit budget
+    (the compensated pair's residual), else ``("fp32", 4·M·H)``."""
     if grad_dtype == torch.float32:
         return "none", 0
     if grad_dtype == torch.bfloat16 and tile_budget_bytes is not None:
@@ -213,8 +213,8 @@ class LeanPlan:
     bytes: int
 
 
-#: Block rows the lean plan tries below all of them (halving down to this): smaller row blocks make the fp32
-#: weight-gradient chunk accumulate more often than narrower chunks cost.
+#: The lean plan splits the rows into 1, 2, 4, ... blocks down to this many rows per block: smaller blocks make
+#: the fp32 weight-gradient chunk accumulate more often than narrower chunks cost.
 MIN_LEAN_BLOCK_ROWS = 1024
 
 
@@ -226,17 +226,16 @@ def lean_two_pass_plan(
     """The tile of the GPU two passes when ``tile_budget_bytes`` is given: a hard bound on everything the pass
     holds beyond its inputs and outputs, not on the tile alone.
 
-    The working set: ``reserved_bytes`` (the hidden gradient's accumulator, :func:`hidden_accumulator`) and
-    ``ROW_VECTOR_BYTES`` per row; the
-    kept hidden rows in the weight's dtype, either one compact copy (``copy_bytes``, 0 when every row is kept)
-    or a ``[block_rows, H]`` gather buffer (``gather_row_bytes`` per row); the ``[block_rows, cols]`` tile; and
-    when several row blocks add into one vocabulary chunk's weight gradient (``weight_chunk``), its fp32
-    ``[cols, H]`` buffer. Among the plans that fit (all rows in 1, 2, 4, ... equal blocks of at least
-    ``MIN_LEAN_BLOCK_ROWS``, or the fewest equal blocks beside a ``MIN_CHUNK_COLS`` chunk; each with its widest
-    chunk), the one that moves the fewest bytes in what it repeats: per vocabulary chunk, the accumulator's read and write
-    (``accumulator_row_bytes`` per row) and the gather; per row block and chunk, the fp32 weight-gradient
-    chunk's read and write (ties go to the compact copy). When nothing fits, the plan of
-    :func:`two_pass_plan` with a ``MIN_TWO_PASS_TILE_BYTES`` floor (and its ``bytes`` then exceeds the budget).
+    The working set: ``reserved_bytes`` (the hidden gradient's accumulator, :func:`hidden_accumulator`);
+    ``ROW_VECTOR_BYTES`` per row; the kept hidden rows in the weight's dtype, either one compact copy
+    (``copy_bytes``, 0 when every row is kept) or a ``[block_rows, H]`` gather buffer (``gather_row_bytes`` per
+    row); the ``[block_rows, cols]`` tile; and, when several row blocks add into one vocabulary chunk's weight
+    gradient (``weight_chunk``), its fp32 ``[cols, H]`` buffer. Among the plans that fit (the rows in 1, 2, 4, ...
+    equal blocks of at least ``MIN_LEAN_BLOCK_ROWS``, or in the fewest equal blocks beside a ``MIN_CHUNK_COLS``
+    chunk; each with its widest chunk), the one that moves the fewest bytes in what it repeats: per vocabulary
+    chunk, the accumulator's read and write (``accumulator_row_bytes`` per row) and the gather; per row block and
+    chunk, the fp32 weight-gradient chunk's read and write (ties go to the compact copy). When nothing fits, the
+    plan of :func:`two_pass_plan` with a ``MIN_TWO_PASS_TILE_BYTES`` floor (its ``bytes`` then exceeds the budget).
 
     Raises:
         ValueError: if the budget is not a positive integer.
@@ -263,9 +262,9 @@ def lean_two_pass_plan(
             if cols < narrow:
                 continue
             cols = _aligned_cols(cols, vocab_size)
-            chunks, blocks = -(-vocab_size // cols), -(-m // block_rows)
+            chunks, n_blocks = -(-vocab_size // cols), -(-m // block_rows)
             moved = chunks * m * (accumulator_row_bytes + 2 * row_bytes)
-            moved += chunks * blocks * cols * hidden_size * 8 if split else 0
+            moved += chunks * n_blocks * cols * hidden_size * 8 if split else 0
             used = fixed + reserved_bytes + block_rows * (cols * elem_bytes + row_bytes)
             used += cols * hidden_size * 4 if split else 0
             if best is None or moved < best[0]:
@@ -292,9 +291,10 @@ def describe_plan(
     elem = weight.element_size()
     copy = 0 if n_tokens is None or n_tokens == n_rows else n_rows * hidden_size * elem
     extra = n_rows * hidden_size * 4 + copy
-    rows = one_pass_rows(vocab_size, hidden_size, elem, need_weight, tile_budget_bytes, weight.device, extra)
+    accumulator = need_weight and weight.dtype != torch.float32  # an fp32 gradient is its own accumulator
+    rows = one_pass_rows(vocab_size, hidden_size, elem, accumulator, tile_budget_bytes, weight.device, extra)
     if rows:
-        size = one_pass_working_set(vocab_size, hidden_size, elem, need_weight, min(rows, max(n_rows, 1)), extra)
+        size = one_pass_working_set(vocab_size, hidden_size, elem, accumulator, min(rows, max(n_rows, 1)), extra)
         return f"one pass (6·N·H·V): {rows} rows per tile, {size / 2**30:.2f} GiB working set"
     kind, acc = hidden_accumulator(n_rows, hidden_size, weight.dtype, tile_budget_bytes)
     if tile_budget_bytes is None:
