@@ -42,9 +42,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         given = replace(call.head, hidden=hidden, weight=weight, bias=bias)
         head = given.computed()  # the operands F.linear would compute from; gradients go to the given tensors
         backend, grad_scale, row_weights, rows = call.backend, call.grad_scale, call.row_weights, head.rows
-        need = ctx.needs_input_grad
-        need = NeededGrads(call.grad_enabled and need[0], call.grad_enabled and need[1],
-                           call.grad_enabled and bias is not None and need[2])
+        need = NeededGrads.of(ctx, bias, call.grad_enabled)
         ctx.config = (grad_scale, backend, need)
         ctx.grads, lse, one_pass = None, None, None
         with autocast_off(hidden.device.type):
@@ -79,9 +77,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             grads, ctx.grads = ctx.grads, None  # free the stored gradients as soon as they are handed over
         else:
             with autocast_off(given.hidden.device.type):
-                grads = backend.logprobs_backward(
-                    given.computed(), lse, None, _grad_logprobs(grad_scale, factor, row_weights, given.rows), None, need=need
-                )
+                g_lp = _grad_logprobs(grad_scale, factor, row_weights, given.rows)
+                grads = backend.logprobs_backward(given.computed(), lse, None, g_lp, None, need=need)
             factor = 1.0
         d_hidden, d_weight, d_bias = grads.input_grads(given.hidden, given.weight, given.bias, given.rows, factor)
         return d_hidden, d_weight, d_bias, None

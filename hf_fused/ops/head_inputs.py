@@ -75,6 +75,14 @@ class NeededGrads(NamedTuple):
     weight: bool
     bias: bool
 
+    @classmethod
+    def of(cls, ctx, bias: Optional[torch.Tensor], enabled: bool = True) -> "NeededGrads":
+        """What an autograd Function taking ``(hidden, weight, bias, ...)`` must compute: its
+        ``ctx.needs_input_grad`` for the three, none when ``enabled`` is False (the op was called with grad mode
+        off) and none for an absent bias."""
+        need = ctx.needs_input_grad
+        return cls(enabled and need[0], enabled and need[1], enabled and bias is not None and need[2])
+
     @property
     def any(self) -> bool:
         return self.hidden or self.weight or self.bias

@@ -54,12 +54,11 @@ class LinearLogprobsFunction(torch.autograd.Function):
         rows, labels = head.rows, head.labels
         # An entropy returned but unused must not cost a backward term: let its gradient arrive as None.
         ctx.set_materialize_grads(False)
-        need = ctx.needs_input_grad
-        need = NeededGrads(need[0], need[1], bias is not None and need[2])
+        need = NeededGrads.of(ctx, bias)
         ctx.hinted = None
         one_pass = None
         with autocast_off(hidden.device.type):
-            if grad_hint is not None and call.grad_enabled and any(ctx.needs_input_grad[:3]):
+            if grad_hint is not None and call.grad_enabled and need.any:
                 one_pass = backend.logprobs_with_grads(
                     head, grad_hint, need=need, return_entropy=call.return_entropy, statistics=statistics
                 )
@@ -80,18 +79,17 @@ class LinearLogprobsFunction(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy, *_grad_statistics):
         refuse_double_backward("linear_logprobs")
         given, (lse, ent_rows) = HeadInputs.saved(ctx)
-        need = ctx.needs_input_grad
+        need = NeededGrads.of(ctx, given.bias)
         hinted, ctx.hinted = ctx.hinted, None  # handed over once; a second backward recomputes
         # Ignored positions carry no gradient whatever the upstream says.
         g_lp = None if grad_logprobs is None else grad_logprobs.float().index_select(0, given.rows)
         g_h = None if grad_entropy is None else grad_entropy.float().index_select(0, given.rows)
-        if (g_lp is None and g_h is None) or not any(need[:3]):
+        if (g_lp is None and g_h is None) or not need.any:
             return None, None, None, None
         if hinted is not None:
             factor = _hint_factor(hinted[0], g_lp, g_h)
             if factor is not None:
                 return hinted[1].input_grads(given.hidden, given.weight, given.bias, given.rows, factor) + (None,)
-        need = NeededGrads(need[0], need[1], given.bias is not None and need[2])
         grads, rows = recompute_grads(ctx.backend, given.computed(), lse, ent_rows, g_lp, g_h, need)
         return grads.input_grads(given.hidden, given.weight, given.bias, rows) + (None,)
 

@@ -132,11 +132,6 @@ class _TokenLossCall:
     need_entropy: bool  # the token loss reads it (computed either way when either is set)
     grad_enabled: bool
 
-    def needed_grads(self, ctx, bias) -> NeededGrads:
-        need = ctx.needs_input_grad
-        enabled = self.grad_enabled
-        return NeededGrads(enabled and need[0], enabled and need[1], enabled and bias is not None and need[2])
-
     def one_pass(self, head: HeadInputs, need: NeededGrads) -> Optional[HeadPass]:
         """The backend's one pass of the token loss, or ``None`` (nothing to differentiate, no such method,
         or the planner chose two passes)."""
@@ -159,7 +154,7 @@ class LinearTokenLossFunction(torch.autograd.Function):
         given = replace(call.head, hidden=hidden, weight=weight, bias=bias)
         head = given.computed()  # the operands F.linear would compute from; gradients go to the given tensors
         rows, tile_loss = head.rows, call.tile_loss
-        need = call.needed_grads(ctx, bias)
+        need = NeededGrads.of(ctx, bias, call.grad_enabled)
         ctx.backend, ctx.need = call.backend, need
         ctx.grads, ctx.row_grads = None, None
         lse = None
@@ -397,7 +392,7 @@ class HintedLogprobsFunction(torch.autograd.Function):
         given = replace(call.head, hidden=hidden, weight=weight, bias=bias)
         head = given.computed()  # the operands F.linear would compute from; gradients go to the given tensors
         ctx.set_materialize_grads(False)
-        need = call.needed_grads(ctx, bias)
+        need = NeededGrads.of(ctx, bias, call.grad_enabled)
         ctx.backend, ctx.need = call.backend, need
         ctx.hinted = None
         with autocast_off(hidden.device.type):
