@@ -86,12 +86,20 @@ class TritonCublasBackend:
             block_rows, cols = two_pass_plan(m_rows, vocab_size, elem, None)
             return LeanPlan(block_rows, cols, False, block_rows * cols * elem)
         cast = hidden.dtype != weight.dtype  # gathered rows pass through hidden's dtype before the cast
-        copy = 0 if m_rows == hidden.shape[0] and not cast else m_rows * hidden_size * elem
+        gather_row_bytes = hidden_size * (elem + (hidden.element_size() if cast else 0))
         return lean_two_pass_plan(
             m_rows, hidden_size, vocab_size, elem, head.tile_budget_bytes, reserved_bytes=reserved_bytes,
-            copy_bytes=copy, gather_row_bytes=hidden_size * (elem + (hidden.element_size() if cast else 0)),
+            copy_bytes=TritonCublasBackend._compact_bytes(head), gather_row_bytes=gather_row_bytes,
             accumulator_row_bytes=accumulator_row_bytes, weight_chunk=weight_chunk,
         )
+
+    @staticmethod
+    def _compact_bytes(head: HeadInputs) -> int:
+        """Bytes of the copy :meth:`_compact` makes: none when every row is kept in the weight's dtype."""
+        hidden, weight, m_rows = head.hidden, head.weight, head.rows.numel()
+        if m_rows == hidden.shape[0] and hidden.dtype == weight.dtype:
+            return 0
+        return m_rows * hidden.shape[1] * weight.element_size()
 
     @staticmethod
     def _compact(head: HeadInputs):
@@ -299,10 +307,9 @@ class TritonCublasBackend:
     @staticmethod
     def _one_pass_extra_bytes(head: HeadInputs, need_hidden: bool) -> int:
         """What the one pass holds for the call's kept rows: their fp32 hidden gradient (until backward) and
-        their compact copy in the weight's dtype (none when every row is kept in that dtype)."""
-        m_rows, hidden_size, elem = head.rows.numel(), head.weight.shape[1], head.weight.element_size()
-        copied = m_rows != head.hidden.shape[0] or head.hidden.dtype != head.weight.dtype
-        return m_rows * hidden_size * ((4 if need_hidden else 0) + (elem if copied else 0))
+        their compact copy (:meth:`_compact_bytes`)."""
+        gradient = head.rows.numel() * head.weight.shape[1] * 4 if need_hidden else 0
+        return gradient + TritonCublasBackend._compact_bytes(head)
 
     def logprobs_with_grads(
         self, head: HeadInputs, grad_logprobs: Optional[torch.Tensor], *, need: NeededGrads,
