@@ -366,3 +366,85 @@ def test_an_fp32_weight_gradient_is_not_planned_as_an_extra_accumulator(monkeypa
                       LogitTransform(), None, weight_grad_dtype=grad_dtype)
     assert TritonCublasBackend()._one_pass(head, None, NeededGrads(True, True, False), False, ()) is None
     assert seen[0][3] is counted
+
+
+# -- row blocks in whole waves of the pair's persistent matmul -----------------------------------------------
+
+
+@pytest.mark.parametrize("quantum", [4224, 1056, 384])
+@pytest.mark.parametrize("m", [29_491, 28_672, 9_000])
+def test_lean_plan_blocks_are_whole_quanta(m, quantum):
+    for budget in (256 * 2**20, 128 * 2**20, 2**30):
+        plan = tiling.lean_two_pass_plan(m, H, V, BF16, budget, reserved_bytes=m * H, copy_bytes=m * H * BF16,
+                                         gather_row_bytes=H * BF16, accumulator_row_bytes=H * 6, weight_chunk=True,
+                                         row_quantum=quantum)
+        if plan.bytes <= budget:  # a plan that fits; the floor plan when nothing does is the unquantized one
+            assert plan.block_rows == m or plan.block_rows % quantum == 0, (budget, plan)
+
+
+def test_lean_plan_in_waves_on_the_benchmark_shape():
+    """32768 tokens, 10% ignored, 256 MiB, H100 (132 SMs, 128×256 tiles of a 2048-wide product: 4224 rows are two
+    waves): three blocks of 8448 rows (four waves each) and one of 4147 (two), not four of 7373 (3.5 waves each,
+    the last half empty); measured 3% faster per step (docs/gpu_results.md, fifth session)."""
+    plain = _lean(256 * 2**20)
+    waves = tiling.lean_two_pass_plan(
+        LEAN_M, H, V, BF16, 256 * 2**20, reserved_bytes=LEAN_M * H, copy_bytes=LEAN_M * H * BF16,
+        gather_row_bytes=H * BF16, accumulator_row_bytes=H * 6, weight_chunk=True, row_quantum=4224)
+    assert (plain.block_rows, waves.block_rows) == (7373, 8448)
+    assert waves.bytes <= 256 * 2**20 and waves.cols >= tiling.MIN_CHUNK_COLS
+
+
+@pytest.mark.parametrize("sms", [132, 114, 78, 1])
+@pytest.mark.parametrize("n", [2048, 4096, 2560, 896, 5120])
+def test_wave_rows_are_the_fewest_rows_of_whole_waves(monkeypatch, sms, n):
+    pytest.importorskip("triton")
+    from hf_fused.ops.backends import compensated
+
+    monkeypatch.setattr(compensated, "_multiprocessors", lambda device: sms)
+    rows = compensated.wave_rows(n, torch.device("cuda"))  # no CUDA call: the SM count is patched
+    block_m, block_n = compensated.LARGE.block_m, compensated.LARGE.block_n
+
+    def tiles(r):
+        return -(-r // block_m) * -(-n // block_n)
+
+    assert rows % block_m == 0 and tiles(rows) % sms == 0
+    assert all(tiles(r) % sms for r in range(block_m, rows, block_m))
+    assert compensated.wave_rows(n, torch.device("cpu")) == 1
+
+
+def test_gpu_two_pass_asks_for_row_blocks_in_waves_and_unequal_blocks_agree(monkeypatch):
+    """The backward asks the planner for row blocks in whole waves of the pair's matmul, and blocks of unequal
+    size (whole quanta, then the rest) give the equal blocks' gradients: the hidden gradient bit for bit (each
+    row's fold sees the same products in the same order), the weight gradient to within one bf16 ulp (its fp32
+    chunk adds the row blocks' products in another grouping, then rounds once to bf16)."""
+    pytest.importorskip("triton")
+    from hf_fused.ops import LogitTransform
+    from hf_fused.ops.backends import triton_cublas
+    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
+
+    g = torch.Generator().manual_seed(3)
+    n, h, v = 45, 32, 4300
+    hidden = torch.randn(n, h, generator=g).bfloat16()
+    weight = (torch.randn(v, h, generator=g) * 0.5).bfloat16()
+    labels = torch.randint(0, v, (n,), generator=g)
+    rows = torch.arange(n)[torch.arange(n) % 4 != 2]
+    m = rows.numel()
+    g_lp = torch.randn(m, generator=g)
+    need = NeededGrads(hidden=True, weight=True, bias=False)
+    head = HeadInputs(hidden, weight, None, labels, rows, LogitTransform(), 2**20)
+    backend = TritonCublasBackend()
+    fwd = backend.logprobs_forward(head)
+    monkeypatch.setattr(triton_cublas, "wave_rows", lambda n_cols, device: 16)
+    asked, results = [], []
+    for block_rows in (17, 16):  # 34 rows: two equal blocks, then blocks of 16, 16 and 2
+        forced = tiling.LeanPlan(block_rows=block_rows, cols=2048, gather_rows=False, bytes=0)
+        monkeypatch.setattr(TritonCublasBackend, "_plan",
+                            staticmethod(lambda *a, **k: asked.append(k.get("row_quantum")) or forced))
+        grads = backend.logprobs_backward(head, fwd.lse, None, g_lp, None, need=need)
+        assert grads.hidden_scattered
+        results.append((grads.hidden, grads.weight))
+    assert asked == [16, 16] and m == 34
+    (dh_equal, dw_equal), (dh_waves, dw_waves) = results
+    assert torch.equal(dh_equal, dh_waves)
+    ulp = (dw_equal.float().abs() * 2.0**-7).clamp(min=2.0**-133)
+    assert ((dw_equal.float() - dw_waves.float()).abs() <= ulp).all()

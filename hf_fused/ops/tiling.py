@@ -221,7 +221,7 @@ MIN_LEAN_BLOCK_ROWS = 1024
 def lean_two_pass_plan(
     n_rows: int, hidden_size: int, vocab_size: int, elem_bytes: int, tile_budget_bytes: int, *,
     reserved_bytes: int = 0, copy_bytes: int = 0, gather_row_bytes: int = 0, accumulator_row_bytes: int = 0,
-    weight_chunk: bool = False,
+    weight_chunk: bool = False, row_quantum: int = 1,
 ) -> LeanPlan:
     """The tile of the GPU two passes when ``tile_budget_bytes`` is given: a hard bound on everything the pass
     holds beyond its inputs and outputs, not on the tile alone.
@@ -234,8 +234,12 @@ def lean_two_pass_plan(
     equal blocks of at least ``MIN_LEAN_BLOCK_ROWS``, or in the fewest equal blocks beside a ``MIN_CHUNK_COLS``
     chunk; each with its widest chunk), the one that moves the fewest bytes in what it repeats: per vocabulary
     chunk, the accumulator's read and write (``accumulator_row_bytes`` per row) and the gather; per row block and
-    chunk, the fp32 weight-gradient chunk's read and write (ties go to the compact copy). When nothing fits, the
-    plan of :func:`two_pass_plan` with a ``MIN_TWO_PASS_TILE_BYTES`` floor (its ``bytes`` then exceeds the budget).
+    chunk, the fp32 weight-gradient chunk's read and write (ties go to the compact copy). With ``row_quantum``
+    > 1 a split makes blocks of a whole number of quanta (rounded down and up from the candidates above; the last
+    block takes the rest) instead of equal ones: the backend passes the rows whose accumulation tiles fill whole
+    waves of the GPU's multiprocessors (:func:`~hf_fused.ops.backends.compensated.wave_rows`), because a
+    persistent matmul's last, partly filled wave costs a whole one. When nothing fits, the plan of
+    :func:`two_pass_plan` with a ``MIN_TWO_PASS_TILE_BYTES`` floor (its ``bytes`` then exceeds the budget).
 
     Raises:
         ValueError: if the budget is not a positive integer.
@@ -255,6 +259,8 @@ def lean_two_pass_plan(
         while blocks == 1 or -(-m // blocks) >= MIN_LEAN_BLOCK_ROWS:
             candidates.add(-(-m // blocks))
             blocks *= 2
+        if row_quantum > 1:
+            candidates = _quantized(candidates, m, row_quantum)
         for block_rows in sorted(candidates, reverse=True):
             split = block_rows < m and weight_chunk
             # block_rows·(cols·e + row_bytes) + [split]·cols·H·4 ≤ avail
@@ -276,6 +282,13 @@ def lean_two_pass_plan(
     split = block_rows < m and weight_chunk
     used = reserved_bytes + copy_bytes + block_rows * cols * elem_bytes + (cols * hidden_size * 4 if split else 0)
     return LeanPlan(block_rows, cols, False, used)
+
+
+def _quantized(candidates: set[int], m: int, quantum: int) -> set[int]:
+    """The block sizes of ``candidates`` as whole numbers of ``quantum`` rows, each rounded down and up; ``m``
+    where that reaches all ``m`` rows (one block)."""
+    return {min(q, m) for rows in candidates for q in (rows // quantum * quantum, -(-rows // quantum) * quantum)
+            if q > 0}
 
 
 def describe_plan(
@@ -301,10 +314,15 @@ def describe_plan(
         block_rows, cols = two_pass_plan(n_rows, vocab_size, elem, None)
         size, rows_how = block_rows * cols * elem + acc + copy, "a compact copy" if copy else "in place"
     else:
+        quantum = 1
+        if kind == "pair" and weight.is_cuda:  # the backend's row blocks for the pair's persistent matmul
+            from .backends.compensated import wave_rows
+
+            quantum = wave_rows(hidden_size, weight.device)
         plan = lean_two_pass_plan(n_rows, hidden_size, vocab_size, elem, tile_budget_bytes, reserved_bytes=acc,
                                   copy_bytes=copy, gather_row_bytes=hidden_size * elem,
                                   accumulator_row_bytes=accumulation_row_bytes(kind, hidden_size, elem),
-                                  weight_chunk=need_weight)
+                                  weight_chunk=need_weight, row_quantum=quantum)
         block_rows, cols, size = plan.block_rows, plan.cols, plan.bytes
         rows_how = "gathered per block" if plan.gather_rows else "a compact copy" if copy else "in place"
     return (f"two passes (8·N·H·V): {block_rows}×{cols} tile, {size / 2**30:.2f} GiB working set with the "

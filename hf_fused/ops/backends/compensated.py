@@ -91,6 +91,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -193,6 +194,19 @@ def default_config(m: int, n: int, device: torch.device) -> GemmConfig:
         if triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n) >= waves:
             return config
     return SMALL
+
+
+def wave_rows(n: int, device: torch.device) -> int:
+    """The fewest rows ``M`` (a multiple of ``LARGE.block_m``) whose ``[M, n]`` product, in ``LARGE``'s output
+    tiles, is a whole number of waves on ``device``'s multiprocessors; 1 off CUDA (the interpreter has no
+    waves). Each program of the persistent kernel takes tiles in turn, so a last wave that fills only part of
+    the GPU costs as long as a full one: 7373 rows of a 2048-wide product are 464 tiles, 3.5 waves of 132 SMs,
+    8448 rows 528 tiles, 4 waves, for 12 % more work at the same time on an H100
+    (docs/gpu_results.md, fifth session)."""
+    if device.type != "cuda":
+        return 1
+    sms, col_tiles = _multiprocessors(device), triton.cdiv(n, LARGE.block_n)
+    return LARGE.block_m * (sms // math.gcd(sms, col_tiles))
 
 
 @triton.jit
@@ -545,5 +559,5 @@ def _tma_unmet(hi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: GemmC
     return None
 
 
-__all__ = ["GemmConfig", "LARGE", "MEDIUM", "RESIDUAL_DTYPE", "SMALL", "SWEEP_CONFIGS", "compensated_addmm_",
+__all__ = ["GemmConfig", "LARGE", "MEDIUM", "RESIDUAL_DTYPE", "SMALL", "SWEEP_CONFIGS", "compensated_addmm_", "wave_rows",
            "default_config"]

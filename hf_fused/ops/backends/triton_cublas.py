@@ -36,7 +36,7 @@ from ..logit_transform import LogitTransform
 from ..tiling import (
     LeanPlan, accumulation_row_bytes, hidden_accumulator, lean_two_pass_plan, one_pass_rows, two_pass_plan,
 )
-from .compensated import RESIDUAL_DTYPE, compensated_addmm_
+from .compensated import RESIDUAL_DTYPE, compensated_addmm_, wave_rows
 from .protocol import HeadPass, TileGrads
 
 # Triton launch shapes, measured on an H200 (docs/gpu_results.md).
@@ -74,12 +74,13 @@ class TritonCublasBackend:
     # -- planning: every decision is :mod:`hf_fused.ops.tiling`'s ---------------------------------------
     @staticmethod
     def _plan(head: HeadInputs, *, reserved_bytes: int = 0, accumulator_row_bytes: int = 0,
-              weight_chunk: bool = False) -> LeanPlan:
+              weight_chunk: bool = False, row_quantum: int = 1) -> LeanPlan:
         """The two passes' tile for ``head``: under the default rule :func:`~hf_fused.ops.tiling.two_pass_plan`
         (the tile alone within ``DEFAULT_TILE_BUDGET_BYTES``, one compact copy of the kept hidden rows); under an
         explicit budget :func:`~hf_fused.ops.tiling.lean_two_pass_plan`, which counts the accumulator
         (``reserved_bytes``, moving ``accumulator_row_bytes`` per row and chunk), the kept rows (a compact copy or a
-        per-block gather) and the fp32 weight-gradient chunk (``weight_chunk``) inside the budget."""
+        per-block gather) and the fp32 weight-gradient chunk (``weight_chunk``) inside the budget, row blocks in
+        whole ``row_quantum``s."""
         hidden, weight = head.hidden, head.weight
         m_rows, (vocab_size, hidden_size), elem = head.rows.numel(), weight.shape, weight.element_size()
         if head.tile_budget_bytes is None:
@@ -90,7 +91,7 @@ class TritonCublasBackend:
         return lean_two_pass_plan(
             m_rows, hidden_size, vocab_size, elem, head.tile_budget_bytes, reserved_bytes=reserved_bytes,
             copy_bytes=TritonCublasBackend._compact_bytes(head), gather_row_bytes=gather_row_bytes,
-            accumulator_row_bytes=accumulator_row_bytes, weight_chunk=weight_chunk,
+            accumulator_row_bytes=accumulator_row_bytes, weight_chunk=weight_chunk, row_quantum=row_quantum,
         )
 
     @staticmethod
@@ -240,8 +241,9 @@ class TritonCublasBackend:
         pair = need_hidden and kind == "pair" and weight.dtype == torch.bfloat16
         moved = accumulation_row_bytes("pair" if pair else "fp32", hidden_size, hidden.element_size()) if (
             need_hidden) else 0
+        # The pair's matmul is a persistent kernel: row blocks that fill whole waves of the GPU (compensated.wave_rows).
         plan = self._plan(head, reserved_bytes=extra if need_hidden else 0, accumulator_row_bytes=moved,
-                          weight_chunk=need_weight)
+                          weight_chunk=need_weight, row_quantum=wave_rows(hidden_size, weight.device) if pair else 1)
         h, buf, y = self._rows_source(head, plan)
         gather = pair and m_rows != hidden.shape[0]
         d_hidden = d_hidden_lo = None
@@ -267,8 +269,8 @@ class TritonCublasBackend:
             v1 = min(v0 + cols, vocab_size)
             w_chunk = weight[v0:v1]
             d_w_chunk32 = None
-            if need_weight and block_rows < m_rows:  # several row blocks add into this chunk
-                d_w_chunk32 = torch.zeros((v1 - v0, hidden_size), dtype=torch.float32, device=weight.device)
+            if need_weight and block_rows < m_rows:  # several row blocks add into this chunk; the first sets it
+                d_w_chunk32 = torch.empty((v1 - v0, hidden_size), dtype=torch.float32, device=weight.device)
             for r0, r1, h_rows in self._row_blocks(head, plan, h, buf):
                 dz = torch.mm(h_rows, w_chunk.t(), out=tile_buf[: r1 - r0, : v1 - v0])
                 self._grad(
@@ -282,7 +284,7 @@ class TritonCublasBackend:
                 elif d_hidden is not None:
                     _addmm_f32_(d_hidden[r0:r1], dz, w_chunk)
                 if d_w_chunk32 is not None:
-                    _addmm_f32_(d_w_chunk32, dz.t(), h_rows)
+                    (_addmm_f32_ if r0 else _mm_f32_)(d_w_chunk32, dz.t(), h_rows)
                 elif need_weight:
                     if grads.weight.dtype == weight.dtype:
                         torch.mm(dz.t(), h_rows, out=grads.weight[v0:v1])
