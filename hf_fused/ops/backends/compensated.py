@@ -559,5 +559,14 @@ def _tma_unmet(hi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: GemmC
     return None
 
 
-__all__ = ["GemmConfig", "LARGE", "MEDIUM", "RESIDUAL_DTYPE", "SMALL", "SWEEP_CONFIGS", "compensated_addmm_", "wave_rows",
-           "default_config"]
+__all__ = [
+    "GemmConfig",
+    "LARGE",
+    "MEDIUM",
+    "RESIDUAL_DTYPE",
+    "SMALL",
+    "SWEEP_CONFIGS",
+    "compensated_addmm_",
+    "wave_rows",
+    "default_config",
+]

@@ -22,11 +22,19 @@ log-sum-exp: ``6·M·H·V``) when the planner's rule allows it (:func:`hf_fused.
 default when its fp32 ``[V, H]`` accumulator and tile fit in a quarter of the free device memory); see
 :meth:`TritonCublasBackend.logprobs_with_grads`. Otherwise they return ``None`` and the op falls back to the
 two passes above, the gradient pass in its backward.
+
+Where QuACK (``quack-kernels``) is installed, the one pass of plain bf16 cross-entropy on a Hopper GPU takes each
+tile's log-sum-exp and label logit from the epilogue of QuACK's logits matmul instead of the statistics kernel
+(:mod:`.quack_epilogues`: the same rounded tile, 3–4 % less time per step); a QuACK that cannot run it is
+turned off with one warning.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import importlib.util
+import warnings
+from types import ModuleType
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -58,6 +66,59 @@ def _mm_f32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         torch.addmm(out, a, b, beta=0, out_dtype=torch.float32, out=out)
     else:
         torch.mm(a.float(), b.float(), out=out)
+
+
+# QuACK's Hopper GEMMs with hf_fused's epilogues (:mod:`.quack_epilogues`): the module once imported, or None
+# once found missing or broken (then for the whole process).
+_QUACK: dict[str, Optional[ModuleType]] = {}
+
+
+def _quack() -> Optional[ModuleType]:
+    """:mod:`.quack_epilogues`, or ``None`` where QuACK is not installed or could not be imported (said once)."""
+    if "module" not in _QUACK:
+        module = None
+        if importlib.util.find_spec("quack") is not None:
+            try:
+                from . import quack_epilogues as module
+            except Exception as err:  # noqa: BLE001 - any QuACK / CuTe DSL version that cannot build it
+                _quack_failed(err)
+        _QUACK["module"] = module
+    return _QUACK["module"]
+
+
+def _quack_failed(err: BaseException) -> None:
+    _QUACK["module"] = None
+    warnings.warn(f"hf_fused: QuACK's fused epilogues are unavailable ({type(err).__name__}: {err}); hf_fused uses "
+                  "cuBLAS and its own Triton kernels instead (same results, slower). Measured with quack-kernels "
+                  "0.6.4 and nvidia-cutlass-dsl 4.6.2.", stacklevel=3)
+
+
+def _with_quack(call: Callable[[ModuleType], object]) -> bool:
+    """Run ``call(quack_epilogues)``; ``False`` where QuACK is unavailable or ``call`` raises (then turned off for
+    the process, said once) so that the caller does the same work without it."""
+    module = _quack()
+    if module is None:
+        return False
+    try:
+        call(module)
+    except Exception as err:  # noqa: BLE001 - turned off for the process, said once
+        _quack_failed(err)
+        return False
+    return True
+
+
+def _fuses_statistics(head: HeadInputs, h: torch.Tensor, return_entropy: bool, statistics: Sequence[str]) -> bool:
+    """Whether the one pass's logits matmul can take its statistics from QuACK's epilogue for this call: only the
+    log-sum-exp and label logit asked for (no entropy, no token statistics) of raw logits (no bias, soft-cap,
+    temperature or logit scale), and the kept rows ``h`` and the weight bf16 on a GPU of compute capability
+    9.x, contiguous, with rows of 16-byte multiples (its TMA loads)."""
+    asks_lse_only = not return_entropy and not statistics and head.bias is None and head.transform.is_identity
+    return asks_lse_only and _quack_runs_on(h, head.weight)
+
+
+def _quack_runs_on(h: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (h.is_cuda and h.dtype == weight.dtype == torch.bfloat16 and h.is_contiguous() and weight.is_contiguous()
+            and h.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0 and torch.cuda.get_device_capability(h.device)[0] == 9)
 
 
 class TritonCublasBackend:
@@ -362,12 +423,21 @@ class TritonCublasBackend:
         stats = self._new_stats(m_rows, h.device, statistics)
         scalars = self._scalars(head.transform, bias)
         tile_buf = torch.empty((min(block_rows, max(m_rows, 1)), vocab_size), dtype=weight.dtype, device=h.device)
+        fused = _fuses_statistics(head, h, return_entropy, statistics)
         for r0 in range(0, m_rows, block_rows):
             r1 = min(r0 + block_rows, m_rows)
-            dz = torch.mm(h[r0:r1], weight.t(), out=tile_buf[: r1 - r0])
+            dz = tile_buf[: r1 - r0]
             row_stats = _row_slice(stats, r0, r1)
             run_max, run_sum, run_zp, label_logit = row_stats[:4]
-            self._stats(dz, 0, bias, y[r0:r1], row_stats, scalars, return_entropy)
+
+            def fused_tile(quack):
+                quack.logits_with_statistics(h[r0:r1], weight, y[r0:r1], dz, lse=run_max, label_logit=label_logit)
+                run_sum.fill_(1.0)  # the log-sum-exp as (running max, Σexp) = (lse, 1)
+
+            fused = fused and _with_quack(fused_tile)
+            if not fused:
+                torch.mm(h[r0:r1], weight.t(), out=dz)
+                self._stats(dz, 0, bias, y[r0:r1], row_stats, scalars, return_entropy)
             if tile_grads is None:
                 continue
             lse = run_max + run_sum.log()

@@ -1,0 +1,62 @@
+"""The logits matmul with the softmax statistics in its epilogue, on QuACK's Hopper GEMM (``quack-kernels``).
+
+Why: the one pass of :mod:`.triton_cublas` writes each ``[rows, V]`` logits tile with cuBLAS and reads it back
+twice, once in the statistics kernel (log-sum-exp and label logit) and once in the gradient kernel (``dz`` in
+place). QuACK's SM90 GEMM runs an epilogue written as a Python function over the accumulator
+(``quack.epilogue.frontend.gemm_epilogue``) with an online (max, Σexp) reduction per row and a gather of one column
+per row (``quack.epilogue.library.lse_target_epi`` is the same design), so the statistics come out of the matmul
+while the tile is still in registers and the statistics kernel's read of the tile is gone. Measured on an H100
+(docs/gpu_results.md, fifth session): a 2048×2048×151936 tile in 1.75 ms against 2.06 ms for cuBLAS's matmul
+alone, before the statistics kernel's 0.3 ms.
+
+Numerics: the epilogue rounds the fp32 accumulator to bf16 first (``cvt.rn``, as the matmul's store does) and
+reduces that, so the log-sum-exp and label logit are those of the rounded tile it writes: what the statistics
+kernel computes from the tile, and what eager transformers computes from its bf16 logits, up to the fp32
+summation order. ``dz`` then comes from the same tile and log-sum-exp as before.
+
+This module imports QuACK (and the CuTe DSL under it) at import time; :mod:`.triton_cublas` imports it only
+when ``quack`` is installed and a call can use it (bf16 on compute capability 9.x, no entropy or token
+statistics asked, no bias, soft-cap, temperature or logit scale), and turns it off for the process, with one
+warning, when importing or running it raises (a QuACK / CuTe DSL pair that cannot build it: QuACK 0.6.5 with
+the DSL 4.7 and 4.8 could not build any epilogue in the third session, docs/DEVICE.md). Measured with
+quack-kernels 0.6.4 and nvidia-cutlass-dsl 4.6.2.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import torch
+from cutlass import Float32
+from quack.epilogue.frontend import gemm_epilogue
+from quack.epilogue.ops import ColVecLoad, ColVecSelect, OnlineLSEReduce
+
+_LABELS = ColVecLoad("target")
+
+
+@gemm_epilogue(
+    outs={"lse": OnlineLSEReduce("lse"), "target_logit": ColVecSelect("target_logit", idx_op=_LABELS)},
+    extra_ops=(_LABELS,),
+)
+def bf16_logits_statistics(acc):
+    """The bf16 logit (as fp32) is stored, reduced into the row's online log-sum-exp, and gathered at the
+    row's label column."""
+    z = Float32(cutlass.BFloat16(acc))
+    return {"D": z, "lse": z, "target_logit": z}
+
+
+def logits_with_statistics(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, out: torch.Tensor, *, lse: torch.Tensor,
+    label_logit: torch.Tensor,
+) -> None:
+    """``out = hidden @ weight.T`` rounded to bf16, and per row the log-sum-exp and label logit of ``out``.
+
+    Args:
+        hidden: ``[M, H]`` bf16, contiguous, ``H`` a multiple of 8 (16-byte rows for the TMA loads).
+        weight: ``[V, H]`` bf16, contiguous, ``V`` a multiple of 8.
+        labels: ``[M]`` int64 in ``[0, V)`` (the kept rows' labels).
+        out: ``[M, V]`` bf16, contiguous: the logits tile, written.
+        lse, label_logit: fp32 ``[M]``, contiguous: written.
+    """
+    res = bf16_logits_statistics(hidden, weight.mT, out={"D": out}, target=labels, target_logit=label_logit,
+                                 tuned=False)
+    lse.copy_(res["lse"])

@@ -1,0 +1,184 @@
+"""QuACK's logits matmul with the statistics in its epilogue (hf_fused.ops.backends.quack_epilogues) in the GPU
+backend's one pass: which calls use it, that the one pass reads its results right, what happens when QuACK is
+missing or fails (CPU: Triton's interpreter, a stand-in launcher), and its results on a GPU that has it."""
+
+import builtins
+import sys
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hf_fused.ops import LogitTransform, linear_cross_entropy  # noqa: E402
+from hf_fused.ops.backends import triton_cublas  # noqa: E402
+from hf_fused.ops.head_inputs import HeadInputs  # noqa: E402
+
+
+def _head(**kw):
+    n, h, v = 8, 16, 64
+    fields = dict(hidden=torch.zeros(n, h, dtype=torch.bfloat16), weight=torch.zeros(v, h, dtype=torch.bfloat16),
+                  bias=None, labels=torch.zeros(n, dtype=torch.long), rows=torch.arange(n),
+                  transform=LogitTransform(), tile_budget_bytes=None)
+    fields.update(kw)
+    return HeadInputs(**fields)
+
+
+@pytest.mark.parametrize("case, fused", [
+    ("plain", True), ("entropy", False), ("statistics", False), ("bias", False), ("softcap", False),
+    ("temperature", False), ("logit_scale", False),
+])
+def test_only_the_plain_log_sum_exp_is_fused(monkeypatch, case, fused):
+    monkeypatch.setattr(triton_cublas, "_quack_runs_on", lambda h, weight: True)
+    head = _head(
+        bias=torch.zeros(64, dtype=torch.bfloat16) if case == "bias" else None,
+        transform=LogitTransform(**{"softcap": {"softcap": 5.0}, "temperature": {"temperature": 0.7},
+                                    "logit_scale": {"logit_scale": 0.5}}.get(case, {})),
+    )
+    entropy, statistics = case == "entropy", ("is_top1",) if case == "statistics" else ()
+    assert triton_cublas._fuses_statistics(head, head.hidden, entropy, statistics) is fused
+
+
+def test_off_cuda_nothing_is_fused():
+    head = _head()
+    assert not triton_cublas._quack_runs_on(head.hidden, head.weight)
+    assert not triton_cublas._fuses_statistics(head, head.hidden, False, ())
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n, h, v = 40, 32, 4300
+    hidden = torch.randn(n, h, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 0.5).bfloat16().requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[::5] = -100
+    return hidden, weight, labels
+
+
+def _ce(hidden, weight, labels, budget=2**30):
+    loss = linear_cross_entropy(hidden, weight, labels, backend="triton", tile_budget_bytes=budget)
+    return (loss, *torch.autograd.grad(loss, (hidden, weight)))
+
+
+class _StandIn:
+    """quack_epilogues.logits_with_statistics in PyTorch, on the tile the backend's own cuBLAS call would write."""
+
+    def __init__(self):
+        self.calls = []
+
+    def logits_with_statistics(self, h, w, y, out, *, lse, label_logit):
+        self.calls.append("tile")
+        torch.mm(h, w.t(), out=out)
+        z = out.float()
+        lse.copy_(torch.logsumexp(z, -1))
+        label_logit.copy_(z.gather(1, y[:, None])[:, 0])
+
+
+def _close_to(got, want):
+    """The loss to fp32 rounding (the log-sum-exp summed in another order); gradients within one bf16 ulp (dz
+    from that log-sum-exp, rounded to bf16) for all but a handful of elements."""
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0)
+    for g, w in zip(got[1:], want[1:]):
+        ulp = (w.float().abs() * 2.0**-7).clamp(min=2.0**-126)
+        assert ((g.float() - w.float()).abs() <= ulp).float().mean() > 0.999
+
+
+def test_the_one_pass_reads_the_fused_statistics(monkeypatch):
+    """With the stand-in, the one pass takes the log-sum-exp and label logit from the fused matmul and skips the
+    statistics kernel; loss and gradients are the unfused pass's."""
+    hidden, weight, labels = _inputs()
+    plain = _ce(hidden, weight, labels)
+    quack, stats_calls = _StandIn(), []
+    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": quack})
+    monkeypatch.setattr(triton_cublas, "_quack_runs_on", lambda h, w: True)
+    stats = triton_cublas.TritonCublasBackend._stats
+    monkeypatch.setattr(triton_cublas.TritonCublasBackend, "_stats",
+                        lambda self, *a: stats_calls.append(1) or stats(self, *a))
+    fused = _ce(hidden, weight, labels)
+    assert quack.calls == ["tile"] and stats_calls == []  # one tile of the 32 kept rows
+    _close_to(fused, plain)
+
+
+def test_a_quack_call_that_fails_is_turned_off_with_one_warning(monkeypatch):
+    hidden, weight, labels = _inputs(1)
+    plain = _ce(hidden, weight, labels)
+
+    class Broken(_StandIn):
+        def logits_with_statistics(self, *a, **k):
+            raise RuntimeError("no kernel for this DSL")
+
+    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": Broken()})
+    monkeypatch.setattr(triton_cublas, "_quack_runs_on", lambda h, w: True)
+    with pytest.warns(UserWarning, match="unavailable .*no kernel for this DSL"):
+        fallback = _ce(hidden, weight, labels)
+    for got, want in zip(fallback, plain):
+        assert torch.equal(got, want)
+    assert triton_cublas._QUACK["module"] is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _ce(hidden, weight, labels)  # off for the process: no second warning
+
+
+def test_quack_that_cannot_be_imported_is_said_once(monkeypatch):
+    monkeypatch.setattr(triton_cublas, "_QUACK", {})
+    monkeypatch.setattr(triton_cublas.importlib.util, "find_spec", lambda name: object())
+    real_import = builtins.__import__
+
+    def failing_import(name, *args, **kwargs):
+        if name.split(".")[0] in ("cutlass", "quack"):
+            raise ImportError(f"stand-in: {name} cannot be imported")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", failing_import)
+    monkeypatch.delitem(sys.modules, "hf_fused.ops.backends.quack_epilogues", raising=False)
+    with pytest.warns(UserWarning, match="unavailable"):
+        assert triton_cublas._quack() is None
+    assert triton_cublas._quack() is None and triton_cublas._QUACK == {"module": None}
+
+
+def test_without_quack_installed_nothing_is_imported(monkeypatch):
+    monkeypatch.setattr(triton_cublas, "_QUACK", {})
+    monkeypatch.setattr(triton_cublas.importlib.util, "find_spec", lambda name: None)
+    assert triton_cublas._quack() is None
+
+
+@pytest.mark.gpu
+def test_quack_statistics_on_gpu_match_cublas_and_the_statistics_kernel(monkeypatch):
+    """On a Hopper GPU with QuACK, the bf16 one pass of plain cross-entropy takes the fused statistics, and its
+    loss and gradients are those of cuBLAS and the statistics kernel up to fp32 summation order (the
+    log-sum-exp) and the matmuls' own accumulation order (a logit whose fp32 sum lands on the other side of a bf16
+    rounding boundary): relative error norms of at most 2⁻⁸ between the two, far below bf16's own rounding of
+    the logits. Accuracy against float64 on this path:
+    test_ops_triton_backend.py::test_triton_backend_bf16_on_gpu_no_worse_than_eager (kw={}, budget=None)."""
+    pytest.importorskip("quack")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("QuACK's SM90 kernels need a GPU of compute capability 9.x")
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 4096, 1024, 32000
+    hidden = torch.randn(n, h, generator=g).cuda().bfloat16().requires_grad_()
+    weight = (torch.randn(v, h, generator=g) / h**0.25).cuda().bfloat16().requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g).cuda()
+    labels[::5] = -100
+
+    def ce():
+        loss = linear_cross_entropy(hidden, weight, labels, backend="triton")
+        return (loss, *torch.autograd.grad(loss, (hidden, weight)))
+
+    quack = triton_cublas._quack()
+    assert quack is not None
+    calls = set()
+
+    class Spy:
+        def __getattr__(self, name):
+            return lambda *a, **k: calls.add(name) or getattr(quack, name)(*a, **k)
+
+    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": Spy()})
+    fused = ce()
+    assert calls == {"logits_with_statistics"}
+    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": None})
+    plain = ce()
+    assert abs(fused[0].item() - plain[0].item()) <= 1e-5 * abs(plain[0].item())
+    for got, want in zip(fused[1:], plain[1:]):
+        rel = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert rel <= 2.0**-8, rel
