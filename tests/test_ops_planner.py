@@ -382,6 +382,19 @@ def test_lean_plan_blocks_are_whole_quanta(m, quantum):
             assert plan.block_rows == m or plan.block_rows % quantum == 0, (budget, plan)
 
 
+@pytest.mark.parametrize("m", [3_276, 5_000, 9_000])
+def test_lean_plan_in_quanta_fits_wherever_equal_blocks_fit(m):
+    """Fewer rows than a quantum, or a budget too small for a block of whole quanta: equal blocks, within the
+    budget, rather than the over-budget floor plan (a 4224-row quantum left 3276 rows only one block, which did
+    not fit 16 MiB)."""
+    h, v = 1024, 32_000
+    kw = dict(reserved_bytes=m * h, copy_bytes=m * h * BF16, gather_row_bytes=h * BF16, accumulator_row_bytes=h * 6,
+              weight_chunk=True)
+    for budget in range(8 * 2**20, 64 * 2**20, 2**21):
+        if tiling.lean_two_pass_plan(m, h, v, BF16, budget, **kw).bytes <= budget:
+            assert tiling.lean_two_pass_plan(m, h, v, BF16, budget, row_quantum=4224, **kw).bytes <= budget, budget
+
+
 def test_lean_plan_in_waves_on_the_benchmark_shape():
     """32768 tokens, 10% ignored, 256 MiB, H100 (132 SMs, 128×256 tiles of a 2048-wide product: 4224 rows are two
     waves): three blocks of 8448 rows (four waves each) and one of 4147 (two), not four of 7373 (3.5 waves each,
