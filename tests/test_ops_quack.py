@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from hf_fused.ops import LogitTransform, linear_cross_entropy  # noqa: E402
+from hf_fused.ops import LogitTransform, linear_cross_entropy, linear_logprobs, linear_token_loss  # noqa: E402
 from hf_fused.ops.backends import triton_cublas  # noqa: E402
 from hf_fused.ops.head_inputs import HeadInputs  # noqa: E402
 
@@ -100,6 +100,45 @@ def test_the_one_pass_reads_the_fused_statistics(monkeypatch):
     _close_to(fused, plain)
 
 
+def test_with_a_fixed_hint_the_entropy_comes_from_the_gradient_kernel(monkeypatch):
+    """FusedGRPOTrainer's on-policy one pass (log-probs and entropy, ``grad_hint`` a fixed weight per token): the
+    statistics come from the fused matmul and the entropy from the gradient kernel's Σ p·z (its gradient does not
+    read the entropy); log-probs, entropy and gradients are the unfused pass's (the entropy up to fp32 summation
+    order)."""
+    hidden, weight, labels = _inputs(3)
+    hint = torch.randn(labels.shape, generator=torch.Generator().manual_seed(4)) * (labels != -100)
+
+    def run():
+        lp, ent = linear_logprobs(hidden, weight, labels, return_entropy=True, grad_hint=hint, backend="triton",
+                                  tile_budget_bytes=2**30)
+        return (lp.detach(), ent.detach(), *torch.autograd.grad((lp * hint).sum(), (hidden, weight)))
+
+    plain = run()
+    quack = _StandIn()
+    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": quack})
+    monkeypatch.setattr(triton_cublas, "_quack_runs_on", lambda h, w: True)
+    fused = run()
+    assert quack.calls == ["tile"]
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused[1], plain[1], rtol=1e-5, atol=1e-5)
+    for got, want in zip(fused[2:], plain[2:]):
+        ulp = (want.float().abs() * 2.0**-7).clamp(min=2.0**-126)
+        assert ((got.float() - want.float()).abs() <= ulp).float().mean() > 0.999
+
+
+def test_a_token_loss_that_reads_the_entropy_keeps_the_statistics_kernel(monkeypatch):
+    """``linear_token_loss(..., need_entropy=True)``: the per-token loss may read the entropy before the
+    gradient kernel runs, so the statistics kernel computes it and nothing is fused."""
+    hidden, weight, labels = _inputs(5)
+    quack = _StandIn()
+    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": quack})
+    monkeypatch.setattr(triton_cublas, "_quack_runs_on", lambda h, w: True)
+    loss, _lp, _ent = linear_token_loss(hidden, weight, labels, lambda logprobs, entropy: -logprobs + 0.1 * entropy,
+                                        need_entropy=True, backend="triton", tile_budget_bytes=2**30)
+    loss.backward()
+    assert quack.calls == []
+
+
 def test_a_quack_call_that_fails_is_turned_off_with_one_warning(monkeypatch):
     hidden, weight, labels = _inputs(1)
     plain = _ce(hidden, weight, labels)
@@ -144,41 +183,43 @@ def test_without_quack_installed_nothing_is_imported(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_quack_statistics_on_gpu_match_cublas_and_the_statistics_kernel(monkeypatch):
-    """On a Hopper GPU with QuACK, the bf16 one pass of plain cross-entropy takes the fused statistics, and its
-    loss and gradients are those of cuBLAS and the statistics kernel up to fp32 summation order (the
-    log-sum-exp) and the matmuls' own accumulation order (a logit whose fp32 sum lands on the other side of a bf16
-    rounding boundary): relative error norms of at most 2⁻⁸ between the two, far below bf16's own rounding of
-    the logits. Accuracy against float64 on this path:
+@pytest.mark.parametrize("case", ["cross_entropy", "logprobs_entropy_hint"])
+def test_quack_statistics_on_gpu_match_cublas_and_the_statistics_kernel(monkeypatch, case):
+    """On a Hopper GPU with QuACK, the bf16 one pass takes the fused statistics — plain cross-entropy, and
+    FusedGRPOTrainer's on-policy log-probs with entropy and a fixed ``grad_hint`` (the entropy then from the
+    gradient kernel) — and its results are those of cuBLAS and the statistics kernel up to fp32 summation order
+    (log-sum-exp, entropy) and the matmuls' own accumulation order (a logit whose fp32 sum lands on the other
+    side of a bf16 rounding boundary): relative error norms of at most 2⁻⁸ between the two, far below bf16's own
+    rounding of the logits. Accuracy against float64 on the cross-entropy path:
     test_ops_triton_backend.py::test_triton_backend_bf16_on_gpu_no_worse_than_eager (kw={}, budget=None)."""
     pytest.importorskip("quack")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("QuACK's SM90 kernels need a GPU of compute capability 9.x")
+        pytest.skip("QuACK's SM90 epilogue needs a GPU of compute capability 9.x")
     g = torch.Generator().manual_seed(0)
     n, h, v = 4096, 1024, 32000
     hidden = torch.randn(n, h, generator=g).cuda().bfloat16().requires_grad_()
     weight = (torch.randn(v, h, generator=g) / h**0.25).cuda().bfloat16().requires_grad_()
     labels = torch.randint(0, v, (n,), generator=g).cuda()
     labels[::5] = -100
+    hint = (torch.randn(n, generator=g).cuda() * (labels != -100)).float()
 
-    def ce():
-        loss = linear_cross_entropy(hidden, weight, labels, backend="triton")
-        return (loss, *torch.autograd.grad(loss, (hidden, weight)))
+    def run():
+        if case == "cross_entropy":
+            loss = linear_cross_entropy(hidden, weight, labels, backend="triton")
+            return (loss, *torch.autograd.grad(loss, (hidden, weight)))
+        lp, ent = linear_logprobs(hidden, weight, labels, return_entropy=True, grad_hint=hint, backend="triton")
+        return (lp.detach(), ent.detach(), *torch.autograd.grad((lp * hint).sum(), (hidden, weight)))
 
     quack = triton_cublas._quack()
     assert quack is not None
-    calls = set()
-
-    class Spy:
-        def __getattr__(self, name):
-            return lambda *a, **k: calls.add(name) or getattr(quack, name)(*a, **k)
-
-    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": Spy()})
-    fused = ce()
-    assert calls == {"logits_with_statistics"}
+    calls = []
+    spy = type("Spy", (), {"logits_with_statistics": staticmethod(
+        lambda *a, **k: calls.append(1) or quack.logits_with_statistics(*a, **k))})()
+    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": spy})
+    fused = run()
+    assert calls
     monkeypatch.setattr(triton_cublas, "_QUACK", {"module": None})
-    plain = ce()
-    assert abs(fused[0].item() - plain[0].item()) <= 1e-5 * abs(plain[0].item())
-    for got, want in zip(fused[1:], plain[1:]):
+    plain = run()
+    for got, want in zip(fused, plain):
         rel = ((got.double() - want.double()).norm() / want.double().norm()).item()
-        assert rel <= 2.0**-8, rel
+        assert rel <= 2.0**-8, (rel, got.shape)

@@ -227,12 +227,14 @@ class TritonCublasBackend:
             BLOCK_V=_STATS_BLOCK_V, num_warps=_STATS_WARPS, **scalars,
         )
 
-    def _grad(self, z, col_offset, bias, labels, lse, ent, g_lp, g_ent, scalars, has_g_lp, has_g_ent):
-        """Overwrite the raw logits ``z [rows, cols]`` with ``dz`` (see ``grad_kernel``)."""
+    def _grad(self, z, col_offset, bias, labels, lse, ent, g_lp, g_ent, scalars, has_g_lp, has_g_ent,
+              sum_pz: Optional[torch.Tensor] = None):
+        """Overwrite the raw logits ``z [rows, cols]`` with ``dz`` (see ``grad_kernel``); with ``sum_pz``
+        (fp32 ``[rows]``), write each row's Σ p·z over the columns into it."""
         self.kernels.grad_kernel[(z.shape[0],)](
             z, z.stride(0), z, z.stride(0), z.shape[1], col_offset, bias if bias is not None else lse, labels,
-            lse, ent, g_lp, g_ent, HAS_G_LP=has_g_lp, HAS_G_ENT=has_g_ent, BLOCK_V=_GRAD_BLOCK_V,
-            num_warps=_GRAD_WARPS, **scalars,
+            lse, ent, g_lp, g_ent, lse if sum_pz is None else sum_pz, HAS_G_LP=has_g_lp, HAS_G_ENT=has_g_ent,
+            SUM_PZ=sum_pz is not None, BLOCK_V=_GRAD_BLOCK_V, num_warps=_GRAD_WARPS, **scalars,
         )
 
     @staticmethod
@@ -385,7 +387,7 @@ class TritonCublasBackend:
         if need.any:
             g_lp = grad_logprobs.to(torch.float32).contiguous()
             tile_grads = lambda r0, r1, logp, entropy: (g_lp[r0:r1], None)  # noqa: E731
-        return self._one_pass(head, tile_grads, need, return_entropy, statistics)
+        return self._one_pass(head, tile_grads, need, return_entropy, statistics, entropy_in_grads=False)
 
     def token_loss_with_grads(
         self, head: HeadInputs, tile_grads: TileGrads, *, need: NeededGrads, return_entropy: bool = False,
@@ -396,15 +398,18 @@ class TritonCublasBackend:
         ``tile_grads(r0, r1, logp, entropy)`` on the block's ``[rows]`` statistics for the per-row
         ``(g_lp, g_ent)``, then the gradient kernel on the same logits. ``None`` when the planner chooses
         two passes (the op then runs statistics + recompute)."""
-        return self._one_pass(head, tile_grads, need, return_entropy, statistics)
+        return self._one_pass(head, tile_grads, need, return_entropy, statistics, entropy_in_grads=True)
 
     def _one_pass(self, head: HeadInputs, tile_grads: Optional[TileGrads], need: NeededGrads,
-                  return_entropy: bool, statistics: Sequence[str]) -> Optional[HeadPass]:
+                  return_entropy: bool, statistics: Sequence[str], *, entropy_in_grads: bool = True,
+                  ) -> Optional[HeadPass]:
         """The one-pass loop behind both methods above: per full-vocabulary row block, the statistics kernel,
         then (when ``tile_grads`` is given) ``tile_grads(r0, r1, logp, entropy) -> (g_lp, g_ent or None)`` and
         the gradient kernel on the same logits, then dh and the fp32 dW accumulation. ``None`` when the
         planner chooses two passes; ``grads`` is ``None`` without ``tile_grads``. The token statistics of the
-        rows come from the same statistics kernel."""
+        rows come from the same statistics kernel. Where QuACK's epilogue gives the statistics instead
+        (:func:`_fuses_statistics`) and ``tile_grads`` does not read the entropy (``entropy_in_grads`` False:
+        a fixed ``g_lp``), the entropy comes from the gradient kernel's Σ p·z."""
         weight, bias = head.weight, head.bias
         need_hidden, need_weight = need.hidden, need.weight
         # An fp32 weight gradient (fp32 master weights) is the accumulator itself: nothing to plan for it.
@@ -423,7 +428,8 @@ class TritonCublasBackend:
         stats = self._new_stats(m_rows, h.device, statistics)
         scalars = self._scalars(head.transform, bias)
         tile_buf = torch.empty((min(block_rows, max(m_rows, 1)), vocab_size), dtype=weight.dtype, device=h.device)
-        fused = _fuses_statistics(head, h, return_entropy, statistics)
+        late_entropy = return_entropy and tile_grads is not None and not entropy_in_grads
+        fused = _fuses_statistics(head, h, return_entropy and not late_entropy, statistics)
         for r0 in range(0, m_rows, block_rows):
             r1 = min(r0 + block_rows, m_rows)
             dz = tile_buf[: r1 - r0]
@@ -441,10 +447,12 @@ class TritonCublasBackend:
             if tile_grads is None:
                 continue
             lse = run_max + run_sum.log()
-            ent = lse - run_zp / run_sum if return_entropy else None
+            ent = lse - run_zp / run_sum if return_entropy and not fused else None
             g_lp, g_ent = tile_grads(r0, r1, label_logit - lse, ent)
+            # fused statistics with an entropy asked for: Σ p·z into run_zp (run_sum is 1), for _finish
             self._grad(dz, 0, bias, y[r0:r1], lse, lse if ent is None else ent, g_lp,
-                       lse if g_ent is None else g_ent, scalars, True, g_ent is not None)
+                       lse if g_ent is None else g_ent, scalars, True, g_ent is not None,
+                       sum_pz=run_zp if return_entropy and fused else None)
             if d_hidden is not None:  # each row's dh is complete within its tile
                 _mm_f32_(d_hidden[r0:r1], dz, weight)
             if d_weight32 is not None:

@@ -117,7 +117,10 @@ def _row_grad(z_row, dz_row, n_cols, col_offset, Bias, label, lse, ent, g_lp, g_
               HAS_G_ENT: tl.constexpr, BLOCK_V: tl.constexpr):
     """One row's ``dz = ∂L/∂raw``: with ``logp = z − lse``, ``p = exp(logp)``:
     ``∂L/∂z_c = g_lp·(1[c=y] − p_c) − g_ent·p_c·(logp_c + H)``, then × 1/temperature, × (1 − tanh²) for the
-    soft-cap, × logit_scale. ``dz_row`` may alias ``z_row``."""
+    soft-cap, × logit_scale. ``dz_row`` may alias ``z_row``. Returns the row's ``Σ_c p_c·z_c`` over the chunk
+    (fp32; ``lse − Σ p·z`` is the entropy when the chunk is the whole vocabulary), which callers that do not
+    store it leave to dead-code elimination."""
+    pz = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
@@ -136,7 +139,9 @@ def _row_grad(z_row, dz_row, n_cols, col_offset, Bias, label, lse, ent, g_lp, g_
             dz = dz * (1.0 - th * th)
         if SCALED:
             dz = dz * logit_scale
+        pz += tl.where(mask, p * z, 0.0)
         tl.store(dz_row + cols, dz.to(dz_row.dtype.element_ty), mask=mask)
+    return tl.sum(pz, axis=0)
 
 
 @triton.jit
@@ -186,14 +191,18 @@ def stats_kernel(
 @triton.jit
 def grad_kernel(
     Z, stride_z, DZ, stride_dz, n_cols, col_offset,
-    Bias, Labels, LSE, ENT, G_LP, G_ENT,
+    Bias, Labels, LSE, ENT, G_LP, G_ENT, PZ,
     logit_scale, softcap, inv_temperature,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, HAS_G_LP: tl.constexpr,
-    HAS_G_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_G_ENT: tl.constexpr, SUM_PZ: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """``dz`` for one chunk (see ``_row_grad``), one program per row. ``DZ`` may alias ``Z``.
-    G_LP, G_ENT and ENT are always valid pointers (zeros when a gradient is absent)."""
+    G_LP, G_ENT and ENT are always valid pointers (zeros when a gradient is absent). With ``SUM_PZ``,
+    ``PZ[row]`` is set to the row's Σ p·z over the chunk (the one pass's entropy when the statistics came from
+    a matmul epilogue that has no entropy reduction); ``PZ`` is otherwise never written."""
     row = tl.program_id(0).to(tl.int64)
-    _row_grad(Z + row * stride_z, DZ + row * stride_dz, n_cols, col_offset, Bias, tl.load(Labels + row),
-              tl.load(LSE + row), tl.load(ENT + row), tl.load(G_LP + row), tl.load(G_ENT + row),
-              logit_scale, softcap, inv_temperature, HAS_BIAS, SOFTCAP, SCALED, HAS_G_LP, HAS_G_ENT, BLOCK_V)
+    pz = _row_grad(Z + row * stride_z, DZ + row * stride_dz, n_cols, col_offset, Bias, tl.load(Labels + row),
+                   tl.load(LSE + row), tl.load(ENT + row), tl.load(G_LP + row), tl.load(G_ENT + row),
+                   logit_scale, softcap, inv_temperature, HAS_BIAS, SOFTCAP, SCALED, HAS_G_LP, HAS_G_ENT, BLOCK_V)
+    if SUM_PZ:
+        tl.store(PZ + row, pz)
