@@ -15,8 +15,9 @@ kernel computes from the tile, and what eager transformers computes from its bf1
 summation order. ``dz`` then comes from the same tile and log-sum-exp as before.
 
 This module imports QuACK (and the CuTe DSL under it) at import time; :mod:`.triton_cublas` imports it only
-when ``quack`` is installed and a call can use it (bf16 on compute capability 9.x, no entropy or token
-statistics asked, no bias, soft-cap, temperature or logit scale), and turns it off for the process, with one
+when ``quack`` is installed and a call can use it (bf16 on compute capability 9.x, no token statistics, no
+entropy but where the gradient kernel can sum it, no bias, soft-cap, temperature or logit scale), and turns it
+off for the process, with one
 warning, when importing or running it raises (a QuACK / CuTe DSL pair that cannot build it: QuACK 0.6.5 with
 the DSL 4.7 and 4.8 could not build any epilogue in the third session, docs/DEVICE.md). Measured with
 quack-kernels 0.6.4 and nvidia-cutlass-dsl 4.6.2.

@@ -23,10 +23,11 @@ default when its fp32 ``[V, H]`` accumulator and tile fit in a quarter of the fr
 :meth:`TritonCublasBackend.logprobs_with_grads`. Otherwise they return ``None`` and the op falls back to the
 two passes above, the gradient pass in its backward.
 
-Where QuACK (``quack-kernels``) is installed, the one pass of plain bf16 cross-entropy on a Hopper GPU takes each
-tile's log-sum-exp and label logit from the epilogue of QuACK's logits matmul instead of the statistics kernel
-(:mod:`.quack_epilogues`: the same rounded tile, 3–4 % less time per step); a QuACK that cannot run it is
-turned off with one warning.
+Where QuACK (``quack-kernels``) is installed, the one pass of plain bf16 cross-entropy on a Hopper GPU, or of
+log-probs with a fixed ``grad_hint`` (the entropy then from the gradient kernel's Σ p·z), takes each tile's
+log-sum-exp and label logit from the epilogue of QuACK's logits matmul instead of the statistics kernel
+(:mod:`.quack_epilogues`: the same rounded tile, 3–6 % less time per step); a QuACK that cannot run it is turned
+off with one warning.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def _with_quack(call: Callable[[ModuleType], object]) -> bool:
 
 def _fuses_statistics(head: HeadInputs, h: torch.Tensor, return_entropy: bool, statistics: Sequence[str]) -> bool:
     """Whether the one pass's logits matmul can take its statistics from QuACK's epilogue for this call: only the
-    log-sum-exp and label logit asked for (no entropy, no token statistics) of raw logits (no bias, soft-cap,
+    log-sum-exp and label logit asked of it (no entropy, no token statistics) of raw logits (no bias, soft-cap,
     temperature or logit scale), and the kept rows ``h`` and the weight bf16 on a GPU of compute capability
     9.x, contiguous, with rows of 16-byte multiples (its TMA loads)."""
     asks_lse_only = not return_entropy and not statistics and head.bias is None and head.transform.is_identity
