@@ -35,7 +35,7 @@ from __future__ import annotations
 import importlib.util
 import warnings
 from types import ModuleType
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -94,14 +94,16 @@ def _quack_failed(err: BaseException) -> None:
                   "0.6.4 and nvidia-cutlass-dsl 4.6.2.", stacklevel=3)
 
 
-def _with_quack(call: Callable[[ModuleType], object]) -> bool:
-    """Run ``call(quack_epilogues)``; ``False`` where QuACK is unavailable or ``call`` raises (then turned off for
-    the process, said once) so that the caller does the same work without it."""
+def _quack_statistics(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, label_logit: torch.Tensor) -> bool:
+    """:func:`.quack_epilogues.logits_with_statistics` into ``out``, ``lse`` and ``label_logit``; ``False`` where
+    QuACK is unavailable or raises (then turned off for the process, said once), so that the caller computes
+    them itself."""
     module = _quack()
     if module is None:
         return False
     try:
-        call(module)
+        module.logits_with_statistics(h, weight, labels, out, lse=lse, label_logit=label_logit)
     except Exception as err:  # noqa: BLE001 - turned off for the process, said once
         _quack_failed(err)
         return False
@@ -436,13 +438,10 @@ class TritonCublasBackend:
             dz = tile_buf[: r1 - r0]
             row_stats = _row_slice(stats, r0, r1)
             run_max, run_sum, run_zp, label_logit = row_stats[:4]
-
-            def fused_tile(quack):
-                quack.logits_with_statistics(h[r0:r1], weight, y[r0:r1], dz, lse=run_max, label_logit=label_logit)
+            fused = fused and _quack_statistics(h[r0:r1], weight, y[r0:r1], dz, run_max, label_logit)
+            if fused:
                 run_sum.fill_(1.0)  # the log-sum-exp as (running max, Σexp) = (lse, 1)
-
-            fused = fused and _with_quack(fused_tile)
-            if not fused:
+            else:
                 torch.mm(h[r0:r1], weight.t(), out=dz)
                 self._stats(dz, 0, bias, y[r0:r1], row_stats, scalars, return_entropy)
             if tile_grads is None:
