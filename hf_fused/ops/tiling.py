@@ -249,37 +249,35 @@ def lean_two_pass_plan(
     m = max(n_rows, 1)
     reserved_bytes += m * ROW_VECTOR_BYTES
     hidden_ways = [(False, copy_bytes, 0)] + ([(True, 0, gather_row_bytes)] if copy_bytes else [])
-    # whole quanta first; equal blocks where no block of whole quanta fits (fewer rows than a quantum, say)
-    for quantum in ([row_quantum, 1] if row_quantum > 1 else [1]):
-        best: Optional[tuple[int, LeanPlan]] = None
-        for gather, fixed, row_bytes in hidden_ways:
-            avail = budget - reserved_bytes - fixed
-            narrow = min(vocab_size, MIN_CHUNK_COLS)
-            # the most rows beside the narrowest chunk, then all rows and halvings with their widest chunks
-            most = (avail - narrow * hidden_size * 4 * weight_chunk) // (narrow * elem_bytes + row_bytes)
-            candidates = {-(-m // -(-m // most))} if most >= 1 else set()  # in equal blocks
-            blocks = 1  # m split evenly into 1, 2, 4, ... blocks (m // 2 rows would leave a block of one row)
-            while blocks == 1 or -(-m // blocks) >= MIN_LEAN_BLOCK_ROWS:
-                candidates.add(-(-m // blocks))
-                blocks *= 2
-            if quantum > 1:
-                candidates = _quantized(candidates, m, quantum)
-            for block_rows in sorted(candidates, reverse=True):
-                split = block_rows < m and weight_chunk
-                # block_rows·(cols·e + row_bytes) + [split]·cols·H·4 ≤ avail
-                cols = (avail - block_rows * row_bytes) // (block_rows * elem_bytes + (hidden_size * 4 if split else 0))
-                if cols < narrow:
-                    continue
-                cols = _aligned_cols(cols, vocab_size)
-                chunks, n_blocks = -(-vocab_size // cols), -(-m // block_rows)
-                moved = chunks * m * (accumulator_row_bytes + 2 * row_bytes)
-                moved += chunks * n_blocks * cols * hidden_size * 8 if split else 0
-                used = fixed + reserved_bytes + block_rows * (cols * elem_bytes + row_bytes)
-                used += cols * hidden_size * 4 if split else 0
-                if best is None or moved < best[0]:
-                    best = (moved, LeanPlan(block_rows, cols, gather, used))
-        if best is not None:
-            return best[1]
+    options = []  # (equal blocks despite a quantum, bytes moved, plan): whole quanta first, then fewest bytes
+    for gather, fixed, row_bytes in hidden_ways:
+        avail = budget - reserved_bytes - fixed
+        narrow = min(vocab_size, MIN_CHUNK_COLS)
+        # the most rows beside the narrowest chunk, then all rows and halvings with their widest chunks
+        most = (avail - narrow * hidden_size * 4 * weight_chunk) // (narrow * elem_bytes + row_bytes)
+        equal = {-(-m // -(-m // most))} if most >= 1 else set()  # in equal blocks
+        blocks = 1  # m split evenly into 1, 2, 4, ... blocks (m // 2 rows would leave a block of one row)
+        while blocks == 1 or -(-m // blocks) >= MIN_LEAN_BLOCK_ROWS:
+            equal.add(-(-m // blocks))
+            blocks *= 2
+        # equal blocks only where no block of whole quanta fits (fewer rows than a quantum, say)
+        sizes = [(False, q) for q in _quantized(equal, m, row_quantum)] if row_quantum > 1 else []
+        sizes += [(row_quantum > 1, q) for q in equal]
+        for unquantized, block_rows in sorted(sizes, key=lambda size: (size[0], -size[1])):
+            split = block_rows < m and weight_chunk
+            # block_rows·(cols·e + row_bytes) + [split]·cols·H·4 ≤ avail
+            cols = (avail - block_rows * row_bytes) // (block_rows * elem_bytes + (hidden_size * 4 if split else 0))
+            if cols < narrow:
+                continue
+            cols = _aligned_cols(cols, vocab_size)
+            chunks, n_blocks = -(-vocab_size // cols), -(-m // block_rows)
+            moved = chunks * m * (accumulator_row_bytes + 2 * row_bytes)
+            moved += chunks * n_blocks * cols * hidden_size * 8 if split else 0
+            used = fixed + reserved_bytes + block_rows * (cols * elem_bytes + row_bytes)
+            used += cols * hidden_size * 4 if split else 0
+            options.append((unquantized, moved, LeanPlan(block_rows, cols, gather, used)))
+    if options:  # the first of the cheapest: the compact copy, then larger blocks, win ties
+        return min(options, key=lambda option: option[:2])[2]
     block_rows, cols = two_pass_plan(n_rows, vocab_size, elem_bytes, tile_budget_bytes, reserved_bytes + copy_bytes)
     block_rows = -(-m // -(-m // block_rows))  # the same number of blocks, equal
     split = block_rows < m and weight_chunk
