@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 
 import torch
+
+from .measure import free_memory, median_ms, short_error
+from .report import text_table
 
 
 def _build():
@@ -86,29 +88,50 @@ def _configs():
             "pingpong 128x192": config(128, 192, True, 2, 1)}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.quack_fold", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=20)
-    args = parser.parse_args(argv)
-    import triton.testing
-
+def _time_shape(m, k, n, transposed, device, repeats, quack_fold_, configs) -> list[list[str]]:
+    """Table rows for one ``[M, K] @ [K, N]`` product: cuBLAS's fp32-output addmm, the Triton kernel, QuACK's fold
+    per config (a config QuACK cannot build for the shape is said and skipped)."""
     from hf_fused.ops.backends.compensated import RESIDUAL_DTYPE, compensated_addmm_
 
+    a = torch.randn(k, m, device=device).bfloat16().t() if transposed else torch.randn(m, k, device=device).bfloat16()
+    b = torch.randn(k, n, device=device).bfloat16() * 0.02
+    acc = torch.zeros(m, n, device=device)
+    hi = torch.zeros(m, n, dtype=torch.bfloat16, device=device)
+    lo = torch.zeros(m, n, dtype=RESIDUAL_DTYPE, device=device)
+    variants = {"cuBLAS addmm → fp32": lambda: torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc),
+                "Triton compensated": lambda: compensated_addmm_(hi, lo, a, b)}
+    variants.update({f"QuACK fold, {name}": (lambda c=config: quack_fold_(hi, lo, a, b, c))
+                     for name, config in configs.items()})
+    rows = []
+    for name, fn in variants.items():
+        try:
+            fn()  # compile / warm up
+            ms = median_ms(fn, device, repeats)[0]
+            rows.append([f"{m}×{k}×{n}", name, f"{ms:.3f}", f"{2 * m * n * k / ms / 1e9:.1f}"])
+        except Exception as exc:  # noqa: BLE001 - a config QuACK cannot build for this shape: say so, go on
+            print(f"{m}×{k}×{n} {name}: {short_error(exc)}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.quack_fold", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    from hf_fused.ops.backends.compensated import RESIDUAL_DTYPE, compensated_addmm_
+
+    device = torch.device("cuda")
     fold, configs = _build(), _configs()
 
     def quack_fold_(hi, lo, a, b, config):
         fold(a, b, hi, out={"D": hi, "lo_out": lo}, lo=lo, config=config, tuned=False)
 
-    def bench(fn):
-        return triton.testing.do_bench(fn, warmup=5, rep=args.reps * 5, return_mode="median")
-
     # 1. bit for bit: eight folds of random products into one pair (dims multiples of 16: int8 TMA rows)
     torch.manual_seed(0)
     m, k, n, chunks = 2048, 4096, 2048, 8
-    pairs = [(torch.randn(m, k, device="cuda").bfloat16(), torch.randn(k, n, device="cuda").bfloat16())
+    pairs = [(torch.randn(m, k, device=device).bfloat16(), torch.randn(k, n, device=device).bfloat16())
              for _ in range(chunks)]
-    hi_t = torch.zeros(m, n, dtype=torch.bfloat16, device="cuda")
-    lo_t = torch.zeros(m, n, dtype=RESIDUAL_DTYPE, device="cuda")
+    hi_t = torch.zeros(m, n, dtype=torch.bfloat16, device=device)
+    lo_t = torch.zeros(m, n, dtype=RESIDUAL_DTYPE, device=device)
     for a, b in pairs:
         compensated_addmm_(hi_t, lo_t, a, b)
     for name, config in configs.items():
@@ -124,26 +147,9 @@ def main(argv=None) -> int:
               (151936, 2048, 4096, True)]
     rows = []
     for m, k, n, transposed in shapes:
-        a = torch.randn(k, m, device="cuda").bfloat16().t() if transposed else torch.randn(m, k, device="cuda").bfloat16()
-        b = torch.randn(k, n, device="cuda").bfloat16() * 0.02
-        acc = torch.zeros(m, n, device="cuda")
-        hi = torch.zeros(m, n, dtype=torch.bfloat16, device="cuda")
-        lo = torch.zeros(m, n, dtype=RESIDUAL_DTYPE, device="cuda")
-        flops = 2 * m * n * k
-        variants = {"cuBLAS addmm → fp32": lambda: torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc),
-                    "Triton compensated": lambda: compensated_addmm_(hi, lo, a, b)}
-        variants.update({f"QuACK fold, {name}": (lambda c=config: quack_fold_(hi, lo, a, b, c))
-                         for name, config in configs.items()})
-        for name, fn in variants.items():
-            try:
-                rows.append((f"{m}x{k}x{n}", name, bench(fn), flops))
-            except Exception:  # noqa: BLE001 - a config QuACK cannot build for this shape: say so, go on
-                print(f"{m}x{k}x{n} {name}: failed"), traceback.print_exc(limit=1)
-        del a, b, acc, hi, lo
-        torch.cuda.empty_cache()
-    print(f"\n{'M×K×N':22s} {'variant':28s} {'ms':>8s} {'TFLOP/s':>8s}")
-    for shape, name, ms, flops in rows:
-        print(f"{shape:22s} {name:28s} {ms:8.3f} {flops / ms / 1e9:8.1f}")
+        rows += _time_shape(m, k, n, transposed, device, args.repeats, quack_fold_, configs)
+        free_memory(device)
+    print("\n" + "\n".join(text_table(["M×K×N", "variant", "ms", "TFLOP/s"], rows, align_left=2)))
     return 0
 
 
