@@ -114,12 +114,11 @@ def _label_logit(z_row, label, col_offset, Bias, logit_scale, softcap, inv_tempe
 def _row_grad(z_row, dz_row, n_cols, col_offset, Bias, label, lse, ent, g_lp, g_ent,
               logit_scale, softcap, inv_temperature,
               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, HAS_G_LP: tl.constexpr,
-              HAS_G_ENT: tl.constexpr, BLOCK_V: tl.constexpr):
+              HAS_G_ENT: tl.constexpr, SUM_PZ: tl.constexpr, BLOCK_V: tl.constexpr):
     """One row's ``dz = ∂L/∂raw``: with ``logp = z − lse``, ``p = exp(logp)``:
     ``∂L/∂z_c = g_lp·(1[c=y] − p_c) − g_ent·p_c·(logp_c + H)``, then × 1/temperature, × (1 − tanh²) for the
-    soft-cap, × logit_scale. ``dz_row`` may alias ``z_row``. Returns the row's ``Σ_c p_c·z_c`` over the chunk
-    (fp32; ``lse − Σ p·z`` is the entropy when the chunk is the whole vocabulary), which callers that do not
-    store it leave to dead-code elimination."""
+    soft-cap, × logit_scale. ``dz_row`` may alias ``z_row``. With ``SUM_PZ``, returns the row's ``Σ_c p_c·z_c``
+    over the chunk (fp32; ``lse − Σ p·z`` is the entropy when the chunk is the whole vocabulary), else 0."""
     pz = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
@@ -139,7 +138,8 @@ def _row_grad(z_row, dz_row, n_cols, col_offset, Bias, label, lse, ent, g_lp, g_
             dz = dz * (1.0 - th * th)
         if SCALED:
             dz = dz * logit_scale
-        pz += tl.where(mask, p * z, 0.0)
+        if SUM_PZ:
+            pz += tl.where(mask, p * z, 0.0)
         tl.store(dz_row + cols, dz.to(dz_row.dtype.element_ty), mask=mask)
     return tl.sum(pz, axis=0)
 
@@ -203,6 +203,7 @@ def grad_kernel(
     row = tl.program_id(0).to(tl.int64)
     pz = _row_grad(Z + row * stride_z, DZ + row * stride_dz, n_cols, col_offset, Bias, tl.load(Labels + row),
                    tl.load(LSE + row), tl.load(ENT + row), tl.load(G_LP + row), tl.load(G_ENT + row),
-                   logit_scale, softcap, inv_temperature, HAS_BIAS, SOFTCAP, SCALED, HAS_G_LP, HAS_G_ENT, BLOCK_V)
+                   logit_scale, softcap, inv_temperature, HAS_BIAS, SOFTCAP, SCALED, HAS_G_LP, HAS_G_ENT, SUM_PZ,
+                   BLOCK_V)
     if SUM_PZ:
         tl.store(PZ + row, pz)
