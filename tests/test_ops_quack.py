@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from hf_fused.ops import LogitTransform, linear_cross_entropy, linear_logprobs, linear_token_loss  # noqa: E402
 from hf_fused.ops.backends import triton_cublas  # noqa: E402
 from hf_fused.ops.head_inputs import HeadInputs  # noqa: E402
+from hf_fused.ops.token_loss import TokenLossHint  # noqa: E402
 
 
 def _head(**kw):
@@ -126,6 +127,47 @@ def test_with_a_fixed_hint_the_entropy_comes_from_the_gradient_kernel(monkeypatc
         assert ((got.float() - want.float()).abs() <= ulp).float().mean() > 0.999
 
 
+def _clipped_ratio_loss(logprobs, entropy, old, advantages):
+    """An off-policy DAPO-like token loss: its gradient depends on the log-prob (the ratio), not on the entropy."""
+    assert entropy is None  # the hint says it does not read it: it must not be handed one
+    ratio = torch.exp(logprobs - old)
+    return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.28))
+
+
+def _off_policy_hint(labels, seed):
+    g = torch.Generator().manual_seed(seed)
+    kept = (labels != -100).float()
+    per_token = dict(old=-8.0 + torch.randn(labels.shape, generator=g), advantages=torch.randn(labels.shape, generator=g) * kept)
+    return TokenLossHint(_clipped_ratio_loss, per_token, need_entropy=False)
+
+
+def _hinted_run(hidden, weight, labels, hint):
+    lp, ent = linear_logprobs(hidden, weight, labels, return_entropy=True, grad_hint=hint, backend="triton",
+                              tile_budget_bytes=2**30)
+    loss = _clipped_ratio_loss(lp, None, **hint.per_token).sum()
+    return (lp.detach(), ent.detach(), *torch.autograd.grad(loss, (hidden, weight)))
+
+
+def test_an_off_policy_hint_takes_the_fused_statistics_and_the_late_entropy(monkeypatch):
+    """FusedGRPOTrainer's off-policy one pass (a TokenLossHint whose loss reads the log-prob, not the entropy, with
+    the entropy returned as a metric): the statistics come from the fused matmul, the token loss is not handed an
+    entropy, the entropy comes from the gradient kernel's Σ p·z; all equal the unfused pass's (the entropy up to
+    fp32 summation order, gradients within one bf16 ulp as above)."""
+    hidden, weight, labels = _inputs(6)
+    hint = _off_policy_hint(labels, 7)
+    plain = _hinted_run(hidden, weight, labels, hint)
+    quack = _StandIn()
+    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": quack})
+    monkeypatch.setattr(triton_cublas, "_quack_runs_on", lambda h, w: True)
+    fused = _hinted_run(hidden, weight, labels, hint)
+    assert quack.calls == ["tile"]
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused[1], plain[1], rtol=1e-5, atol=1e-5)
+    for got, want in zip(fused[2:], plain[2:]):
+        ulp = (want.float().abs() * 2.0**-7).clamp(min=2.0**-126)
+        assert ((got.float() - want.float()).abs() <= ulp).float().mean() > 0.999
+
+
 def test_a_token_loss_that_reads_the_entropy_keeps_the_statistics_kernel(monkeypatch):
     """``linear_token_loss(..., need_entropy=True)``: the per-token loss may read the entropy before the
     gradient kernel runs, so the statistics kernel computes it and nothing is fused."""
@@ -183,11 +225,11 @@ def test_without_quack_installed_nothing_is_imported(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["cross_entropy", "logprobs_entropy_hint"])
+@pytest.mark.parametrize("case", ["cross_entropy", "logprobs_entropy_hint", "off_policy_hint"])
 def test_quack_statistics_on_gpu_match_cublas_and_the_statistics_kernel(monkeypatch, case):
     """On a Hopper GPU with QuACK, the bf16 one pass takes the fused statistics — plain cross-entropy, and
-    FusedGRPOTrainer's on-policy log-probs with entropy and a fixed ``grad_hint`` (the entropy then from the
-    gradient kernel) — and its results are those of cuBLAS and the statistics kernel up to fp32 summation order
+    FusedGRPOTrainer's on-policy log-probs with entropy and a fixed ``grad_hint``, and its off-policy token-loss hint
+    (the entropy then from the gradient kernel) — and its results are those of cuBLAS and the statistics kernel up to fp32 summation order
     (log-sum-exp, entropy) and the matmuls' own accumulation order (a logit whose fp32 sum lands on the other
     side of a bf16 rounding boundary): relative error norms of at most 2⁻⁸ between the two, far below bf16's own
     rounding of the logits. Accuracy against float64 on the cross-entropy path:
@@ -207,9 +249,17 @@ def test_quack_statistics_on_gpu_match_cublas_and_the_statistics_kernel(monkeypa
         if case == "cross_entropy":
             loss = linear_cross_entropy(hidden, weight, labels, backend="triton")
             return (loss, *torch.autograd.grad(loss, (hidden, weight)))
+        if case == "off_policy_hint":
+            lp, ent = linear_logprobs(hidden, weight, labels, return_entropy=True, grad_hint=off_policy,
+                                      backend="triton")
+            loss = _clipped_ratio_loss(lp, None, **off_policy.per_token).sum()
+            return (lp.detach(), ent.detach(), *torch.autograd.grad(loss, (hidden, weight)))
         lp, ent = linear_logprobs(hidden, weight, labels, return_entropy=True, grad_hint=hint, backend="triton")
         return (lp.detach(), ent.detach(), *torch.autograd.grad((lp * hint).sum(), (hidden, weight)))
 
+    off_policy = _off_policy_hint(labels.cpu(), 1)
+    off_policy = TokenLossHint(off_policy.token_loss, {k: v.cuda() for k, v in off_policy.per_token.items()},
+                               need_entropy=False)
     quack = triton_cublas._quack()
     assert quack is not None
     calls = []

@@ -138,7 +138,8 @@ class _TokenLossCall:
         if not need.any or not hasattr(self.backend, "token_loss_with_grads"):
             return None
         return self.backend.token_loss_with_grads(
-            head, self.tile_loss, need=need, return_entropy=self.return_entropy or self.need_entropy
+            head, self.tile_loss, need=need, return_entropy=self.return_entropy or self.need_entropy,
+            grads_read_entropy=self.need_entropy,
         )
 
 

@@ -81,9 +81,10 @@ class TokenLossBackend(Backend, Protocol):
 
     def token_loss_with_grads(
         self, head: HeadInputs, tile_grads: TileGrads, *, need: NeededGrads, return_entropy: bool = False,
-        statistics: Sequence[str] = (),
+        statistics: Sequence[str] = (), grads_read_entropy: bool = True,
     ) -> Optional[HeadPass]:
         """Like :meth:`Backend.logprobs_with_grads`, but each tile's per-row gradients come from ``tile_grads``
         (:data:`TileGrads`), called right after the tile's statistics; then
         ``dz_j = g_lp·(1[j = y] − p_j) − g_ent·p_j·(log p_j + H)`` from the same logits. ``None`` when the
-        planner chooses two passes."""
+        planner chooses two passes. With ``grads_read_entropy`` False, ``tile_grads`` is passed ``None`` for the
+        entropy (its loss does not read it), so a returned entropy may be reduced after the gradient."""

@@ -89,17 +89,17 @@ class TorchReferenceBackend:
     # -- a token-separable loss and its gradients, in one pass (hf_fused.ops.token_loss) ---------------
     def token_loss_with_grads(
         self, head: HeadInputs, tile_grads: TileGrads, *, need: NeededGrads, return_entropy: bool = False,
-        statistics: Sequence[str] = (),
+        statistics: Sequence[str] = (), grads_read_entropy: bool = True,
     ) -> HeadPass:
         """Like :meth:`logprobs_with_grads`, but each tile's per-row gradients come from
         ``tile_grads(start, stop, logp [r], entropy [r] or None) -> (g_lp [r], g_ent [r] or None)`` (fp32, kept
         rows ``start:stop``), called right after the tile's statistics; then
-        ``dz_j = g_lp·(1[j = y] − p_j) − g_ent·p_j·(log p_j + H)`` from the same logits. Never ``None`` (see
-        :meth:`logprobs_with_grads`)."""
-        return self._one_pass(head, tile_grads, need, return_entropy, statistics)
+        ``dz_j = g_lp·(1[j = y] − p_j) − g_ent·p_j·(log p_j + H)`` from the same logits. ``tile_grads`` gets
+        ``None`` for the entropy unless ``grads_read_entropy``. Never ``None`` (see :meth:`logprobs_with_grads`)."""
+        return self._one_pass(head, tile_grads, need, return_entropy, statistics, grads_read_entropy)
 
     def _one_pass(self, head: HeadInputs, tile_grads: Optional[TileGrads], need: NeededGrads,
-                  return_entropy: bool, statistics: Sequence[str]) -> HeadPass:
+                  return_entropy: bool, statistics: Sequence[str], grads_read_entropy: bool = True) -> HeadPass:
         """The loop behind the forward methods; statistics only (``grads`` ``None``) without ``tile_grads``."""
         hidden, weight, labels, rows, transform = head.hidden, head.weight, head.labels, head.rows, head.transform
         weight32 = weight.float()
@@ -140,7 +140,7 @@ class TorchReferenceBackend:
             if "log_sum_sq_probs" in token_stats:  # log Σ p² = 2·log ‖p‖₂, without a third tile for p²
                 token_stats["log_sum_sq_probs"][start:stop] = 2 * torch.linalg.vector_norm(p, dim=1).log()
             if grads is not None:
-                g_lp, g_ent = tile_grads(start, stop, out_logp[start:stop], ent)
+                g_lp, g_ent = tile_grads(start, stop, out_logp[start:stop], ent if grads_read_entropy else None)
                 # dz in the two tile arrays already alive (logp, p): the working set stays 3 tiles with tanh.
                 if g_ent is not None:
                     dz = logp.add_(ent.unsqueeze(1)).mul_(p).mul_(-g_ent.unsqueeze(1))  # −g_H·p_j(log p_j + H)

@@ -24,7 +24,8 @@ default when its fp32 ``[V, H]`` accumulator and tile fit in a quarter of the fr
 two passes above, the gradient pass in its backward.
 
 Where QuACK (``quack-kernels``) is installed, the one pass of plain bf16 cross-entropy on a Hopper GPU, or of
-log-probs with a fixed ``grad_hint`` (the entropy then from the gradient kernel's Σ p·z), takes each tile's
+log-probs with a ``grad_hint`` whose token loss does not read the entropy (a returned entropy then from the
+gradient kernel's Σ p·z), takes each tile's
 log-sum-exp and label logit from the epilogue of QuACK's logits matmul instead of the statistics kernel
 (:mod:`.quack_epilogues`: the same rounded tile, 3–6 % less time per step); a QuACK that cannot run it is turned
 off with one warning.
@@ -394,14 +395,15 @@ class TritonCublasBackend:
 
     def token_loss_with_grads(
         self, head: HeadInputs, tile_grads: TileGrads, *, need: NeededGrads, return_entropy: bool = False,
-        statistics: Sequence[str] = (),
+        statistics: Sequence[str] = (), grads_read_entropy: bool = True,
     ) -> Optional[HeadPass]:
         """Like :meth:`TorchReferenceBackend.token_loss_with_grads` on the one-pass schedule of
-        :meth:`logprobs_with_grads`: per full-vocabulary row block, the statistics kernel, then
-        ``tile_grads(r0, r1, logp, entropy)`` on the block's ``[rows]`` statistics for the per-row
+        :meth:`logprobs_with_grads`: per full-vocabulary row block, the statistics kernel (or QuACK's epilogue),
+        then ``tile_grads(r0, r1, logp, entropy)`` on the block's ``[rows]`` statistics for the per-row
         ``(g_lp, g_ent)``, then the gradient kernel on the same logits. ``None`` when the planner chooses
         two passes (the op then runs statistics + recompute)."""
-        return self._one_pass(head, tile_grads, need, return_entropy, statistics, entropy_in_grads=True)
+        return self._one_pass(head, tile_grads, need, return_entropy, statistics,
+                              entropy_in_grads=grads_read_entropy)
 
     def _one_pass(self, head: HeadInputs, tile_grads: Optional[TileGrads], need: NeededGrads,
                   return_entropy: bool, statistics: Sequence[str], *, entropy_in_grads: bool = True,
@@ -410,9 +412,9 @@ class TritonCublasBackend:
         then (when ``tile_grads`` is given) ``tile_grads(r0, r1, logp, entropy) -> (g_lp, g_ent or None)`` and
         the gradient kernel on the same logits, then dh and the fp32 dW accumulation. ``None`` when the
         planner chooses two passes; ``grads`` is ``None`` without ``tile_grads``. The token statistics of the
-        rows come from the same statistics kernel. Where QuACK's epilogue gives the statistics instead
-        (:func:`_fuses_statistics`) and ``tile_grads`` does not read the entropy (``entropy_in_grads`` False:
-        a fixed ``g_lp``), the entropy comes from the gradient kernel's Σ p·z."""
+        rows come from the same statistics kernel. ``tile_grads`` is passed the entropy only with
+        ``entropy_in_grads`` (its loss reads it); without, where QuACK's epilogue gives the statistics
+        (:func:`_fuses_statistics`), a returned entropy comes from the gradient kernel's Σ p·z."""
         weight, bias = head.weight, head.bias
         need_hidden, need_weight = need.hidden, need.weight
         # An fp32 weight gradient (fp32 master weights) is the accumulator itself: nothing to plan for it.
@@ -447,7 +449,7 @@ class TritonCublasBackend:
             if tile_grads is None:
                 continue
             lse = run_max + run_sum.log()
-            ent = lse - run_zp / run_sum if return_entropy and not fused else None
+            ent = lse - run_zp / run_sum if entropy_in_grads and return_entropy and not fused else None
             g_lp, g_ent = tile_grads(r0, r1, label_logit - lse, ent)
             # fused statistics with an entropy asked for: Σ p·z into run_zp (run_sum is 1), for _finish
             self._grad(dz, 0, bias, y[r0:r1], lse, lse if ent is None else ent, g_lp,
