@@ -70,39 +70,6 @@ def _mm_f32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         torch.mm(a.float(), b.float(), out=out)
 
 
-# The one pass's hidden-gradient matmul (``[rows, V] @ [V, H]``: few output tiles, a long reduction, e.g. 112 tiles
-# on an H100's 132 SMs at 2048 rows and H = 2048) runs on a second stream beside the weight-gradient matmul that
-# reads the same tile, so that the SMs it leaves idle work on the other. A switch for A/B runs.
-_OVERLAP_HIDDEN_GRAD = True
-_SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One high-priority stream per device, made once (its cuBLAS workspace is then cached with it)."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
-    return _SIDE_STREAMS[device]
-
-
-def _hidden_and_weight_grads(d_hidden: Optional[torch.Tensor], d_weight32: Optional[torch.Tensor],
-                             dz: torch.Tensor, h: torch.Tensor, weight: torch.Tensor) -> None:
-    """``d_hidden = dz @ weight`` and ``d_weight32 += dzᵀ @ h`` (fp32 outputs; either may be ``None``), the first
-    on :func:`_side_stream` when both run on a GPU; the current stream waits for it before returning, so nothing
-    after this call (the next tile overwriting ``dz``, a free of any operand) can overtake it."""
-    if d_hidden is not None and d_weight32 is not None and dz.is_cuda and _OVERLAP_HIDDEN_GRAD:
-        main, side = torch.cuda.current_stream(dz.device), _side_stream(dz.device)
-        side.wait_stream(main)  # dz is complete
-        with torch.cuda.stream(side):
-            _mm_f32_(d_hidden, dz, weight)
-        _addmm_f32_(d_weight32, dz.t(), h)
-        main.wait_stream(side)
-        return
-    if d_hidden is not None:
-        _mm_f32_(d_hidden, dz, weight)
-    if d_weight32 is not None:
-        _addmm_f32_(d_weight32, dz.t(), h)
-
-
 # QuACK's Hopper GEMMs with hf_fused's epilogues (:mod:`.quack_epilogues`): the module once imported, or None
 # once found missing or broken (then for the whole process).
 _QUACK: dict[str, Optional[ModuleType]] = {}
@@ -488,8 +455,10 @@ class TritonCublasBackend:
             self._grad(dz, 0, bias, y[r0:r1], lse, lse if ent is None else ent, g_lp,
                        lse if g_ent is None else g_ent, scalars, True, g_ent is not None,
                        sum_pz=run_zp if return_entropy and fused else None)
-            # each row's dh is complete within its tile
-            _hidden_and_weight_grads(None if d_hidden is None else d_hidden[r0:r1], d_weight32, dz, h[r0:r1], weight)
+            if d_hidden is not None:  # each row's dh is complete within its tile
+                _mm_f32_(d_hidden[r0:r1], dz, weight)
+            if d_weight32 is not None:
+                _addmm_f32_(d_weight32, dz.t(), h[r0:r1])
             if grads.bias is not None:
                 grads.bias += dz.float().sum(0)
         grads.hidden = d_hidden
