@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from .problems import (
-    EPSILON_HIGH, EPSILON_LOW, IGNORE_INDEX, Inputs, Problem, normalizer_weights, problem_loss, token_weights_at_ratio_one,
-    trl_per_token_loss,
+    CISPO_EPSILON_HIGH, EPSILON_HIGH, EPSILON_LOW, IGNORE_INDEX, Inputs, Problem, loss_value_at_ratio_one,
+    normalizer_weights, problem_loss, token_weights_at_ratio_one, trl_per_token_loss,
 )
 
 #: ``hf_fused (32 MiB tiles)``: the smaller tile budget variant.
@@ -136,34 +136,67 @@ class LigerPeer(Peer):
 
 
 class LigerGRPOPeer(Peer):
+    """Liger's whole GRPO loss in one call. Checked against :func:`~benchmarks.problems.grpo_loss` with
+    liger-kernel 0.8.5 on CPU (uncompiled, fp32, the ``--quick`` GRPO shape): loss and head gradients within 2e-6
+    of the float64 reference for dapo, grpo, bnpo, dr_grpo, cispo and sapo, on-policy and off-policy with the KL
+    term (``use_bias_correction_kl=True``); its luspo differs (:meth:`unsupported_problem`)."""
+
     key, label, dist = "liger_grpo", "Liger GRPO loss", "liger-kernel"
     needs_cuda = True
 
     def load(self):
+        import inspect
+
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
         self._cls, self._fns = LigerFusedLinearGRPOLoss, {}
+        self._options = frozenset(inspect.signature(LigerFusedLinearGRPOLoss.__init__).parameters)
 
     def describe(self):
         return ("liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss(beta=0, use_ref_model=False, loss_type=<the "
-                "problem's>, max_completion_length=T, epsilon_low=0.2, epsilon_high=0.28, compiled=True, "
-                "chunk_size=1)(hidden[B,T,H], weight, ids, mask, advantages): the whole loss in one call (TRL's "
-                "use_liger_kernel path before TRL 1.16); no log-probs out")
+                "problem's>, max_completion_length=T, epsilon_low=0.2, epsilon_high=0.28 (5.0 for cispo), "
+                "compiled=True, chunk_size=1)(hidden[B,T,H], weight, ids, mask, advantages): the whole loss in one "
+                "call (TRL's use_liger_kernel path before TRL 1.16); no log-probs out. Off-policy KL problems: "
+                "beta=0.04, use_ref_model=True, use_bias_correction_kl=True, old_per_token_logps= / "
+                "ref_per_token_logps= the problem's")
 
     def unsupported_problem(self, problem):
-        if problem.off_policy_kl:  # Liger 0.8.5 grpo_loss.py: per_token_loss + beta * k3, no "· coef_1"
+        options = getattr(self, "_options", frozenset())  # load() runs first in the runner
+        # Liger 0.8.5 grpo_loss.py, luspo: (per_token_loss * attention_mask.sum(1, keepdim=True)).sum() / (B·T)
+        if problem.loss_type == "luspo":
+            return ("its luspo reduction weights every position, masked ones included, by the sequence length over "
+                    "B·T (an older TRL formula), not TRL 1.16's (loss · mask).sum(-1).mean(): same value at ratio 1, "
+                    "other gradients")
+        if problem.loss_type in ("cispo", "sapo") and "sapo_temperature_pos" not in options:
+            return (f"this Liger version predates its sapo loss type (no sapo_temperature_pos option): "
+                    f"{problem.loss_type} not checked against it")
+        if problem.off_policy_kl and "use_bias_correction_kl" not in options:  # Liger before the option: k3 only
             return ("its KL term is k3 without TRL 1.16's default bias correction (use_bias_correction_kl: k3 · ratio), "
                     "a different objective")
         return None
 
-    def grpo(self, inp):
-        key = (inp.loss_type, inp.mask.shape[1])
+    def _loss_fn(self, inp):
+        key = (inp.loss_type, inp.mask.shape[1], inp.beta, inp.ref_logps is not None)
         if key not in self._fns:
-            self._fns[key] = self._cls(
-                beta=0.0, use_ref_model=False, loss_type=inp.loss_type, max_completion_length=inp.mask.shape[1],
-                epsilon_low=EPSILON_LOW, epsilon_high=EPSILON_HIGH, compiled=True, chunk_size=1,
+            options = dict(
+                beta=inp.beta, use_ref_model=inp.ref_logps is not None, loss_type=inp.loss_type,
+                max_completion_length=inp.mask.shape[1], epsilon_low=EPSILON_LOW,
+                epsilon_high=CISPO_EPSILON_HIGH if inp.loss_type == "cispo" else EPSILON_HIGH, compiled=True,
+                chunk_size=1,
             )
-        loss, _metrics = self._fns[key](inp.hidden, inp.weight, inp.token_ids, inp.mask.long(), inp.advantages)
+            if inp.ref_logps is not None:  # TRL 1.16's default; Liger's is False
+                options["use_bias_correction_kl"] = True
+            self._fns[key] = self._cls(**options)
+        return self._fns[key]
+
+    def grpo(self, inp):
+        extra = {}
+        if inp.old_logps is not None:
+            extra["old_per_token_logps"] = inp.old_logps
+        if inp.ref_logps is not None:
+            extra["ref_per_token_logps"] = inp.ref_logps
+        loss, _metrics = self._loss_fn(inp)(inp.hidden, inp.weight, inp.token_ids, inp.mask.long(), inp.advantages,
+                                            **extra)
         return loss, None, None
 
 
@@ -353,13 +386,14 @@ def _one_pass_budget(weight: torch.Tensor, rows: int) -> int:
 
 
 class HFFusedOnePassGRPOPeer(HFFusedPeer):
-    """The GRPO problem's loss, on-policy and KL-free, as token-weighted cross-entropy. At ratio 1 no clip
-    is active, so the gradient is ``−Σ A·mask·∇logp / normalizer`` = that of ``Σ w·CE`` with
-    ``w = A·mask / normalizer`` (:func:`~benchmarks.problems.token_weights_at_ratio_one`), which
-    ``linear_cross_entropy(token_weights=w)`` computes in its forward (one pass, 6·N·H·V) with a budget
-    holding the fp32 ``[V, H]`` weight-gradient accumulator plus 2048 full-vocabulary rows. The loss
-    value is the loss at ratio 1, ``−Σ w``, with that gradient attached. No log-probs or entropy come out
-    (like Liger's fused GRPO loss)."""
+    """The GRPO problem's loss, on-policy and KL-free, as token-weighted cross-entropy. At ratio 1 every loss
+    type's gradient is ``−Σ A·mask·∇logp / normalizer`` = that of ``Σ w·CE`` with ``w = A·mask / normalizer``
+    (:func:`~benchmarks.problems.token_weights_at_ratio_one`), which ``linear_cross_entropy(token_weights=w)``
+    computes in its forward (one pass, 6·N·H·V) with a budget holding the fp32 ``[V, H]`` weight-gradient
+    accumulator plus 2048 full-vocabulary rows. The loss value is the loss at ratio 1
+    (:func:`~benchmarks.problems.loss_value_at_ratio_one`: a constant, ``−Σ w`` for the clipped-ratio types; for
+    cispo ``Σ w·CE`` itself), with that gradient attached. No log-probs or entropy come out (like Liger's fused
+    GRPO loss)."""
 
     key, label = "hf_fused_1pass", "hf_fused (one pass, token weights)"
     has_entropy = False
@@ -368,7 +402,8 @@ class HFFusedOnePassGRPOPeer(HFFusedPeer):
     def describe(self):
         return ("hf_fused.ops.linear_cross_entropy(hidden, weight, labels, token_weights=A·mask/normalizer, "
                 "reduction='sum', tile_budget_bytes=4·V·H + 2048·V·2): the on-policy KL-free gradient of the "
-                "problem's loss type in one pass; loss value −Σ token_weights (the loss at ratio 1)")
+                "problem's loss type in one pass; loss value the loss at ratio 1 (a constant, −Σ token_weights for "
+                "the clipped-ratio types; the weighted sum itself for cispo)")
 
     def unsupported(self, kind, device):
         return "GRPO problem only (its cross-entropy is the hf_fused rows)" if kind != "grpo" else None
@@ -385,7 +420,7 @@ class HFFusedOnePassGRPOPeer(HFFusedPeer):
             inp.hidden, inp.weight, inp.labels, token_weights=token_weights, reduction="sum",
             tile_budget_bytes=budget, backend=self.backend,
         )
-        at_ratio_one = -token_weights.sum()
+        at_ratio_one = loss_value_at_ratio_one(surrogate.detach(), inp.mask, inp.advantages, inp.loss_type)
         return surrogate + (at_ratio_one - surrogate).detach(), None, None
 
 
@@ -413,7 +448,7 @@ class HFFusedHintGRPOPeer(HFFusedPeer):
         else:  # off the ratio-1 point the gradient is no fixed weight per token: hint with the token loss itself
             from hf_fused.ops import TokenLossHint
 
-            hint = TokenLossHint(functools.partial(_trl_token_loss, beta=inp.beta), _trl_per_token(inp))
+            hint = TokenLossHint(_trl_token_loss_of(inp), _trl_per_token(inp))
         return self._lp(
             inp.hidden, inp.weight, inp.labels, return_entropy=self.with_entropy, tile_budget_bytes=None,
             backend=self.backend, grad_hint=hint,
@@ -431,10 +466,17 @@ def _trl_per_token(inp: Inputs) -> dict:
     return consts
 
 
-def _trl_token_loss(logprobs, entropy, *, advantages, scale, old_logps=None, ref_logps=None, beta=0.0):
-    """TRL's per-token loss (:func:`~benchmarks.problems.trl_per_token_loss`, the same code the other peers'
-    log-probs go through) times the reduction's per-token weight: summed over tokens, the problem's loss."""
-    return trl_per_token_loss(logprobs, advantages, old_logps, ref_logps, beta) * scale
+def _trl_token_loss(logprobs, entropy, *, advantages, scale, old_logps=None, ref_logps=None, beta=0.0,
+                    loss_type="dapo"):
+    """TRL's per-token loss of ``loss_type`` (:func:`~benchmarks.problems.trl_per_token_loss`, the same code the
+    other peers' log-probs go through) times the reduction's per-token weight: summed over tokens, the problem's
+    loss (every TRL reduction is linear in the per-token loss, :func:`~benchmarks.problems.normalizer_weights`)."""
+    return trl_per_token_loss(logprobs, advantages, old_logps, ref_logps, beta, loss_type) * scale
+
+
+def _trl_token_loss_of(inp: Inputs):
+    """:func:`_trl_token_loss` with the problem's scalars bound (its tensors come per token)."""
+    return functools.partial(_trl_token_loss, beta=inp.beta, loss_type=inp.loss_type)
 
 
 class HFFusedTokenLossPeer(HFFusedPeer):
@@ -454,15 +496,15 @@ class HFFusedTokenLossPeer(HFFusedPeer):
 
     def describe(self):
         return ("hf_fused.ops.linear_token_loss(hidden, weight, labels, token_loss=TRL 1.16's per-token GRPO loss "
-                "(clipped ratio vs old log-probs, + β·k3 KL vs reference) × mask/normalizer, per_token={advantages, "
-                "scale, old_logps, ref_logps}, need_entropy=True, tile_budget_bytes=None)")
+                "of the problem's loss type (vs old log-probs, + β·k3·ratio KL vs reference) × mask/normalizer, "
+                "per_token={advantages, scale, old_logps, ref_logps}, need_entropy=True, tile_budget_bytes=None)")
 
     def unsupported(self, kind, device):
         return "GRPO problem only (its cross-entropy is the hf_fused rows)" if kind != "grpo" else None
 
     def grpo(self, inp):
         out = self._tl(
-            inp.hidden, inp.weight, inp.labels, functools.partial(_trl_token_loss, beta=inp.beta),
+            inp.hidden, inp.weight, inp.labels, _trl_token_loss_of(inp),
             per_token=_trl_per_token(inp), need_entropy=self.with_entropy, backend=self.backend,
         )
         return out.loss, out.logprobs, out.entropy

@@ -9,14 +9,22 @@ Two kinds:
   completion masked out as padding), a GRPO-family loss on top (:func:`grpo_loss`; DAPO unless the
   problem names another ``loss_type``), then backward.
 
-A GRPO problem may be **off-policy with a KL term** (``--shapes grpo-offpolicy-kl``): old log-probs that differ
-from the current ones (so the ratio is not 1 and both DAPO clips are active on some tokens) and a reference
-model's log-probs, with ``beta`` = :data:`BETA` times TRL's k3 estimator added per token, importance-weighted by the
-ratio as TRL 1.16 does by default (``use_bias_correction_kl=True``): exactly TRL 1.16's
-``GRPOTrainer._compute_loss`` (token-level importance sampling, no vLLM correction). The old and reference
-log-probs are fixed at input setup: the float64 log-probs of the current inputs plus Gaussian noise
-(:data:`OLD_LOGP_NOISE`, :data:`REF_LOGP_NOISE`), so they are deterministic and close to what a real step
-sees after one optimizer update.
+The GRPO loss is TRL 1.16's ``GRPOTrainer._compute_loss`` for every token-level loss type it has
+(:data:`TRL_LOSS_TYPES`; token-level importance sampling, TRL's default, no vLLM correction): the clipped-ratio
+types ``dapo``, ``grpo``, ``bnpo``, ``dr_grpo``, ``luspo`` (one per-token loss, five reductions), ``cispo``
+(clipped, detached ratio times the log-prob, ``epsilon_high`` = :data:`CISPO_EPSILON_HIGH`) and ``sapo``
+(sigmoid gate, TRL's default temperatures). ``--shapes grpo-loss-types`` runs the first GRPO shape under every
+type but ``dapo`` on-policy (ratio 1, no KL term).
+
+A GRPO problem may be **off-policy with a KL term** (``--shapes grpo-offpolicy-kl`` for DAPO,
+``grpo-loss-types-offpolicy-kl`` for the other types): old log-probs that differ from the current ones (so the
+ratio is not 1 and both DAPO clips are active on some tokens) and a reference model's log-probs, with ``beta`` =
+:data:`BETA` times TRL's k3 estimator added per token, importance-weighted by the ratio as TRL 1.16 does by
+default (``use_bias_correction_kl=True``), whatever the loss type. The old and reference log-probs are fixed at
+input setup: the float64 log-probs of the current inputs plus Gaussian noise (:data:`OLD_LOGP_NOISE`,
+:data:`REF_LOGP_NOISE`), so they are deterministic and close to what a real step sees after one optimizer update.
+That noise stays far below cispo's clamp at ratio 5 (the TRL comparison test crosses it on purpose), so there the
+ratio acts as an unclamped, detached per-token weight.
 """
 
 from __future__ import annotations
@@ -35,8 +43,21 @@ GRPO_MASKED_TAIL = 1 / 8
 EPSILON_LOW, EPSILON_HIGH = 0.2, 0.28
 #: Target standard deviation of the logits: peaked enough to look like a trained LM head.
 LOGIT_STD = 4.0
-#: TRL loss types with the clipped-ratio per-token loss; they differ only in the normalization.
-GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+#: TRL loss types with the clipped-ratio per-token loss (TRL 1.16 ``_compute_loss``: ``loss_type in ["grpo",
+#: "bnpo", "dr_grpo", "dapo", "luspo"]``); they differ only in the reduction. On-policy their value is the
+#: constant ``−Σ token_weights_at_ratio_one`` (tests/test_ops_token_weights.py checks it for each of these; not so
+#: for cispo and sapo, hence the two tuples).
+GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "luspo")
+#: Every token-level TRL 1.16 loss type the benchmark runs: the clipped-ratio ones, then CISPO and SAPO, each with
+#: its own per-token loss (:func:`trl_per_token_loss`). TRL's ``vespo`` is left out: its weight is a function of
+#: the whole sequence's log-ratio, no per-token loss.
+TRL_LOSS_TYPES = GRPO_LOSS_TYPES + ("cispo", "sapo")
+#: TRL's ``epsilon_high`` in the cispo problems: the upper clamp of cispo's detached ratio (the ScaleRL paper's
+#: ε_max; GRPOConfig's docstring recommends 5.0 for cispo, where DAPO's 0.28 would clamp almost every ratio).
+CISPO_EPSILON_HIGH = 5.0
+#: SAPO's gate temperatures for positive / non-positive advantages (TRL 1.16 ``GRPOConfig.sapo_temperature_pos`` /
+#: ``sapo_temperature_neg`` defaults).
+SAPO_TEMPERATURE_POS, SAPO_TEMPERATURE_NEG = 1.0, 1.05
 #: KL coefficient of the off-policy problem (the value of TRL's ``beta`` before it defaulted to 0).
 BETA = 0.04
 #: Standard deviation of ``old − current`` log-probs in the off-policy problem: exp(±0.2) crosses both clip
@@ -69,8 +90,9 @@ class Problem:
     def describe(self) -> str:
         if self.kind == "ce":
             return f"cross-entropy N×H×V = {self.N}×{self.H}×{self.V}"
+        loss = f"cispo, ε_high={CISPO_EPSILON_HIGH}" if self.loss_type == "cispo" else self.loss_type
         extra = f", off-policy, KL β={BETA} (k3)" if self.off_policy_kl else ""
-        return f"GRPO ({self.loss_type}{extra}) B×T×H×V = {self.B}×{self.T}×{self.H}×{self.V}"
+        return f"GRPO ({loss}{extra}) B×T×H×V = {self.B}×{self.T}×{self.H}×{self.V}"
 
 
 def _ce(n: int, h: int, v: int) -> Problem:
@@ -94,10 +116,13 @@ FULL_PROBLEMS = [
     _grpo(16, 2048, 2048, 151936),
     _grpo(8, 4096, 4096, 151936),
 ]
-#: The first GRPO shape under TRL's other clipped-ratio loss types (``--shapes grpo-loss-types``).
-LOSS_TYPE_PROBLEMS = [_grpo(16, 2048, 2048, 151936, lt) for lt in GRPO_LOSS_TYPES[1:]]
+#: The first GRPO shape under TRL's other loss types, on-policy (``--shapes grpo-loss-types``).
+LOSS_TYPE_PROBLEMS = [_grpo(16, 2048, 2048, 151936, lt) for lt in TRL_LOSS_TYPES[1:]]
 #: The first GRPO shape off-policy with the KL term (``--shapes grpo-offpolicy-kl``).
 OFFPOLICY_KL_PROBLEMS = [_grpo(16, 2048, 2048, 151936, off_policy_kl=True)]
+#: The first GRPO shape under TRL's other loss types, off-policy with the KL term
+#: (``--shapes grpo-loss-types-offpolicy-kl``; DAPO's is ``grpo-offpolicy-kl``).
+LOSS_TYPE_OFFPOLICY_KL_PROBLEMS = [_grpo(16, 2048, 2048, 151936, lt, off_policy_kl=True) for lt in TRL_LOSS_TYPES[1:]]
 
 #: Tiny problems for ``--quick`` (CPU smoke tests, CI).
 QUICK_PROBLEMS = [
@@ -106,19 +131,22 @@ QUICK_PROBLEMS = [
     _grpo(2, 64, 64, 1000),
     _grpo(4, 64, 64, 1000),
 ]
-QUICK_LOSS_TYPE_PROBLEMS = [_grpo(2, 64, 64, 1000, lt) for lt in GRPO_LOSS_TYPES[1:]]
+QUICK_LOSS_TYPE_PROBLEMS = [_grpo(2, 64, 64, 1000, lt) for lt in TRL_LOSS_TYPES[1:]]
 QUICK_OFFPOLICY_KL_PROBLEMS = [_grpo(2, 64, 64, 1000, off_policy_kl=True)]
+QUICK_LOSS_TYPE_OFFPOLICY_KL_PROBLEMS = [_grpo(2, 64, 64, 1000, lt, off_policy_kl=True) for lt in TRL_LOSS_TYPES[1:]]
 #: Named groups of extra problems, selectable by their key in ``--shapes``: (full, quick).
 PROBLEM_GROUPS = {
     "grpo-loss-types": (LOSS_TYPE_PROBLEMS, QUICK_LOSS_TYPE_PROBLEMS),
     "grpo-offpolicy-kl": (OFFPOLICY_KL_PROBLEMS, QUICK_OFFPOLICY_KL_PROBLEMS),
+    "grpo-loss-types-offpolicy-kl": (LOSS_TYPE_OFFPOLICY_KL_PROBLEMS, QUICK_LOSS_TYPE_OFFPOLICY_KL_PROBLEMS),
 }
 
 
 def select_problems(spec: Optional[str], quick: bool) -> list[Problem]:
     """Problems named by ``spec``: comma-separated names, kinds (``ce``, ``grpo``: the DAPO shapes), group keys
-    (``grpo-loss-types``: the other loss types; ``grpo-offpolicy-kl``: off-policy with a KL term) or ``all``
-    (every shape, on-policy DAPO for GRPO).
+    (``grpo-loss-types``: the other loss types; ``grpo-offpolicy-kl``: DAPO off-policy with a KL term;
+    ``grpo-loss-types-offpolicy-kl``: the other loss types off-policy with a KL term) or ``all`` (every shape,
+    on-policy DAPO for GRPO).
 
     Raises:
         ValueError: a name that matches no problem (the message lists them).
@@ -213,36 +241,63 @@ def make_inputs(problem: Problem, device: torch.device, dtype: torch.dtype, seed
 
 def _normalize(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str) -> torch.Tensor:
     """TRL 1.16 ``GRPOTrainer._compute_loss``'s reduction of a ``[B, T]`` per-token loss (one process, no
-    gradient accumulation): ``grpo`` mean over sequences of each one's token mean; ``bnpo`` and ``dapo``
-    sum / unmasked tokens; ``dr_grpo`` sum / (B·T)."""
+    gradient accumulation): ``grpo`` and ``sapo`` mean over sequences of each one's token mean; ``bnpo``,
+    ``dapo`` and ``cispo`` sum / unmasked tokens (``num_items_in_batch``, which is that count here);
+    ``dr_grpo`` sum / (B·T) (``T`` is ``max_completion_length``); ``luspo`` sum over each sequence's tokens,
+    mean over sequences (``(per_token_loss * mask).sum(-1).mean()``)."""
     m = mask.to(per_token.dtype)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
-    if loss_type in ("bnpo", "dapo"):
+    if loss_type in ("bnpo", "dapo", "cispo"):
         return (per_token * m).sum() / m.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         return (per_token * m).sum() / per_token.numel()
-    raise ValueError(f"unknown loss_type {loss_type!r}; choose from {GRPO_LOSS_TYPES}")
+    if loss_type == "luspo":
+        return (per_token * m).sum(-1).mean()
+    raise ValueError(f"unknown loss_type {loss_type!r}; choose from {TRL_LOSS_TYPES}")
+
+
+def _policy_loss(logps: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """TRL 1.16 ``_compute_loss``'s per-token policy term of ``loss_type`` (before the KL term)::
+
+        clipped-ratio (GRPO_LOSS_TYPES):  −min(r·A, clamp(r, 1 − 0.2, 1 + 0.28)·A)
+        cispo:                            −clamp(r, max=CISPO_EPSILON_HIGH).detach() · A · logp
+        sapo:                             −sigmoid(τ·(r − 1)) · 4/τ · A,   τ = 1.0 where A > 0 else 1.05
+    """
+    if loss_type == "cispo":  # REINFORCE with the ratio as a clamped, detached weight: no gradient through r
+        return -torch.clamp(ratio, max=CISPO_EPSILON_HIGH).detach() * adv * logps
+    if loss_type == "sapo":  # τ in adv's dtype (TRL's torch.where of two floats is fp32): 1.05 exact in float64
+        tau = torch.full_like(adv, SAPO_TEMPERATURE_NEG).masked_fill_(adv > 0, SAPO_TEMPERATURE_POS)
+        return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+    if loss_type in GRPO_LOSS_TYPES:
+        return -torch.min(ratio * adv, torch.clamp(ratio, 1 - EPSILON_LOW, 1 + EPSILON_HIGH) * adv)
+    raise ValueError(f"unknown loss_type {loss_type!r}; choose from {TRL_LOSS_TYPES}")
 
 
 def trl_per_token_loss(logps: torch.Tensor, advantages: torch.Tensor, old_logps: Optional[torch.Tensor] = None,
-                       ref_logps: Optional[torch.Tensor] = None, beta: float = 0.0) -> torch.Tensor:
+                       ref_logps: Optional[torch.Tensor] = None, beta: float = 0.0,
+                       loss_type: str = "dapo") -> torch.Tensor:
     """TRL 1.16 ``GRPOTrainer._compute_loss``'s per-token loss before masking and reduction (token-level
-    importance sampling, clipped-ratio loss types, no vLLM correction), elementwise on any one shape::
+    importance sampling, no vLLM correction), elementwise on any one shape::
 
         r  = exp(logp − old)                                   (old = logp.detach() when None: r = 1)
-        pg = −min(r·A, clamp(r, 1 − 0.2, 1 + 0.28)·A)
+        pg = the loss type's policy term (:func:`_policy_loss`; DAPO's −min(r·A, clamp(r, 0.8, 1.28)·A))
         kl = (exp(ref − logp) − (ref − logp) − 1) · r          (k3, bias-corrected; only when ref is given)
         loss = pg + β·kl
 
-    The ``· r`` is TRL 1.16's default ``GRPOConfig.use_bias_correction_kl=True`` (``per_token_kl * coef_1``).
+    The ``· r`` is TRL 1.16's default ``GRPOConfig.use_bias_correction_kl=True`` (``per_token_kl * coef_1``),
+    applied to the KL term whatever the loss type. ``cispo`` uses ``epsilon_high`` =
+    :data:`CISPO_EPSILON_HIGH` (TRL's recommended value for it), ``sapo`` TRL's default temperatures.
 
     ``advantages`` broadcasts against ``logps`` (``[B, 1]`` for per-sequence advantages of ``[B, T]``); constants
-    are cast to ``logps``' dtype, so the float64 reference runs it all in float64."""
+    are cast to ``logps``' dtype, so the float64 reference runs it all in float64.
+
+    Raises:
+        ValueError: an unknown ``loss_type``.
+    """
     old = logps.detach() if old_logps is None else old_logps.to(logps.dtype)
     ratio = torch.exp(logps - old)
-    adv = advantages.to(logps.dtype)
-    per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - EPSILON_LOW, 1 + EPSILON_HIGH) * adv)
+    per_token = _policy_loss(logps, ratio, advantages.to(logps.dtype), loss_type)
     if ref_logps is not None and beta != 0.0:
         d = ref_logps.to(logps.dtype) - logps
         per_token = per_token + beta * (torch.exp(d) - d - 1) * ratio
@@ -252,7 +307,7 @@ def trl_per_token_loss(logps: torch.Tensor, advantages: torch.Tensor, old_logps:
 def grpo_loss(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, loss_type: str = "dapo",
               old_logps: Optional[torch.Tensor] = None, ref_logps: Optional[torch.Tensor] = None,
               beta: float = 0.0) -> torch.Tensor:
-    """TRL's clipped-ratio GRPO loss on ``[B, T]`` log-probs: :func:`trl_per_token_loss` with ``[B]``
+    """TRL 1.16's GRPO loss of ``loss_type`` on ``[B, T]`` log-probs: :func:`trl_per_token_loss` with ``[B]``
     advantages, reduced as ``loss_type`` says (:func:`_normalize`). On-policy without a KL term when
     ``old_logps`` / ``ref_logps`` are ``None``. Works in the dtype of ``logps`` (the reference runs it in
     float64).
@@ -260,7 +315,7 @@ def grpo_loss(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
     Raises:
         ValueError: an unknown ``loss_type``.
     """
-    per_token = trl_per_token_loss(logps, advantages.unsqueeze(-1), old_logps, ref_logps, beta)
+    per_token = trl_per_token_loss(logps, advantages.unsqueeze(-1), old_logps, ref_logps, beta, loss_type)
     return _normalize(per_token, mask, loss_type)
 
 
@@ -279,7 +334,20 @@ def normalizer_weights(mask: torch.Tensor, loss_type: str = "dapo") -> torch.Ten
 
 
 def token_weights_at_ratio_one(mask: torch.Tensor, advantages: torch.Tensor, loss_type: str = "dapo") -> torch.Tensor:
-    """``[B, T]`` fp32 weights ``w`` with ``∇ grpo_loss = ∇ Σ w·CE`` on-policy: at ratio 1 neither clip is
-    active, so ``∂loss/∂logp = −A·mask / normalizer``, i.e. ``w = A·mask / normalizer``; and
-    ``grpo_loss = −Σ w`` there."""
+    """``[B, T]`` fp32 weights ``w`` with ``∇ grpo_loss = ∇ Σ w·CE`` on-policy, KL-free, for every loss type:
+    at ratio 1 each per-token loss has ``∂/∂logp = −A`` (clipped-ratio: no clip active, ``−r·A``; cispo:
+    ``−clamp(1, max=5)·A``; sapo: ``−σ'(0)·τ·4/τ·r·A = −A``), so ``∂loss/∂logp = −A·mask / normalizer``, i.e.
+    ``w = A·mask / normalizer``. The loss *value* there is :func:`loss_value_at_ratio_one`."""
     return normalizer_weights(mask, loss_type) * advantages.float().unsqueeze(-1)
+
+
+def loss_value_at_ratio_one(weighted_ce: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+                            loss_type: str = "dapo") -> torch.Tensor:
+    """:func:`grpo_loss`'s value on-policy, KL-free, given ``weighted_ce = Σ w·CE = −Σ w·logp`` with ``w`` =
+    :func:`token_weights_at_ratio_one`. At ratio 1 the per-token loss is a constant for all but cispo (clipped
+    ratio: ``−A``, so the loss is ``−Σ w``; sapo: ``−σ(0)·4/τ·A = −2A/τ``), which this reduces from log-probs of 0;
+    cispo's is ``−clamp(1, max=5)·A·logp = −A·logp``, whose reduction is ``weighted_ce`` itself."""
+    if loss_type == "cispo":
+        return weighted_ce
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)  # the value does not depend on logp
+    return grpo_loss(zeros, mask, advantages.float(), loss_type)

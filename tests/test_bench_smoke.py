@@ -92,21 +92,38 @@ def test_one_pass_grpo_peers_match_float64_and_skip_cross_entropy(tmp_path, peer
 
 
 def test_grpo_loss_types_run_against_their_own_float64_reference(tmp_path):
+    """``--shapes grpo-loss-types``: every TRL loss type but dapo, on-policy; the one-pass peers (token weights,
+    gradient hint: taken, not recomputed) get each one's loss and gradients."""
+    import warnings
+
+    from benchmarks.problems import SAPO_TEMPERATURE_NEG, SAPO_TEMPERATURE_POS, make_inputs
+    from hf_fused.ops.logprobs import HintMissedWarning
+
     out = tmp_path / "bench"
-    assert main(["--device", "cpu", "--quick", "--shapes", "grpo-loss-types", "--peers", "hf_fused,hf_fused_1pass,hf_fused_hint",
-                 "--repeats", "1", "--out", str(out), "--no-progress"]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HintMissedWarning)  # at ratio 1 every type's gradient is a multiple of the hint
+        assert main(["--device", "cpu", "--quick", "--shapes", "grpo-loss-types", "--peers",
+                     "hf_fused,hf_fused_1pass,hf_fused_hint", "--repeats", "1", "--out", str(out), "--no-progress"]) == 0
     doc = json.loads((out / "bench.json").read_text())
-    assert sorted(doc["problems"]) == ["grpo-2x64-h64-v1k-bnpo", "grpo-2x64-h64-v1k-dr_grpo", "grpo-2x64-h64-v1k-grpo"]
+    assert list(doc["problems"]) == [f"grpo-2x64-h64-v1k-{lt}" for lt in ("grpo", "bnpo", "dr_grpo", "luspo", "cispo",
+                                                                          "sapo")]
+    assert len(doc["results"]) == 18
     ref = {}
     for r in doc["results"]:
         assert r["status"] == "ok", r
         for key in ("loss_rel_err", "grad_hidden_rel_err", "grad_weight_rel_err"):
             assert r[key] < 1e-5, (r["problem"], r["peer"], key, r[key])
         ref[r["problem"].rsplit("-", 1)[1]] = r["loss_ref"]
-    # every completion has the same length here, so grpo's per-sequence mean equals bnpo's token mean,
-    # while dr_grpo divides by B·T including the masked tail
+    # every completion has the same length here (56 of 64 tokens), so grpo's per-sequence mean equals bnpo's token
+    # mean, while dr_grpo divides by B·T including the masked tail and luspo sums each sequence
     assert ref["grpo"] == pytest.approx(ref["bnpo"], rel=1e-12)
     assert ref["dr_grpo"] == pytest.approx(ref["bnpo"] * 7 / 8, rel=1e-12)
+    assert ref["luspo"] == pytest.approx(ref["bnpo"] * 56, rel=1e-12)
+    # sapo at ratio 1: −sigmoid(0)·4/τ·A = −2A/τ per token, the temperature by the advantage's sign
+    advantages = make_inputs(select_problems("grpo-2x64-h64-v1k-sapo", quick=True)[0], torch.device("cpu"),
+                             torch.float32).advantages.tolist()
+    per_sequence = [-2 * a / (SAPO_TEMPERATURE_POS if a > 0 else SAPO_TEMPERATURE_NEG) for a in advantages]
+    assert ref["sapo"] == pytest.approx(sum(per_sequence) / len(per_sequence), rel=1e-12)
 
 
 def test_torch_peer_matches_float64_where_torch_has_linear_cross_entropy(tmp_path):
@@ -172,8 +189,53 @@ def test_token_loss_peer_on_policy_and_loss_types(tmp_path):
     assert main(["--device", "cpu", "--quick", "--shapes", "grpo-2x64-h64-v1k,grpo-loss-types", "--peers",
                  "hf_fused_token_loss", "--repeats", "1", "--out", str(out), "--no-progress"]) == 0
     doc = json.loads((out / "bench.json").read_text())
-    assert len(doc["results"]) == 4
+    assert len(doc["results"]) == 7  # DAPO and the six other loss types
     for r in doc["results"]:
         assert r["status"] == "ok", r
         for key in ("loss_rel_err", "grad_hidden_rel_err", "grad_weight_rel_err", "logp_rel_err"):
             assert r[key] < 1e-5, (r["problem"], key, r[key])
+
+
+def test_loss_types_offpolicy_kl_match_float64_for_every_logprob_peer_and_token_loss(tmp_path):
+    """``--shapes grpo-loss-types-offpolicy-kl``: every TRL loss type but dapo (whose off-policy problem is
+    ``grpo-offpolicy-kl``) off-policy with the β·k3 KL term; log-prob peers through the shared loss code, the
+    off-policy ``TokenLossHint`` (taken, not recomputed) and ``linear_token_loss`` against the float64 reference."""
+    import warnings
+
+    from hf_fused.ops.logprobs import HintMissedWarning
+
+    out = tmp_path / "bench"
+    peers = ["eager", "trl", "hf_fused", "hf_fused_hint", "hf_fused_token_loss"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HintMissedWarning)
+        assert main(["--device", "cpu", "--quick", "--shapes", "grpo-loss-types-offpolicy-kl", "--peers",
+                     ",".join(peers), "--repeats", "1", "--out", str(out), "--no-progress"]) == 0
+    doc = json.loads((out / "bench.json").read_text())
+    names = [f"grpo-2x64-h64-v1k-{lt}-offpolicy-kl" for lt in ("grpo", "bnpo", "dr_grpo", "luspo", "cispo", "sapo")]
+    assert list(doc["problems"]) == names
+    recs = _records(doc)
+    assert len(recs) == len(names) * len(peers)
+    for name in names:
+        assert doc["problems"][name]["reference"] == "float64"
+        for peer in peers:
+            r = recs[(name, peer)]
+            assert r["status"] == "ok", r
+            # fp32 inputs on CPU: fp32 accumulation, errors at fp32 rounding level
+            for key in ("loss_rel_err", "grad_hidden_rel_err", "grad_weight_rel_err", "logp_rel_err"):
+                assert r[key] < 1e-5, (name, peer, key, r[key])
+
+
+def test_liger_grpo_peer_is_na_only_where_its_loss_differs():
+    """Liger 0.8.5's fused GRPO loss matches the benchmark's for every loss type but luspo, off-policy too with
+    ``use_bias_correction_kl`` (checked on CPU against the float64 reference; it is CUDA-only in the runs): the
+    adapter reports n/a for luspo, and for the off-policy KL problems only where Liger lacks that option."""
+    from benchmarks.peers import LigerGRPOPeer
+
+    peer = LigerGRPOPeer()
+    problems = select_problems("grpo,grpo-loss-types,grpo-offpolicy-kl,grpo-loss-types-offpolicy-kl", quick=True)
+    peer._options = frozenset({"sapo_temperature_pos", "use_bias_correction_kl"})  # what load() reads off 0.8.5
+    assert [p.name for p in problems if peer.unsupported_problem(p)] == [
+        "grpo-2x64-h64-v1k-luspo", "grpo-2x64-h64-v1k-luspo-offpolicy-kl"]
+    assert "luspo reduction" in peer.unsupported_problem(problems[-3])
+    peer._options = frozenset({"sapo_temperature_pos"})  # a Liger without the KL bias correction
+    assert "bias correction" in peer.unsupported_problem(select_problems("grpo-offpolicy-kl", quick=True)[0])
