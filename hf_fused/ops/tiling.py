@@ -150,21 +150,6 @@ def one_pass_rows(
     return rows if rows >= MIN_ONE_PASS_ROWS else 0
 
 
-#: Row multiple of the one pass's balanced tiles (the GEMMs' 128-row tiles).
-ONE_PASS_ROW_ALIGN = 128
-
-
-def balanced_one_pass_rows(m_rows: int, max_rows: int) -> int:
-    """Rows per tile for ``m_rows`` kept rows in as few tiles of at most ``max_rows`` as possible, all but the last
-    equal and multiples of :data:`ONE_PASS_ROW_ALIGN` where ``max_rows`` allows (the same number of weight-gradient
-    accumulations as ``max_rows``-row tiles, without a last tile of a few rows)."""
-    if m_rows <= max_rows or max_rows < ONE_PASS_ROW_ALIGN:
-        return min(max_rows, max(m_rows, 1))
-    n_tiles = -(-m_rows // max_rows)
-    rows = -(-m_rows // n_tiles)
-    return min(max_rows, -(-rows // ONE_PASS_ROW_ALIGN) * ONE_PASS_ROW_ALIGN)
-
-
 def hidden_accumulator(
     n_rows: int, hidden_size: int, grad_dtype: torch.dtype, tile_budget_bytes: Optional[int]
 ) -> tuple[str, int]:

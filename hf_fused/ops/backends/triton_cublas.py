@@ -44,8 +44,7 @@ from ..grads import HeadGrads
 from ..head_inputs import HeadInputs, NeededGrads
 from ..logit_transform import LogitTransform
 from ..tiling import (
-    LeanPlan, accumulation_row_bytes, balanced_one_pass_rows, hidden_accumulator, lean_two_pass_plan, one_pass_rows,
-    two_pass_plan,
+    LeanPlan, accumulation_row_bytes, hidden_accumulator, lean_two_pass_plan, one_pass_rows, two_pass_plan,
 )
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_, wave_rows
 from .protocol import HeadPass, TileGrads
@@ -53,9 +52,6 @@ from .protocol import HeadPass, TileGrads
 # Triton launch shapes, measured on an H200 (docs/gpu_results.md).
 _STATS_BLOCK_V, _STATS_WARPS = 512, 2
 _GRAD_BLOCK_V, _GRAD_WARPS = 2048, 8
-
-
-_BALANCED_TILES = True  # A/B switch (this session's GPU runs)
 
 
 def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -429,8 +425,6 @@ class TritonCublasBackend:
             return None
         h, y = self._compact(head)
         m_rows, vocab_size = h.shape[0], weight.shape[0]
-        if _BALANCED_TILES:
-            block_rows = balanced_one_pass_rows(m_rows, block_rows)
         grads = HeadGrads()
         d_weight32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         d_hidden = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_hidden else None
