@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
     parser.add_argument("--shapes", default=None,
-                        help="comma-separated shape names, kinds (ce, grpo) or groups (grpo-loss-types, grpo-offpolicy-kl); "
+                        help="comma-separated shape names, kinds (ce, grpo) or groups (grpo-loss-types, grpo-offpolicy-kl, grpo-loss-types-offpolicy-kl); "
                         "default ce and grpo")
     parser.add_argument("--peers", default=None, help="comma-separated peer keys, or 'all' (adds cce_exact)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per pair (median; default 5)")
