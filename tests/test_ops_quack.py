@@ -76,18 +76,6 @@ class _StandIn:
         label_logit.copy_(z.gather(1, y[:, None])[:, 0])
 
 
-class _GradStandIn(_StandIn):
-    """Also quack_epilogues.logits_to_minus_g_p in PyTorch: ``−g·exp(z − lse)`` of the tile the backend's own cuBLAS
-    call would write, and the label logit of the rows whose label is in the chunk (others left as they were)."""
-
-    def logits_to_minus_g_p(self, h, w, y, out, *, lse, g_lp, label_logit):
-        self.calls.append("dz")
-        z = torch.mm(h, w.t()).float()
-        out.copy_((-g_lp[:, None] * torch.exp(z - lse[:, None])).to(out.dtype))
-        inside = ((y >= 0) & (y < w.shape[0])).nonzero()[:, 0]
-        label_logit[inside] = z[inside, y[inside]]
-
-
 def _close_to(got, want):
     """The loss to fp32 rounding (the log-sum-exp summed in another order); gradients within one bf16 ulp (dz
     from that log-sum-exp, rounded to bf16) for all but a handful of elements."""
@@ -193,59 +181,6 @@ def test_a_token_loss_that_reads_the_entropy_keeps_the_statistics_kernel(monkeyp
     assert quack.calls == []
 
 
-def _forced_chunks(monkeypatch):
-    """Two passes in 16-row blocks and 1024-column chunks (the last, 204 columns, not a multiple of 8: QuACK's TMA
-    cannot load it, so that chunk runs cuBLAS and the gradient kernel)."""
-    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
-    from hf_fused.ops.tiling import LeanPlan
-
-    monkeypatch.setattr(TritonCublasBackend, "_plan", staticmethod(lambda *a, **k: LeanPlan(16, 1024, False, 0)))
-
-
-def _logprobs_grads(hidden, weight, labels, budget, backend_name="triton"):
-    g = torch.randn(labels.shape, generator=torch.Generator().manual_seed(11))
-    lp, ent = linear_logprobs(hidden, weight, labels, return_entropy=True, backend=backend_name,
-                              tile_budget_bytes=budget)
-    return (lp.detach(), *torch.autograd.grad((lp * g).sum(), (hidden, weight)))
-
-
-@pytest.mark.parametrize("budget", [None, 2**30], ids=["fp32_hidden_accumulator", "compensated_pair"])
-def test_the_gradient_pass_takes_dz_from_the_fused_matmul(monkeypatch, budget):
-    """Two passes (log-probs without a hint): the gradient pass's logits matmul writes dz itself (the stand-in does
-    what QuACK's epilogue does: −g·p everywhere and the label logit), the backend writes the label column's
-    g·(1 − p_y); log-probs are the forward's, gradients those of cuBLAS + the gradient kernel within one bf16 ulp
-    for all but a handful of elements; chunks QuACK cannot load keep the gradient kernel."""
-    hidden, weight, labels = _inputs(8)
-    _forced_chunks(monkeypatch)
-    plain = _logprobs_grads(hidden, weight, labels, budget)
-    quack = _GradStandIn()
-    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": quack})
-    monkeypatch.setattr(triton_cublas, "_quack_device", lambda h, w: True)  # the layout checks stay
-    fused = _logprobs_grads(hidden, weight, labels, budget)
-    assert quack.calls == ["dz"] * 8  # 4 whole chunks × 2 row blocks of the 32 kept rows
-    assert torch.equal(fused[0], plain[0])
-    # Against float64: Triton's interpreter rounds dz to bf16 toward zero, the GPU (and the stand-in, and QuACK's
-    # epilogue) to nearest; so the fused gradients are compared with float64, not bit for bit with the kernel's.
-    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
-    ref = _logprobs_grads(h64, w64, labels, None, backend_name="torch")
-    for got, want, exact in zip(fused[1:], plain[1:], ref[1:]):
-        err = lambda x: float((x.double() - exact).norm() / exact.norm())  # noqa: E731
-        assert err(got) <= 1.05 * err(want), (err(got), err(want))
-
-
-@pytest.mark.parametrize("case", ["entropy_gradient", "softcap", "bias"])
-def test_the_gradient_kernel_stays_where_the_epilogue_has_no_formula(monkeypatch, case):
-    hidden, weight, labels = _inputs(9)
-    _forced_chunks(monkeypatch)
-    quack = _GradStandIn()
-    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": quack})
-    monkeypatch.setattr(triton_cublas, "_quack_device", lambda h, w: True)
-    kw = {"softcap": {"softcap": 5.0}, "bias": {"bias": torch.zeros(weight.shape[0], dtype=weight.dtype)}}.get(case, {})
-    lp, ent = linear_logprobs(hidden, weight, labels, return_entropy=True, backend="triton", **kw)
-    (lp.sum() + (ent.sum() if case == "entropy_gradient" else 0)).backward()
-    assert quack.calls == []
-
-
 def test_a_quack_call_that_fails_is_turned_off_with_one_warning(monkeypatch):
     hidden, weight, labels = _inputs(1)
     plain = _ce(hidden, weight, labels)
@@ -290,15 +225,12 @@ def test_without_quack_installed_nothing_is_imported(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["cross_entropy", "logprobs_entropy_hint", "off_policy_hint", "two_pass_logprobs",
-                                  "lean_cross_entropy"])
+@pytest.mark.parametrize("case", ["cross_entropy", "logprobs_entropy_hint", "off_policy_hint"])
 def test_quack_statistics_on_gpu_match_cublas_and_the_statistics_kernel(monkeypatch, case):
     """On a Hopper GPU with QuACK, the bf16 one pass takes the fused statistics — plain cross-entropy, and
     FusedGRPOTrainer's on-policy log-probs with entropy and a fixed ``grad_hint``, and its off-policy token-loss hint
-    (the entropy then from the gradient kernel) — or, in the two passes (log-probs without a hint, the lean
-    cross-entropy), writes ``dz`` from the gradient pass's logits matmul; its results are those of cuBLAS, the
-    statistics and the gradient kernels up to fp32 summation order (log-sum-exp, entropy), the exponential's
-    last bits, and the matmuls' own accumulation order (a logit whose fp32 sum lands on the other
+    (the entropy then from the gradient kernel) — and its results are those of cuBLAS and the statistics kernel up to fp32 summation order
+    (log-sum-exp, entropy) and the matmuls' own accumulation order (a logit whose fp32 sum lands on the other
     side of a bf16 rounding boundary): relative error norms of at most 2⁻⁸ between the two, far below bf16's own
     rounding of the logits. Accuracy against float64 on the cross-entropy path:
     test_ops_triton_backend.py::test_triton_backend_bf16_on_gpu_no_worse_than_eager (kw={}, budget=None)."""
@@ -317,12 +249,6 @@ def test_quack_statistics_on_gpu_match_cublas_and_the_statistics_kernel(monkeypa
         if case == "cross_entropy":
             loss = linear_cross_entropy(hidden, weight, labels, backend="triton")
             return (loss, *torch.autograd.grad(loss, (hidden, weight)))
-        if case == "lean_cross_entropy":  # two passes within 64 MiB: several row blocks and vocabulary chunks
-            loss = linear_cross_entropy(hidden, weight, labels, backend="triton", tile_budget_bytes=64 * 2**20)
-            return (loss, *torch.autograd.grad(loss, (hidden, weight)))
-        if case == "two_pass_logprobs":  # no hint: statistics, then the gradient pass with dz from the epilogue
-            lp, ent = linear_logprobs(hidden, weight, labels, return_entropy=True, backend="triton")
-            return (lp.detach(), ent.detach(), *torch.autograd.grad((lp * hint).sum(), (hidden, weight)))
         if case == "off_policy_hint":
             lp, ent = linear_logprobs(hidden, weight, labels, return_entropy=True, grad_hint=off_policy,
                                       backend="triton")
@@ -337,13 +263,11 @@ def test_quack_statistics_on_gpu_match_cublas_and_the_statistics_kernel(monkeypa
     quack = triton_cublas._quack()
     assert quack is not None
     calls = []
-    spy = type("Spy", (), {name: staticmethod(
-        lambda *a, _name=name, **k: calls.append(_name) or getattr(quack, _name)(*a, **k))
-        for name in ("logits_with_statistics", "logits_to_minus_g_p")})()
+    spy = type("Spy", (), {"logits_with_statistics": staticmethod(
+        lambda *a, **k: calls.append(1) or quack.logits_with_statistics(*a, **k))})()
     monkeypatch.setattr(triton_cublas, "_QUACK", {"module": spy})
     fused = run()
-    two_passes = case in ("two_pass_logprobs", "lean_cross_entropy")
-    assert calls and set(calls) == {"logits_to_minus_g_p" if two_passes else "logits_with_statistics"}
+    assert calls
     monkeypatch.setattr(triton_cublas, "_QUACK", {"module": None})
     plain = run()
     for got, want in zip(fused, plain):

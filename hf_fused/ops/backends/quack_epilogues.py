@@ -29,11 +29,9 @@ import cutlass
 import torch
 from cutlass import Float32
 from quack.epilogue.frontend import gemm_epilogue
-from quack.epilogue.math import pexp
 from quack.epilogue.ops import ColVecLoad, ColVecSelect, OnlineLSEReduce
 
 _LABELS = ColVecLoad("target")
-_CHUNK_LABELS = ColVecLoad("target")
 
 
 @gemm_epilogue(
@@ -63,37 +61,3 @@ def logits_with_statistics(
     res = bf16_logits_statistics(hidden, weight.mT, out={"D": out}, target=labels, target_logit=label_logit,
                                  tuned=False)
     lse.copy_(res["lse"])
-
-
-@gemm_epilogue(
-    ops={"lse": ColVecLoad("lse"), "g": ColVecLoad("g")},
-    outs={"target_logit": ColVecSelect("target_logit", idx_op=_CHUNK_LABELS)},
-    extra_ops=(_CHUNK_LABELS,),
-)
-def bf16_logits_to_dz(acc, lse, g):
-    """``−g·p`` of the bf16 logit (``p = exp(z − lse)``, the row's final log-sum-exp) is stored; the bf16 logit at
-    the row's label column is gathered (for the label column's ``g·(1 − p_y)``, written by the caller)."""
-    z = Float32(cutlass.BFloat16(acc))
-    return {"D": g * pexp(z - lse) * -1.0, "target_logit": z}
-
-
-def logits_to_minus_g_p(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, out: torch.Tensor, *, lse: torch.Tensor,
-    g_lp: torch.Tensor, label_logit: torch.Tensor,
-) -> None:
-    """``out = −g_lp·exp(z − lse)`` per element, ``z = hidden @ weight.T`` rounded to bf16 (the logits tile is never
-    written), rounded to bf16; and ``label_logit`` = the bf16 ``z`` at each row's label column. With the label
-    column's ``g_lp·(1 − p_y)`` written afterwards (:func:`hf_fused.ops.backends.triton_cublas._set_label_column`),
-    ``out`` is the ``dz`` the gradient kernel computes from the bf16 logits tile.
-
-    Args:
-        hidden: ``[M, H]`` bf16, contiguous, ``H`` a multiple of 8.
-        weight: ``[C, H]`` bf16, contiguous, ``C`` a multiple of 8 (a chunk of the vocabulary).
-        labels: ``[M]`` int64, each row's label column relative to the chunk (outside ``[0, C)``: not in it; its
-            ``label_logit`` is then left as it was).
-        out: ``[M, C]`` bf16, contiguous: written.
-        lse: fp32 ``[M]``, the rows' log-sum-exp over the whole vocabulary.  g_lp: fp32 ``[M]``.
-        label_logit: fp32 ``[M]``, written where the label is in the chunk.
-    """
-    bf16_logits_to_dz(hidden, weight.mT, out={"D": out}, lse=lse, g=g_lp, target=labels, target_logit=label_logit,
-                      tuned=False)

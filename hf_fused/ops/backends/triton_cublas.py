@@ -111,45 +111,6 @@ def _quack_statistics(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     return True
 
 
-def _quack_dz(h: torch.Tensor, w_chunk: torch.Tensor, labels: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-              g_lp: torch.Tensor, scratch: torch.Tensor) -> bool:
-    """``out = dz`` of ``Σ g_lp·logp`` for a chunk of the vocabulary from QuACK's logits matmul
-    (:func:`.quack_epilogues.logits_to_minus_g_p`, then :func:`_set_label_column`; labels relative to the chunk);
-    ``False`` where QuACK is unavailable or raises (then turned off for the process, said once), so that the caller
-    runs cuBLAS and the gradient kernel."""
-    module = _quack()
-    if module is None:
-        return False
-    try:
-        module.logits_to_minus_g_p(h, w_chunk, labels, out, lse=lse, g_lp=g_lp, label_logit=scratch)
-    except Exception as err:  # noqa: BLE001 - turned off for the process, said once
-        _quack_failed(err)
-        return False
-    _set_label_column(out, labels, lse, g_lp, scratch)
-    return True
-
-
-def _set_label_column(dz: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, g_lp: torch.Tensor,
-                      label_logit: torch.Tensor) -> None:
-    """``dz[r, labels[r]] = g·(1 − exp(z_y − lse))`` rounded once, for the rows whose label (relative to the chunk)
-    is one of ``dz``'s columns: the gradient kernel's value there, not ``−g·p_y`` rounded and then ``+ g``. Other
-    rows keep what they have (their ``label_logit`` is stale; the select drops it). No host sync."""
-    n_cols = dz.shape[1]
-    in_chunk = (labels >= 0) & (labels < n_cols)
-    col = labels.clamp(0, n_cols - 1).unsqueeze(1)
-    at_label = (g_lp * (1.0 - torch.exp(label_logit - lse))).to(dz.dtype)
-    dz.scatter_(1, col, torch.where(in_chunk, at_label, dz.gather(1, col).squeeze(1)).unsqueeze(1))
-
-
-def _fuses_gradient(head: HeadInputs, grad_logprobs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]
-                    ) -> bool:
-    """Whether the gradient pass's logits matmul can write ``dz`` itself (QuACK's epilogue, :func:`_quack_dz`):
-    a log-prob gradient only (no entropy gradient) of raw logits (no bias, soft-cap, temperature or logit scale),
-    bf16 on a GPU of compute capability 9.x (the layouts are checked per block and chunk, :func:`_quack_runs_on`)."""
-    plain = grad_logprobs is not None and grad_entropy is None and head.bias is None and head.transform.is_identity
-    return plain and _quack_device(head.weight, head.weight)  # the rows are cast to the weight's dtype
-
-
 def _fuses_statistics(head: HeadInputs, h: torch.Tensor, return_entropy: bool, statistics: Sequence[str]) -> bool:
     """Whether the one pass's logits matmul can take its statistics from QuACK's epilogue for this call: only the
     log-sum-exp and label logit asked of it (no entropy, no token statistics) of raw logits (no bias, soft-cap,
@@ -160,14 +121,8 @@ def _fuses_statistics(head: HeadInputs, h: torch.Tensor, return_entropy: bool, s
 
 
 def _quack_runs_on(h: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (_quack_device(h, weight) and h.is_contiguous() and weight.is_contiguous() and h.shape[1] % 8 == 0
-            and weight.shape[0] % 8 == 0)
-
-
-def _quack_device(h: torch.Tensor, weight: torch.Tensor) -> bool:
-    """bf16 operands on a GPU of compute capability 9.x (QuACK's SM90 GEMM)."""
-    return (h.is_cuda and h.dtype == weight.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(h.device)[0] == 9)
+    return (h.is_cuda and h.dtype == weight.dtype == torch.bfloat16 and h.is_contiguous() and weight.is_contiguous()
+            and h.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0 and torch.cuda.get_device_capability(h.device)[0] == 9)
 
 
 class TritonCublasBackend:
@@ -377,30 +332,18 @@ class TritonCublasBackend:
         block_rows, cols = plan.block_rows, plan.cols
         scalars = self._scalars(head.transform, bias)
         tile_buf = torch.empty((block_rows, cols), dtype=weight.dtype, device=weight.device)
-        # QuACK's logits matmul writing dz itself (no logits tile written and read back by the gradient kernel)
-        fused = _fuses_gradient(head, grad_logprobs, grad_entropy)
-        scratch = torch.empty(block_rows, dtype=torch.float32, device=weight.device) if fused else None
         for v0 in range(0, vocab_size, cols):
             v1 = min(v0 + cols, vocab_size)
             w_chunk = weight[v0:v1]
             d_w_chunk32 = None
             if need_weight and block_rows < m_rows:  # several row blocks add into this chunk; the first sets it
                 d_w_chunk32 = torch.empty((v1 - v0, hidden_size), dtype=torch.float32, device=weight.device)
-            y_chunk = y - v0 if fused else None
             for r0, r1, h_rows in self._row_blocks(head, plan, h, buf):
-                dz = None
-                if fused and _quack_runs_on(h_rows, w_chunk):
-                    # a contiguous [rows, cols] view of the tile buffer (the slice below has the buffer's stride)
-                    view = tile_buf.view(-1)[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
-                    fused = _quack_dz(h_rows, w_chunk, y_chunk[r0:r1], view, lse[r0:r1], g_lp[r0:r1],
-                                      scratch[: r1 - r0])
-                    dz = view if fused else None
-                if dz is None:
-                    dz = torch.mm(h_rows, w_chunk.t(), out=tile_buf[: r1 - r0, : v1 - v0])
-                    self._grad(
-                        dz, v0, bias, y[r0:r1], lse[r0:r1], ent[r0:r1], g_lp[r0:r1], g_ent[r0:r1], scalars,
-                        grad_logprobs is not None, grad_entropy is not None,
-                    )
+                dz = torch.mm(h_rows, w_chunk.t(), out=tile_buf[: r1 - r0, : v1 - v0])
+                self._grad(
+                    dz, v0, bias, y[r0:r1], lse[r0:r1], ent[r0:r1], g_lp[r0:r1], g_ent[r0:r1], scalars,
+                    grad_logprobs is not None, grad_entropy is not None,
+                )
                 if gather:
                     compensated_addmm_(d_hidden, d_hidden_lo[r0:r1], dz, w_chunk, hi_rows=rows[r0:r1])
                 elif pair:
