@@ -77,12 +77,25 @@ class _StandIn:
 
 
 def _close_to(got, want):
-    """The loss to fp32 rounding (the log-sum-exp summed in another order); gradients within one bf16 ulp (dz
-    from that log-sum-exp, rounded to bf16) for all but a handful of elements."""
+    """The loss to fp32 rounding (the log-sum-exp summed in another order); gradients as :func:`_grads_close_to`."""
     torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0)
-    for g, w in zip(got[1:], want[1:]):
+    _grads_close_to(got[1:], want[1:])
+
+
+def _grads_close_to(got, want):
+    """Within one bf16 ulp (dz from a log-sum-exp summed in another order, rounded to bf16) for all but a handful
+    of elements."""
+    for g, w in zip(got, want):
         ulp = (w.float().abs() * 2.0**-7).clamp(min=2.0**-126)
         assert ((g.float() - w.float()).abs() <= ulp).float().mean() > 0.999
+
+
+def _same_hinted_pass(got, want):
+    """``(logprobs, entropy, dX, dW)``: log-probs to fp32 rounding, the entropy up to fp32 summation order (Σ p·z in
+    the gradient kernel instead of the statistics kernel), gradients as :func:`_grads_close_to`."""
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    _grads_close_to(got[2:], want[2:])
 
 
 def test_the_one_pass_reads_the_fused_statistics(monkeypatch):
@@ -120,11 +133,7 @@ def test_with_a_fixed_hint_the_entropy_comes_from_the_gradient_kernel(monkeypatc
     monkeypatch.setattr(triton_cublas, "_quack_runs_on", lambda h, w: True)
     fused = run()
     assert quack.calls == ["tile"]
-    torch.testing.assert_close(fused[0], plain[0], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(fused[1], plain[1], rtol=1e-5, atol=1e-5)
-    for got, want in zip(fused[2:], plain[2:]):
-        ulp = (want.float().abs() * 2.0**-7).clamp(min=2.0**-126)
-        assert ((got.float() - want.float()).abs() <= ulp).float().mean() > 0.999
+    _same_hinted_pass(fused, plain)
 
 
 def _clipped_ratio_loss(logprobs, entropy, old, advantages):
@@ -137,7 +146,8 @@ def _clipped_ratio_loss(logprobs, entropy, old, advantages):
 def _off_policy_hint(labels, seed):
     g = torch.Generator().manual_seed(seed)
     kept = (labels != -100).float()
-    per_token = dict(old=-8.0 + torch.randn(labels.shape, generator=g), advantages=torch.randn(labels.shape, generator=g) * kept)
+    per_token = dict(old=-8.0 + torch.randn(labels.shape, generator=g),
+                     advantages=torch.randn(labels.shape, generator=g) * kept)
     return TokenLossHint(_clipped_ratio_loss, per_token, need_entropy=False)
 
 
@@ -161,11 +171,7 @@ def test_an_off_policy_hint_takes_the_fused_statistics_and_the_late_entropy(monk
     monkeypatch.setattr(triton_cublas, "_quack_runs_on", lambda h, w: True)
     fused = _hinted_run(hidden, weight, labels, hint)
     assert quack.calls == ["tile"]
-    torch.testing.assert_close(fused[0], plain[0], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(fused[1], plain[1], rtol=1e-5, atol=1e-5)
-    for got, want in zip(fused[2:], plain[2:]):
-        ulp = (want.float().abs() * 2.0**-7).clamp(min=2.0**-126)
-        assert ((got.float() - want.float()).abs() <= ulp).float().mean() > 0.999
+    _same_hinted_pass(fused, plain)
 
 
 def test_a_token_loss_that_reads_the_entropy_keeps_the_statistics_kernel(monkeypatch):
