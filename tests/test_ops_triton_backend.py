@@ -88,6 +88,42 @@ def test_triton_backend_all_ignored_gives_zero_loss_and_grads():
     assert loss.item() == 0.0 and hid.grad.abs().sum() == 0 and w.grad.abs().sum() == 0
 
 
+@pytest.mark.parametrize("labels", ["some_ignored", "all_ignored"])
+@pytest.mark.parametrize("path", ["one_pass", "two_passes", "two_passes_pair"])
+def test_no_buffer_is_read_before_it_is_written(monkeypatch, labels, path):
+    """Every ``torch.empty`` of the op filled with NaN (integers with 77): the same loss and gradients, bit for bit,
+    as with plain ``torch.empty`` — no uninitialized buffer reaches a result, also when no row is kept (the
+    weight-gradient buffers that the first tile or each chunk writes instead of a zero fill)."""
+    hid, w, _, y = _inputs(24, 16, 300, "cpu", torch.bfloat16, bias=False)
+    if labels == "all_ignored":
+        y = torch.full_like(y, -100)
+    else:
+        y[::3] = -100
+
+    def run():
+        hidden, weight = hid.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        if path == "one_pass":
+            loss = linear_cross_entropy(hidden, weight, y, backend="triton")
+        else:  # log-probs without a hint: statistics, then the gradient pass (fp32 or compensated dX)
+            lp, _ = linear_logprobs(hidden, weight, y, backend="triton", return_entropy=True,
+                                    tile_budget_bytes=2**30 if path == "two_passes_pair" else None)
+            loss = (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum()
+        loss.backward()
+        return loss.detach(), hidden.grad, weight.grad
+
+    plain = run()
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else 77)
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    poisoned = run()
+    for got, want in zip(poisoned, plain):
+        assert torch.equal(got, want)
+
+
 def _eager_bf16(hid, w, b, kw):
     """What transformers does in bf16: logits rounded to bf16 by the matmul, then fp32 from there."""
     z = hid @ w.T

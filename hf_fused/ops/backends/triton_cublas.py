@@ -321,8 +321,10 @@ class TritonCublasBackend:
             d_hidden = torch.zeros((m_rows, hidden_size), dtype=torch.float32, device=hidden.device)
         if need_weight:
             # In the given weight's dtype: fp32 for an fp32 weight under autocast (cuBLAS writes fp32 from the
-            # bf16 operands), the compute dtype otherwise (one rounding, as eager's).
-            grads.weight = torch.zeros(weight.shape, dtype=head.weight_grad_dtype or weight.dtype, device=weight.device)
+            # bf16 operands), the compute dtype otherwise (one rounding, as eager's). Every chunk writes its rows
+            # below (no fill), unless no row is kept.
+            new = torch.empty if m_rows else torch.zeros
+            grads.weight = new(weight.shape, dtype=head.weight_grad_dtype or weight.dtype, device=weight.device)
         if need.bias and bias is not None:
             grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
         zeros = torch.zeros(m_rows, dtype=torch.float32, device=weight.device)
@@ -426,7 +428,9 @@ class TritonCublasBackend:
         h, y = self._compact(head)
         m_rows, vocab_size = h.shape[0], weight.shape[0]
         grads = HeadGrads()
-        d_weight32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        # the first tile writes the accumulator (no fill, no read of zeros), unless no row is kept
+        new = torch.empty if m_rows else torch.zeros
+        d_weight32 = new(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         d_hidden = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_hidden else None
         if need.bias and bias is not None:
             grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
@@ -458,7 +462,7 @@ class TritonCublasBackend:
             if d_hidden is not None:  # each row's dh is complete within its tile
                 _mm_f32_(d_hidden[r0:r1], dz, weight)
             if d_weight32 is not None:
-                _addmm_f32_(d_weight32, dz.t(), h[r0:r1])
+                (_addmm_f32_ if r0 else _mm_f32_)(d_weight32, dz.t(), h[r0:r1])
             if grads.bias is not None:
                 grads.bias += dz.float().sum(0)
         grads.hidden = d_hidden
