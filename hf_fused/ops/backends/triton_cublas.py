@@ -317,8 +317,8 @@ class TritonCublasBackend:
         if pair:
             d_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
             d_hidden_lo = torch.zeros((m_rows, hidden_size), dtype=RESIDUAL_DTYPE, device=hidden.device)
-        elif need_hidden:
-            d_hidden = torch.zeros((m_rows, hidden_size), dtype=torch.float32, device=hidden.device)
+        elif need_hidden:  # the first chunk writes it
+            d_hidden = torch.empty((m_rows, hidden_size), dtype=torch.float32, device=hidden.device)
         if need_weight:
             # In the given weight's dtype: fp32 for an fp32 weight under autocast (cuBLAS writes fp32 from the
             # bf16 operands), the compute dtype otherwise (one rounding, as eager's). Every chunk writes its rows
@@ -351,7 +351,7 @@ class TritonCublasBackend:
                 elif pair:
                     compensated_addmm_(d_hidden[r0:r1], d_hidden_lo[r0:r1], dz, w_chunk)
                 elif d_hidden is not None:
-                    _addmm_f32_(d_hidden[r0:r1], dz, w_chunk)
+                    (_addmm_f32_ if v0 else _mm_f32_)(d_hidden[r0:r1], dz, w_chunk)
                 if d_w_chunk32 is not None:
                     (_addmm_f32_ if r0 else _mm_f32_)(d_w_chunk32, dz.t(), h_rows)
                 elif need_weight:
