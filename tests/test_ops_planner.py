@@ -80,7 +80,18 @@ def test_default_off_cuda_is_the_default_budget(monkeypatch):
     cpu = torch.device("cpu")
     assert one_pass_rows(V, H, BF16, True, None, cpu) == one_pass_rows(V, H, BF16, True, DEFAULT_TILE_BUDGET_BYTES, cpu)
     small_v = 1000
-    assert one_pass_rows(small_v, 64, 4, True, None, cpu) == (DEFAULT_TILE_BUDGET_BYTES - small_v * 64 * 4) // (small_v * 4)
+    rows = (DEFAULT_TILE_BUDGET_BYTES - small_v * 64 * 4) // (small_v * 4)  # 67042
+    assert one_pass_rows(small_v, 64, 4, True, None, cpu) == rows - rows % tiling.ONE_PASS_ROW_ALIGN == 67040
+
+
+@pytest.mark.parametrize("extra_rows", range(9))
+def test_one_pass_rows_are_whole_multiples_of_the_alignment(extra_rows):
+    """Under an explicit budget the rows per tile are the most that fit, rounded down to ``ONE_PASS_ROW_ALIGN``
+    (each tile's slice of the fp32 / int64 per-row vectors then starts 16-byte aligned, as QuACK's TMA needs)."""
+    budget = V * H * 4 + (MIN_ONE_PASS_ROWS + 8 + extra_rows) * V * BF16
+    rows = one_pass_rows(V, H, BF16, True, budget, CUDA)
+    assert rows == MIN_ONE_PASS_ROWS + (16 if extra_rows == 8 else 8)
+    assert rows % tiling.ONE_PASS_ROW_ALIGN == 0 and (rows * 4) % 16 == 0 and (rows * 8) % 16 == 0
 
 
 @pytest.mark.parametrize("n_rows,budget", [(32768, None), (8192, 2**20 * 32), (3, None), (100_000, 2**20)])

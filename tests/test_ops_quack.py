@@ -207,6 +207,20 @@ def test_a_quack_call_that_fails_is_turned_off_with_one_warning(monkeypatch):
         _ce(hidden, weight, labels)  # off for the process: no second warning
 
 
+def test_a_tile_whose_row_vectors_are_not_16_byte_aligned_is_not_sent_to_quack(monkeypatch):
+    """QuACK's TMA needs 16-byte aligned per-row vectors and raises otherwise (seen on the H100 with a slice at an
+    odd row); such a tile runs cuBLAS and the statistics kernel, and QuACK stays on for the next ones."""
+    quack = _StandIn()
+    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": quack})
+    h, w = torch.zeros(16, 8, dtype=torch.bfloat16), torch.zeros(64, 8, dtype=torch.bfloat16)
+    labels, out = torch.zeros(16, dtype=torch.long), torch.empty(16, 64, dtype=torch.bfloat16)
+    lse, label_logit = torch.empty(16), torch.empty(16)
+    assert not triton_cublas._quack_statistics(h[1:], w, labels[1:], out[1:], lse[1:], label_logit[1:])
+    assert quack.calls == [] and triton_cublas._QUACK["module"] is quack
+    assert triton_cublas._quack_statistics(h[8:], w, labels[8:], out[8:], lse[8:], label_logit[8:])
+    assert quack.calls == ["tile"]
+
+
 def test_quack_that_cannot_be_imported_is_said_once(monkeypatch):
     monkeypatch.setattr(triton_cublas, "_QUACK", {})
     monkeypatch.setattr(triton_cublas.importlib.util, "find_spec", lambda name: object())

@@ -25,8 +25,8 @@ The GPU backend has two schedules (:mod:`hf_fused.ops.backends.triton_cublas`):
 free on the device at the call (the driver's free memory plus what PyTorch's allocator holds unused);
 otherwise two passes with a ``DEFAULT_TILE_BUDGET_BYTES`` tile. An explicit ``tile_budget_bytes`` is a hard
 bound instead: the one pass only if the budget holds its working set (the accumulator, the kept rows' fp32
-hidden gradient and compact copy, and a tile of at least ``MIN_ONE_PASS_ROWS`` rows), otherwise two passes
-within the budget. On other devices the default is that bound at
+hidden gradient and compact copy, and a tile of at least ``MIN_ONE_PASS_ROWS`` rows; rows per tile in multiples
+of ``ONE_PASS_ROW_ALIGN``), otherwise two passes within the budget. On other devices the default is that bound at
 ``DEFAULT_TILE_BUDGET_BYTES``. :func:`describe_plan` says which schedule a call would take.
 """
 
@@ -48,6 +48,9 @@ TILE_BUFFERS = 3
 ONE_PASS_TILE_ROWS = 2048
 #: GPU one pass with an explicit budget: fewer rows than this and it is not worth it (two passes instead).
 MIN_ONE_PASS_ROWS = 512
+#: GPU one pass: rows per tile are a multiple of this, so that every tile's slices of the per-row vectors (fp32,
+#: int64) start 16-byte aligned, as QuACK's TMA loads and stores of them require.
+ONE_PASS_ROW_ALIGN = 8
 #: GPU default rule: the one pass's working set may take at most this share of the device's free memory.
 ONE_PASS_FREE_SHARE = 0.25
 #: Bytes per kept row of the per-row vectors a pass holds beside its buffers (row index and label, int64; the
@@ -147,6 +150,7 @@ def one_pass_rows(
     rows = (budget - one_pass_working_set(vocab_size, hidden_size, elem_bytes, need_weight, 0, extra_bytes)) // (
         vocab_size * elem_bytes
     )
+    rows -= rows % ONE_PASS_ROW_ALIGN
     return rows if rows >= MIN_ONE_PASS_ROWS else 0
 
 

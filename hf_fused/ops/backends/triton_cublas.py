@@ -101,7 +101,7 @@ def _quack_statistics(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     QuACK is unavailable or raises (then turned off for the process, said once), so that the caller computes
     them itself."""
     module = _quack()
-    if module is None:
+    if module is None or not _aligned16(h, labels, out, label_logit):
         return False
     try:
         module.logits_with_statistics(h, weight, labels, out, lse=lse, label_logit=label_logit)
@@ -109,6 +109,12 @@ def _quack_statistics(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
         _quack_failed(err)
         return False
     return True
+
+
+def _aligned16(*tensors: torch.Tensor) -> bool:
+    """Every tensor starts on a 16-byte boundary (QuACK's TMA; a slice of a per-row vector at an odd row does not,
+    and QuACK raises rather than falls back)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _fuses_statistics(head: HeadInputs, h: torch.Tensor, return_entropy: bool, statistics: Sequence[str]) -> bool:
