@@ -208,8 +208,9 @@ def test_a_quack_call_that_fails_is_turned_off_with_one_warning(monkeypatch):
 
 
 def test_a_tile_whose_row_vectors_are_not_16_byte_aligned_is_not_sent_to_quack(monkeypatch):
-    """QuACK's TMA needs 16-byte aligned per-row vectors and raises otherwise (seen on the H100 with a slice at an
-    odd row); such a tile runs cuBLAS and the statistics kernel, and QuACK stays on for the next ones."""
+    """QuACK's TMA needs 16-byte aligned operands and raises otherwise (seen on the H100); a tile with a per-row
+    vector sliced at an odd row, or a weight that starts mid-way in a flat buffer, runs cuBLAS and the statistics
+    kernel, and QuACK stays on for the next ones."""
     quack = _StandIn()
     monkeypatch.setattr(triton_cublas, "_QUACK", {"module": quack})
     h, w = torch.zeros(16, 8, dtype=torch.bfloat16), torch.zeros(64, 8, dtype=torch.bfloat16)
@@ -217,6 +218,10 @@ def test_a_tile_whose_row_vectors_are_not_16_byte_aligned_is_not_sent_to_quack(m
     lse, label_logit = torch.empty(16), torch.empty(16)
     assert not triton_cublas._quack_statistics(h[1:], w, labels[1:], out[1:], lse[1:], label_logit[1:])
     assert quack.calls == [] and triton_cublas._QUACK["module"] is quack
+    flat = torch.zeros(1 + w.numel(), dtype=w.dtype)  # a weight in a flat buffer, one element in (as ZeRO-3 gathers)
+    assert not triton_cublas._quack_statistics(h[8:], flat[1:].view_as(w), labels[8:], out[8:], lse[8:],
+                                               label_logit[8:])
+    assert quack.calls == []
     assert triton_cublas._quack_statistics(h[8:], w, labels[8:], out[8:], lse[8:], label_logit[8:])
     assert quack.calls == ["tile"]
 
@@ -281,7 +286,7 @@ def test_quack_statistics_on_gpu_match_cublas_and_the_statistics_kernel(monkeypa
     off_policy = TokenLossHint(off_policy.token_loss, {k: v.cuda() for k, v in off_policy.per_token.items()},
                                need_entropy=False)
     quack = triton_cublas._quack()
-    assert quack is not None
+    assert quack is not None, f"QuACK was turned off in this process: {triton_cublas._QUACK_ERROR.get('error')}"
     calls = []
     spy = type("Spy", (), {"logits_with_statistics": staticmethod(
         lambda *a, **k: calls.append(1) or quack.logits_with_statistics(*a, **k))})()

@@ -71,8 +71,9 @@ def _mm_f32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 # QuACK's Hopper GEMMs with hf_fused's epilogues (:mod:`.quack_epilogues`): the module once imported, or None
-# once found missing or broken (then for the whole process).
+# once found missing or broken (then for the whole process, the error that turned it off in _QUACK_ERROR).
 _QUACK: dict[str, Optional[ModuleType]] = {}
+_QUACK_ERROR: dict[str, str] = {}
 
 
 def _quack() -> Optional[ModuleType]:
@@ -90,6 +91,7 @@ def _quack() -> Optional[ModuleType]:
 
 def _quack_failed(err: BaseException) -> None:
     _QUACK["module"] = None
+    _QUACK_ERROR["error"] = f"{type(err).__name__}: {err}"  # why it is off, for a test or a bug report
     warnings.warn(f"hf_fused: QuACK's fused epilogues are unavailable ({type(err).__name__}: {err}); hf_fused uses "
                   "cuBLAS and its own Triton kernels instead (same results, slower). Measured with quack-kernels "
                   "0.6.4 and nvidia-cutlass-dsl 4.6.2.", stacklevel=3)
@@ -101,7 +103,7 @@ def _quack_statistics(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     QuACK is unavailable or raises (then turned off for the process, said once), so that the caller computes
     them itself."""
     module = _quack()
-    if module is None or not _aligned16(h, labels, out, label_logit):
+    if module is None or not _aligned16(h, weight, labels, out, label_logit):
         return False
     try:
         module.logits_with_statistics(h, weight, labels, out, lse=lse, label_logit=label_logit)
@@ -112,8 +114,9 @@ def _quack_statistics(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
 
 
 def _aligned16(*tensors: torch.Tensor) -> bool:
-    """Every tensor starts on a 16-byte boundary (QuACK's TMA; a slice of a per-row vector at an odd row does not,
-    and QuACK raises rather than falls back)."""
+    """Every tensor starts on a 16-byte boundary, as QuACK's TMA needs (QuACK raises otherwise): a slice of a
+    per-row vector at a row that is not a multiple of 4 does not, nor may a parameter gathered into a flat buffer
+    (DeepSpeed ZeRO-3)."""
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
