@@ -73,3 +73,23 @@ def test_e2e_tiny_sft_trainer_variants_and_gemma2(tmp_path, capsys):
         config.final_logit_softcapping = None
         uncapped = build_model(config, torch.device("cpu"), torch.float32, 0, "eager")(input_ids=ids, labels=ids).loss
     assert not math.isclose(float(capped), float(uncapped), rel_tol=1e-4)
+
+
+def test_e2e_tiny_grpo_off_policy_with_kl(tmp_path):
+    """``--grpo-off-policy-kl``: old and reference log-probs in the inputs and β > 0, so TRL's loss has ratios ≠ 1 and
+    the KL term (another loss than the on-policy step's); FusedGRPOTrainer (its off-policy token-loss hint) gives
+    TRL's loss and gradient norm."""
+    runs = {}
+    for mode in ("on", "off"):
+        out = tmp_path / mode
+        argv = ["--tiny", "--device", "cpu", "--parts", "grpo", "--grpo-variants", "trl,hf_fused", "--steps", "1",
+                "--grpo-completions", "2", "--grpo-completion-len", "8", "--out", str(out)]
+        assert main(argv + (["--grpo-off-policy-kl"] if mode == "off" else [])) == 0
+        doc = json.loads((out / "e2e.json").read_text())
+        runs[mode] = {r["variant"]: r for r in doc["grpo"]["runs"]}
+        assert ("off-policy" in doc["grpo"]["setup"]) == (mode == "off"), doc["grpo"]["setup"]
+    off = runs["off"]
+    assert all(r["status"] == "ok" for r in off.values()), off
+    assert not math.isclose(off["trl"]["losses"][0], runs["on"]["trl"]["losses"][0], rel_tol=1e-3)
+    assert math.isclose(off["trl"]["losses"][0], off["hf_fused"]["losses"][0], rel_tol=1e-4, abs_tol=1e-6)
+    assert math.isclose(off["trl"]["grad_norm_last"], off["hf_fused"]["grad_norm_last"], rel_tol=1e-3)

@@ -13,7 +13,7 @@ import torch
 
 from ..runner import device_name, versions
 from . import __doc__ as PACKAGE_DOC
-from .grpo import GRPO_VARIANTS, grpo_part
+from .grpo import GRPO_MODELS, GRPO_VARIANTS, grpo_part, grpo_setting
 from .models import SFT_MODELS, SHAPES, attn_implementation, is_gemma2
 from .report import log, table
 from .sft import ALL_SFT_VARIANTS, SFT_VARIANTS, sft_part
@@ -50,7 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
                    default=list(GRPO_VARIANTS), help=f"default {','.join(GRPO_VARIANTS)}")
     p.add_argument("--model", choices=sorted(SFT_MODELS), default="qwen3-1.7b",
                    help="SFT model shape (default qwen3-1.7b; gemma2-2b: 256k vocabulary, final logits soft-capped at "
-                        "30, eager attention); the GRPO part stays Qwen3-0.6B")
+                        "30, eager attention)")
+    p.add_argument("--grpo-model", choices=GRPO_MODELS, default="qwen3-0.6b",
+                   help="GRPO model shape (default qwen3-0.6b; --tiny: a tiny Qwen3)")
+    p.add_argument("--grpo-off-policy-kl", action="store_true",
+                   help="off-policy step with a KL term: old and reference log-probs given (the current ones plus "
+                        "noise, as benchmarks.problems' off-policy problem), beta 0.04 (default: on-policy, beta 0)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per run (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps per run (default 1)")
     p.add_argument("--optim", default="adamw_torch", help="SFT optimizer (TrainingArguments.optim; default adamw_torch)")
@@ -76,7 +81,7 @@ def resolve_args(args, parser) -> argparse.Namespace:
     args.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tiny = args.tiny
     args.sft_shape = SFT_MODELS[args.model][1 if tiny else 0]
-    args.grpo_shape = "tiny" if tiny else "qwen3-0.6b"
+    args.grpo_shape = "tiny" if tiny else args.grpo_model
     args.max_positions = 512 if tiny else 40960
     args.seq_lens = args.seq_lens or ([64, 128, 256] if tiny else [4096, 16384, 32768])
     args.grpo_completions = args.grpo_completions or (4 if tiny else 8)
@@ -104,7 +109,7 @@ def new_doc(args, argv) -> dict:
         "grpo": {
             "model": f"{args.grpo_shape}-shaped Qwen3 (random init, tied, {dt}, sdpa)",
             "setup": (f"_compute_loss + backward, {args.grpo_completions} x ({args.grpo_prompt_len} prompt + "
-                      f"{args.grpo_completion_len} completion) tokens, dapo, beta 0, grad checkpointing, "
+                      f"{args.grpo_completion_len} completion) tokens, dapo, {grpo_setting(args)}, grad checkpointing, "
                       f"median of {args.steps} after {args.warmup} warm-up"),
             "shape": SHAPES[args.grpo_shape],
             "runs": [],

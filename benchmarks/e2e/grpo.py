@@ -1,4 +1,6 @@
-"""Part B: GRPO loss steps, ``FusedGRPOTrainer`` vs ``trl.GRPOTrainer`` (no generation)."""
+"""Part B: GRPO loss steps, ``FusedGRPOTrainer`` vs ``trl.GRPOTrainer`` (no generation): on-policy (β = 0, no old
+log-probs) or, with ``--grpo-off-policy-kl``, off-policy with TRL's k3 KL term (old and reference log-probs in the
+inputs, as ``_generate_and_score_completions`` returns them for ``num_iterations > 1`` and ``beta > 0``)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,19 @@ from typing import Optional
 import torch
 
 from ..measure import GIB, allocated_gib, free_memory, is_oom, peak_gib, reset_peak, short_error, synchronize
+from ..problems import BETA, OLD_LOGP_NOISE, REF_LOGP_NOISE
 from .models import build_model, checkpointing_on, enable_checkpointing, n_params, quiet_run_kwargs, qwen3_config
 from .report import describe_grpo, log
 
 GRPO_VARIANTS = ("trl", "hf_fused", "hf_fused_one_pass")
+GRPO_MODELS = ("qwen3-0.6b", "qwen3-1.7b")
+
+
+def grpo_setting(args) -> str:
+    if args.grpo_off_policy_kl:
+        return (f"off-policy (old = current log-probs + N(0, {OLD_LOGP_NOISE}²)), k3 KL beta {BETA} "
+                f"(ref = current + N(0, {REF_LOGP_NOISE}²))")
+    return "on-policy, beta 0"
 
 def word_tokenizer():
     """A small word-level tokenizer (no hub access); the benchmark feeds token ids directly."""
@@ -61,12 +72,31 @@ def build_grpo_trainer(variant: str, model, out_dir: str, args, device: torch.de
         use_vllm=False,
         **quiet_run_kwargs(args, device, GRPOConfig),
     )
-    return cls(model=model, reward_funcs=constant_reward, args=cfg, processing_class=word_tokenizer(),
-               train_dataset=Dataset.from_dict({"prompt": ["the red cat"] * g}), **extra)
+    trainer = cls(model=model, reward_funcs=constant_reward, args=cfg, processing_class=word_tokenizer(),
+                  train_dataset=Dataset.from_dict({"prompt": ["the red cat"] * g}), **extra)
+    if args.grpo_off_policy_kl:
+        # Set after __init__: with beta > 0 it would load a reference model from the hub (unreachable here);
+        # _compute_loss reads only self.beta and the inputs' ref_per_token_logps, which grpo_inputs provides.
+        trainer.beta = BETA
+    return trainer
 
 
-def grpo_inputs(args, vocab_size: int, device: torch.device) -> dict:
-    """What ``_generate_and_score_completions`` returns for one batch (all tokens valid)."""
+@torch.no_grad()
+def current_logprobs(model, prompt_completion_ids: torch.Tensor, completion_len: int) -> torch.Tensor:
+    """``[B, k]`` fp32 log-probs of the completion tokens under ``model`` (unpatched: its own logits), one sequence
+    at a time so that only one ``[k, V]`` fp32 block exists."""
+    rows = []
+    for ids in prompt_completion_ids.split(1):
+        logits = model(input_ids=ids, logits_to_keep=completion_len + 1).logits[:, :-1].float()
+        rows.append(logits.log_softmax(-1).gather(-1, ids[:, -completion_len:, None]).squeeze(-1))
+        del logits
+    return torch.cat(rows)
+
+
+def grpo_inputs(args, vocab_size: int, device: torch.device, model=None) -> dict:
+    """What ``_generate_and_score_completions`` returns for one batch (all tokens valid); off-policy with KL, also
+    the old and reference log-probs: ``model``'s own (computed before any patch, so every variant gets the same)
+    plus seeded Gaussian noise (``benchmarks.problems``' off-policy problem)."""
     g = torch.Generator().manual_seed(args.seed + 1)
     n, p, c = args.grpo_completions, args.grpo_prompt_len, args.grpo_completion_len
     completion_mask = torch.ones(n, c, dtype=torch.long)
@@ -78,13 +108,22 @@ def grpo_inputs(args, vocab_size: int, device: torch.device) -> dict:
         "advantages": torch.randn(n, generator=g),
         "num_items_in_batch": completion_mask.sum(),
     }
-    return {k: v.to(device) for k, v in inputs.items()}
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    if args.grpo_off_policy_kl:
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        current = current_logprobs(model, ids, c)
+        noise = torch.randn(2, n, c, generator=g).to(device)
+        inputs["old_per_token_logps"] = current + OLD_LOGP_NOISE * noise[0]
+        inputs["ref_per_token_logps"] = current + REF_LOGP_NOISE * noise[1]
+    return inputs
 
 
 def _grpo_once(variant: str, args, device: torch.device) -> dict:
     t_build = time.perf_counter()
     config = qwen3_config(args.grpo_shape, max(args.max_positions, args.grpo_prompt_len + args.grpo_completion_len))
     model = build_model(config, device, args.dtype, args.seed)
+    model.eval()  # no dropout in the Qwen3 config either; train() below as TRL's step has it
+    inputs = grpo_inputs(args, config.vocab_size, device, model)
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = build_grpo_trainer(variant, model, tmp, args, device)
@@ -93,7 +132,6 @@ def _grpo_once(variant: str, args, device: torch.device) -> dict:
         enable_checkpointing(model)
     model.train()
     trainer.current_gradient_accumulation_steps = 1
-    inputs = grpo_inputs(args, config.vocab_size, device)
     synchronize(device)
     build_s = time.perf_counter() - t_build
     weights = allocated_gib(device)
