@@ -9,13 +9,15 @@ Modules: :mod:`.models` (shapes, model and data), :mod:`.sft` (part A), :mod:`.g
 Part A, SFT: a Qwen3-1.7B-shaped model (random init from ``transformers.Qwen3Config``, bf16 weights,
 tied embeddings, SDPA attention, gradient checkpointing, batch size 1, random token ids) trained by
 ``transformers.Trainer`` for ``--warmup`` + ``--steps`` optimizer steps at each sequence length, in
-three variants:
+these variants:
 
 * ``plain``: the unpatched model (full ``[tokens, vocab]`` logits, upcast to fp32 by transformers' loss);
 * ``liger``: ``TrainingArguments(use_liger_kernel=True)``, i.e. Liger's fused linear cross-entropy
   **and** its RoPE / RMSNorm / SwiGLU kernels (transformers' default Liger config; ``liger_flce``, not run
   by default, applies the fused linear cross-entropy alone);
 * ``hf_fused``: ``hf_fused.apply_fused_loss(model)``, then the same ``Trainer``;
+* ``hf_fused_liger`` (not run by default): ``apply_fused_loss(model)``, then ``Trainer(use_liger_kernel=True)``:
+  Liger's RoPE / RMSNorm / SwiGLU kernels with hf_fused's loss (hf_fused leaves Liger's fused cross-entropy out);
 * ``trl_sft``: ``trl.SFTTrainer`` (TRL 1.16, ``loss_type="nll"``, ``max_length`` = the row length, no packing) on
   the same rows as pre-tokenized ``input_ids``: TRL's own chunked fused LM head (which also computes the
   entropy and top-1 accuracy it logs);

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-lens", type=parse_ints, default=None,
                    help="SFT sequence lengths (default 4096,16384,32768; --tiny: 64,128,256)")
     p.add_argument("--sft-variants", type=lambda s: parse_list(s, ALL_SFT_VARIANTS, "SFT variant"),
-                   default=list(SFT_VARIANTS), help=f"default {','.join(SFT_VARIANTS)}; also liger_flce")
+                   default=list(SFT_VARIANTS), help=f"default {','.join(SFT_VARIANTS)}; also liger_flce, hf_fused_liger")
     p.add_argument("--grpo-variants", type=lambda s: parse_list(s, GRPO_VARIANTS, "GRPO variant"),
                    default=list(GRPO_VARIANTS), help=f"default {','.join(GRPO_VARIANTS)}")
     p.add_argument("--model", choices=sorted(SFT_MODELS), default="qwen3-1.7b",

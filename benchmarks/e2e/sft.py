@@ -22,9 +22,12 @@ from .report import describe_sft, log
 
 #: ``Trainer`` variants, then ``SFTTrainer`` ones: ``trl_sft`` (TRL 1.16's own chunked fused LM head, installed by
 #: ``SFTTrainer``) and ``hf_fused_trl_sft`` (``apply_fused_loss(model)`` first: hf_fused answers TRL's fused call).
+#: Also: ``liger_flce`` (Liger's fused linear cross-entropy alone) and ``hf_fused_liger`` (``apply_fused_loss`` +
+#: ``Trainer(use_liger_kernel=True)``: Liger's RoPE/RMSNorm/SwiGLU kernels with hf_fused's loss).
 SFT_VARIANTS = ("plain", "liger", "hf_fused", "trl_sft", "hf_fused_trl_sft")
-ALL_SFT_VARIANTS = SFT_VARIANTS + ("liger_flce",)
+ALL_SFT_VARIANTS = SFT_VARIANTS + ("liger_flce", "hf_fused_liger")
 TRL_SFT_VARIANTS = ("trl_sft", "hf_fused_trl_sft")
+LIGER_VARIANTS = ("liger", "liger_flce", "hf_fused_liger")
 
 def liger_unavailable(device: torch.device) -> Optional[str]:
     """None when transformers' ``use_liger_kernel`` can run here, else why not."""
@@ -69,7 +72,7 @@ def sft_training_args(variant: str, out_dir: str, args, device: torch.device):
         optim=args.optim,
         **quiet_run_kwargs(args, device, TrainingArguments),
     )
-    if variant in ("liger", "liger_flce"):
+    if variant in LIGER_VARIANTS:
         kwargs["use_liger_kernel"] = True
     if variant == "liger_flce":
         kwargs["liger_kernel_config"] = dict(rope=False, rms_norm=False, swiglu=False,
@@ -110,7 +113,7 @@ def _sft_once(variant: str, seq_len: int, args, device: torch.device) -> dict:
     t_build = time.perf_counter()
     config = model_config(args.sft_shape, max(args.max_positions, seq_len))
     model = build_model(config, device, args.dtype, args.seed, attn_implementation(args.sft_shape))
-    if variant in ("hf_fused", "hf_fused_trl_sft"):
+    if variant in ("hf_fused", "hf_fused_trl_sft", "hf_fused_liger"):
         from hf_fused import apply_fused_loss
 
         apply_fused_loss(model)
@@ -158,7 +161,7 @@ def run_sft(variant: str, seq_len: int, args, device: torch.device) -> dict:
     leftover = free_memory(device)
     t0 = time.perf_counter()
     family = "gemma2" if is_gemma2(args.sft_shape) else "qwen3"
-    ctx = (restored_module_globals(f"transformers.models.{family}.modeling_{family}") if variant.startswith("liger")
+    ctx = (restored_module_globals(f"transformers.models.{family}.modeling_{family}") if variant in LIGER_VARIANTS
            else contextlib.nullcontext())
     try:
         with ctx:
@@ -176,7 +179,7 @@ def run_sft(variant: str, seq_len: int, args, device: torch.device) -> dict:
 def sft_part(args, device: torch.device, doc: dict, save, deadline: float) -> None:
     runs = doc["sft"]["runs"]
     for variant in args.sft_variants:
-        skip_reason = liger_unavailable(device) if variant.startswith("liger") else None
+        skip_reason = liger_unavailable(device) if variant in LIGER_VARIANTS else None
         failed_at = None
         for seq_len in sorted(args.seq_lens):
             if skip_reason:

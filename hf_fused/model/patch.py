@@ -37,7 +37,9 @@ def apply_fused_loss(
 
     ``transformers.Trainer`` works unchanged: where it gathers predictions (``evaluate()`` with
     ``compute_metrics``, ``predict()``), the patched model runs its original forward so predictions are real
-    logits (hf_fused wraps ``Trainer.prediction_step`` once, for patched models only).
+    logits (hf_fused wraps ``Trainer.prediction_step`` once, for patched models only). With
+    ``use_liger_kernel=True`` Trainer applies Liger's layer kernels but not its fused cross-entropy, which would
+    replace this forward (:mod:`hf_fused.integrations.transformers_trainer`).
 
     Saving: ``torch.save(model)`` / ``torch.load`` keep the patch; ``save_pretrained`` writes the weights
     only, so ``from_pretrained`` gives an unpatched model: call ``apply_fused_loss`` on it again.
@@ -133,9 +135,10 @@ class ReplicatePatched:
 
 
 def _install_trainer_integration() -> None:
-    from ..integrations.transformers_trainer import install_prediction_step_hook
+    from ..integrations.transformers_trainer import install_liger_kernel_hook, install_prediction_step_hook
 
     install_prediction_step_hook()
+    install_liger_kernel_hook()
 
 
 @contextmanager

@@ -37,12 +37,15 @@ class FusedTrainer(Trainer):
     ``average_tokens_across_devices``, eval loss, ``prediction_loss_only``. Whenever Trainer gathers
     predictions (``prediction_loss_only`` off: ``evaluate()`` with ``compute_metrics``, ``predict()``) it runs
     the original forward, so predictions are the logits; ``evaluate()`` without ``compute_metrics`` (which
-    Trainer runs with ``prediction_loss_only=True``) keeps the fused, logit-free loss.
+    Trainer runs with ``prediction_loss_only=True``) keeps the fused, logit-free loss. ``use_liger_kernel=True``
+    applies Liger's layer kernels (RoPE, RMSNorm, SwiGLU, ...) with hf_fused's loss, not Liger's fused
+    cross-entropy (:mod:`hf_fused.integrations.transformers_trainer`).
 
     Raises:
-        ValueError: with ``label_smoothing_factor > 0``, ``compute_loss_func`` or ``use_liger_kernel``:
-            each needs the logits (or replaces the loss) that the fused path never builds; with both
-            ``fused_options`` and ``fused_loss_kwargs``.
+        ValueError: with ``label_smoothing_factor > 0`` or ``compute_loss_func``: each needs the logits (or
+            replaces the loss) that the fused path never builds; with both ``fused_options`` and
+            ``fused_loss_kwargs``; at ``train()``, with ``liger_kernel_config={"fused_linear_cross_entropy":
+            True}`` (Liger's loss would replace hf_fused's).
     """
 
     def __init__(self, *args, fused_options: Optional[dict[str, Any]] = None,
@@ -59,8 +62,6 @@ class FusedTrainer(Trainer):
                 "FusedTrainer computes the loss inside the model; compute_loss_func would receive no logits. "
                 "Use transformers.Trainer for a custom loss on logits, or hf_fused.ops in your own loss."
             )
-        if self.args.use_liger_kernel:
-            raise ValueError("FusedTrainer replaces Liger's fused loss; set use_liger_kernel=False.")
         if self.model is not None:
             apply_fused_loss(self.model, **self._fused_loss_kwargs)
 

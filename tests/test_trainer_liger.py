@@ -1,0 +1,148 @@
+"""``Trainer(use_liger_kernel=True)`` on a model patched by hf_fused: Liger's layer kernels, hf_fused's loss.
+
+Liger's default configuration includes its fused linear cross-entropy, which replaces the model instance's
+``forward`` when training starts and so, before hf_fused wrapped ``transformers.trainer.apply_liger_kernel``,
+silently dropped the patched forward. On CPU Liger's Triton kernels do not run (not even in Triton's interpreter),
+so the CPU tests train with Liger's layer kernels switched off in ``liger_kernel_config`` (what is left is exactly
+the fused cross-entropy that must not replace hf_fused's forward) and check the layer-kernel swap without running
+it; the GPU twin trains with Liger's layer kernels on.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("liger_kernel")
+import transformers.trainer as trainer_module  # noqa: E402
+from liger_kernel.transformers.rms_norm import LigerRMSNorm  # noqa: E402
+from transformers import Trainer  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_model_user_paths import TRAIN, _args, _rel  # noqa: E402
+from tiny_models import make_model  # noqa: E402
+
+from hf_fused import FusedTrainer, apply_fused_loss  # noqa: E402
+from hf_fused.integrations import transformers_trainer  # noqa: E402
+from hf_fused.model.forward import PatchedForward  # noqa: E402
+
+NO_LAYER_KERNELS = {"rope": False, "rms_norm": False, "swiglu": False}
+
+
+@pytest.fixture(autouse=True)
+def _say_again_and_restore_qwen3(monkeypatch):
+    """A fresh "said once" and, afterwards, transformers' Qwen3 module as it was: Liger also patches module-level
+    names there (``apply_rotary_pos_emb``, ``Qwen3RMSNorm``, ``Qwen3MLP``), which later models would pick up."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    monkeypatch.setattr(transformers_trainer, "_SAID", set())
+    saved = dict(vars(modeling_qwen3))
+    saved_forward = modeling_qwen3.Qwen3ForCausalLM.forward
+    yield
+    for name in set(vars(modeling_qwen3)) - set(saved):
+        delattr(modeling_qwen3, name)
+    for name, value in saved.items():
+        setattr(modeling_qwen3, name, value)
+    modeling_qwen3.Qwen3ForCausalLM.forward = saved_forward
+
+
+def _train(trainer):
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    return (torch.tensor([e["loss"] for e in logs], dtype=torch.float64),
+            torch.tensor([e["grad_norm"] for e in logs], dtype=torch.float64),
+            torch.cat([p.detach().double().flatten() for p in trainer.model.parameters()]))
+
+
+def test_liger_would_replace_the_forward_of_an_unpatched_model():
+    """The control for the tests below: the same call on an unpatched model installs Liger's loss forward."""
+    model = make_model("qwen3")
+    trainer_module.apply_liger_kernel(model, dict(NO_LAYER_KERNELS))
+    assert isinstance(model.__dict__.get("forward"), types.MethodType)
+    assert "liger_kernel" in model.forward.__func__.__module__
+
+
+@pytest.mark.parametrize("entry", ["apply_fused_loss+Trainer", "FusedTrainer"])
+def test_use_liger_kernel_keeps_the_fused_loss(tmp_path, entry):
+    """Three steps of ``Trainer(use_liger_kernel=True)`` train exactly as without Liger (its layer kernels off,
+    so what Liger would change is only the loss), the patched forward is still in place, and the user is told
+    once that Liger's fused cross-entropy is left out."""
+    base = make_model("qwen3", tie_word_embeddings=False)
+    cls = FusedTrainer if entry == "FusedTrainer" else Trainer
+
+    def run(name, **liger):
+        model = copy.deepcopy(base) if cls is FusedTrainer else apply_fused_loss(copy.deepcopy(base))
+        trainer = cls(model=model, args=_args(tmp_path / name, **liger), train_dataset=TRAIN)
+        return trainer, _train(trainer)
+
+    _, plain = run("plain")
+    with pytest.warns(UserWarning, match="its fused linear cross-entropy is not"):
+        trainer, liger = run("liger", use_liger_kernel=True, liger_kernel_config=dict(NO_LAYER_KERNELS))
+    assert isinstance(trainer.model.__dict__.get("forward"), PatchedForward)
+    for got, want in zip(liger, plain):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with warnings.catch_warnings():  # said once per process; an explicit False says nothing
+        warnings.simplefilter("error")
+        run("again", use_liger_kernel=True,
+            liger_kernel_config={**NO_LAYER_KERNELS, "fused_linear_cross_entropy": False})
+
+
+def test_liger_layer_kernels_are_swapped_in_around_the_fused_forward():
+    """Liger's default configuration on a patched model: its RMSNorm forward replaces the model's (the layer
+    kernels apply), the patched forward stays."""
+    model = apply_fused_loss(make_model("qwen3"))
+    with pytest.warns(UserWarning, match="Liger's layer kernels are applied"):
+        trainer_module.apply_liger_kernel(model, {})
+    assert model.model.norm.forward.__func__ is LigerRMSNorm.forward
+    assert model.model.layers[0].input_layernorm.forward.__func__ is LigerRMSNorm.forward
+    assert isinstance(model.__dict__.get("forward"), PatchedForward)
+
+
+def test_explicit_liger_fused_cross_entropy_is_refused(tmp_path):
+    model = apply_fused_loss(make_model("qwen3"))
+    trainer = Trainer(model=model, args=_args(tmp_path, use_liger_kernel=True, liger_kernel_config={
+        **NO_LAYER_KERNELS, "fused_linear_cross_entropy": True}), train_dataset=TRAIN)
+    with pytest.raises(ValueError, match="remove_fused_loss"):
+        trainer.train()
+    assert isinstance(model.__dict__.get("forward"), PatchedForward)
+
+
+def test_a_liger_that_replaces_the_forward_anyway_is_an_error(monkeypatch):
+    """If a Liger version replaced the forward although told not to, training must not go on silently with it."""
+    model = apply_fused_loss(make_model("qwen3"))
+
+    def replacing(model, kernel_config):
+        model.forward = types.MethodType(lambda self, **kw: None, model)
+
+    monkeypatch.setattr(trainer_module, "apply_liger_kernel", replacing)
+    transformers_trainer.install_liger_kernel_hook()
+    with pytest.raises(RuntimeError, match="not supported with apply_fused_loss"):
+        trainer_module.apply_liger_kernel(model, {"fused_linear_cross_entropy": False})
+
+
+@pytest.mark.gpu
+def test_liger_layer_kernels_with_the_fused_loss_on_gpu(tmp_path):
+    """On CUDA with Liger's layer kernels running: ``apply_fused_loss`` + ``Trainer(use_liger_kernel=True,
+    bf16=True)`` against the unpatched model with the same kernels and Liger's fused cross-entropy off (HF's loss
+    on bf16 logits), three steps, with an fp32 run without Liger as the yardstick. Final parameters: the patched
+    run as close to the fp32 run as the unpatched one (within 1.25×, as the bf16 Trainer test). Logged losses:
+    the two bf16 runs round every layer alike and differ only in the head's roundings, under 2**-8 relative."""
+    base = make_model("qwen3", tie_word_embeddings=False).cuda()
+    kw = dict(use_cpu=False)
+
+    def run(name, model, **overrides):
+        return _train(Trainer(model=model, args=_args(tmp_path / name, **kw, **overrides), train_dataset=TRAIN))
+
+    fp32 = run("fp32", copy.deepcopy(base))
+    liger = dict(bf16=True, use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": False})
+    eager = run("eager", copy.deepcopy(base), **liger)
+    fused = run("fused", apply_fused_loss(copy.deepcopy(base)), **liger)
+    e, f = _rel(eager[2], fp32[2]), _rel(fused[2], fp32[2])
+    assert e > 0 and f <= 1.25 * e, f"final parameters: fused {f:.3g} vs unpatched {e:.3g}"
+    assert float(((fused[0] - eager[0]) / eager[0]).abs().max()) <= 2.0**-8, (fused[0], eager[0])
