@@ -146,3 +146,29 @@ def test_liger_layer_kernels_with_the_fused_loss_on_gpu(tmp_path):
     e, f = _rel(eager[2], fp32[2]), _rel(fused[2], fp32[2])
     assert e > 0 and f <= 1.25 * e, f"final parameters: fused {f:.3g} vs unpatched {e:.3g}"
     assert float(((fused[0] - eager[0]) / eager[0]).abs().max()) <= 2.0**-8, (fused[0], eager[0])
+
+
+# Liger 0.8.5's forward passes past_key_values, which transformers 5.x renamed (an upstream notice).
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def test_apply_fused_loss_over_a_model_liger_already_patched():
+    """A model whose forward Liger replaced first (``_apply_liger_kernel_to_instance`` / ``AutoLigerKernelForCausalLM``),
+    then ``apply_fused_loss``: hf_fused's probe reads the head through Liger's forward, and loss and every gradient
+    equal the unpatched model's (fp32, up to summation order)."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    from tiny_models import make_batch
+
+    base = make_model("qwen3")
+    model = copy.deepcopy(base)
+    _apply_liger_kernel_to_instance(model=model, **NO_LAYER_KERNELS)
+    assert "liger_kernel" in model.forward.__func__.__module__
+    apply_fused_loss(model)
+    input_ids, attention_mask, labels = make_batch()
+    got = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    want = base(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    assert got.logits is None
+    got.loss.backward()
+    want.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), base.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
