@@ -122,7 +122,7 @@ def _grpo_once(variant: str, args, device: torch.device) -> dict:
     t_build = time.perf_counter()
     config = qwen3_config(args.grpo_shape, max(args.max_positions, args.grpo_prompt_len + args.grpo_completion_len))
     model = build_model(config, device, args.dtype, args.seed)
-    model.eval()  # no dropout in the Qwen3 config either; train() below as TRL's step has it
+    model.eval()  # for the old / reference log-probs, as TRL computes them (train() again below)
     inputs = grpo_inputs(args, config.vocab_size, device, model)
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -20,14 +20,13 @@ Every unpatched model gets Liger's call unchanged.
 from __future__ import annotations
 
 import functools
-
 import warnings
 
 from ..model.forward import PatchedForward
 from ..model.patch import is_fused, original_forward_only
 from ..model.unwrap import find_causal_lm
 
-_SAID: set = set()
+_SAID: set = set()  # what was said once per process
 
 
 def install_prediction_step_hook() -> None:
