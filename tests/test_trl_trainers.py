@@ -191,6 +191,16 @@ def test_sft_completion_only_matches_trl(tmp_path, monkeypatch):
     _parity(_sft_builder(tmp_path, _PROMPT_COMPLETION, completion_only_loss=True), monkeypatch)
 
 
+def test_sft_use_liger_kernel_keeps_the_fused_head(tmp_path, monkeypatch):
+    """``SFTConfig(use_liger_kernel=True)``: TRL switches Liger's fused cross-entropy off itself and hf_fused's
+    Liger hook passes the call through, so a patched model keeps serving TRL's head (Liger's layer kernels are
+    switched off here: they need CUDA; tests/test_trainer_liger.py has the GPU run). Same training as stock TRL
+    with the same flag."""
+    pytest.importorskip("liger_kernel")
+    _parity(_sft_builder(tmp_path, _TEXT, use_liger_kernel=True,
+                         liger_kernel_config=dict(rope=False, rms_norm=False, swiglu=False)), monkeypatch)
+
+
 def test_sft_packing_matches_trl(tmp_path, monkeypatch):
     # Packing (padding-free, BFD): position_ids restart at each document, no attention mask.
     _parity(_sft_builder(tmp_path, _TEXT, packing=True, max_length=16, per_device_train_batch_size=2), monkeypatch)
