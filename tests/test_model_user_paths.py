@@ -56,7 +56,11 @@ def _args(tmp_path, **overrides):
 
 
 def _train(model, tmp_path, **overrides):
-    trainer = Trainer(model=model, args=_args(tmp_path, **overrides), train_dataset=TRAIN)
+    return _trained(Trainer(model=model, args=_args(tmp_path, **overrides), train_dataset=TRAIN))
+
+
+def _trained(trainer):
+    """Train; the logged losses and grad norms, and the final parameters as one vector (float64)."""
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     return (

@@ -24,8 +24,10 @@ import transformers.trainer as trainer_module  # noqa: E402
 from liger_kernel.transformers.rms_norm import LigerRMSNorm  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
+from benchmarks.e2e.sft import restored_module_globals  # noqa: E402
+
 sys.path.insert(0, os.path.dirname(__file__))
-from test_model_user_paths import TRAIN, _args, _rel  # noqa: E402
+from test_model_user_paths import TRAIN, _args, _rel, _train, _trained  # noqa: E402
 from tiny_models import make_model  # noqa: E402
 
 from hf_fused import FusedTrainer, apply_fused_loss  # noqa: E402
@@ -42,22 +44,10 @@ def _say_again_and_restore_qwen3(monkeypatch):
     from transformers.models.qwen3 import modeling_qwen3
 
     monkeypatch.setattr(transformers_trainer, "_SAID", set())
-    saved = dict(vars(modeling_qwen3))
-    saved_forward = modeling_qwen3.Qwen3ForCausalLM.forward
-    yield
-    for name in set(vars(modeling_qwen3)) - set(saved):
-        delattr(modeling_qwen3, name)
-    for name, value in saved.items():
-        setattr(modeling_qwen3, name, value)
-    modeling_qwen3.Qwen3ForCausalLM.forward = saved_forward
-
-
-def _train(trainer):
-    trainer.train()
-    logs = [e for e in trainer.state.log_history if "loss" in e]
-    return (torch.tensor([e["loss"] for e in logs], dtype=torch.float64),
-            torch.tensor([e["grad_norm"] for e in logs], dtype=torch.float64),
-            torch.cat([p.detach().double().flatten() for p in trainer.model.parameters()]))
+    # set to itself: monkeypatch puts it back after the test, whatever Liger did to the class
+    monkeypatch.setattr(modeling_qwen3.Qwen3ForCausalLM, "forward", modeling_qwen3.Qwen3ForCausalLM.forward)
+    with restored_module_globals(modeling_qwen3.__name__):
+        yield
 
 
 def test_liger_would_replace_the_forward_of_an_unpatched_model():
@@ -79,7 +69,7 @@ def test_use_liger_kernel_keeps_the_fused_loss(tmp_path, entry):
     def run(name, **liger):
         model = copy.deepcopy(base) if cls is FusedTrainer else apply_fused_loss(copy.deepcopy(base))
         trainer = cls(model=model, args=_args(tmp_path / name, **liger), train_dataset=TRAIN)
-        return trainer, _train(trainer)
+        return trainer, _trained(trainer)
 
     _, plain = run("plain")
     with pytest.warns(UserWarning, match="its fused linear cross-entropy is not"):
@@ -137,7 +127,7 @@ def test_liger_layer_kernels_with_the_fused_loss_on_gpu(tmp_path):
     kw = dict(use_cpu=False)
 
     def run(name, model, **overrides):
-        return _train(Trainer(model=model, args=_args(tmp_path / name, **kw, **overrides), train_dataset=TRAIN))
+        return _train(model, tmp_path / name, **kw, **overrides)
 
     fp32 = run("fp32", copy.deepcopy(base))
     liger = dict(bf16=True, use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": False})
