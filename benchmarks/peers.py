@@ -344,15 +344,17 @@ class HFFusedPeer(Peer):
         return (f"hf_fused.ops.linear_cross_entropy / linear_logprobs(return_entropy=True)(hidden, weight, labels, "
                 f"tile_budget_bytes={self.tile_budget_bytes}, backend={self.backend!r})")
 
+    def budget(self, inp) -> Optional[int]:
+        """The ``tile_budget_bytes`` of a call on ``inp`` (the class's, unless a subclass sizes it to the shape)."""
+        return self.tile_budget_bytes
+
     def ce_loss(self, inp):
-        return self._ce(
-            inp.hidden, inp.weight, inp.labels, tile_budget_bytes=self.tile_budget_bytes, backend=self.backend
-        )
+        return self._ce(inp.hidden, inp.weight, inp.labels, tile_budget_bytes=self.budget(inp), backend=self.backend)
 
     def logprobs(self, inp):
         return self._lp(
             inp.hidden, inp.weight, inp.labels, return_entropy=self.with_entropy,
-            tile_budget_bytes=self.tile_budget_bytes, backend=self.backend,
+            tile_budget_bytes=self.budget(inp), backend=self.backend,
         )
 
 
@@ -376,6 +378,35 @@ class HFFusedLargeBudgetPeer(HFFusedPeer):
 
     key, label = "hf_fused_4gib", "hf_fused (4 GiB, one pass)"
     tile_budget_bytes = 4 * 2**30
+
+
+def _pair_one_pass_budget(inp: Inputs, rows: int = 2048) -> int:
+    """``tile_budget_bytes`` holding the one pass with the compensated pair as its weight-gradient accumulator
+    (an int8 ``[V, H]`` residual beside the bf16 gradient) and ``rows`` full-vocabulary rows of logits, plus the
+    kept rows' fp32 hidden gradient and compact copy (counted for every token: no host sync for the kept count),
+    but not the fp32 accumulator (3·V·H bytes more): the planner's choice when only the pair fits."""
+    vocab_size, hidden_size = inp.weight.shape
+    elem, tokens = inp.weight.element_size(), inp.labels.numel()
+    return vocab_size * hidden_size + rows * vocab_size * elem + tokens * hidden_size * (4 + elem)
+
+
+class HFFusedPairPeer(HFFusedPeer):
+    """The one pass with the compensated pair (bf16 gradient + int8 residual, V·H bytes) instead of the fp32
+    ``[V, H]`` accumulator (4·V·H): what the default rule takes when only the pair fits a quarter of free memory,
+    forced here by a budget sized to the shape (:func:`_pair_one_pass_budget`). Cross-entropy only: log-probs
+    without a hint take two passes whatever the budget."""
+
+    key, label = "hf_fused_pair", "hf_fused (one pass, pair accumulator)"
+
+    def describe(self):
+        return ("hf_fused.ops.linear_cross_entropy(hidden, weight, labels, tile_budget_bytes=V·H + 2048·V·2 + "
+                "N·H·6): the one pass with the int8-residual pair as its weight-gradient accumulator")
+
+    def unsupported(self, kind, device):
+        return "cross-entropy only (see hf_fused_hint_pair for GRPO)" if kind != "ce" else None
+
+    def budget(self, inp):
+        return _pair_one_pass_budget(inp)
 
 
 def _one_pass_budget(weight: torch.Tensor, rows: int) -> int:
@@ -450,9 +481,23 @@ class HFFusedHintGRPOPeer(HFFusedPeer):
 
             hint = TokenLossHint(_trl_token_loss_of(inp), _trl_per_token(inp))
         return self._lp(
-            inp.hidden, inp.weight, inp.labels, return_entropy=self.with_entropy, tile_budget_bytes=None,
+            inp.hidden, inp.weight, inp.labels, return_entropy=self.with_entropy, tile_budget_bytes=self.budget(inp),
             backend=self.backend, grad_hint=hint,
         )
+
+
+class HFFusedHintPairGRPOPeer(HFFusedHintGRPOPeer):
+    """:class:`HFFusedHintGRPOPeer` with the compensated pair as the one pass's weight-gradient accumulator (int8
+    residual beside the bf16 gradient) instead of the fp32 ``[V, H]`` buffer: a budget sized to the shape
+    (:func:`_pair_one_pass_budget`) that holds the pair's one pass but not the fp32 one."""
+
+    key, label = "hf_fused_hint_pair", "hf_fused (grad_hint, pair accumulator)"
+
+    def describe(self):
+        return super().describe().replace("tile_budget_bytes=None", "tile_budget_bytes=V·H + 2048·V·2 + N·H·6")
+
+    def budget(self, inp):
+        return _pair_one_pass_budget(inp)
 
 
 def _trl_per_token(inp: Inputs) -> dict:
@@ -512,8 +557,8 @@ class HFFusedTokenLossPeer(HFFusedPeer):
 
 #: Every adapter, in table order.
 ALL_PEERS = [EagerPeer, LigerPeer, LigerGRPOPeer, CCEPeer, CCEExactPeer, QuackPeer, TRLPeer, TorchPeer, HFFusedPeer,
-             HFFusedLeanPeer, HFFusedSmallTilesPeer, HFFusedLargeBudgetPeer, HFFusedOnePassGRPOPeer,
-             HFFusedHintGRPOPeer, HFFusedTokenLossPeer]
+             HFFusedLeanPeer, HFFusedSmallTilesPeer, HFFusedLargeBudgetPeer, HFFusedPairPeer, HFFusedOnePassGRPOPeer,
+             HFFusedHintGRPOPeer, HFFusedHintPairGRPOPeer, HFFusedTokenLossPeer]
 #: Run when ``--peers`` is not given (``cce_exact`` only on request).
 DEFAULT_PEERS = [p.key for p in ALL_PEERS if p.key != "cce_exact"]
 

@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("triton")
 
 from hf_fused.ops.backends.compensated import (  # noqa: E402
-    RESIDUAL_DTYPE, SWEEP_CONFIGS, GemmConfig, compensated_addmm_,
+    RESIDUAL_DTYPE, SWEEP_CONFIGS, GemmConfig, compensated_addmm_, compensated_scale_,
 )
 
 # The CPU tests launch the kernel on CPU tensors: only Triton's interpreter can (conftest sets it without CUDA).
@@ -612,3 +612,38 @@ def test_tma_refuses_operands_it_cannot_load():
         assert torch.equal(pairs[0][0], pairs[1][0]) and torch.equal(pairs[0][1], pairs[1][1])
         with pytest.raises(ValueError, match=f"TMA kernel, but a does not suit TMA: .*{reason}"):
             compensated_addmm_(hi, lo, a_i, b_i, config=_tma_config(config))
+
+
+@interpreted
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")  # the interpreter's numpy
+@pytest.mark.parametrize("factor", [0.5, 1 / 3, -7.0, 3e-5])
+def test_scale_rounds_the_pairs_value_times_the_factor_once(factor):
+    # The one pass keeps its weight gradient as the pair until backward knows the upstream gradient: then
+    # round(factor·(hi + lo)) must equal an fp32 accumulator's (t·factor).to(bf16) for the fp32 value t the pair
+    # stands for (exactly, here: the pair's value needs at most 8 + 8 bits plus the decode's power of two, and
+    # the product by the factor rounds once in fp32 in both), ±inf and NaN included.
+    a, w = _lean_path_operands(48, 80, 64, 6, torch.bfloat16, seed=3)
+    hi, lo, _ = _accumulate(a, w, 64)
+    hi[0, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0])
+    lo[0, :4] = torch.tensor([0, 0, 0, 5], dtype=RESIDUAL_DTYPE)
+    value = (hi.double() + _residual(hi, lo)).float()  # exact: hi's 8 bits and lo's 8 bits, 16 apart at most
+    value[0, :3] = hi[0, :3].float()
+    expected = (value * torch.tensor(factor, dtype=torch.float32)).to(torch.bfloat16)
+    out = compensated_scale_(hi, lo, torch.tensor(factor))
+    assert out is hi
+    assert torch.equal(out.isnan(), expected.isnan()) and torch.equal(out[~out.isnan()], expected[~expected.isnan()])
+
+
+@interpreted
+def test_scale_by_one_leaves_hi_and_bad_arguments_raise():
+    hi = torch.tensor([[1.0 + 2.0**-7, 2.0]], dtype=torch.bfloat16)
+    lo = torch.tensor([[127, -64]], dtype=RESIDUAL_DTYPE)  # a fold would move both (test_empty_k_...)
+    assert torch.equal(compensated_scale_(hi.clone(), lo, 1.0), hi)
+    assert torch.equal(compensated_scale_(hi.clone(), lo, 2.0), torch.tensor([[2.0 + 2.0**-5, 4.0 - 2.0**-6]],
+                                                                             dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous hi and lo of one shape"):
+        compensated_scale_(hi, lo[:, :1], 2.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        compensated_scale_(torch.zeros(2, 2, dtype=torch.bfloat16).t(), torch.zeros(2, 2, dtype=RESIDUAL_DTYPE), 2.0)
+    with pytest.raises(TypeError, match="bf16 hi and an int8 lo"):
+        compensated_scale_(hi.float(), lo, 2.0)

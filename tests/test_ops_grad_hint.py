@@ -129,9 +129,10 @@ def test_small_gpu_budget_ignores_the_hint(monkeypatch):
     pytest.importorskip("triton")
     hidden, weight, bias, labels = make_head_inputs((3, 4), H, V, ignore="some", seed=13)
     hint = _grpo_like_hint(labels, seed=14)
-    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
+    from hf_fused.ops.tiling import one_pass_accumulators, one_pass_plan
 
-    assert TritonCublasBackend._one_pass_rows(weight, True, V * H * 4) == 0
+    accumulators = one_pass_accumulators(True, weight.dtype, weight.dtype)
+    assert one_pass_plan(V, H, weight.element_size(), accumulators, V * H * 4, weight.device) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error", HintMissedWarning)  # declined up front: nothing to warn about
         _check("triton", hidden, weight, bias, labels, hint, hint, tile_budget_bytes=V * H * 4)

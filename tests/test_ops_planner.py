@@ -14,13 +14,13 @@ import torch
 from hf_fused.ops import tiling
 from hf_fused.ops.head_inputs import HeadInputs, NeededGrads
 from hf_fused.ops.tiling import (
-    DEFAULT_TILE_BUDGET_BYTES, MIN_ONE_PASS_ROWS, ONE_PASS_FREE_SHARE, ONE_PASS_TILE_ROWS, describe_plan,
-    one_pass_rows, one_pass_working_set, two_pass_plan,
+    DEFAULT_TILE_BUDGET_BYTES, MIN_ONE_PASS_ROWS, ONE_PASS_FREE_SHARE, ONE_PASS_TILE_ROWS, OnePassPlan, describe_plan,
+    one_pass_accumulators, one_pass_plan, one_pass_rows, one_pass_working_set, two_pass_plan,
 )
 
 V, H, BF16 = 151_936, 2048, 2
 CUDA = torch.device("cuda")
-NEEDED = one_pass_working_set(V, H, BF16, True, ONE_PASS_TILE_ROWS)  # fp32 [V, H] + a 2048-row bf16 tile
+NEEDED = one_pass_working_set(V, H, BF16, "fp32", ONE_PASS_TILE_ROWS)  # fp32 [V, H] + a 2048-row bf16 tile
 
 
 def _free(monkeypatch, free):
@@ -29,8 +29,8 @@ def _free(monkeypatch, free):
 
 def test_working_set_is_the_fp32_accumulator_plus_the_tile():
     assert NEEDED == V * H * 4 + ONE_PASS_TILE_ROWS * V * BF16
-    assert one_pass_working_set(V, H, BF16, False, 100) == 100 * V * BF16  # frozen head: no accumulator
-    assert one_pass_working_set(V, H, BF16, False, 100, 7) == 100 * V * BF16 + 7  # the call's rows' buffers
+    assert one_pass_working_set(V, H, BF16, "none", 100) == 100 * V * BF16  # frozen head: no accumulator
+    assert one_pass_working_set(V, H, BF16, "none", 100, 7) == 100 * V * BF16 + 7  # the call's rows' buffers
 
 
 def test_one_pass_counts_the_kept_rows_buffers():
@@ -49,39 +49,39 @@ def test_one_pass_counts_the_kept_rows_buffers():
     assert extra == kept * H * (4 + BF16)
     assert TritonCublasBackend._one_pass_extra_bytes(replace(head, rows=head.rows[:0].new_empty(n)), True) == n * H * 4
     budget = V * H * 4 + MIN_ONE_PASS_ROWS * V * BF16
-    assert one_pass_rows(V, H, BF16, True, budget, CUDA) == MIN_ONE_PASS_ROWS
-    assert one_pass_rows(V, H, BF16, True, budget, CUDA, extra) == 0
-    assert one_pass_rows(V, H, BF16, True, budget + extra, CUDA, extra) == MIN_ONE_PASS_ROWS
+    assert one_pass_rows(V, H, BF16, "fp32", budget, CUDA) == MIN_ONE_PASS_ROWS
+    assert one_pass_rows(V, H, BF16, "fp32", budget, CUDA, extra) == 0
+    assert one_pass_rows(V, H, BF16, "fp32", budget + extra, CUDA, extra) == MIN_ONE_PASS_ROWS
 
 
 @pytest.mark.parametrize("share,expected", [(1.0, ONE_PASS_TILE_ROWS), (1.01, ONE_PASS_TILE_ROWS), (0.99, 0)])
 def test_default_takes_the_one_pass_when_it_fits_a_quarter_of_free_memory(monkeypatch, share, expected):
     _free(monkeypatch, int(NEEDED / ONE_PASS_FREE_SHARE * share))
-    assert one_pass_rows(V, H, BF16, True, None, CUDA) == expected
+    assert one_pass_rows(V, H, BF16, "fp32", None, CUDA) == expected
 
 
 def test_default_for_a_frozen_head_needs_only_the_tile(monkeypatch):
     _free(monkeypatch, int(ONE_PASS_TILE_ROWS * V * BF16 / ONE_PASS_FREE_SHARE) + 1)
-    assert one_pass_rows(V, H, BF16, False, None, CUDA) == ONE_PASS_TILE_ROWS
-    assert one_pass_rows(V, H, BF16, True, None, CUDA) == 0
+    assert one_pass_rows(V, H, BF16, "none", None, CUDA) == ONE_PASS_TILE_ROWS
+    assert one_pass_rows(V, H, BF16, "fp32", None, CUDA) == 0
 
 
 @pytest.mark.parametrize("free", [2**40, 0])
 def test_explicit_budget_is_a_hard_bound_whatever_is_free(monkeypatch, free):
     _free(monkeypatch, free)
     accumulator = V * H * 4
-    assert one_pass_rows(V, H, BF16, True, accumulator + MIN_ONE_PASS_ROWS * V * BF16, CUDA) == MIN_ONE_PASS_ROWS
-    assert one_pass_rows(V, H, BF16, True, accumulator + (MIN_ONE_PASS_ROWS - 1) * V * BF16, CUDA) == 0
-    assert one_pass_rows(V, H, BF16, True, DEFAULT_TILE_BUDGET_BYTES, CUDA) == 0
+    assert one_pass_rows(V, H, BF16, "fp32", accumulator + MIN_ONE_PASS_ROWS * V * BF16, CUDA) == MIN_ONE_PASS_ROWS
+    assert one_pass_rows(V, H, BF16, "fp32", accumulator + (MIN_ONE_PASS_ROWS - 1) * V * BF16, CUDA) == 0
+    assert one_pass_rows(V, H, BF16, "fp32", DEFAULT_TILE_BUDGET_BYTES, CUDA) == 0
 
 
 def test_default_off_cuda_is_the_default_budget(monkeypatch):
     _free(monkeypatch, 2**40)
     cpu = torch.device("cpu")
-    assert one_pass_rows(V, H, BF16, True, None, cpu) == one_pass_rows(V, H, BF16, True, DEFAULT_TILE_BUDGET_BYTES, cpu)
+    assert one_pass_rows(V, H, BF16, "fp32", None, cpu) == one_pass_rows(V, H, BF16, "fp32", DEFAULT_TILE_BUDGET_BYTES, cpu)
     small_v = 1000
     rows = (DEFAULT_TILE_BUDGET_BYTES - small_v * 64 * 4) // (small_v * 4)  # 67042
-    assert one_pass_rows(small_v, 64, 4, True, None, cpu) == rows - rows % tiling.ONE_PASS_ROW_ALIGN == 67040
+    assert one_pass_rows(small_v, 64, 4, "fp32", None, cpu) == rows - rows % tiling.ONE_PASS_ROW_ALIGN == 67040
 
 
 @pytest.mark.parametrize("extra_rows", range(9))
@@ -89,7 +89,7 @@ def test_one_pass_rows_are_whole_multiples_of_the_alignment(extra_rows):
     """Under an explicit budget the rows per tile are the most that fit, rounded down to ``ONE_PASS_ROW_ALIGN``
     (each tile's slice of the fp32 / int64 per-row vectors then starts 16-byte aligned, as QuACK's TMA needs)."""
     budget = V * H * 4 + (MIN_ONE_PASS_ROWS + 8 + extra_rows) * V * BF16
-    rows = one_pass_rows(V, H, BF16, True, budget, CUDA)
+    rows = one_pass_rows(V, H, BF16, "fp32", budget, CUDA)
     assert rows == MIN_ONE_PASS_ROWS + (16 if extra_rows == 8 else 8)
     assert rows % tiling.ONE_PASS_ROW_ALIGN == 0 and (rows * 4) % 16 == 0 and (rows * 8) % 16 == 0
 
@@ -115,16 +115,82 @@ def test_describe_plan_names_the_schedule(monkeypatch):
     assert describe_plan(weight, n_rows=8192).startswith("two passes")
 
 
+# -- the one pass's weight-gradient accumulator -----------------------------------------------------------
+
+PAIRED = ("fp32", "pair")
+PAIR_NEEDED = one_pass_working_set(V, H, BF16, "pair", ONE_PASS_TILE_ROWS)  # int8 [V, H] + a 2048-row bf16 tile
+
+
+def test_accumulators_a_call_can_use():
+    assert one_pass_accumulators(False, torch.bfloat16, torch.bfloat16) == ("none",)  # frozen lm_head
+    assert one_pass_accumulators(True, torch.float32, torch.bfloat16) == ("none",)  # fp32 master weights
+    assert one_pass_accumulators(True, torch.bfloat16, torch.bfloat16) == PAIRED
+    assert one_pass_accumulators(True, torch.float16, torch.float16) == ("fp32",)  # the pair is bf16 only
+    assert one_pass_accumulators(True, torch.float32, torch.float32) == ("none",)
+    assert one_pass_working_set(V, H, BF16, "pair", 0) == V * H * tiling.PAIR_RESIDUAL_BYTES
+    with pytest.raises(ValueError, match="accumulator must be one of"):
+        one_pass_working_set(V, H, BF16, "bf16", 0)
+    with pytest.raises(ValueError, match="at least one accumulator"):
+        one_pass_plan(V, H, BF16, (), None, CUDA)
+
+
+@pytest.mark.parametrize("free,expected", [
+    (NEEDED / ONE_PASS_FREE_SHARE, "fp32"),  # the fp32 accumulator fits: the fastest one pass
+    (NEEDED / ONE_PASS_FREE_SHARE - 1, "pair"),  # it does not: the pair's 1 byte per element does
+    (PAIR_NEEDED / ONE_PASS_FREE_SHARE, "pair"),
+    (PAIR_NEEDED / ONE_PASS_FREE_SHARE - 1, None),  # neither: two passes
+])
+def test_default_takes_the_pair_where_only_it_fits(monkeypatch, free, expected):
+    _free(monkeypatch, int(free))
+    plan = one_pass_plan(V, H, BF16, PAIRED, None, CUDA)
+    assert (plan and plan.accumulator) == expected
+    if plan:
+        assert plan == OnePassPlan(ONE_PASS_TILE_ROWS, expected, NEEDED if expected == "fp32" else PAIR_NEEDED)
+    # without the pair (fp16 gradients) the same memory gives the two passes
+    assert (one_pass_plan(V, H, BF16, ("fp32",), None, CUDA) is None) == (expected != "fp32")
+
+
+@pytest.mark.parametrize("fp32_rows", [ONE_PASS_TILE_ROWS, ONE_PASS_TILE_ROWS - 8, MIN_ONE_PASS_ROWS, 0])
+def test_explicit_budget_keeps_fp32_for_full_tiles_else_the_most_rows(monkeypatch, fp32_rows):
+    """Under a budget the fp32 accumulator wins while it leaves ONE_PASS_TILE_ROWS rows per tile; below that the
+    pair (3 bytes less per [V, H] element: 3·V·H/(V·2) = 1.5·H more rows) leaves more rows and is taken."""
+    _free(monkeypatch, 0)  # ignored under a budget
+    extra = 1000 * H * 4
+    budget = V * H * 4 + fp32_rows * V * BF16 + extra
+    plan = one_pass_plan(V, H, BF16, PAIRED, budget, CUDA, extra)
+    if fp32_rows == ONE_PASS_TILE_ROWS:
+        assert plan.accumulator == "fp32" and plan.rows == ONE_PASS_TILE_ROWS
+    else:
+        pair_rows = (budget - V * H - extra) // (V * BF16)
+        assert plan.accumulator == "pair" and plan.rows == pair_rows - pair_rows % tiling.ONE_PASS_ROW_ALIGN
+    assert plan.bytes == one_pass_working_set(V, H, BF16, plan.accumulator, plan.rows, extra) <= budget
+    assert one_pass_plan(V, H, BF16, PAIRED, V * H + (MIN_ONE_PASS_ROWS - 1) * V * BF16, CUDA) is None
+
+
+def test_describe_plan_names_the_accumulator(monkeypatch):
+    weight = torch.empty(V, H, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    monkeypatch.setattr(tiling, "free_device_bytes", lambda device: 2**40)  # any device: the weight is on meta
+    assert describe_plan(weight, n_rows=8192).endswith("accumulator 'fp32'")
+    free = int((PAIR_NEEDED + 8192 * H * 4) / ONE_PASS_FREE_SHARE)
+    monkeypatch.setattr(tiling, "free_device_bytes", lambda device: free)
+    assert describe_plan(weight, n_rows=8192).endswith("accumulator 'pair'")
+    assert describe_plan(weight.float(), n_rows=8192).startswith("two passes")  # fp32 weight: no pair
+
+
 def test_gpu_backend_asks_the_planner(monkeypatch):
     pytest.importorskip("triton")
+    from hf_fused.ops import LogitTransform
     from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
 
     seen = []
-    monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass_rows",
-                        lambda *a: seen.append(a) or 0)
-    weight = torch.empty(V, H, dtype=torch.bfloat16, device="meta")
-    assert TritonCublasBackend._one_pass_rows(weight, True, None) == 0
-    assert seen == [(V, H, BF16, True, None, weight.device, 0)]
+    monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass_plan", lambda *a: seen.append(a))
+    n = 64
+    head = HeadInputs(torch.empty(n, H, dtype=torch.bfloat16, device="meta"),
+                      torch.empty(V, H, dtype=torch.bfloat16, device="meta"), None,
+                      torch.empty(n, dtype=torch.long, device="meta"), torch.empty(n, dtype=torch.long, device="meta"),
+                      LogitTransform(), 12345)
+    assert TritonCublasBackend._one_pass_plan(head, NeededGrads(True, True, False)) is None
+    assert seen == [(V, H, BF16, ("fp32", "pair"), 12345, head.weight.device, n * H * 4)]
 
 
 # -- the two passes' hidden-gradient accumulator ---------------------------------------------------------
@@ -360,8 +426,9 @@ def test_lean_plan_splits_rows_into_equal_blocks(m):
         assert plan.block_rows == -(-m // blocks), (budget, plan)
 
 
-@pytest.mark.parametrize("grad_dtype,counted", [(None, True), (torch.bfloat16, True), (torch.float32, False)])
-def test_an_fp32_weight_gradient_is_not_planned_as_an_extra_accumulator(monkeypatch, grad_dtype, counted):
+@pytest.mark.parametrize("grad_dtype,accumulators", [(None, ("fp32", "pair")), (torch.bfloat16, ("fp32", "pair")),
+                                                      (torch.float32, ("none",))])
+def test_an_fp32_weight_gradient_is_not_planned_as_an_extra_accumulator(monkeypatch, grad_dtype, accumulators):
     """fp32 master weights under autocast: the one pass's fp32 [V, H] buffer becomes the weight's gradient itself,
     so the planner is asked about the tile alone (the default rule then takes the one pass with less free memory)."""
     pytest.importorskip("triton")
@@ -369,14 +436,14 @@ def test_an_fp32_weight_gradient_is_not_planned_as_an_extra_accumulator(monkeypa
     from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
 
     seen = []
-    monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass_rows", lambda *a: seen.append(a) or 0)
+    monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass_plan", lambda *a: seen.append(a))
     n = 64
     head = HeadInputs(torch.empty(n, H, dtype=torch.bfloat16, device="meta"),
                       torch.empty(V, H, dtype=torch.bfloat16, device="meta"), None,
                       torch.empty(n, dtype=torch.long, device="meta"), torch.empty(n, dtype=torch.long, device="meta"),
                       LogitTransform(), None, weight_grad_dtype=grad_dtype)
     assert TritonCublasBackend()._one_pass(head, None, NeededGrads(True, True, False), False, ()) is None
-    assert seen[0][3] is counted
+    assert seen[0][3] == accumulators
 
 
 # -- row blocks in whole waves of the pair's persistent matmul -----------------------------------------------

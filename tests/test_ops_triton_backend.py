@@ -11,6 +11,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from hf_fused.ops import linear_cross_entropy, linear_logprobs  # noqa: E402
+from hf_fused.ops.tiling import one_pass_accumulators, one_pass_plan  # noqa: E402
 
 TRANSFORMS = [{}, {"softcap": 3.0}, {"logit_scale": 0.5, "temperature": 0.7}, {"softcap": 2.0, "temperature": 1.3}]
 
@@ -181,15 +182,18 @@ def test_triton_backend_fp32_on_gpu_matches_float64():
 def test_cross_entropy_path_choice_follows_the_budget():
     # The tests above cover both paths: the default budget holds the fp32 [V, H] accumulator of their
     # small heads (one pass), the small budgets do not (vocabulary-outer two passes).
-    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
+    def plan(w, need_weight, budget):
+        accumulators = one_pass_accumulators(need_weight, w.dtype, w.dtype)
+        return one_pass_plan(*w.shape, w.element_size(), accumulators, budget, w.device)
 
     w = torch.empty(300, 16)
-    assert TritonCublasBackend._one_pass_rows(w, True, None) >= 512
-    assert TritonCublasBackend._one_pass_rows(w, True, 300 * 4 * 10) == 0
+    assert plan(w, True, None).rows >= 512
+    assert plan(w, True, 300 * 4 * 10) is None
     big = torch.empty(151936, 2048, dtype=torch.bfloat16)  # Qwen head: 1.16 GiB fp32 accumulator
-    assert TritonCublasBackend._one_pass_rows(big, True, None) == 0
-    assert TritonCublasBackend._one_pass_rows(big, True, 2 * 2**30) >= 512
-    assert TritonCublasBackend._one_pass_rows(big, False, None) >= 512  # frozen head: no accumulator
+    assert plan(big, True, None) is None  # off CUDA the default is the 256 MiB budget: not even the pair fits
+    assert plan(big, True, 2 * 2**30).accumulator == "fp32" and plan(big, True, 2 * 2**30).rows >= 512
+    assert plan(big, True, 2**30).accumulator == "pair"  # 0.29 GiB residual: the one pass still fits 1 GiB
+    assert plan(big, False, None).rows >= 512  # frozen head: no accumulator
 
 
 @pytest.mark.gpu

@@ -7,9 +7,11 @@ kept inside ``tile_budget_bytes`` (:func:`rows_per_tile`).
 The GPU backend has two schedules (:mod:`hf_fused.ops.backends.triton_cublas`):
 
 - one pass (6·N·H·V FLOPs): token rows outside, whole vocabulary rows per tile, gradients right after each
-  row block's log-sum-exp; it holds an fp32 ``[V, H]`` weight-gradient accumulator (none for a frozen
-  lm_head, and none beyond the gradient for an fp32 weight gradient — fp32 master weights — which it is) plus a
-  ``[rows, V]`` tile in the weight's dtype (:func:`one_pass_rows`);
+  row block's log-sum-exp; it holds a ``[rows, V]`` tile in the weight's dtype and a ``[V, H]`` weight-gradient
+  accumulator (:func:`one_pass_plan`): ``"fp32"``, 4·V·H bytes, the fastest; ``"pair"`` for a bf16 weight
+  gradient, the gradient itself plus an int8 residual of V·H bytes (:mod:`hf_fused.ops.backends.compensated`,
+  as accurate as the fp32 buffer, its fold ~20% slower than cuBLAS's fp32 accumulation); ``"none"`` for a
+  frozen lm_head, or for an fp32 weight gradient (fp32 master weights), which is its own accumulator;
 - two passes (8·N·H·V): vocabulary chunks outside, one ``[rows, cols]`` tile; the memory-lean path. Its
   gradient pass also accumulates the hidden-state gradient across vocabulary chunks (:func:`hidden_accumulator`):
   under the default rule in an fp32 ``[M, H]`` buffer beside a ``DEFAULT_TILE_BUDGET_BYTES`` tile (cuBLAS
@@ -22,11 +24,13 @@ The GPU backend has two schedules (:mod:`hf_fused.ops.backends.triton_cublas`):
 
 **The default rule** (``tile_budget_bytes=None``) on a CUDA device: the one pass with
 ``ONE_PASS_TILE_ROWS`` rows per tile whenever its working set fits in ``ONE_PASS_FREE_SHARE`` of the memory
-free on the device at the call (the driver's free memory plus what PyTorch's allocator holds unused);
-otherwise two passes with a ``DEFAULT_TILE_BUDGET_BYTES`` tile. An explicit ``tile_budget_bytes`` is a hard
-bound instead: the one pass only if the budget holds its working set (the accumulator, the kept rows' fp32
-hidden gradient and compact copy, and a tile of at least ``MIN_ONE_PASS_ROWS`` rows; rows per tile in multiples
-of ``ONE_PASS_ROW_ALIGN``), otherwise two passes within the budget. On other devices the default is that bound at
+free on the device at the call (the driver's free memory plus what PyTorch's allocator holds unused), with the
+fp32 accumulator, or else (bf16 weight gradient) with the pair; otherwise two passes with a
+``DEFAULT_TILE_BUDGET_BYTES`` tile. An explicit ``tile_budget_bytes`` is a hard bound instead: the one pass only
+if the budget holds its working set (the accumulator, the kept rows' fp32 hidden gradient and compact copy, and a
+tile of at least ``MIN_ONE_PASS_ROWS`` rows; rows per tile in multiples of ``ONE_PASS_ROW_ALIGN``) — with the fp32
+accumulator when that leaves ``ONE_PASS_TILE_ROWS`` rows, else with whichever accumulator leaves more rows —
+otherwise two passes within the budget. On other devices the default is that bound at
 ``DEFAULT_TILE_BUDGET_BYTES``. :func:`describe_plan` says which schedule a call would take.
 """
 
@@ -106,14 +110,23 @@ def tiles(rows: torch.Tensor, tile_rows: int) -> Iterator[torch.Tensor]:
 # -- the GPU backend's schedules ------------------------------------------------------------------------
 
 
+#: Bytes per ``[V, H]`` element of each one-pass weight-gradient accumulator beyond the gradient itself.
+ACCUMULATOR_BYTES = {"none": 0, "fp32": 4, "pair": PAIR_RESIDUAL_BYTES}
+
+
 def one_pass_working_set(
-    vocab_size: int, hidden_size: int, elem_bytes: int, need_weight: bool, rows: int, extra_bytes: int = 0
+    vocab_size: int, hidden_size: int, elem_bytes: int, accumulator: str, rows: int, extra_bytes: int = 0
 ) -> int:
-    """Bytes the GPU one pass holds beyond inputs and outputs: the fp32 ``[V, H]`` accumulator (when the
-    weight needs a gradient), a ``[rows, V]`` tile in the weight's dtype, and ``extra_bytes`` (what depends on
-    the call's token rows: the kept rows' fp32 hidden-state gradient, held until backward, and their compact
-    copy)."""
-    return (vocab_size * hidden_size * 4 if need_weight else 0) + rows * vocab_size * elem_bytes + extra_bytes
+    """Bytes the GPU one pass holds beyond inputs and outputs: the ``accumulator``'s (:data:`ACCUMULATOR_BYTES`
+    per ``[V, H]`` element), a ``[rows, V]`` tile in the weight's dtype, and ``extra_bytes`` (what depends on the
+    call's token rows: the kept rows' fp32 hidden-state gradient, held until backward, and their compact copy).
+
+    Raises:
+        ValueError: on an ``accumulator`` not in :data:`ACCUMULATOR_BYTES`.
+    """
+    if accumulator not in ACCUMULATOR_BYTES:
+        raise ValueError(f"accumulator must be one of {sorted(ACCUMULATOR_BYTES)}, got {accumulator!r}")
+    return vocab_size * hidden_size * ACCUMULATOR_BYTES[accumulator] + rows * vocab_size * elem_bytes + extra_bytes
 
 
 def free_device_bytes(device: torch.device) -> Optional[int]:
@@ -125,17 +138,60 @@ def free_device_bytes(device: torch.device) -> Optional[int]:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
+@dataclass(frozen=True)
+class OnePassPlan:
+    """The GPU one pass of a call: ``rows`` per full-vocabulary tile, the weight-gradient ``accumulator``
+    (``"none"``, ``"fp32"`` or ``"pair"``, module docstring) and the working set in ``bytes`` at those rows."""
+
+    rows: int
+    accumulator: str
+    bytes: int
+
+
+def one_pass_plan(
+    vocab_size: int,
+    hidden_size: int,
+    elem_bytes: int,
+    accumulators: tuple[str, ...],
+    tile_budget_bytes: Optional[int],
+    device: torch.device,
+    extra_bytes: int = 0,
+) -> Optional[OnePassPlan]:
+    """The one pass the module docstring's rule picks, or ``None`` for the two passes.
+
+    Args:
+        accumulators: the weight-gradient accumulators the call can use, fastest first: ``("none",)`` when it
+            needs none (frozen lm_head, fp32 weight gradient), ``("fp32", "pair")`` for a bf16 one on the GPU
+            backend, ``("fp32",)`` otherwise.
+        extra_bytes: as in :func:`one_pass_working_set`.
+
+    Raises:
+        ValueError: if an explicit budget is not a positive integer, or ``accumulators`` is empty.
+    """
+    if not accumulators:
+        raise ValueError("one_pass_plan needs at least one accumulator kind")
+    fitting = [(one_pass_rows(vocab_size, hidden_size, elem_bytes, kind, tile_budget_bytes, device, extra_bytes),
+                kind) for kind in accumulators]
+    fitting = [(rows, kind) for rows, kind in fitting if rows]
+    if not fitting:
+        return None
+    # the fastest accumulator while it keeps full-size tiles (fewer rows per tile cost more than its speed gives:
+    # 1024-row tiles were 11 ms slower at 32768×2048×151936 on an H100), else the one leaving the most rows
+    rows, kind = next(((r, k) for r, k in fitting if r >= ONE_PASS_TILE_ROWS), max(fitting, key=lambda rk: rk[0]))
+    return OnePassPlan(rows, kind, one_pass_working_set(vocab_size, hidden_size, elem_bytes, kind, rows, extra_bytes))
+
+
 def one_pass_rows(
     vocab_size: int,
     hidden_size: int,
     elem_bytes: int,
-    need_weight: bool,
+    accumulator: str,
     tile_budget_bytes: Optional[int],
     device: torch.device,
     extra_bytes: int = 0,
 ) -> int:
-    """Rows per full-vocabulary tile of the GPU one pass, or 0 for the two passes (module docstring's rule);
-    ``extra_bytes`` as in :func:`one_pass_working_set`.
+    """Rows per full-vocabulary tile of the GPU one pass with this ``accumulator``, or 0 where it does not fit
+    (module docstring's rule); ``extra_bytes`` as in :func:`one_pass_working_set`.
 
     Raises:
         ValueError: if an explicit budget is not a positive integer.
@@ -143,15 +199,26 @@ def one_pass_rows(
     if tile_budget_bytes is None:
         free = free_device_bytes(device)
         if free is not None:
-            needed = one_pass_working_set(vocab_size, hidden_size, elem_bytes, need_weight, ONE_PASS_TILE_ROWS,
+            needed = one_pass_working_set(vocab_size, hidden_size, elem_bytes, accumulator, ONE_PASS_TILE_ROWS,
                                           extra_bytes)
             return ONE_PASS_TILE_ROWS if needed <= ONE_PASS_FREE_SHARE * free else 0
     budget = check_tile_budget(tile_budget_bytes)
-    rows = (budget - one_pass_working_set(vocab_size, hidden_size, elem_bytes, need_weight, 0, extra_bytes)) // (
+    rows = (budget - one_pass_working_set(vocab_size, hidden_size, elem_bytes, accumulator, 0, extra_bytes)) // (
         vocab_size * elem_bytes
     )
     rows -= rows % ONE_PASS_ROW_ALIGN
     return rows if rows >= MIN_ONE_PASS_ROWS else 0
+
+
+def one_pass_accumulators(need_weight: bool, grad_dtype: torch.dtype, operand_dtype: torch.dtype) -> tuple[str, ...]:
+    """The one pass's weight-gradient accumulators for a call, fastest first (:func:`one_pass_plan`): none
+    without a weight gradient or for an fp32 one (it is the accumulator), ``"fp32"`` or the compensated
+    ``"pair"`` for a bf16 gradient of bf16 operands (the pair's matmul takes bf16 only), ``"fp32"`` otherwise."""
+    if not need_weight or grad_dtype == torch.float32:
+        return ("none",)
+    if grad_dtype == operand_dtype == torch.bfloat16:
+        return ("fp32", "pair")
+    return ("fp32",)
 
 
 def hidden_accumulator(
@@ -309,11 +376,13 @@ def describe_plan(
     elem = weight.element_size()
     copy = 0 if n_tokens is None or n_tokens == n_rows else n_rows * hidden_size * elem
     extra = n_rows * hidden_size * 4 + copy
-    accumulator = need_weight and weight.dtype != torch.float32  # an fp32 gradient is its own accumulator
-    rows = one_pass_rows(vocab_size, hidden_size, elem, accumulator, tile_budget_bytes, weight.device, extra)
-    if rows:
-        size = one_pass_working_set(vocab_size, hidden_size, elem, accumulator, min(rows, max(n_rows, 1)), extra)
-        return f"one pass (6·N·H·V): {rows} rows per tile, {size / 2**30:.2f} GiB working set"
+    plan = one_pass_plan(vocab_size, hidden_size, elem, one_pass_accumulators(need_weight, weight.dtype, weight.dtype),
+                         tile_budget_bytes, weight.device, extra)
+    if plan:
+        size = one_pass_working_set(vocab_size, hidden_size, elem, plan.accumulator, min(plan.rows, max(n_rows, 1)),
+                                    extra)
+        return (f"one pass (6·N·H·V): {plan.rows} rows per tile, {size / 2**30:.2f} GiB working set with the "
+                f"weight-gradient accumulator {plan.accumulator!r}")
     kind, acc = hidden_accumulator(n_rows, hidden_size, weight.dtype, tile_budget_bytes)
     if tile_budget_bytes is None:
         block_rows, cols = two_pass_plan(n_rows, vocab_size, elem, None)

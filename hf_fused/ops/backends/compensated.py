@@ -521,6 +521,55 @@ def compensated_addmm_(
             )
 
 
+def compensated_scale_(hi: torch.Tensor, lo: torch.Tensor, factor) -> torch.Tensor:
+    """``hi ← round_bf16(factor·(hi + lo·ulp(hi)/254))`` in place, and ``hi`` returned: a pair's value scaled
+    by the upstream gradient and rounded once, as an fp32 accumulator's ``(acc·factor).to(bf16)`` would be.
+
+    The sum ``hi + lo·ulp/254`` and the product each round once in fp32 (``≤ 2⁻²⁴`` relative each); the
+    bf16 rounding is to nearest, ties to even. A ``factor`` of exactly 1.0 (a Python float) returns ``hi``
+    untouched: it already is the round-to-nearest of the best sum the pair held (module docstring, "No
+    finalize step").
+
+    Args:
+        hi: bf16, contiguous (e.g. the one pass's ``[V, H]`` weight gradient).
+        lo: :data:`RESIDUAL_DTYPE` (int8) of ``hi``'s shape, contiguous: its residual.
+        factor: a Python float, or a 0-d fp32 tensor on ``hi``'s device (the upstream gradient: read by the
+            kernel, no host sync).
+
+    Raises:
+        ValueError: on shapes that differ, or ``hi``/``lo`` not contiguous.
+        TypeError: on ``hi`` not bf16 or ``lo`` not int8.
+    """
+    if hi.shape != lo.shape or not (hi.is_contiguous() and lo.is_contiguous()):
+        raise ValueError(f"compensated_scale_ needs contiguous hi and lo of one shape; got hi {tuple(hi.shape)} "
+                         f"{hi.stride()}, lo {tuple(lo.shape)} {lo.stride()}")
+    if hi.dtype != _PAIR_DTYPE or lo.dtype != RESIDUAL_DTYPE:
+        raise TypeError(f"compensated_scale_ needs a bf16 hi and an int8 lo; got {hi.dtype}, {lo.dtype}")
+    if isinstance(factor, float) and factor == 1.0:
+        return hi
+    factor = torch.as_tensor(factor, dtype=torch.float32, device=hi.device).reshape(())
+    n = hi.numel()
+    if n:
+        with torch.cuda.device(hi.device) if hi.is_cuda else contextlib.nullcontext():
+            _scale_pair_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](hi, lo, factor, n, BLOCK=_SCALE_BLOCK)
+    return hi
+
+
+_SCALE_BLOCK = 4096
+
+
+@triton.jit
+def _scale_pair_kernel(HI, LO, FACTOR, n, BLOCK: tl.constexpr):
+    """One ``BLOCK`` of :func:`compensated_scale_` over the flat pair (int64 offsets: a ``[V, H]`` pair can
+    pass 2³¹ elements)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    h = _to_fp32(tl.load(HI + offs, mask=mask, other=0.0))
+    t = (h + _decode(tl.load(LO + offs, mask=mask, other=0), h)) * tl.load(FACTOR)
+    stored, _ = _round(t)
+    tl.store(HI + offs, stored, mask=mask)
+
+
 def _uses_tma(hi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: GemmConfig) -> bool:
     """Whether :func:`compensated_addmm_` runs the TMA kernel for these operands and ``config``; raises
     ``ValueError`` where ``config.tma`` is True and it cannot."""
@@ -567,6 +616,7 @@ __all__ = [
     "SMALL",
     "SWEEP_CONFIGS",
     "compensated_addmm_",
+    "compensated_scale_",
     "wave_rows",
     "default_config",
 ]

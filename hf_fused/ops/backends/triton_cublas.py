@@ -18,8 +18,10 @@ accumulation after the matmul is fp32. Its shape comes from :func:`hf_fused.ops.
 
 Cross-entropy (plain or token-weighted) and log-probs given a ``grad_hint`` take a one-pass path
 instead (token rows outside, whole vocabulary rows per tile, gradients right after each row's
-log-sum-exp: ``6·M·H·V``) when the planner's rule allows it (:func:`hf_fused.ops.tiling.one_pass_rows`: by
-default when its fp32 ``[V, H]`` accumulator and tile fit in a quarter of the free device memory); see
+log-sum-exp: ``6·M·H·V``) when the planner's rule allows it (:func:`hf_fused.ops.tiling.one_pass_plan`: by
+default when its ``[V, H]`` weight-gradient accumulator and tile fit in a quarter of the free device memory: fp32,
+or for a bf16 gradient the compensated pair of :mod:`.compensated` — the gradient itself and an int8 residual,
+folded by :func:`.compensated_addmm_` after each tile and scaled by the upstream gradient in backward); see
 :meth:`TritonCublasBackend.logprobs_with_grads`. Otherwise they return ``None`` and the op falls back to the
 two passes above, the gradient pass in its backward.
 
@@ -44,7 +46,8 @@ from ..grads import HeadGrads
 from ..head_inputs import HeadInputs, NeededGrads
 from ..logit_transform import LogitTransform
 from ..tiling import (
-    LeanPlan, accumulation_row_bytes, hidden_accumulator, lean_two_pass_plan, one_pass_rows, two_pass_plan,
+    LeanPlan, OnePassPlan, accumulation_row_bytes, hidden_accumulator, lean_two_pass_plan, one_pass_accumulators,
+    one_pass_plan, two_pass_plan,
 )
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_, wave_rows
 from .protocol import HeadPass, TileGrads
@@ -378,11 +381,14 @@ class TritonCublasBackend:
 
     # -- one pass: token rows outside, full vocabulary per tile --------------------------------------
     @staticmethod
-    def _one_pass_rows(weight, need_weight, tile_budget_bytes, extra_bytes: int = 0) -> int:
-        """Rows per full-vocabulary tile of the one pass, or 0 (:func:`~hf_fused.ops.tiling.one_pass_rows`)."""
+    def _one_pass_plan(head: HeadInputs, need: NeededGrads) -> Optional[OnePassPlan]:
+        """The call's one pass (tile rows and weight-gradient accumulator), or ``None`` for the two passes
+        (:func:`~hf_fused.ops.tiling.one_pass_plan`)."""
+        weight = head.weight
         vocab_size, hidden_size = weight.shape
-        return one_pass_rows(vocab_size, hidden_size, weight.element_size(), need_weight, tile_budget_bytes,
-                             weight.device, extra_bytes)
+        accumulators = one_pass_accumulators(need.weight, head.weight_grad_dtype or weight.dtype, weight.dtype)
+        return one_pass_plan(vocab_size, hidden_size, weight.element_size(), accumulators, head.tile_budget_bytes,
+                             weight.device, TritonCublasBackend._one_pass_extra_bytes(head, need.hidden))
 
     @staticmethod
     def _one_pass_extra_bytes(head: HeadInputs, need_hidden: bool) -> int:
@@ -428,18 +434,22 @@ class TritonCublasBackend:
         (:func:`_fuses_statistics`), a returned entropy comes from the gradient kernel's Σ p·z."""
         weight, bias = head.weight, head.bias
         need_hidden, need_weight = need.hidden, need.weight
-        # An fp32 weight gradient (fp32 master weights) is the accumulator itself: nothing to plan for it.
-        accumulator = need_weight and (head.weight_grad_dtype or weight.dtype) != torch.float32
-        block_rows = self._one_pass_rows(weight, accumulator, head.tile_budget_bytes,
-                                         self._one_pass_extra_bytes(head, need_hidden))
-        if not block_rows:
+        plan = self._one_pass_plan(head, need)
+        if plan is None:
             return None
+        block_rows = plan.rows
         h, y = self._compact(head)
         m_rows, vocab_size = h.shape[0], weight.shape[0]
         grads = HeadGrads()
-        # the first tile writes the accumulator (no fill, no read of zeros), unless no row is kept
+        # the first tile writes the fp32 accumulator (no fill, no read of zeros), unless no row is kept; an fp32
+        # weight gradient (fp32 master weights, accumulator "none") is that accumulator itself. The pair starts at
+        # zero: its fold reads what it adds to.
         new = torch.empty if m_rows else torch.zeros
-        d_weight32 = new(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        pair = need_weight and plan.accumulator == "pair"
+        d_weight32 = new(weight.shape, dtype=torch.float32, device=weight.device) if need_weight and not pair else None
+        if pair:
+            grads.weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+            grads.weight_residual = torch.zeros(weight.shape, dtype=RESIDUAL_DTYPE, device=weight.device)
         d_hidden = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_hidden else None
         if need.bias and bias is not None:
             grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
@@ -472,10 +482,13 @@ class TritonCublasBackend:
                 _mm_f32_(d_hidden[r0:r1], dz, weight)
             if d_weight32 is not None:
                 (_addmm_f32_ if r0 else _mm_f32_)(d_weight32, dz.t(), h[r0:r1])
+            elif pair:
+                compensated_addmm_(grads.weight, grads.weight_residual, dz.t(), h[r0:r1])
             if grads.bias is not None:
                 grads.bias += dz.float().sum(0)
         grads.hidden = d_hidden
-        grads.weight = d_weight32
+        if not pair:
+            grads.weight = d_weight32
         logp, entropy, lse, token_stats = self._finish(stats, y, vocab_size, return_entropy, statistics)
         return HeadPass(logp, entropy, lse, grads if tile_grads is not None else None, token_stats)
 

@@ -1,0 +1,155 @@
+"""The GPU one pass with the compensated pair as its weight-gradient accumulator (``accumulator="pair"``).
+
+Where the fp32 ``[V, H]`` accumulator does not fit, a bf16 weight gradient can still take the one pass: the
+gradient itself plus an int8 residual (:mod:`hf_fused.ops.backends.compensated`), folded after every tile and
+scaled by the upstream gradient in backward with one rounding. Checked here under Triton's interpreter against
+the same one pass with the fp32 accumulator (same tiles, same logits: everything but the weight gradient bit for
+bit, the weight gradient within one rounding) and against float64 (no further from it than the fp32 accumulator's
+result), for every op that takes the one pass, under upstream factors other than 1.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dense_reference import make_head_inputs, rel_err, single_threaded_torch  # noqa: E402,F401
+from hf_fused.ops import linear_cross_entropy, linear_logprobs, linear_token_loss  # noqa: E402
+from hf_fused.ops import tiling  # noqa: E402
+from hf_fused.ops.backends import compensated, triton_cublas  # noqa: E402
+from hf_fused.ops.tiling import OnePassPlan  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU tensors need TRITON_INTERPRET=1 (conftest sets it when there is no GPU)")
+
+# 1100 tokens, a third ignored: 2 tiles of 512 kept rows, 3 folds into the pair with the last partial tile
+N, H, V, ROWS = 1100, 64, 256, 512
+
+
+def _forced(monkeypatch, accumulator):
+    """Every one pass of the GPU backend with ``ROWS`` rows per tile and this accumulator. Returns the plans made,
+    the tiles folded into the pair, and ``Σ_tiles |dz|ᵀ·|h|`` in float64 (``[V, H]``: what bounds the fp32
+    rounding of the weight gradient's sum in any order), gathered from whichever accumulation runs."""
+    plans, folds, abs_sum = [], [], []
+
+    def plan(vocab_size, hidden_size, elem_bytes, accumulators, *rest):
+        assert accumulators == ("fp32", "pair")  # a bf16 gradient of bf16 operands may take either
+        plans.append(OnePassPlan(ROWS, accumulator, 0))
+        return plans[-1]
+
+    def spy(real, fold):
+        def accumulate(out, *args, **kwargs):
+            a, b = args[-2:] if fold else args
+            folds.extend([a.shape] if fold else [])
+            terms = torch.stack([a.double() @ b.double(), a.double().abs() @ b.double().abs()])
+            abs_sum.append(terms + abs_sum.pop() if abs_sum else terms)
+            return real(out, *args, **kwargs)
+        return accumulate
+
+    monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass_plan", plan)
+    for name, fold in (("compensated_addmm_", True), ("_addmm_f32_", False), ("_mm_f32_", False)):
+        target = f"hf_fused.ops.backends.triton_cublas.{name}"
+        real = getattr(triton_cublas, name)
+        if name == "_mm_f32_":  # also the hidden gradient's (dz @ W): only dW's operands are [V, rows], [rows, H]
+            monkeypatch.setattr(target, lambda out, a, b, real=real, acc=spy(real, False): (
+                acc(out, a, b) if a.shape[0] == V and b.shape[1] == H and a.shape[1] == b.shape[0] != V
+                else real(out, a, b)))
+        else:
+            monkeypatch.setattr(target, spy(real, fold))
+    return plans, folds, abs_sum
+
+
+def _cross_entropy(hidden, weight, bias, labels):
+    return linear_cross_entropy(hidden, weight, labels, bias, backend="triton", reduction="sum") * 0.37
+
+
+def _token_loss(hidden, weight, bias, labels):
+    advantages = torch.linspace(-1.5, 2.0, labels.numel()).view(labels.shape)
+
+    def loss(logprobs, entropy, advantages):  # a DAPO-like term and an entropy bonus
+        return -advantages * torch.exp(logprobs - logprobs.detach()) - 0.01 * entropy
+
+    total, _, _ = linear_token_loss(hidden, weight, labels, loss, bias, per_token={"advantages": advantages},
+                                    need_entropy=True, backend="triton")
+    return total * -3.0
+
+
+def _hinted_logprobs(hidden, weight, bias, labels):
+    g = torch.linspace(-2.0, 1.0, labels.numel()).view(labels.shape) * (labels != -100)
+    logprobs, _ = linear_logprobs(hidden, weight, labels, bias, backend="triton", grad_hint=g)
+    return (logprobs * g).sum() * 0.5  # the hint up to the factor 0.5
+
+
+OPS = {"cross_entropy": _cross_entropy, "token_loss": _token_loss, "hinted_logprobs": _hinted_logprobs}
+
+
+#: The upstream factor each op's loss puts on the head's gradients.
+FACTORS = {"cross_entropy": 0.37, "token_loss": -3.0, "hinted_logprobs": 0.5}
+
+
+def _run(monkeypatch, op, accumulator, bias):
+    plans, folds, abs_sum = _forced(monkeypatch, accumulator)
+    hidden, weight, b, labels = make_head_inputs((N,), H, V, bias=bias, ignore="some", dtype=torch.bfloat16,
+                                                 weight_std=4.0, seed=5)
+    loss = OPS[op](hidden, weight, b, labels)
+    loss.backward()
+    assert plans and all(p.accumulator == accumulator for p in plans)
+    kept = int((labels != -100).sum())
+    assert len(folds) == (-(-kept // ROWS) if accumulator == "pair" else 0)
+    grads = [t.grad for t in (hidden, weight, b) if t is not None]
+    return loss.detach(), grads, (hidden, weight, b, labels), abs_sum[0] * FACTORS[op]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_pair_one_pass_matches_the_fp32_accumulator(monkeypatch, op, bias):
+    loss32, grads32, inputs, sums = _run(monkeypatch, op, "fp32", bias)
+    loss_pair, grads_pair, _, _ = _run(monkeypatch, op, "pair", bias)
+    # the same tiles and logits: the loss and every gradient but the weight's are the same bits
+    assert torch.equal(loss_pair, loss32)
+    for name, ours, theirs in zip(("hidden", "weight", "bias"), grads_pair, grads32):
+        assert ours.dtype == theirs.dtype == torch.bfloat16
+        if name != "weight":
+            assert torch.equal(ours, theirs), name
+    # The weight's, against float64: the exact sum of the same products (the bf16 logits-gradient tiles dz times
+    # the hidden rows) times the upstream factor. Each path sums them in fp32 in its own order (a Triton dot per
+    # tile folded into the pair; a torch mm per tile added to an fp32 buffer): off by at most kept·2⁻²⁴·Σ|dz|·|h|
+    # in any order; the pair's int8 quantisation adds ulp(hi)/508 per fold (compensated's docstring; hi is at most
+    # Σ|dz|·|h| before the factor); then one rounding to bf16, ½ulp. Both stay within that, and mostly agree bit
+    # for bit (they differ only where the two orders round to different sides).
+    exact, scale = sums[0], sums[1].abs()
+    kept = int((inputs[3] != -100).sum())
+    folds = -(-kept // ROWS)
+    for dw in (grads_pair[1], grads32[1]):
+        half_ulp = torch.ldexp(torch.ones_like(exact), torch.frexp(dw.double())[1] - 9).clamp_min(2.0**-134)
+        fold_ulp = torch.ldexp(torch.ones_like(exact), torch.frexp(scale)[1] - 7)  # ≥ 2·ulp(hi)·|factor|
+        assert ((dw.double() - exact).abs() <= half_ulp + folds * fold_ulp / 508 + kept * 2.0**-24 * scale).all()
+    assert (grads_pair[1] != grads32[1]).double().mean() <= 0.01
+
+
+def test_default_rule_takes_the_pair_when_only_it_fits(monkeypatch):
+    """Through the public op, nothing forced: a budget that holds the residual but not the fp32 buffer gives the
+    pair's one pass, the very computation checked above (same bits as the forced plan)."""
+    hidden, weight, b, labels = make_head_inputs((N,), H, V, ignore="some", dtype=torch.bfloat16, weight_std=4.0,
+                                                 seed=5)
+    kept = int((labels != -100).sum())
+    extra = kept * H * (4 + 2)  # the kept rows' fp32 hidden gradient and compact copy
+    budget = V * H * 1 + ROWS * V * 2 + extra  # fp32 would need 3·V·H more: 1.5·H fewer rows than the pair's
+    assert tiling.one_pass_plan(V, H, 2, ("fp32", "pair"), budget, hidden.device, extra) == \
+        OnePassPlan(ROWS, "pair", budget)
+    folds = []
+    real_addmm = compensated.compensated_addmm_
+    monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.compensated_addmm_",
+                        lambda *a, **k: folds.append(1) or real_addmm(*a, **k))
+    loss = linear_cross_entropy(hidden, weight, labels, b, backend="triton", tile_budget_bytes=budget,
+                                reduction="sum") * 0.37
+    assert len(folds) == -(-kept // ROWS)  # gradients in the forward: the one pass
+    loss.backward()
+    forced_loss, forced_grads, _, _ = _run(monkeypatch, "cross_entropy", "pair", True)
+    assert torch.equal(loss.detach(), forced_loss)
+    for ours, forced in zip((hidden.grad, weight.grad, b.grad), forced_grads):
+        assert torch.equal(ours, forced)
