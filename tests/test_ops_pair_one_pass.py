@@ -73,7 +73,7 @@ def _cross_entropy(hidden, weight, bias, labels):
 
 
 def _token_loss(hidden, weight, bias, labels):
-    advantages = torch.linspace(-1.5, 2.0, labels.numel()).view(labels.shape)
+    advantages = torch.linspace(-1.5, 2.0, labels.numel(), device=labels.device).view(labels.shape)
 
     def loss(logprobs, entropy, advantages):  # a DAPO-like term and an entropy bonus
         return -advantages * torch.exp(logprobs - logprobs.detach()) - 0.01 * entropy
@@ -84,7 +84,7 @@ def _token_loss(hidden, weight, bias, labels):
 
 
 def _hinted_logprobs(hidden, weight, bias, labels):
-    g = torch.linspace(-2.0, 1.0, labels.numel()).view(labels.shape) * (labels != -100)
+    g = torch.linspace(-2.0, 1.0, labels.numel(), device=labels.device).view(labels.shape) * (labels != -100)
     logprobs, _ = linear_logprobs(hidden, weight, labels, bias, backend="triton", grad_hint=g)
     return (logprobs * g).sum() * 0.5  # the hint up to the factor 0.5
 
