@@ -382,12 +382,13 @@ class HFFusedLargeBudgetPeer(HFFusedPeer):
 
 def _pair_one_pass_budget(inp: Inputs, rows: int = 2048) -> int:
     """``tile_budget_bytes`` holding the one pass with the compensated pair as its weight-gradient accumulator
-    (an int8 ``[V, H]`` residual beside the bf16 gradient) and ``rows`` full-vocabulary rows of logits, plus the
-    kept rows' fp32 hidden gradient and compact copy (counted for every token: no host sync for the kept count),
-    but not the fp32 accumulator (3·V·H bytes more): the planner's choice when only the pair fits."""
+    (an int8 ``[V, H]`` residual beside the bf16 gradient) and ``rows`` full-vocabulary rows of logits with their
+    gathered hidden rows, plus the kept rows' fp32 hidden gradient (counted for every token: no host sync for the
+    kept count, so a few more rows where tokens are ignored), but not the fp32 accumulator (3·V·H bytes more):
+    the planner's choice when only the pair fits."""
     vocab_size, hidden_size = inp.weight.shape
     elem, tokens = inp.weight.element_size(), inp.labels.numel()
-    return vocab_size * hidden_size + rows * vocab_size * elem + tokens * hidden_size * (4 + elem)
+    return vocab_size * hidden_size + rows * (vocab_size + hidden_size) * elem + tokens * hidden_size * 4
 
 
 class HFFusedPairPeer(HFFusedPeer):
@@ -399,8 +400,8 @@ class HFFusedPairPeer(HFFusedPeer):
     key, label = "hf_fused_pair", "hf_fused (one pass, pair accumulator)"
 
     def describe(self):
-        return ("hf_fused.ops.linear_cross_entropy(hidden, weight, labels, tile_budget_bytes=V·H + 2048·V·2 + "
-                "N·H·6): the one pass with the int8-residual pair as its weight-gradient accumulator")
+        return ("hf_fused.ops.linear_cross_entropy(hidden, weight, labels, tile_budget_bytes=V·H + 2048·(V + H)·2 + "
+                "N·H·4): the one pass with the int8-residual pair as its weight-gradient accumulator")
 
     def unsupported(self, kind, device):
         return "cross-entropy only (see hf_fused_hint_pair for GRPO)" if kind != "ce" else None
@@ -494,7 +495,7 @@ class HFFusedHintPairGRPOPeer(HFFusedHintGRPOPeer):
     key, label = "hf_fused_hint_pair", "hf_fused (grad_hint, pair accumulator)"
 
     def describe(self):
-        return super().describe().replace("tile_budget_bytes=None", "tile_budget_bytes=V·H + 2048·V·2 + N·H·6")
+        return super().describe().replace("tile_budget_bytes=None", "tile_budget_bytes=V·H + 2048·(V + H)·2 + N·H·4")
 
     def budget(self, inp):
         return _pair_one_pass_budget(inp)

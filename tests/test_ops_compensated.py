@@ -647,3 +647,13 @@ def test_scale_by_one_leaves_hi_and_bad_arguments_raise():
         compensated_scale_(torch.zeros(2, 2, dtype=torch.bfloat16).t(), torch.zeros(2, 2, dtype=RESIDUAL_DTYPE), 2.0)
     with pytest.raises(TypeError, match="bf16 hi and an int8 lo"):
         compensated_scale_(hi.float(), lo, 2.0)
+
+
+def test_one_pass_config_takes_three_stages_at_h_2048_only():
+    from hf_fused.ops.backends.compensated import LARGE, SMALL, one_pass_config
+
+    cpu = torch.device("cpu")
+    assert one_pass_config(151936, 2048, cpu) == GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3,
+                                                            epilogue_split=4)
+    assert one_pass_config(151936, 4096, cpu) == LARGE
+    assert one_pass_config(64, 96, cpu) == SMALL  # too few tiles for LARGE: the default's choice, unchanged

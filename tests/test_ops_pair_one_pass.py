@@ -149,9 +149,9 @@ def test_default_rule_takes_the_pair_when_only_it_fits(monkeypatch, device):
     pair's one pass, the very computation checked above (same bits as the forced plan)."""
     hidden, weight, b, labels = _inputs(device, True)
     kept = int((labels != -100).sum())
-    extra = kept * H * (4 + 2)  # the kept rows' fp32 hidden gradient and compact copy
-    budget = V * H * 1 + ROWS * V * 2 + extra  # fp32 would need 3·V·H more: 1.5·H fewer rows than the pair's
-    assert tiling.one_pass_plan(V, H, 2, ("fp32", "pair"), budget, hidden.device, extra) == \
+    extra, gather = kept * H * 4, H * 2  # the kept rows' fp32 hidden gradient; each tile row's gathered hidden row
+    budget = V * H * 1 + ROWS * (V * 2 + gather) + extra  # fp32 would need 3·V·H more: fewer rows than the pair's
+    assert tiling.one_pass_plan(V, H, 2, ("fp32", "pair"), budget, hidden.device, extra, gather) == \
         OnePassPlan(ROWS, "pair", budget)
     folds = []
     real_addmm = compensated.compensated_addmm_
@@ -182,7 +182,7 @@ def test_pair_one_pass_error_is_eagers_on_gpu(monkeypatch, softcap):
     weight = (torch.randn(v, h, generator=g) * (4 / h**0.5)).cuda().bfloat16().requires_grad_()
     labels = torch.randint(0, v, (n,), generator=g).cuda()
     labels[::10] = -100
-    budget = v * h + 1024 * v * 2 + n * h * 6  # the pair and 1024 rows; not the fp32 accumulator (3·V·H more)
+    budget = v * h + 1024 * (v + h) * 2 + n * h * 4  # the pair and 1024 rows; not the fp32 accumulator (3·V·H more)
     monkeypatch.setattr("hf_fused.ops.tiling.free_device_bytes", lambda device: 0)  # budget only
     kw = {} if softcap is None else {"softcap": softcap}
     loss = linear_cross_entropy(hidden, weight, labels, tile_budget_bytes=budget, **kw)

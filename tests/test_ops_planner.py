@@ -33,9 +33,10 @@ def test_working_set_is_the_fp32_accumulator_plus_the_tile():
     assert one_pass_working_set(V, H, BF16, "none", 100, 7) == 100 * V * BF16 + 7  # the call's rows' buffers
 
 
-def test_one_pass_counts_the_kept_rows_buffers():
+def test_one_pass_counts_the_kept_rows_buffers(monkeypatch):
     """The one pass also holds the kept rows' fp32 hidden gradient (until backward) and, when rows are ignored,
-    their compact copy: the backend passes both to the planner, and an explicit budget covers them."""
+    each tile's kept hidden rows gathered into a [rows, H] buffer (not a compact copy of them all): the backend
+    passes both to the planner, and an explicit budget covers them."""
     pytest.importorskip("triton")
     from hf_fused.ops import LogitTransform
     from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
@@ -45,13 +46,22 @@ def test_one_pass_counts_the_kept_rows_buffers():
     hidden = torch.empty(n, H, dtype=torch.bfloat16, device="meta")
     head = HeadInputs(hidden, weight, None, torch.empty(n, dtype=torch.long, device="meta"),
                       torch.empty(kept, dtype=torch.long, device="meta"), LogitTransform(), None)
-    extra = TritonCublasBackend._one_pass_extra_bytes(head, need_hidden=True)
-    assert extra == kept * H * (4 + BF16)
-    assert TritonCublasBackend._one_pass_extra_bytes(replace(head, rows=head.rows[:0].new_empty(n)), True) == n * H * 4
+    seen = []
+    monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass_plan", lambda *a: seen.append(a))
+    TritonCublasBackend._one_pass_plan(head, NeededGrads(True, True, False))
+    assert seen[-1][-2:] == (kept * H * 4, H * BF16)  # the fp32 hidden gradient; a gathered row per tile row
+    every_row = replace(head, rows=head.rows.new_empty(n))
+    TritonCublasBackend._one_pass_plan(every_row, NeededGrads(True, True, False))
+    assert seen[-1][-2:] == (n * H * 4, 0)  # every row kept: tiles slice hidden itself
+    TritonCublasBackend._one_pass_plan(replace(every_row, hidden=hidden.float()), NeededGrads(False, True, False))
+    assert seen[-1][-2:] == (0, H * (BF16 + 4))  # fp32 hidden states: gathered through fp32, no hidden gradient
     budget = V * H * 4 + MIN_ONE_PASS_ROWS * V * BF16
     assert one_pass_rows(V, H, BF16, "fp32", budget, CUDA) == MIN_ONE_PASS_ROWS
-    assert one_pass_rows(V, H, BF16, "fp32", budget, CUDA, extra) == 0
-    assert one_pass_rows(V, H, BF16, "fp32", budget + extra, CUDA, extra) == MIN_ONE_PASS_ROWS
+    assert one_pass_rows(V, H, BF16, "fp32", budget, CUDA, 7) == 0
+    assert one_pass_rows(V, H, BF16, "fp32", budget, CUDA, 0, H * BF16) == 0
+    assert one_pass_rows(V, H, BF16, "fp32", budget + MIN_ONE_PASS_ROWS * H * BF16, CUDA, 0, H * BF16) == \
+        MIN_ONE_PASS_ROWS
+    assert one_pass_working_set(V, H, BF16, "fp32", 10, 7, 3) == V * H * 4 + 10 * (V * BF16 + 3) + 7
 
 
 @pytest.mark.parametrize("share,expected", [(1.0, ONE_PASS_TILE_ROWS), (1.01, ONE_PASS_TILE_ROWS), (0.99, 0)])
@@ -190,7 +200,7 @@ def test_gpu_backend_asks_the_planner(monkeypatch):
                       torch.empty(n, dtype=torch.long, device="meta"), torch.empty(n, dtype=torch.long, device="meta"),
                       LogitTransform(), 12345)
     assert TritonCublasBackend._one_pass_plan(head, NeededGrads(True, True, False)) is None
-    assert seen == [(V, H, BF16, ("fp32", "pair"), 12345, head.weight.device, n * H * 4)]
+    assert seen == [(V, H, BF16, ("fp32", "pair"), 12345, head.weight.device, n * H * 4, 0)]
 
 
 # -- the two passes' hidden-gradient accumulator ---------------------------------------------------------

@@ -27,7 +27,7 @@ The GPU backend has two schedules (:mod:`hf_fused.ops.backends.triton_cublas`):
 free on the device at the call (the driver's free memory plus what PyTorch's allocator holds unused), with the
 fp32 accumulator, or else (bf16 weight gradient) with the pair; otherwise two passes with a
 ``DEFAULT_TILE_BUDGET_BYTES`` tile. An explicit ``tile_budget_bytes`` is a hard bound instead: the one pass only
-if the budget holds its working set (the accumulator, the kept rows' fp32 hidden gradient and compact copy, and a
+if the budget holds its working set (the accumulator, the kept rows' fp32 hidden gradient, each tile's gathered rows, and a
 tile of at least ``MIN_ONE_PASS_ROWS`` rows; rows per tile in multiples of ``ONE_PASS_ROW_ALIGN``) — with the fp32
 accumulator when that leaves ``ONE_PASS_TILE_ROWS`` rows, else with whichever accumulator leaves more rows —
 otherwise two passes within the budget. On other devices the default is that bound at
@@ -115,18 +115,22 @@ ACCUMULATOR_BYTES = {"none": 0, "fp32": 4, "pair": PAIR_RESIDUAL_BYTES}
 
 
 def one_pass_working_set(
-    vocab_size: int, hidden_size: int, elem_bytes: int, accumulator: str, rows: int, extra_bytes: int = 0
+    vocab_size: int, hidden_size: int, elem_bytes: int, accumulator: str, rows: int, extra_bytes: int = 0,
+    gather_row_bytes: int = 0,
 ) -> int:
     """Bytes the GPU one pass holds beyond inputs and outputs: the ``accumulator``'s (:data:`ACCUMULATOR_BYTES`
-    per ``[V, H]`` element), a ``[rows, V]`` tile in the weight's dtype, and ``extra_bytes`` (what depends on the
-    call's token rows: the kept rows' fp32 hidden-state gradient, held until backward, and their compact copy).
+    per ``[V, H]`` element), a ``[rows, V]`` tile in the weight's dtype, ``gather_row_bytes`` per tile row (where
+    ignored tokens are dropped, each tile's kept hidden rows are gathered into a ``[rows, H]`` buffer, through
+    hidden's dtype when it differs), and ``extra_bytes`` (what depends on the call's token rows: the kept rows'
+    fp32 hidden-state gradient, held until backward).
 
     Raises:
         ValueError: on an ``accumulator`` not in :data:`ACCUMULATOR_BYTES`.
     """
     if accumulator not in ACCUMULATOR_BYTES:
         raise ValueError(f"accumulator must be one of {sorted(ACCUMULATOR_BYTES)}, got {accumulator!r}")
-    return vocab_size * hidden_size * ACCUMULATOR_BYTES[accumulator] + rows * vocab_size * elem_bytes + extra_bytes
+    return (vocab_size * hidden_size * ACCUMULATOR_BYTES[accumulator] + rows * (vocab_size * elem_bytes + gather_row_bytes)
+            + extra_bytes)
 
 
 def free_device_bytes(device: torch.device) -> Optional[int]:
@@ -156,6 +160,7 @@ def one_pass_plan(
     tile_budget_bytes: Optional[int],
     device: torch.device,
     extra_bytes: int = 0,
+    gather_row_bytes: int = 0,
 ) -> Optional[OnePassPlan]:
     """The one pass the module docstring's rule picks, or ``None`` for the two passes.
 
@@ -163,22 +168,23 @@ def one_pass_plan(
         accumulators: the weight-gradient accumulators the call can use, fastest first: ``("none",)`` when it
             needs none (frozen lm_head, fp32 weight gradient), ``("fp32", "pair")`` for a bf16 one on the GPU
             backend, ``("fp32",)`` otherwise.
-        extra_bytes: as in :func:`one_pass_working_set`.
+        extra_bytes, gather_row_bytes: as in :func:`one_pass_working_set`.
 
     Raises:
         ValueError: if an explicit budget is not a positive integer, or ``accumulators`` is empty.
     """
     if not accumulators:
         raise ValueError("one_pass_plan needs at least one accumulator kind")
-    fitting = [(one_pass_rows(vocab_size, hidden_size, elem_bytes, kind, tile_budget_bytes, device, extra_bytes),
-                kind) for kind in accumulators]
+    fitting = [(one_pass_rows(vocab_size, hidden_size, elem_bytes, kind, tile_budget_bytes, device, extra_bytes,
+                              gather_row_bytes), kind) for kind in accumulators]
     fitting = [(rows, kind) for rows, kind in fitting if rows]
     if not fitting:
         return None
     # the fastest accumulator while it keeps full-size tiles (fewer rows per tile cost more than its speed gives:
     # 1024-row tiles were 11 ms slower at 32768×2048×151936 on an H100), else the one leaving the most rows
     rows, kind = next(((r, k) for r, k in fitting if r >= ONE_PASS_TILE_ROWS), max(fitting, key=lambda rk: rk[0]))
-    return OnePassPlan(rows, kind, one_pass_working_set(vocab_size, hidden_size, elem_bytes, kind, rows, extra_bytes))
+    size = one_pass_working_set(vocab_size, hidden_size, elem_bytes, kind, rows, extra_bytes, gather_row_bytes)
+    return OnePassPlan(rows, kind, size)
 
 
 def one_pass_rows(
@@ -189,9 +195,10 @@ def one_pass_rows(
     tile_budget_bytes: Optional[int],
     device: torch.device,
     extra_bytes: int = 0,
+    gather_row_bytes: int = 0,
 ) -> int:
     """Rows per full-vocabulary tile of the GPU one pass with this ``accumulator``, or 0 where it does not fit
-    (module docstring's rule); ``extra_bytes`` as in :func:`one_pass_working_set`.
+    (module docstring's rule); ``extra_bytes`` and ``gather_row_bytes`` as in :func:`one_pass_working_set`.
 
     Raises:
         ValueError: if an explicit budget is not a positive integer.
@@ -200,11 +207,11 @@ def one_pass_rows(
         free = free_device_bytes(device)
         if free is not None:
             needed = one_pass_working_set(vocab_size, hidden_size, elem_bytes, accumulator, ONE_PASS_TILE_ROWS,
-                                          extra_bytes)
+                                          extra_bytes, gather_row_bytes)
             return ONE_PASS_TILE_ROWS if needed <= ONE_PASS_FREE_SHARE * free else 0
     budget = check_tile_budget(tile_budget_bytes)
     rows = (budget - one_pass_working_set(vocab_size, hidden_size, elem_bytes, accumulator, 0, extra_bytes)) // (
-        vocab_size * elem_bytes
+        vocab_size * elem_bytes + gather_row_bytes
     )
     rows -= rows % ONE_PASS_ROW_ALIGN
     return rows if rows >= MIN_ONE_PASS_ROWS else 0
@@ -375,12 +382,12 @@ def describe_plan(
     need_weight = weight.requires_grad if need_weight is None else need_weight
     elem = weight.element_size()
     copy = 0 if n_tokens is None or n_tokens == n_rows else n_rows * hidden_size * elem
-    extra = n_rows * hidden_size * 4 + copy
+    extra, gather = n_rows * hidden_size * 4, hidden_size * elem if copy else 0
     plan = one_pass_plan(vocab_size, hidden_size, elem, one_pass_accumulators(need_weight, weight.dtype, weight.dtype),
-                         tile_budget_bytes, weight.device, extra)
+                         tile_budget_bytes, weight.device, extra, gather)
     if plan:
         size = one_pass_working_set(vocab_size, hidden_size, elem, plan.accumulator, min(plan.rows, max(n_rows, 1)),
-                                    extra)
+                                    extra, gather)
         return (f"one pass (6·N·H·V): {plan.rows} rows per tile, {size / 2**30:.2f} GiB working set with the "
                 f"weight-gradient accumulator {plan.accumulator!r}")
     kind, acc = hidden_accumulator(n_rows, hidden_size, weight.dtype, tile_budget_bytes)

@@ -196,6 +196,16 @@ def default_config(m: int, n: int, device: torch.device) -> GemmConfig:
     return SMALL
 
 
+def one_pass_config(m: int, n: int, device: torch.device) -> GemmConfig:
+    """The launch shape for the one pass's weight-gradient fold (``[V, H] += dzᵀ [V, rows] @ h [rows, H]``: M the
+    vocabulary, K one tile's rows, so few K steps per output tile and the fold's read and write of hi and lo weigh
+    more than in the lean path): :data:`LARGE` with 3 stages where ``n`` ≤ 2048, else :func:`default_config`. On an
+    H100 (``python -m benchmarks.compensated_gemm --tma-only --shapes 151936:2048:2048,151936:2048:4096``, eighth
+    session) 3 stages took 2.34 ms against 2.57–2.60 for 4 at N = 2048, and 5.00 against 4.93–4.99 at N = 4096."""
+    config = default_config(m, n, device)
+    return dataclasses.replace(config, num_stages=3) if config == LARGE and n <= 2048 else config
+
+
 def wave_rows(n: int, device: torch.device) -> int:
     """The fewest rows ``M`` (a multiple of ``LARGE.block_m``) whose ``[M, n]`` product, in ``LARGE``'s output
     tiles, is a whole number of waves on ``device``'s multiprocessors; 1 off CUDA (the interpreter has no
@@ -619,4 +629,5 @@ __all__ = [
     "compensated_scale_",
     "wave_rows",
     "default_config",
+    "one_pass_config",
 ]
