@@ -22,8 +22,11 @@ from typing import Optional
 import torch
 
 from hf_fused.ops import LogitTransform, linear_cross_entropy, linear_logprobs
+from hf_fused.ops.backends.compensated import RESIDUAL_DTYPE, compensated_addmm_, one_pass_config
 from hf_fused.ops.backends.triton_cublas import TritonCublasBackend, _addmm_f32_
-from hf_fused.ops.tiling import LeanPlan, hidden_accumulator, lean_two_pass_plan, two_pass_plan
+from hf_fused.ops.tiling import (
+    LeanPlan, OnePassPlan, forced_plans, hidden_accumulator, lean_two_pass_plan, two_pass_plan,
+)
 from .measure import free_memory, median_ms
 from .report import text_table
 
@@ -43,9 +46,11 @@ def _inputs(kind: str, m: int, h: int, v: int, device: torch.device, seed: int =
 def _step(kind, hidden, weight, labels, g_lp, g_ent, budget):
     hidden.grad = weight.grad = None
     if kind == "ce":
-        linear_cross_entropy(hidden, weight, labels, reduction="sum", tile_budget_bytes=budget).backward()
+        linear_cross_entropy(hidden, weight, labels, reduction="sum", tile_budget_bytes=budget,
+                             backend="triton").backward()
     else:
-        logp, ent = linear_logprobs(hidden, weight, labels, return_entropy=True, tile_budget_bytes=budget)
+        logp, ent = linear_logprobs(hidden, weight, labels, return_entropy=True, tile_budget_bytes=budget,
+                                    backend="triton")
         torch.autograd.backward([logp, ent], [g_lp, g_ent])
 
 
@@ -58,15 +63,6 @@ def _peak_gib(fn, device) -> float:
     base = torch.cuda.memory_allocated(device)
     fn()
     return (torch.cuda.max_memory_allocated(device) - base) / 2**30
-
-
-def _forced_plan(plan):
-    """Replace the planner for one measurement (``None`` keeps the real one)."""
-    original = TritonCublasBackend.__dict__["_plan"]  # the staticmethod object itself
-    if plan is not None:
-        forced = LeanPlan(*plan, gather_rows=False, bytes=0)
-        TritonCublasBackend._plan = staticmethod(lambda *a, **k: forced)
-    return original
 
 
 def _gemm_ms(m, h, cols, device, repeats):
@@ -88,14 +84,9 @@ def _gemm_ms(m, h, cols, device, repeats):
     return out
 
 
-def _one_pass_rows_forced(rows):
-    original = TritonCublasBackend.__dict__["_one_pass_rows"]
-    TritonCublasBackend._one_pass_rows = staticmethod(lambda *a, **k: rows)
-    return original
-
-
-def _one_pass_parts_ms(rows, h, v, device, repeats):
-    """Median ms of each per-tile step of the one-pass path on one ``[rows, V]`` tile."""
+def _one_pass_parts_ms(rows, h, v, device, repeats, accumulator="fp32"):
+    """Median ms of each per-tile step of the one-pass path on one ``[rows, V]`` tile (``dW``: the accumulation
+    into the fp32 buffer, or the compensated pair's fold)."""
     backend = TritonCublasBackend()
     a = torch.randn(rows, h, device=device, dtype=torch.bfloat16)
     w = torch.randn(v, h, device=device, dtype=torch.bfloat16) * (4.0 / h**0.5)
@@ -116,6 +107,10 @@ def _one_pass_parts_ms(rows, h, v, device, repeats):
         "dh": lambda: torch.mm(tile, w, out=dh),
         "dW": lambda: _addmm_f32_(acc, tile.t(), a),
     }
+    if accumulator == "pair":
+        hi = torch.zeros(v, h, device=device, dtype=torch.bfloat16)
+        lo = torch.zeros(v, h, device=device, dtype=RESIDUAL_DTYPE)
+        fns["dW"] = lambda: compensated_addmm_(hi, lo, tile.t(), a, config=one_pass_config(v, h, device))
     out = {}
     for name, fn in fns.items():
         fn()
@@ -123,25 +118,23 @@ def _one_pass_parts_ms(rows, h, v, device, repeats):
     return out
 
 
-def one_pass_sweep(specs: str, rows_list: list[int], device, repeats) -> list[tuple]:
+def one_pass_sweep(specs: str, rows_list: list[int], device, repeats, accumulator: str = "fp32") -> list[tuple]:
     out = []
     for spec in specs.split(","):
         m, h, v = map(int, spec.split(":"))
         hidden, weight, labels, _, _ = _inputs("lp", m, h, v, device)
         hint = torch.randn(m, device=device)
         for rows in rows_list:
-            original = _one_pass_rows_forced(rows)
-            try:
+            with forced_plans(one_pass=OnePassPlan(rows, accumulator, 0)):
                 def fn():
                     hidden.grad = weight.grad = None
-                    logp, _ = linear_logprobs(hidden, weight, labels, return_entropy=True, grad_hint=hint)
+                    logp, _ = linear_logprobs(hidden, weight, labels, return_entropy=True, grad_hint=hint,
+                                              backend="triton")
                     logp.backward(hint)
 
                 peak = _peak_gib(fn, device)
                 ms = median_ms(fn, device, repeats)[0]
-            finally:
-                TritonCublasBackend._one_pass_rows = original
-            parts = _one_pass_parts_ms(rows, h, v, device, repeats)
+            parts = _one_pass_parts_ms(rows, h, v, device, repeats, accumulator)
             tiles = math.ceil(m / rows)
             out.append((spec, rows, ms, 6 * m * h * v / ms / 1e9, peak,
                         *(tiles * parts[k] for k in ("z", "stats", "grad", "dh", "dW"))))
@@ -165,10 +158,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--budget", type=int, default=None, help="tile_budget_bytes for the default plan")
     parser.add_argument("--one-pass-shapes", default=None, help="M:H:V,... : sweep the one-pass path instead")
     parser.add_argument("--one-pass-rows", default="1024,2048,4096", help="rows per tile for --one-pass-shapes")
+    parser.add_argument("--one-pass-accumulator", default="fp32", choices=("fp32", "pair"),
+                        help="the one pass's weight-gradient accumulator for --one-pass-shapes (default fp32)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.one_pass_shapes:
-        one_pass_sweep(args.one_pass_shapes, [int(r) for r in args.one_pass_rows.split(",")], device, args.repeats)
+        one_pass_sweep(args.one_pass_shapes, [int(r) for r in args.one_pass_rows.split(",")], device, args.repeats,
+                       args.one_pass_accumulator)
         return 0
     rows = []
     for spec in args.shapes.split(","):
@@ -187,13 +183,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         flops = (6 if kind == "ce" else 8) * m * h * v
         for label, plan in plans.items():
             block_rows, cols = plan or default_plan
-            original = _forced_plan(plan)
-            try:
+            forced = None if plan is None else LeanPlan(*plan, gather_rows=False, bytes=0)
+            with forced_plans(two_pass=forced, one_pass=False):
                 fn = lambda: _step(kind, hidden, weight, labels, g_lp, g_ent, args.budget)  # noqa: E731
                 peak = _peak_gib(fn, device)
                 ms = median_ms(fn, device, args.repeats)[0]
-            finally:
-                TritonCublasBackend._plan = original
             g = _gemm_ms(block_rows, h, cols, device, args.repeats)
             chunks = math.ceil(v / cols) * math.ceil(m / block_rows)
             gemm_total = chunks * (2 * g["z"] + g["dh"] + g["dW"])  # z twice: statistics pass + recompute

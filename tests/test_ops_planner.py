@@ -549,3 +549,62 @@ def test_gpu_two_pass_asks_for_row_blocks_in_waves_and_unequal_blocks_agree(monk
     assert torch.equal(dh_equal, dh_waves)
     ulp = (dw_equal.float().abs() * 2.0**-7).clamp(min=2.0**-133)
     assert ((dw_equal.float() - dw_waves.float()).abs() <= ulp).all()
+
+
+# -- forced plans (tile sweeps) ----------------------------------------------------------------------------
+
+def test_forced_plans_replace_the_rule_inside_the_block_only(monkeypatch):
+    _free(monkeypatch, 2**40)
+    forced = OnePassPlan(512, "pair", 0)
+    rule = one_pass_plan(V, H, BF16, PAIRED, None, CUDA)
+    assert rule.accumulator == "fp32"
+    lean = tiling.LeanPlan(100, 4096, True, 0)
+    with tiling.forced_plans(one_pass=forced, two_pass=lean):
+        assert one_pass_plan(V, H, BF16, PAIRED, None, CUDA) is forced
+        # an accumulator the call cannot use gives way to the call's first: a frozen head needs none
+        assert one_pass_plan(V, H, BF16, ("none",), None, CUDA) == OnePassPlan(512, "none", 0)
+        assert tiling.forced_two_pass_plan() is lean
+        with tiling.forced_plans(one_pass=False):  # nested: two passes, the outer two-pass tile kept
+            assert one_pass_plan(V, H, BF16, PAIRED, None, CUDA) is None
+            assert tiling.forced_two_pass_plan() is lean
+        assert one_pass_plan(V, H, BF16, PAIRED, None, CUDA) is forced
+    assert one_pass_plan(V, H, BF16, PAIRED, None, CUDA) == rule and tiling.forced_two_pass_plan() is None
+    with pytest.raises(TypeError, match="one_pass must be"):
+        with tiling.forced_plans(one_pass=2048):
+            pass
+    with pytest.raises(TypeError, match="two_pass must be"):
+        with tiling.forced_plans(two_pass=(100, 4096)):
+            pass
+
+
+def test_gpu_backend_takes_forced_plans():
+    pytest.importorskip("triton")
+    from hf_fused.ops import LogitTransform
+    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
+
+    n = 64
+    head = HeadInputs(torch.empty(n, H, dtype=torch.bfloat16, device="meta"),
+                      torch.empty(V, H, dtype=torch.bfloat16, device="meta"), None,
+                      torch.empty(n, dtype=torch.long, device="meta"), torch.empty(n, dtype=torch.long, device="meta"),
+                      LogitTransform(), 12345)
+    lean = tiling.LeanPlan(32, 2048, False, 0)
+    with tiling.forced_plans(one_pass=OnePassPlan(16, "pair", 0), two_pass=lean):
+        assert TritonCublasBackend._one_pass_plan(head, NeededGrads(True, True, False)) == OnePassPlan(16, "pair", 0)
+        assert TritonCublasBackend._plan(head) is lean
+
+
+def test_plan_sweep_runs_on_cpu_through_forced_plans(capsys):
+    """The developers' tile sweep forces its plans through tiling.forced_plans (not by replacing the backend's
+    methods) and runs the GPU backend, here under Triton's interpreter."""
+    pytest.importorskip("triton")
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1")
+    from benchmarks.plan_sweep import main
+
+    assert main(["--device", "cpu", "--shapes", "ce:40:16:300", "--cols", "128", "--repeats", "1"]) == 0
+    assert main(["--device", "cpu", "--one-pass-shapes", "40:16:304", "--one-pass-rows", "16",
+                 "--one-pass-accumulator", "pair", "--repeats", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "cols=128" in printed and "one pass M:H:V" in printed

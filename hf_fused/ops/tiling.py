@@ -31,13 +31,15 @@ if the budget holds its working set (the accumulator, the kept rows' fp32 hidden
 tile of at least ``MIN_ONE_PASS_ROWS`` rows; rows per tile in multiples of ``ONE_PASS_ROW_ALIGN``) — with the fp32
 accumulator when that leaves ``ONE_PASS_TILE_ROWS`` rows, else with whichever accumulator leaves more rows —
 otherwise two passes within the budget. On other devices the default is that bound at
-``DEFAULT_TILE_BUDGET_BYTES``. :func:`describe_plan` says which schedule a call would take.
+``DEFAULT_TILE_BUDGET_BYTES``. :func:`describe_plan` says which schedule a call would take; :func:`forced_plans`
+replaces the rule inside a block (tile sweeps in ``benchmarks.plan_sweep``, tests).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import torch
 
@@ -152,6 +154,41 @@ class OnePassPlan:
     bytes: int
 
 
+#: What :func:`forced_plans` put in place of the rule (empty outside such a block).
+_FORCED: dict = {}
+
+
+@contextlib.contextmanager
+def forced_plans(*, one_pass: Union[None, bool, "OnePassPlan"] = None, two_pass: Optional["LeanPlan"] = None):
+    """Within the block the GPU backend takes these plans instead of the rule's, for every call: ``one_pass`` an
+    :class:`OnePassPlan` (its ``rows`` per tile, and its ``accumulator`` where the call can use it, else the call's
+    first choice: ``"none"`` for a frozen head or an fp32 weight gradient, ``"fp32"`` for fp16), or ``False`` for
+    the two passes, or ``None`` (the rule decides); ``two_pass`` a
+    :class:`LeanPlan` for the two passes' tile (``gather_rows`` included), or ``None``. For developers' tile
+    sweeps (``python -m benchmarks.plan_sweep``) and tests: budgets are not checked, and the setting is
+    process-wide, not per thread.
+
+    Raises:
+        TypeError: on a ``one_pass`` or ``two_pass`` of another type.
+    """
+    if not (one_pass is None or one_pass is False or isinstance(one_pass, OnePassPlan)):
+        raise TypeError(f"forced_plans: one_pass must be a OnePassPlan, False or None, got {one_pass!r}")
+    if not (two_pass is None or isinstance(two_pass, LeanPlan)):
+        raise TypeError(f"forced_plans: two_pass must be a LeanPlan or None, got {two_pass!r}")
+    previous = dict(_FORCED)
+    _FORCED.update({k: v for k, v in (("one_pass", one_pass), ("two_pass", two_pass)) if v is not None})
+    try:
+        yield
+    finally:
+        _FORCED.clear()
+        _FORCED.update(previous)
+
+
+def forced_two_pass_plan() -> Optional["LeanPlan"]:
+    """The two passes' tile a :func:`forced_plans` block put in place (``None`` outside one)."""
+    return _FORCED.get("two_pass")
+
+
 def one_pass_plan(
     vocab_size: int,
     hidden_size: int,
@@ -175,6 +212,11 @@ def one_pass_plan(
     """
     if not accumulators:
         raise ValueError("one_pass_plan needs at least one accumulator kind")
+    forced = _FORCED.get("one_pass")
+    if forced is not None:
+        if forced is False:
+            return None
+        return forced if forced.accumulator in accumulators else OnePassPlan(forced.rows, accumulators[0], forced.bytes)
     fitting = [(one_pass_rows(vocab_size, hidden_size, elem_bytes, kind, tile_budget_bytes, device, extra_bytes,
                               gather_row_bytes), kind) for kind in accumulators]
     fitting = [(rows, kind) for rows, kind in fitting if rows]

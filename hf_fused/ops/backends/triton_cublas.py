@@ -46,8 +46,8 @@ from ..grads import HeadGrads
 from ..head_inputs import HeadInputs, NeededGrads
 from ..logit_transform import LogitTransform
 from ..tiling import (
-    LeanPlan, OnePassPlan, accumulation_row_bytes, hidden_accumulator, lean_two_pass_plan, one_pass_accumulators,
-    one_pass_plan, two_pass_plan,
+    LeanPlan, OnePassPlan, accumulation_row_bytes, forced_two_pass_plan, hidden_accumulator, lean_two_pass_plan,
+    one_pass_accumulators, one_pass_plan, two_pass_plan,
 )
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_, one_pass_config, wave_rows
 from .protocol import HeadPass, TileGrads
@@ -160,6 +160,9 @@ class TritonCublasBackend:
         whole ``row_quantum``s."""
         hidden, weight = head.hidden, head.weight
         m_rows, (vocab_size, hidden_size), elem = head.rows.numel(), weight.shape, weight.element_size()
+        forced = forced_two_pass_plan()
+        if forced is not None:
+            return forced
         if head.tile_budget_bytes is None:
             block_rows, cols = two_pass_plan(m_rows, vocab_size, elem, None)
             return LeanPlan(block_rows, cols, False, block_rows * cols * elem)
