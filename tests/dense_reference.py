@@ -177,6 +177,17 @@ def make_head_inputs(
     return leaves[0], leaves[1], leaves[2], labels
 
 
+def bf16_cuda_head(n: int, h: int, v: int, *, seed: int, ignore_every: int):
+    """``(hidden [n, h], weight [v, h], labels [n])`` for the GPU bf16 tests: leaves requiring grad on CUDA, logits
+    of standard deviation ~4 (a trained head's softmax), every ``ignore_every``-th label ignored (-100)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).cuda().bfloat16().requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * (4 / h**0.5)).cuda().bfloat16().requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g).cuda()
+    labels[::ignore_every] = -100
+    return hidden, weight, labels
+
+
 @pytest.fixture(autouse=True, scope="module")
 def single_threaded_torch():
     """Run a test module's tiny tensors (V ≤ 300, H ≤ 32) on one intra-op thread, then restore.

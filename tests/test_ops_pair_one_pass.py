@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from dense_reference import make_head_inputs, rel_err, single_threaded_torch  # noqa: E402,F401
+from dense_reference import bf16_cuda_head, make_head_inputs, rel_err, single_threaded_torch  # noqa: E402,F401
 from hf_fused.ops import linear_cross_entropy, linear_logprobs, linear_token_loss  # noqa: E402
 from hf_fused.ops import tiling  # noqa: E402
 from hf_fused.ops.backends import compensated, triton_cublas  # noqa: E402
@@ -177,11 +177,7 @@ def test_pair_one_pass_error_is_eagers_on_gpu(monkeypatch, softcap):
     import torch.nn.functional as F
 
     n, h, v = 4096, 1024, 32000
-    g = torch.Generator().manual_seed(11)
-    hidden = torch.randn(n, h, generator=g).cuda().bfloat16().requires_grad_()
-    weight = (torch.randn(v, h, generator=g) * (4 / h**0.5)).cuda().bfloat16().requires_grad_()
-    labels = torch.randint(0, v, (n,), generator=g).cuda()
-    labels[::10] = -100
+    hidden, weight, labels = bf16_cuda_head(n, h, v, seed=11, ignore_every=10)
     budget = v * h + 1024 * (v + h) * 2 + n * h * 4  # the pair and 1024 rows; not the fp32 accumulator (3·V·H more)
     monkeypatch.setattr("hf_fused.ops.tiling.free_device_bytes", lambda device: 0)  # budget only
     kw = {} if softcap is None else {"softcap": softcap}

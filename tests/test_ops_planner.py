@@ -23,6 +23,16 @@ CUDA = torch.device("cuda")
 NEEDED = one_pass_working_set(V, H, BF16, "fp32", ONE_PASS_TILE_ROWS)  # fp32 [V, H] + a 2048-row bf16 tile
 
 
+def _meta_head(n: int, tile_budget_bytes, **kwargs) -> HeadInputs:
+    """A bf16 ``[n, H]`` × ``[V, H]`` head on the meta device, every row kept: what the planner sees, no data."""
+    from hf_fused.ops import LogitTransform
+
+    return HeadInputs(torch.empty(n, H, dtype=torch.bfloat16, device="meta"),
+                      torch.empty(V, H, dtype=torch.bfloat16, device="meta"), None,
+                      torch.empty(n, dtype=torch.long, device="meta"), torch.empty(n, dtype=torch.long, device="meta"),
+                      LogitTransform(), tile_budget_bytes, **kwargs)
+
+
 def _free(monkeypatch, free):
     monkeypatch.setattr(tiling, "free_device_bytes", lambda device: free if device.type == "cuda" else None)
 
@@ -189,16 +199,12 @@ def test_describe_plan_names_the_accumulator(monkeypatch):
 
 def test_gpu_backend_asks_the_planner(monkeypatch):
     pytest.importorskip("triton")
-    from hf_fused.ops import LogitTransform
     from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
 
     seen = []
     monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass_plan", lambda *a: seen.append(a))
     n = 64
-    head = HeadInputs(torch.empty(n, H, dtype=torch.bfloat16, device="meta"),
-                      torch.empty(V, H, dtype=torch.bfloat16, device="meta"), None,
-                      torch.empty(n, dtype=torch.long, device="meta"), torch.empty(n, dtype=torch.long, device="meta"),
-                      LogitTransform(), 12345)
+    head = _meta_head(n, 12345)
     assert TritonCublasBackend._one_pass_plan(head, NeededGrads(True, True, False)) is None
     assert seen == [(V, H, BF16, ("fp32", "pair"), 12345, head.weight.device, n * H * 4, 0)]
 
@@ -442,16 +448,11 @@ def test_an_fp32_weight_gradient_is_not_planned_as_an_extra_accumulator(monkeypa
     """fp32 master weights under autocast: the one pass's fp32 [V, H] buffer becomes the weight's gradient itself,
     so the planner is asked about the tile alone (the default rule then takes the one pass with less free memory)."""
     pytest.importorskip("triton")
-    from hf_fused.ops import LogitTransform
     from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
 
     seen = []
     monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass_plan", lambda *a: seen.append(a))
-    n = 64
-    head = HeadInputs(torch.empty(n, H, dtype=torch.bfloat16, device="meta"),
-                      torch.empty(V, H, dtype=torch.bfloat16, device="meta"), None,
-                      torch.empty(n, dtype=torch.long, device="meta"), torch.empty(n, dtype=torch.long, device="meta"),
-                      LogitTransform(), None, weight_grad_dtype=grad_dtype)
+    head = _meta_head(64, None, weight_grad_dtype=grad_dtype)
     assert TritonCublasBackend()._one_pass(head, None, NeededGrads(True, True, False), False, ()) is None
     assert seen[0][3] == accumulators
 
@@ -579,14 +580,9 @@ def test_forced_plans_replace_the_rule_inside_the_block_only(monkeypatch):
 
 def test_gpu_backend_takes_forced_plans():
     pytest.importorskip("triton")
-    from hf_fused.ops import LogitTransform
     from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
 
-    n = 64
-    head = HeadInputs(torch.empty(n, H, dtype=torch.bfloat16, device="meta"),
-                      torch.empty(V, H, dtype=torch.bfloat16, device="meta"), None,
-                      torch.empty(n, dtype=torch.long, device="meta"), torch.empty(n, dtype=torch.long, device="meta"),
-                      LogitTransform(), 12345)
+    head = _meta_head(64, 12345)
     lean = tiling.LeanPlan(32, 2048, False, 0)
     with tiling.forced_plans(one_pass=OnePassPlan(16, "pair", 0), two_pass=lean):
         assert TritonCublasBackend._one_pass_plan(head, NeededGrads(True, True, False)) == OnePassPlan(16, "pair", 0)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from dense_reference import H, RTOL, TRANSFORMS, assert_head_grads, budget_for, dense_logprobs, leaf64
-from dense_reference import make_head_inputs, rel_err
+from dense_reference import bf16_cuda_head, make_head_inputs, rel_err
 from dense_reference import single_threaded_torch  # noqa: F401  (autouse fixture)
 from hf_fused.ops import get_backend, linear_cross_entropy, linear_token_loss
 
@@ -431,11 +431,7 @@ def test_triton_bf16_on_gpu_no_worse_than_eager(loss_name, budget):
     fp32 after; its loss-gradient error against float64 is at most 1.25× eager bf16's (the mixed-precision bound of
     tests/test_ops_mixed_precision.py), on the one pass (default rule) and on statistics + recompute."""
     n, h, v = 2048, 512, 32000
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(n, h, generator=g).cuda().bfloat16().requires_grad_()
-    weight = (torch.randn(v, h, generator=g) * (4 / h**0.5)).cuda().bfloat16().requires_grad_()
-    labels = torch.randint(0, v, (n,), generator=g).cuda()
-    labels[::7] = -100
+    hidden, weight, labels = bf16_cuda_head(n, h, v, seed=0, ignore_every=7)
     token_loss, need_entropy = LOSSES[loss_name]
     consts = {k: t.cuda() for k, t in consts_for(token_loss, per_token_inputs((n,), 1)).items()}
     kept = labels != -100
