@@ -604,3 +604,14 @@ def test_plan_sweep_runs_on_cpu_through_forced_plans(capsys):
                  "--one-pass-accumulator", "pair", "--repeats", "1"]) == 0
     printed = capsys.readouterr().out
     assert "cols=128" in printed and "one pass M:H:V" in printed
+
+
+def test_two_pass_tile_plan_is_the_default_or_the_lean_plan():
+    rows, cols = two_pass_plan(8192, V, BF16, None)
+    assert tiling.two_pass_tile_plan(8192, H, V, BF16, None) == tiling.LeanPlan(rows, cols, False, rows * cols * BF16)
+    kw = dict(reserved_bytes=8192 * H, copy_bytes=8192 * H * BF16, gather_row_bytes=H * BF16,
+              accumulator_row_bytes=6 * H, weight_chunk=True, row_quantum=128)
+    assert tiling.two_pass_tile_plan(8192, H, V, BF16, 2**28, **kw) == tiling.lean_two_pass_plan(8192, H, V, BF16,
+                                                                                               2**28, **kw)
+    with pytest.raises(ValueError, match="tile_budget_bytes"):
+        tiling.two_pass_tile_plan(8192, H, V, BF16, 0)

@@ -412,6 +412,32 @@ def _quantized(candidates: set[int], m: int, quantum: int) -> set[int]:
             if q > 0}
 
 
+def two_pass_tile_plan(
+    n_rows: int, hidden_size: int, vocab_size: int, elem_bytes: int, tile_budget_bytes: Optional[int], *,
+    copy_bytes: int = 0, gather_row_bytes: int = 0, reserved_bytes: int = 0, accumulator_row_bytes: int = 0,
+    weight_chunk: bool = False, row_quantum: int = 1,
+) -> LeanPlan:
+    """The GPU two passes' tile for ``n_rows`` kept rows: the one a :func:`forced_plans` block set; under the
+    default rule (``tile_budget_bytes=None``) :func:`two_pass_plan`'s, the tile alone within
+    ``DEFAULT_TILE_BUDGET_BYTES`` beside one compact copy of the kept rows; under an explicit budget
+    :func:`lean_two_pass_plan`'s, with every keyword as there.
+
+    Raises:
+        ValueError: if an explicit budget is not a positive integer.
+    """
+    forced = forced_two_pass_plan()
+    if forced is not None:
+        return forced
+    if tile_budget_bytes is None:
+        block_rows, cols = two_pass_plan(n_rows, vocab_size, elem_bytes, None)
+        return LeanPlan(block_rows, cols, False, block_rows * cols * elem_bytes)
+    return lean_two_pass_plan(
+        n_rows, hidden_size, vocab_size, elem_bytes, tile_budget_bytes, reserved_bytes=reserved_bytes,
+        copy_bytes=copy_bytes, gather_row_bytes=gather_row_bytes, accumulator_row_bytes=accumulator_row_bytes,
+        weight_chunk=weight_chunk, row_quantum=row_quantum,
+    )
+
+
 def describe_plan(
     weight: torch.Tensor, *, n_rows: int, tile_budget_bytes: Optional[int] = None, need_weight: Optional[bool] = None,
     n_tokens: Optional[int] = None,
@@ -433,20 +459,18 @@ def describe_plan(
         return (f"one pass (6·N·H·V): {plan.rows} rows per tile, {size / 2**30:.2f} GiB working set with the "
                 f"weight-gradient accumulator {plan.accumulator!r}")
     kind, acc = hidden_accumulator(n_rows, hidden_size, weight.dtype, tile_budget_bytes)
-    if tile_budget_bytes is None:
-        block_rows, cols = two_pass_plan(n_rows, vocab_size, elem, None)
-        size, rows_how = block_rows * cols * elem + acc + copy, "a compact copy" if copy else "in place"
-    else:
-        quantum = 1
-        if kind == "pair" and weight.is_cuda:  # the backend's row blocks for the pair's persistent matmul
-            from .backends.compensated import wave_rows
+    quantum = 1
+    if kind == "pair" and weight.is_cuda:  # the backend's row blocks for the pair's persistent matmul
+        from .backends.compensated import wave_rows
 
-            quantum = wave_rows(hidden_size, weight.device)
-        plan = lean_two_pass_plan(n_rows, hidden_size, vocab_size, elem, tile_budget_bytes, reserved_bytes=acc,
-                                  copy_bytes=copy, gather_row_bytes=hidden_size * elem,
-                                  accumulator_row_bytes=accumulation_row_bytes(kind, hidden_size, elem),
-                                  weight_chunk=need_weight, row_quantum=quantum)
-        block_rows, cols, size = plan.block_rows, plan.cols, plan.bytes
-        rows_how = "gathered per block" if plan.gather_rows else "a compact copy" if copy else "in place"
+        quantum = wave_rows(hidden_size, weight.device)
+    plan = two_pass_tile_plan(n_rows, hidden_size, vocab_size, elem, tile_budget_bytes, reserved_bytes=acc,
+                              copy_bytes=copy, gather_row_bytes=hidden_size * elem,
+                              accumulator_row_bytes=accumulation_row_bytes(kind, hidden_size, elem),
+                              weight_chunk=need_weight, row_quantum=quantum)
+    block_rows, cols, size = plan.block_rows, plan.cols, plan.bytes
+    if tile_budget_bytes is None:  # the default's tile is its own budget: the accumulator and copy come beside it
+        size += acc + copy
+    rows_how = "gathered per block" if plan.gather_rows else "a compact copy" if copy else "in place"
     return (f"two passes (8·N·H·V): {block_rows}×{cols} tile, {size / 2**30:.2f} GiB working set with the "
             f"hidden-state gradient's accumulator ({kind}, for {weight.dtype} hidden states), kept rows {rows_how}")

@@ -46,8 +46,8 @@ from ..grads import HeadGrads
 from ..head_inputs import HeadInputs, NeededGrads
 from ..logit_transform import LogitTransform
 from ..tiling import (
-    LeanPlan, OnePassPlan, accumulation_row_bytes, forced_two_pass_plan, hidden_accumulator, lean_two_pass_plan,
-    one_pass_accumulators, one_pass_plan, two_pass_plan,
+    LeanPlan, OnePassPlan, accumulation_row_bytes, hidden_accumulator, one_pass_accumulators, one_pass_plan,
+    two_pass_tile_plan,
 )
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_, one_pass_config, wave_rows
 from .protocol import HeadPass, TileGrads
@@ -152,25 +152,19 @@ class TritonCublasBackend:
     @staticmethod
     def _plan(head: HeadInputs, *, reserved_bytes: int = 0, accumulator_row_bytes: int = 0,
               weight_chunk: bool = False, row_quantum: int = 1) -> LeanPlan:
-        """The two passes' tile for ``head``: under the default rule :func:`~hf_fused.ops.tiling.two_pass_plan`
-        (the tile alone within ``DEFAULT_TILE_BUDGET_BYTES``, one compact copy of the kept hidden rows); under an
-        explicit budget :func:`~hf_fused.ops.tiling.lean_two_pass_plan`, which counts the accumulator
+        """The two passes' tile for ``head`` (:func:`~hf_fused.ops.tiling.two_pass_tile_plan`: under the default
+        rule the tile alone within ``DEFAULT_TILE_BUDGET_BYTES`` beside one compact copy of the kept hidden rows;
+        under an explicit budget :func:`~hf_fused.ops.tiling.lean_two_pass_plan`, which counts the accumulator
         (``reserved_bytes``, moving ``accumulator_row_bytes`` per row and chunk), the kept rows (a compact copy or a
         per-block gather) and the fp32 weight-gradient chunk (``weight_chunk``) inside the budget, row blocks in
-        whole ``row_quantum``s."""
+        whole ``row_quantum``s)."""
         hidden, weight = head.hidden, head.weight
         m_rows, (vocab_size, hidden_size), elem = head.rows.numel(), weight.shape, weight.element_size()
-        forced = forced_two_pass_plan()
-        if forced is not None:
-            return forced
-        if head.tile_budget_bytes is None:
-            block_rows, cols = two_pass_plan(m_rows, vocab_size, elem, None)
-            return LeanPlan(block_rows, cols, False, block_rows * cols * elem)
         cast = hidden.dtype != weight.dtype  # gathered rows pass through hidden's dtype before the cast
-        gather_row_bytes = hidden_size * (elem + (hidden.element_size() if cast else 0))
-        return lean_two_pass_plan(
+        return two_pass_tile_plan(
             m_rows, hidden_size, vocab_size, elem, head.tile_budget_bytes, reserved_bytes=reserved_bytes,
-            copy_bytes=TritonCublasBackend._compact_bytes(head), gather_row_bytes=gather_row_bytes,
+            copy_bytes=TritonCublasBackend._compact_bytes(head),
+            gather_row_bytes=hidden_size * (elem + (hidden.element_size() if cast else 0)),
             accumulator_row_bytes=accumulator_row_bytes, weight_chunk=weight_chunk, row_quantum=row_quantum,
         )
 
