@@ -136,7 +136,8 @@ def linear_cross_entropy(
             (transformers' gradient-accumulation normalization).
         temperature, softcap, logit_scale: the logit transform above.
         tile_budget_bytes: ``None`` (default): the planner's rule (:mod:`hf_fused.ops.tiling`): on a CUDA
-            device the one pass below when its working set (fp32 ``[V, H]`` accumulator, a 2048-row tile and
+            device the one pass below when its working set (the ``[V, H]`` weight-gradient accumulator — fp32,
+            else for a bf16 weight the compensated pair, an int8 residual beside the gradient — a 2048-row tile and
             the kept rows' fp32 hidden gradient) fits in a quarter of the free device memory, else the lean two
             passes with a 256 MiB tile; elsewhere a 256 MiB bound. An int: a hard bound in bytes on everything
             the op holds beyond its inputs and outputs on the GPU backend (tile, accumulators, the kept hidden
@@ -155,9 +156,10 @@ def linear_cross_entropy(
         and zero gradients.
 
     Gradients w.r.t. hidden, weight and bias, for ``"mean"``/``"sum"``: when the backend's budget holds
-    the one-pass working set (always on the torch backend; on the GPU, the planner's rule: room for the fp32 ``[V, H]``
-    weight-gradient accumulator) they are computed in the forward's single pass (6·N·H·V FLOPs), kept in
-    fp32 and scaled by the upstream gradient in backward before their one rounding to the inputs'
+    the one-pass working set (always on the torch backend; on the GPU, the planner's rule: room for the ``[V, H]``
+    weight-gradient accumulator, fp32 or the compensated pair) they are computed in the forward's single pass
+    (6·N·H·V FLOPs), kept in fp32 (or as the pair) and scaled by the upstream gradient in backward before their
+    one rounding to the inputs'
     dtypes; otherwise forward computes per-token statistics only and backward the gradients, with the
     upstream factor folded in (8·N·H·V). Either way gradient accumulation and loss scaling stay exact.
     ``"none"`` recomputes in backward so per-token upstream weights are exact. A weight with

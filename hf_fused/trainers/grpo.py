@@ -12,7 +12,8 @@ answered by hf_fused's ops), plus what only a subclass can add:
    importance sampling, a loss type listed in ``_HINTED_LOSS_TYPES``), TRL's loss sends them the gradient
    ``−A·mask`` times a per-sequence or global constant, known before the forward. ``_compute_loss`` then
    passes that as ``grad_hint`` (:func:`hf_fused.ops.linear_logprobs`) with the fused-head call: with a
-   ``tile_budget_bytes`` that holds the fp32 ``[V, H]`` weight-gradient accumulator the head's gradients
+   ``tile_budget_bytes`` that holds the ``[V, H]`` weight-gradient accumulator (fp32, or the compensated pair
+   for a bf16 weight: :func:`hf_fused.ops.tiling.one_pass_plan`) the head's gradients
    come out of the forward's single pass (6·N·H·V FLOPs instead of 8). Backward checks that the gradient
    TRL's loss really sends matches and recomputes if not, so this can cost time, never exactness.
    Otherwise, for every loss type and option that is token-separable (off-policy ratios, β > 0, entropy
