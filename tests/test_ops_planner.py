@@ -615,3 +615,12 @@ def test_two_pass_tile_plan_is_the_default_or_the_lean_plan():
                                                                                                2**28, **kw)
     with pytest.raises(ValueError, match="tile_budget_bytes"):
         tiling.two_pass_tile_plan(8192, H, V, BF16, 0)
+
+
+def test_default_reads_free_memory_once_when_the_fp32_accumulator_fits(monkeypatch):
+    """The pair is only asked about when the fp32 buffer falls short: one free-memory query per call otherwise."""
+    calls = []
+    monkeypatch.setattr(tiling, "free_device_bytes", lambda device: calls.append(device) or 2**40)
+    assert one_pass_plan(V, H, BF16, PAIRED, None, CUDA).accumulator == "fp32" and len(calls) == 1
+    monkeypatch.setattr(tiling, "free_device_bytes", lambda device: calls.append(device) or int(PAIR_NEEDED * 4))
+    assert one_pass_plan(V, H, BF16, PAIRED, None, CUDA).accumulator == "pair" and len(calls) == 3

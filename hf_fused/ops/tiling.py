@@ -217,16 +217,23 @@ def one_pass_plan(
         if forced is False:
             return None
         return forced if forced.accumulator in accumulators else OnePassPlan(forced.rows, accumulators[0], forced.bytes)
-    fitting = [(one_pass_rows(vocab_size, hidden_size, elem_bytes, kind, tile_budget_bytes, device, extra_bytes,
-                              gather_row_bytes), kind) for kind in accumulators]
-    fitting = [(rows, kind) for rows, kind in fitting if rows]
-    if not fitting:
-        return None
     # the fastest accumulator while it keeps full-size tiles (fewer rows per tile cost more than its speed gives:
-    # 1024-row tiles were 11 ms slower at 32768×2048×151936 on an H100), else the one leaving the most rows
-    rows, kind = next(((r, k) for r, k in fitting if r >= ONE_PASS_TILE_ROWS), max(fitting, key=lambda rk: rk[0]))
-    size = one_pass_working_set(vocab_size, hidden_size, elem_bytes, kind, rows, extra_bytes, gather_row_bytes)
-    return OnePassPlan(rows, kind, size)
+    # 1024-row tiles were 11 ms slower at 32768×2048×151936 on an H100), else the one leaving the most rows; the
+    # next kind is asked only when the faster one falls short (the default rule reads free memory per ask)
+    best_rows, best_kind = 0, None
+    for kind in accumulators:
+        rows = one_pass_rows(vocab_size, hidden_size, elem_bytes, kind, tile_budget_bytes, device, extra_bytes,
+                             gather_row_bytes)
+        if rows >= ONE_PASS_TILE_ROWS:
+            best_rows, best_kind = rows, kind
+            break
+        if rows > best_rows:
+            best_rows, best_kind = rows, kind
+    if best_kind is None:
+        return None
+    size = one_pass_working_set(vocab_size, hidden_size, elem_bytes, best_kind, best_rows, extra_bytes,
+                                gather_row_bytes)
+    return OnePassPlan(best_rows, best_kind, size)
 
 
 def one_pass_rows(

@@ -448,13 +448,14 @@ class TritonCublasBackend:
         block_rows = plan.rows
         m_rows, (vocab_size, hidden_size) = head.rows.numel(), weight.shape
         device = weight.device
-        if self._one_pass_gathers(head):
+        gathers = self._one_pass_gathers(head)
+        if gathers:
             y = head.labels.index_select(0, head.rows)
             rows_buf = torch.empty((min(block_rows, max(m_rows, 1)), hidden_size), dtype=weight.dtype, device=device)
-            blocks = self._row_blocks(head, LeanPlan(block_rows, vocab_size, True, 0), None, rows_buf)
         else:
             y, rows_buf = head.labels, head.hidden
-            blocks = self._row_blocks(head, LeanPlan(block_rows, vocab_size, False, 0), head.hidden, None)
+        compact, gather_buf = (None, rows_buf) if gathers else (rows_buf, None)
+        blocks = self._row_blocks(head, LeanPlan(block_rows, vocab_size, gathers, 0), compact, gather_buf)
         grads = HeadGrads()
         # the first tile writes the fp32 accumulator (no fill, no read of zeros), unless no row is kept; an fp32
         # weight gradient (fp32 master weights, accumulator "none") is that accumulator itself. The pair starts at
@@ -465,6 +466,7 @@ class TritonCublasBackend:
         if pair:
             grads.weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
             grads.weight_residual = torch.zeros(weight.shape, dtype=RESIDUAL_DTYPE, device=weight.device)
+            fold_config = one_pass_config(vocab_size, hidden_size, device)
         d_hidden = torch.empty((m_rows, hidden_size), dtype=torch.float32, device=device) if need_hidden else None
         if need.bias and bias is not None:
             grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
@@ -497,8 +499,7 @@ class TritonCublasBackend:
             if d_weight32 is not None:
                 (_addmm_f32_ if r0 else _mm_f32_)(d_weight32, dz.t(), h)
             elif pair:
-                compensated_addmm_(grads.weight, grads.weight_residual, dz.t(), h,
-                                   config=one_pass_config(vocab_size, hidden_size, device))
+                compensated_addmm_(grads.weight, grads.weight_residual, dz.t(), h, config=fold_config)
             if grads.bias is not None:
                 grads.bias += dz.float().sum(0)
         grads.hidden = d_hidden
