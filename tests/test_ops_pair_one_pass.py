@@ -103,10 +103,12 @@ def _inputs(device, bias, seed=5):
     return (*leaves, labels.to(device))
 
 
-def _run(monkeypatch, op, accumulator, bias, device="cpu"):
+def _run(monkeypatch, op, accumulator, bias, device="cpu", autocast=False):
     plans, folds, abs_sum = _forced(monkeypatch, accumulator)
     hidden, weight, b, labels = _inputs(device, bias)
-    loss = OPS[op](hidden, weight, b, labels)
+    # bf16=True in Trainer / TRL's configs: autocast around the forward (backward outside it, as Trainer runs it)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        loss = OPS[op](hidden, weight, b, labels)
     loss.backward()
     assert plans and all(p.accumulator == accumulator for p in plans)
     kept = int((labels != -100).sum())
@@ -141,6 +143,17 @@ def test_pair_one_pass_matches_the_fp32_accumulator(monkeypatch, op, bias, devic
         fold_ulp = torch.ldexp(torch.ones_like(exact), torch.frexp(scale)[1] - 7)  # ≥ 2·ulp(hi)·|factor|
         assert ((dw.double() - exact).abs() <= half_ulp + folds * fold_ulp / 508 + kept * 2.0**-24 * scale).all()
     assert (grads_pair[1] != grads32[1]).double().mean() <= 0.01
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pair_under_autocast_is_the_pair_without_it(monkeypatch, device):
+    """What bf16=True does to a bf16 model (TRL's default): autocast around the forward. The ops cast nothing for
+    bf16 operands, so the pair's one pass under autocast is the one without it, bit for bit."""
+    loss, grads, _, _ = _run(monkeypatch, "token_loss", "pair", True, device, autocast=True)
+    plain_loss, plain_grads, _, _ = _run(monkeypatch, "token_loss", "pair", True, device)
+    assert torch.equal(loss, plain_loss)
+    for ours, plain in zip(grads, plain_grads):
+        assert ours.dtype == torch.bfloat16 and torch.equal(ours, plain)
 
 
 @pytest.mark.parametrize("device", DEVICES)
