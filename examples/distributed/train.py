@@ -82,6 +82,11 @@ def main() -> None:
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         print(f"hf_fused distributed example: {trainer.accelerator.num_processes} processes, "
               f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
+    # Every rank past its last collective, then the process group shut down before the interpreter's: left to
+    # interpreter exit, gloo's threads have aborted a CPU rank ("terminate called without an active exception").
+    trainer.accelerator.wait_for_everyone()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
