@@ -1,4 +1,4 @@
-"""Shared pytest setup: GPU tests are skipped without CUDA; CPU threads kept to the CI machine's cores."""
+"""Shared pytest setup: GPU tests are skipped without CUDA (multigpu ones without 2 GPUs); CPU threads kept to the CI machine's cores."""
 
 import os
 
@@ -11,9 +11,11 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine; see docs/gpu_results.md)")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine; see docs/gpu_results.md)")
+    skip_multigpu = pytest.mark.skip(reason=f"needs 2 CUDA GPUs, found {gpus} (docs/distributed.md)")
     for item in items:
-        if "gpu" in item.keywords or "multigpu" in item.keywords:
-            item.add_marker(skip)
+        if "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(skip_multigpu)
+        elif "gpu" in item.keywords and gpus < 1:
+            item.add_marker(skip_gpu)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ranks import CUDA, rank_device  # noqa: E402
 from tiny_models import make_batch, make_model  # noqa: E402
 
 from hf_fused import apply_fused_loss, is_fused  # noqa: E402
@@ -30,9 +31,10 @@ LR = 0.5
 
 def main(out_path: str, stage: int) -> None:
     torch.set_num_threads(1)
-    deepspeed.init_distributed("gloo")
+    device = rank_device()
+    deepspeed.init_distributed("nccl" if CUDA else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_model("llama", tie_word_embeddings=False)
+    model = make_model("llama", tie_word_embeddings=False).to(device)
     reference = copy.deepcopy(model)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     # gradient_clipping 0: DeepSpeed clips at 1.0 unless told (SGD's update must stay −lr·gradient).
@@ -49,7 +51,7 @@ def main(out_path: str, stage: int) -> None:
 
     losses, ref_losses = [], []
     for step in range(STEPS):
-        batches = [make_batch(seed=100 * step + r) for r in range(world)]
+        batches = [tuple(t.to(device) for t in make_batch(seed=100 * step + r)) for r in range(world)]
         ids, mask, labels = batches[rank]
         loss = engine(input_ids=ids, attention_mask=mask, labels=labels).loss
         engine.backward(loss)

@@ -1,4 +1,4 @@
-"""One rank of tests/distributed/test_fsdp2_fully_shard.py (run by ``torch.distributed.run`` with the gloo backend on CPU).
+"""One rank of tests/distributed/test_fsdp2_fully_shard.py (run by ``torch.distributed.run``: gloo on CPU, or NCCL on 2 GPUs, ranks.py).
 
 Builds the same tiny model twice: an unpatched reference on every rank, and a copy patched with
 ``apply_fused_loss`` and sharded with FSDP2 (``fully_shard`` per decoder layer and at the root, so the
@@ -18,16 +18,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
+from ranks import init_process_group
 from tiny_models import make_batch, make_model, rel_err
 from hf_fused import apply_fused_loss
 
 
 def main(out_path: str, arch: str, tied: bool, patch_before_sharding: bool, head_unit: bool = False) -> None:
-    dist.init_process_group("gloo")
+    device = init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    reference = make_model(arch, tie_word_embeddings=tied)
-    model = make_model(arch, tie_word_embeddings=tied)
+    reference = make_model(arch, tie_word_embeddings=tied).to(device)
+    model = make_model(arch, tie_word_embeddings=tied).to(device)
     if patch_before_sharding:
         apply_fused_loss(model)
     for layer in model.model.layers:
@@ -38,7 +39,7 @@ def main(out_path: str, arch: str, tied: bool, patch_before_sharding: bool, head
     if not patch_before_sharding:
         apply_fused_loss(model)  # the patch-time probe runs collectively through the sharded model
 
-    batches = [make_batch(seed=10 + r) for r in range(world)]
+    batches = [tuple(t.to(device) for t in make_batch(seed=10 + r)) for r in range(world)]
     ids, attention_mask, labels = batches[rank]
     loss = model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
     loss.backward()

@@ -1,6 +1,7 @@
 """Run tests/distributed workers the way users launch training: ``accelerate launch --config_file`` with the
 ready configs under ``examples/distributed/``, 2 CPU processes over gloo (DeepSpeed's CPU accelerator
-falls back to gloo without oneCCL), or as one plain process for the single-process reference."""
+falls back to gloo without oneCCL) or, with ``HF_FUSED_TEST_DEVICE=cuda``, 2 GPUs over NCCL (ranks.py), or as
+one plain process for the single-process reference."""
 
 from __future__ import annotations
 
@@ -14,23 +15,33 @@ from pathlib import Path
 
 import torch
 
+from ranks import CUDA
+
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
 CONFIGS = REPO / "examples" / "distributed"
 WORKER = HERE / "train_worker.py"
-#: One launch (2 ranks: imports, DeepSpeed's first shm-op build, a few steps) takes 15-60 s on 2 cores.
-TIMEOUT_S = 400
+#: One launch (2 ranks: imports, DeepSpeed's first shm-op build, a few steps) takes 15-60 s on 2 cores, 20-70 s
+#: on 2 GPUs with 8 launches at once (CUDA and NCCL start-up). ``HF_FUSED_LAUNCH_TIMEOUT_S`` overrides it.
+TIMEOUT_S = int(os.environ.get("HF_FUSED_LAUNCH_TIMEOUT_S", "400"))
 
 
-def worker_env(cuda: bool = False) -> dict:
+def worker_env(cuda: bool = CUDA, gpus: int | None = None) -> dict:
+    """The ranks' environment; ``gpus``: show a process only the first ``gpus`` GPUs (a plain process that sees
+    several would have ``transformers.Trainer`` wrap its model in ``nn.DataParallel``)."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",  # 2 ranks on 2 cores: intra-op threads only oversubscribe
         "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
         "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONFAULTHANDLER": "1",  # a rank killed on timeout (SIGABRT, run()) prints every thread's stack
     }
     if not cuda:
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CPU accelerator: gloo without oneCCL
+    elif gpus is not None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[:gpus])
     return env
 
 
@@ -40,21 +51,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(cmd: list, cwd: Path = REPO, cuda: bool = False) -> None:
-    """Run ``cmd`` in its own process group; on timeout kill the ranks too, not only the launcher."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=worker_env(cuda), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+def run(cmd: list, cwd: Path = REPO, cuda: bool = CUDA, gpus: int | None = None) -> None:
+    """Run ``cmd`` in its own process group (seeing ``gpus`` GPUs: :func:`worker_env`); on timeout kill the ranks
+    too, not only the launcher."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=worker_env(cuda, gpus), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
+        os.killpg(proc.pid, signal.SIGABRT)  # faulthandler: each hung process prints where it waits
+        try:
+            output, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(map(str, cmd[:6]))} ... still running after {TIMEOUT_S} s, stacks at "
+                             f"SIGABRT:\n{output[-12000:]}") from None
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd[:6]))} ... exited with {proc.returncode}:\n{output[-6000:]}")
 
 
-def accelerate_launch(config: str, script: Path, *args: str, processes: int = 2, cuda: bool = False) -> None:
+def accelerate_launch(config: str, script: Path, *args: str, processes: int = 2, cuda: bool = CUDA) -> None:
     """``accelerate launch --config_file examples/distributed/<config>.yaml script args``."""
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{config}.yaml"),
          "--num_processes", str(processes), "--main_process_port", str(free_port()), str(script), *args], cuda=cuda)
@@ -62,10 +79,12 @@ def accelerate_launch(config: str, script: Path, *args: str, processes: int = 2,
 
 def train(case: dict, config: str | None, processes: int = 2) -> dict:
     """Run :mod:`train_worker` for ``case`` under the engine ``config`` (None: one plain process) and load
-    what rank 0 saved. ``case["cuda"]``: on the GPU (DeepSpeed's CUDA accelerator) instead of CPU ranks."""
-    cuda = bool(case.get("cuda"))
+    what rank 0 saved. ``case["cuda"]``: on the GPU (DeepSpeed's CUDA accelerator) instead of CPU ranks;
+    ``case["gpus"]``: GPUs a plain process sees (default 1: with more, the Trainer uses ``nn.DataParallel``)."""
+    case = {"cuda": CUDA, **case}
+    cuda = bool(case["cuda"])
     if config is None:
-        run([sys.executable, str(WORKER), json.dumps(case)], cuda=cuda)
+        run([sys.executable, str(WORKER), json.dumps(case)], cuda=cuda, gpus=case.get("gpus", 1))
     else:
         accelerate_launch(config, WORKER, json.dumps(case), processes=processes, cuda=cuda)
     return torch.load(case["out"])

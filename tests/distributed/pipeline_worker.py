@@ -1,5 +1,5 @@
 """One rank of tests/distributed/test_pipeline.py: a tiny Llama split into 2 pipeline stages
-(``torch.distributed.pipelining``, GPipe schedule, 2 microbatches, gloo on CPU) whose loss function is
+(``torch.distributed.pipelining``, GPipe schedule, 2 microbatches, gloo on CPU or NCCL on 2 GPUs: ranks.py) whose loss function is
 ``hf_fused.LinearCrossEntropyLoss`` owning lm_head; compared with the unsplit, unpatched model.
 
 Stage 0 (rank 0): embeddings and decoder layer 0. Stage 1 (rank 1): decoder layer 1 and the final norm,
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ranks import init_process_group  # noqa: E402
 from tiny_models import make_batch, make_model, rel_err  # noqa: E402
 
 from hf_fused import LinearCrossEntropyLoss  # noqa: E402
@@ -51,21 +52,21 @@ class Stage(nn.Module):
 
 
 def main(out_path: str) -> None:
-    dist.init_process_group("gloo")
+    device = init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 2
     torch.set_num_threads(1)
     # sdpa: causal without an attention mask, so a stage needs none. Padding is on the right and its labels
     # are ignored, so the positions that count see the same keys as in the masked reference.
-    model = make_model("llama", tie_word_embeddings=False, attn_implementation="sdpa")
+    model = make_model("llama", tie_word_embeddings=False, attn_implementation="sdpa").to(device)
     model.config._attn_implementation = "sdpa"
-    reference = make_model("llama", tie_word_embeddings=False)
-    ids, mask, labels = make_batch(batch=4, seed=5)
+    reference = make_model("llama", tie_word_embeddings=False).to(device)
+    ids, mask, labels = (t.to(device) for t in make_batch(batch=4, seed=5))
     tokens = int((F.pad(labels, (0, 1), value=-100)[:, 1:] != -100).sum())
 
     stage_module = Stage(model, 0, 1, True, False) if rank == 0 else Stage(model, 1, 2, False, True)
     loss_fn = LinearCrossEntropyLoss.from_model(model)
-    stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
+    stage = PipelineStage(stage_module, rank, world, device)
     schedule = ScheduleGPipe(stage, MICROBATCHES, loss_fn=lambda hidden, y: loss_fn(hidden, y, num_items_in_batch=tokens),
                              scale_grads=False)
     losses: list = []

@@ -39,6 +39,7 @@ import torch
 
 from launch import CONFIGS, HERE, accelerate_launch, run
 from parity import PARAM_RTOL, assert_matches_reference, update_errors
+from ranks import CUDA
 
 pytestmark = [
     pytest.mark.distributed,
@@ -54,7 +55,7 @@ RANKS = 2
 ARGS = ["--tiny", "--max_steps", "3", "--gradient_accumulation_steps", "2", "--optim", "sgd",
         "--learning_rate", "0.5", "--lr_scheduler_type", "constant", "--weight_decay", "0", "--max_grad_norm", "0",
         "--bf16", "False", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--seed", "0",
-        "--use_cpu", "--disable_tqdm", "True"]
+        "--disable_tqdm", "True", *([] if CUDA else ["--use_cpu"])]
 
 
 def _load(out_dir, ranks: int) -> dict:
@@ -69,8 +70,8 @@ def _launch(script, out_dir, *args: str, engine: str | None = None) -> dict:
     """``script`` through the runner: under ``accelerate launch --config_file <engine>.yaml`` (2 ranks), or
     as one plain process when ``engine`` is None."""
     runner_args = [str(out_dir / "run"), str(script), *args, "--output_dir", str(out_dir)]
-    if engine is None:
-        run([sys.executable, str(RUNNER), *runner_args])
+    if engine is None:  # on one GPU: a plain process seeing two would run nn.DataParallel
+        run([sys.executable, str(RUNNER), *runner_args], gpus=1)
     else:
         accelerate_launch(engine, RUNNER, *runner_args)
     return _load(out_dir, 1 if engine is None else RANKS)
@@ -125,7 +126,8 @@ def test_trl_sft_script_with_lora_on_lm_head_matches_single_process(engine, tmp_
 GRPO_ARGS = ["--tiny", "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",
              "--max_completion_length", "8", "--optim", "sgd", "--learning_rate", "0.5", "--lr_scheduler_type",
              "constant", "--weight_decay", "0", "--max_grad_norm", "0", "--bf16", "False", "--logging_steps", "1",
-             "--save_strategy", "no", "--report_to", "none", "--seed", "0", "--use_cpu", "--disable_tqdm", "True"]
+             "--save_strategy", "no", "--report_to", "none", "--seed", "0", "--disable_tqdm", "True",
+             *([] if CUDA else ["--use_cpu"])]
 
 
 @pytest.mark.parametrize("engine", ["zero3", "fsdp2"])

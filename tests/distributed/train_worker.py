@@ -6,15 +6,17 @@ Run it under ``accelerate launch --config_file <engine>.yaml`` (the engine's ran
 
     model_dir   a tiny model saved with ``save_pretrained`` (loaded with ``from_pretrained`` after
                 TrainingArguments exist, so under ZeRO-3 it is built partitioned inside ``deepspeed.zero.Init``)
-    out         where rank 0 writes ``torch.save({"losses", "params", "initial", "world", "lm_head_numel"})``:
-                logged losses, whole parameters after and before training, ranks, lm_head.weight.numel()
-                outside its forward (0 when ZeRO-3 partitioned it)
+    out         where rank 0 writes ``torch.save({"losses", "params", "initial", "world", "lm_head_numel",
+                "head_calls", "n_gpu", ...})``: logged losses, whole parameters after and before training, ranks,
+                lm_head.weight.numel() outside its forward (0 when ZeRO-3 partitioned it), hf_fused's head
+                computations in this process during training, and the Trainer's ``n_gpu`` (2: DataParallel)
     trainer     "Trainer" | "FusedTrainer"
     fused       with "Trainer": patch the model with ``apply_fused_loss`` first
     batch       per-device batch size (the reference uses ranks × batch)
     ga, steps, grad_ckpt, lora ("" | "lm_head": LoRA on attention and lm_head), bf16
     tile_budget_bytes   FusedTrainer's tile bound (small: many tiles per loss call)
     count_head_events   ZeRO-3: count lm_head.weight's gathers and gradient reductions during training
+    gpus                GPUs a plain process sees (launch.py; with 2 the Trainer runs ``nn.DataParallel``)
     track_vocab_tensors record the most rows of any vocabulary-wide tensor made in training
     cuda        train on the GPU (default: CPU)
 
@@ -211,6 +213,7 @@ def main(case: dict) -> None:
     trainer = trainer_cls(model=model, args=args, train_dataset=TinyDataset(),
                           data_collator=transformers.default_data_collator, **extra)
     counts.clear()  # from here on: training only (not the patch-time probe)
+    head_calls = count_fused_head_calls()
     tracker = VocabWidthTracker(model.config.vocab_size, model.config.hidden_size)
     if case.get("track_vocab_tensors"):
         with tracker.mode:
@@ -223,7 +226,8 @@ def main(case: dict) -> None:
     if trainer.accelerator.is_main_process:
         torch.save({"losses": losses, "params": params, "initial": initial, "world": trainer.accelerator.num_processes,
                     "head_counts": head_counts, "max_vocab_rows": tracker.max_rows,
-                    "lm_head_numel": lm_head_numel}, case["out"])
+                    "lm_head_numel": lm_head_numel, "head_calls": head_calls["all"], "n_gpu": trainer.args.n_gpu},
+                   case["out"])
     trainer.accelerator.wait_for_everyone()
 
 
