@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from launch import CONFIGS, HERE, accelerate_launch, run
-from parity import PARAM_RTOL, assert_matches_reference, update_errors
+from parity import PARAM_RTOL, assert_bf16_twin, assert_matches_reference, update_errors
 from ranks import CUDA
 
 pytestmark = [
@@ -99,6 +99,40 @@ def test_trl_sft_script_matches_unpatched_single_process(engine, tmp_path, refer
         assert g.keys() == r.keys()
         for key in ("grad_norm", "entropy", "mean_token_accuracy", "num_tokens", "learning_rate", "epoch"):
             assert math.isclose(g[key], r[key], rel_tol=1e-5, abs_tol=1e-7), f"step {step} {key}: {g[key]} vs {r[key]}"
+
+
+def _with_bf16(args: list) -> list:
+    """``args`` with TRL's default mixed precision (``--bf16 True``: autocast, on CPU too) instead of fp32."""
+    i = args.index("--bf16")
+    return [*args[:i], "--bf16", "True", *args[i + 2:]]
+
+
+#: The single-process stock run under the same bf16 setting as the engine: DeepSpeed keeps bf16 weights (and fp32
+#: master weights), so its reference is the same DeepSpeed config launched with one process; DDP autocasts an fp32
+#: model as one plain process does (test_engines.BF16_REFERENCE_ENGINE).
+BF16_SCRIPT_REFERENCE_ENGINE = {"zero2": "zero2", "ddp": None}
+
+
+@pytest.mark.parametrize("engine", list(BF16_SCRIPT_REFERENCE_ENGINE))
+def test_trl_sft_script_under_bf16_matches_unpatched_bf16(engine, tmp_path, reference):
+    """TRL's SFT script as users run it, with TRL's default ``bf16=True``, under the engine (2 ranks), against the
+    same script unpatched (TRL's own head) in one process under the same bf16 setting, and both against the fp32
+    reference: ``parity.assert_bf16_twin`` (losses within 2^-8 of stock's, the parameters no further from fp32's
+    than stock's within 1.25×, every tensor within 0.25 of stock's update; why those bounds: there)."""
+    if engine.startswith("zero"):
+        pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
+    args = _with_bf16(ARGS)
+    stock_dir = tmp_path / "stock"
+    runner_args = [str(stock_dir / "run"), str(SCRIPT), *args, "--no_fused_loss", "--per_device_train_batch_size",
+                   str(BATCH * RANKS), "--output_dir", str(stock_dir)]
+    if BF16_SCRIPT_REFERENCE_ENGINE[engine] is None:
+        run([sys.executable, str(RUNNER), *runner_args], gpus=1)
+    else:
+        accelerate_launch(BF16_SCRIPT_REFERENCE_ENGINE[engine], RUNNER, *runner_args, processes=1)
+    stock = _load(stock_dir, 1)
+    fused = _launch(SCRIPT, tmp_path / "fused", *args, "--per_device_train_batch_size", str(BATCH), engine=engine)
+    assert stock["counts"][0]["head_calls"] == 0 and all(c["head_calls"] >= 3 * 2 for c in fused["counts"])
+    assert_bf16_twin(fused, stock, reference, ranks=RANKS)
 
 
 LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0",
