@@ -2,7 +2,8 @@
 
 ``apply_fused_loss`` + plain ``transformers.Trainer`` under its default-in-practice precision
 (``bf16=True``: autocast on an fp32 model), evaluation that needs logits, a loss Trainer computes itself,
-``return_dict=False``, accelerate's output wrapper, saving and loading, and the models hf_fused refuses.
+``return_dict=False``, accelerate's output wrapper, ``torch.compile`` (directly and ``Trainer(torch_compile=True)``),
+saving and loading, and the models hf_fused refuses.
 """
 
 from __future__ import annotations
@@ -118,6 +119,51 @@ def test_autocast_gradients_no_further_from_fp32_than_unpatched(arch, device):
     e = _rel(grad_vector(copy.deepcopy(base), True), ref)
     f = _rel(grad_vector(apply_fused_loss(copy.deepcopy(base)), True), ref)
     assert 0 < e and f <= 1.25 * e, f"fused bf16 gradient error {f:.3g} vs unpatched {e:.3g}"
+
+
+# ---------------------------------------------------------------------------------- torch.compile
+
+
+def test_compiled_patched_model_runs_the_fused_loss_and_matches_eager():
+    """``torch.compile`` of a patched model with Dynamo on (AOTAutograd traces the patched forward and the op's
+    backward; the ``aot_eager`` backend skips only inductor's code generation, a minute on 2 cores): no logits
+    (the fused path ran, not a traced stock forward), and the loss and every gradient equal the unpatched eager
+    model's (fp32, relative 1e-5, tiny_models.RTOL)."""
+    import torch._dynamo
+
+    base = make_model("llama", tie_word_embeddings=False)
+    ref = copy.deepcopy(base)
+    input_ids, attention_mask, labels = make_batch(seed=3)
+    torch._dynamo.reset()
+    compiled = torch.compile(apply_fused_loss(base), backend="aot_eager")
+    out = compiled(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    out.loss.backward()
+    expected = ref(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    expected.loss.backward()
+    assert out.logits is None
+    assert_close(out.loss, expected.loss, "loss under torch.compile")
+    for (name, p), q in zip(base.named_parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, f"{name}.grad under torch.compile")
+
+
+def test_trainer_torch_compile_matches_unpatched(tmp_path):
+    """``Trainer(torch_compile=True)`` (the model compiled when the Trainer prepares it; ``aot_eager`` as in the
+    test above) with ``apply_fused_loss`` against the unpatched model under the same setting: logged losses,
+    grad norms and final parameters (fp32: relative 1e-5)."""
+    import torch._dynamo
+
+    base = make_model("qwen3", tie_word_embeddings=False)
+    options = dict(torch_compile=True, torch_compile_backend="aot_eager")
+    torch._dynamo.reset()
+    stock = _train(copy.deepcopy(base), tmp_path / "stock", **options)
+    torch._dynamo.reset()
+    trainer = Trainer(model=apply_fused_loss(copy.deepcopy(base)), args=_args(tmp_path / "fused", **options),
+                      train_dataset=TRAIN)
+    fused = _trained(trainer)
+    assert isinstance(trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule), type(trainer.model_wrapped)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "Dynamo traced nothing"
+    for what, f, s in zip(("losses", "grad norms", "parameters"), fused, stock):
+        assert _rel(f, s) <= 1e-5, f"{what}: {_rel(f, s):.3g}"
 
 
 # ---------------------------------------------------------------------------- evaluation needing logits
