@@ -10,6 +10,7 @@ runs on that empty tensor for nothing; the fused ops apply the same transform, r
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 import warnings
@@ -49,6 +50,14 @@ class FusedLossState:
         if self.instance_forward is not None:
             return self.instance_forward
         return types.MethodType(type(model).forward, model)
+
+    def original_forward_callable(self, model: nn.Module):
+        """:meth:`original_forward` as the patched forward calls it: the class's forward with ``model`` as a
+        ``functools.partial``, which Dynamo traces (building a ``types.MethodType`` inside a compiled forward
+        breaks its graph)."""
+        if self.instance_forward is not None:
+            return self.instance_forward
+        return functools.partial(type(model).forward, model)
 
 
 @dataclass
@@ -127,7 +136,7 @@ def fused_forward(model: nn.Module, *args, **kwargs):
         from ..integrations.trl import trl_fused_forward
 
         return trl_fused_forward(model, *args, **kwargs)
-    original = state.original_forward(model)
+    original = state.original_forward_callable(model)
     if not state.enabled:
         return original(*args, **kwargs)
     if args:
@@ -237,7 +246,9 @@ def lm_head_answering(lm_head: nn.Module, answer):
     module hooks such as ZeRO-3's gather still run around it); any instance ``forward`` it had is restored."""
     had_instance_forward = "forward" in lm_head.__dict__
     previous = lm_head.__dict__.get("forward")
-    lm_head.forward = types.MethodType(lambda self, hidden, *args, **kwargs: answer(hidden), lm_head)
+    # A plain function as the instance attribute (Module.__call__ calls self.forward(hidden)): Dynamo traces
+    # it, where building a types.MethodType inside a compiled forward breaks the graph.
+    lm_head.forward = lambda hidden, *args, **kwargs: answer(hidden)
     try:
         yield
     finally:
