@@ -1,23 +1,19 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard`` called directly; through accelerate: test_engines.py): a
-patched model sharded over 2 CPU processes (gloo) against the unpatched, unsharded model: loss and every parameter gradient (gathered to full tensors) to
-1e-5. The lm_head weight is then a sharded DTensor that FSDP2 all-gathers around lm_head's own call,
-which is where hf_fused computes the loss. NCCL on several GPUs is not exercised here."""
+patched model sharded over 2 processes (CPU over gloo, or 2 GPUs over NCCL: ranks.py) against the unpatched,
+unsharded model: loss and every parameter gradient (gathered to full tensors) to 1e-5. The lm_head weight is then
+a sharded DTensor that FSDP2 all-gathers around lm_head's own call, which is where hf_fused computes the loss."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from launch import HERE, run
 from tiny_models import RTOL
 
-HERE = Path(__file__).parent
 pytestmark = [
     pytest.mark.distributed,
     pytest.mark.skipif(
@@ -35,18 +31,8 @@ pytestmark = [
 )
 def test_fsdp2_sharded_fused_loss_matches_unsharded_reference(tmp_path, arch, tied, when):
     out = tmp_path / "errors.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "fsdp2_worker.py"), str(out), arch, tied, *when.split("-", 1)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the ranks too, not only the launcher
-        raise
-    assert proc.returncode == 0, stderr[-3000:]
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(HERE / "fsdp2_worker.py"), str(out), arch, tied, *when.split("-", 1)])
     doc = json.loads(out.read_text())
     assert doc["world"] == 2 and doc["lm_head_sharded"]
     worst = {k: v for k, v in doc["errors"].items() if not v <= RTOL}
