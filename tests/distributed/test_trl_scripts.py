@@ -40,6 +40,7 @@ import torch
 from launch import CONFIGS, HERE, accelerate_launch, run
 from parity import PARAM_RTOL, assert_bf16_twin, assert_matches_reference, update_errors
 from ranks import CUDA
+from test_engines import BF16_REFERENCE_ENGINE
 
 pytestmark = [
     pytest.mark.distributed,
@@ -66,15 +67,15 @@ def _load(out_dir, ranks: int) -> dict:
             **torch.load(out_dir / "run.params.pt")}
 
 
-def _launch(script, out_dir, *args: str, engine: str | None = None) -> dict:
-    """``script`` through the runner: under ``accelerate launch --config_file <engine>.yaml`` (2 ranks), or
-    as one plain process when ``engine`` is None."""
+def _launch(script, out_dir, *args: str, engine: str | None = None, processes: int = RANKS) -> dict:
+    """``script`` through the runner: under ``accelerate launch --config_file <engine>.yaml`` (``processes``
+    ranks), or as one plain process when ``engine`` is None."""
     runner_args = [str(out_dir / "run"), str(script), *args, "--output_dir", str(out_dir)]
     if engine is None:  # on one GPU: a plain process seeing two would run nn.DataParallel
         run([sys.executable, str(RUNNER), *runner_args], gpus=1)
     else:
-        accelerate_launch(engine, RUNNER, *runner_args)
-    return _load(out_dir, 1 if engine is None else RANKS)
+        accelerate_launch(engine, RUNNER, *runner_args, processes=processes)
+    return _load(out_dir, 1 if engine is None else processes)
 
 
 @pytest.fixture(scope="module")
@@ -107,29 +108,18 @@ def _with_bf16(args: list) -> list:
     return [*args[:i], "--bf16", "True", *args[i + 2:]]
 
 
-#: The single-process stock run under the same bf16 setting as the engine: DeepSpeed keeps bf16 weights (and fp32
-#: master weights), so its reference is the same DeepSpeed config launched with one process; DDP autocasts an fp32
-#: model as one plain process does (test_engines.BF16_REFERENCE_ENGINE).
-BF16_SCRIPT_REFERENCE_ENGINE = {"zero2": "zero2", "ddp": None}
-
-
-@pytest.mark.parametrize("engine", list(BF16_SCRIPT_REFERENCE_ENGINE))
+@pytest.mark.parametrize("engine", ["zero2", "ddp"])
 def test_trl_sft_script_under_bf16_matches_unpatched_bf16(engine, tmp_path, reference):
     """TRL's SFT script as users run it, with TRL's default ``bf16=True``, under the engine (2 ranks), against the
-    same script unpatched (TRL's own head) in one process under the same bf16 setting, and both against the fp32
+    same script unpatched (TRL's own head) in one process under the same bf16 setting (DeepSpeed's own config
+    with one process, or one plain process: ``test_engines.BF16_REFERENCE_ENGINE``), and both against the fp32
     reference: ``parity.assert_bf16_twin`` (losses within 2^-8 of stock's, the parameters no further from fp32's
     than stock's within 1.25×, every tensor within 0.25 of stock's update; why those bounds: there)."""
     if engine.startswith("zero"):
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
     args = _with_bf16(ARGS)
-    stock_dir = tmp_path / "stock"
-    runner_args = [str(stock_dir / "run"), str(SCRIPT), *args, "--no_fused_loss", "--per_device_train_batch_size",
-                   str(BATCH * RANKS), "--output_dir", str(stock_dir)]
-    if BF16_SCRIPT_REFERENCE_ENGINE[engine] is None:
-        run([sys.executable, str(RUNNER), *runner_args], gpus=1)
-    else:
-        accelerate_launch(BF16_SCRIPT_REFERENCE_ENGINE[engine], RUNNER, *runner_args, processes=1)
-    stock = _load(stock_dir, 1)
+    stock = _launch(SCRIPT, tmp_path / "stock", *args, "--no_fused_loss", "--per_device_train_batch_size",
+                    str(BATCH * RANKS), engine=BF16_REFERENCE_ENGINE[engine], processes=1)
     fused = _launch(SCRIPT, tmp_path / "fused", *args, "--per_device_train_batch_size", str(BATCH), engine=engine)
     assert stock["counts"][0]["head_calls"] == 0 and all(c["head_calls"] >= 3 * 2 for c in fused["counts"])
     assert_bf16_twin(fused, stock, reference, ranks=RANKS)
