@@ -15,6 +15,7 @@ why one problem variant is (e.g. off-policy for a loss that assumes ratio 1), bo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 from typing import Optional
@@ -68,6 +69,10 @@ class Peer:
     def unsupported_problem(self, problem: Problem) -> Optional[str]:
         """Why this problem variant is out of reach (``None``: it is not); see :meth:`unsupported` for kinds."""
         return None
+
+    def step_context(self):
+        """A context manager around each whole forward + backward step (default: none)."""
+        return contextlib.nullcontext()
 
     def ce_loss(self, inp: Inputs) -> torch.Tensor:
         raise NotImplementedError
@@ -371,6 +376,21 @@ class HFFusedLeanPeer(HFFusedPeer):
     tile_budget_bytes = 256 * 2**20
 
 
+class HFFusedLeanCublasPeer(HFFusedLeanPeer):
+    """The lean two passes with cuBLAS's logits tiles and the Triton statistics and gradient kernels reading them
+    (``logits_epilogues.forced(False)``): what the lean path ran before the fused epilogues, for A/B runs."""
+
+    key, label = "hf_fused_lean_cublas", "hf_fused (lean, 256 MiB, cuBLAS tiles)"
+
+    def describe(self):
+        return super().describe() + " inside hf_fused.ops.backends.logits_epilogues.forced(False)"
+
+    def step_context(self):
+        from hf_fused.ops.backends import logits_epilogues
+
+        return logits_epilogues.forced(False)
+
+
 class HFFusedLargeBudgetPeer(HFFusedPeer):
     """A 4 GiB budget holds the fp32 [V, H] weight-gradient accumulator (1.2–2.1 GB at these shapes) and
     a tile of thousands of full-vocabulary rows, so cross-entropy takes the one-pass (6·N·H·V) path;
@@ -558,7 +578,7 @@ class HFFusedTokenLossPeer(HFFusedPeer):
 
 #: Every adapter, in table order.
 ALL_PEERS = [EagerPeer, LigerPeer, LigerGRPOPeer, CCEPeer, CCEExactPeer, QuackPeer, TRLPeer, TorchPeer, HFFusedPeer,
-             HFFusedLeanPeer, HFFusedSmallTilesPeer, HFFusedLargeBudgetPeer, HFFusedPairPeer, HFFusedOnePassGRPOPeer,
+             HFFusedLeanPeer, HFFusedLeanCublasPeer, HFFusedSmallTilesPeer, HFFusedLargeBudgetPeer, HFFusedPairPeer, HFFusedOnePassGRPOPeer,
              HFFusedHintGRPOPeer, HFFusedHintPairGRPOPeer, HFFusedTokenLossPeer]
 #: Run when ``--peers`` is not given (``cce_exact`` only on request).
 DEFAULT_PEERS = [p.key for p in ALL_PEERS if p.key != "cce_exact"]

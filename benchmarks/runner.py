@@ -94,11 +94,12 @@ def _zero_grads(inp: Inputs) -> None:
 
 def _step(peer: Peer, problem: Problem, inp: Inputs):
     """One forward+backward; returns detached (loss, logps, entropy)."""
-    if problem.kind == "ce":
-        loss, logps, entropy = peer.ce_loss(inp), None, None
-    else:
-        loss, logps, entropy = peer.grpo(inp)
-    loss.backward()
+    with peer.step_context():
+        if problem.kind == "ce":
+            loss, logps, entropy = peer.ce_loss(inp), None, None
+        else:
+            loss, logps, entropy = peer.grpo(inp)
+        loss.backward()
     detach = lambda t: None if t is None else t.detach()  # noqa: E731
     return detach(loss), detach(logps), detach(entropy)
 

@@ -49,6 +49,7 @@ from ..tiling import (
     LeanPlan, OnePassPlan, accumulation_row_bytes, hidden_accumulator, one_pass_accumulators, one_pass_plan,
     two_pass_tile_plan,
 )
+from . import logits_epilogues
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_, one_pass_config, wave_rows
 from .protocol import HeadPass, TileGrads
 
@@ -291,6 +292,10 @@ class TritonCublasBackend:
         m_rows, vocab_size = head.rows.numel(), weight.shape[0]
         stats = self._new_stats(m_rows, weight.device, statistics)
         scalars = self._scalars(head.transform, bias)
+        if not statistics and logits_epilogues.applies(h if buf is None else buf, weight):
+            self._fused_statistics(head, plan, h, buf, y, stats, scalars, return_entropy)
+            logp, entropy, lse, token_stats = self._finish(stats, y, vocab_size, return_entropy, statistics)
+            return HeadPass(logp, entropy, lse, None, token_stats)
         tile_buf = torch.empty((plan.block_rows, plan.cols), dtype=weight.dtype, device=weight.device)
         for v0 in range(0, vocab_size, plan.cols):
             w_chunk = weight[v0 : v0 + plan.cols]
@@ -299,6 +304,24 @@ class TritonCublasBackend:
                 self._stats(z, v0, bias, y[r0:r1], _row_slice(stats, r0, r1), scalars, return_entropy)
         logp, entropy, lse, token_stats = self._finish(stats, y, vocab_size, return_entropy, statistics)
         return HeadPass(logp, entropy, lse, None, token_stats)
+
+    def _fused_statistics(self, head: HeadInputs, plan: LeanPlan, h, buf, y, stats, scalars, return_entropy):
+        """The statistics pass on :mod:`.logits_epilogues`: no logits tile is written, so each row block is taken
+        once (gathered once) and its columns in spans as wide as the plan's tile holds the partial statistics
+        for (the whole vocabulary at every planned shape of a 128k–256k vocabulary)."""
+        weight, bias = head.weight, head.bias
+        vocab_size = weight.shape[0]
+        cfg = logits_epilogues.CONFIG
+        span_tiles = plan.cols * weight.element_size() // logits_epilogues.PARTIAL_BYTES_PER_TILE_ROW
+        span = min(vocab_size, max(1, span_tiles) * cfg.block_n)
+        run_max, run_sum, run_zp, label_logit = stats[:4]
+        for r0, r1, h_rows in self._row_blocks(head, plan, h, buf):
+            for v0 in range(0, vocab_size, span):
+                logits_epilogues.logits_statistics_(
+                    h_rows, weight[v0 : v0 + span], y[r0:r1], run_max[r0:r1], run_sum[r0:r1],
+                    run_zp[r0:r1] if return_entropy else None, label_logit[r0:r1], col_offset=v0, bias=bias,
+                    scalars=scalars,
+                )
 
     def logprobs_backward(
         self, head: HeadInputs, lse: torch.Tensor, entropy: Optional[torch.Tensor],
@@ -343,6 +366,8 @@ class TritonCublasBackend:
         block_rows, cols = plan.block_rows, plan.cols
         scalars = self._scalars(head.transform, bias)
         tile_buf = torch.empty((block_rows, cols), dtype=weight.dtype, device=weight.device)
+        # dz straight from the logits matmul's epilogue where it runs (the logits are never written)
+        fused = logits_epilogues.applies(h if buf is None else buf, weight)
         for v0 in range(0, vocab_size, cols):
             v1 = min(v0 + cols, vocab_size)
             w_chunk = weight[v0:v1]
@@ -350,11 +375,19 @@ class TritonCublasBackend:
             if need_weight and block_rows < m_rows:  # several row blocks add into this chunk; the first sets it
                 d_w_chunk32 = torch.empty((v1 - v0, hidden_size), dtype=torch.float32, device=weight.device)
             for r0, r1, h_rows in self._row_blocks(head, plan, h, buf):
-                dz = torch.mm(h_rows, w_chunk.t(), out=tile_buf[: r1 - r0, : v1 - v0])
-                self._grad(
-                    dz, v0, bias, y[r0:r1], lse[r0:r1], ent[r0:r1], g_lp[r0:r1], g_ent[r0:r1], scalars,
-                    grad_logprobs is not None, grad_entropy is not None,
-                )
+                dz = tile_buf[: r1 - r0, : v1 - v0]
+                if fused:
+                    logits_epilogues.logits_grad_(
+                        h_rows, w_chunk, dz, y[r0:r1], lse[r0:r1], ent[r0:r1], g_lp[r0:r1], g_ent[r0:r1],
+                        has_g_lp=grad_logprobs is not None, has_g_ent=grad_entropy is not None, col_offset=v0,
+                        bias=bias, scalars=scalars,
+                    )
+                else:
+                    torch.mm(h_rows, w_chunk.t(), out=dz)
+                    self._grad(
+                        dz, v0, bias, y[r0:r1], lse[r0:r1], ent[r0:r1], g_lp[r0:r1], g_ent[r0:r1], scalars,
+                        grad_logprobs is not None, grad_entropy is not None,
+                    )
                 if gather:
                     compensated_addmm_(d_hidden, d_hidden_lo[r0:r1], dz, w_chunk, hi_rows=rows[r0:r1])
                 elif pair:
