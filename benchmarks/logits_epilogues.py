@@ -96,19 +96,37 @@ def bench_shape(m: int, n: int, k: int, device: torch.device, repeats: int, stag
                      ("cuBLAS mm + grad kernel", cublas_grad)):
         ms, _ = median_ms(fn, device, repeats)
         rows.append(dict(shape=f"{m}×{n}×{k}", variant=name, ms=ms, tflops=flops / ms / 1e9))
-    for s in stages:
-        config = dataclasses.replace(L.CONFIG, num_stages=s)
-        for name, fn in ((f"fused statistics s{s}", lambda: fused_stats(new_stats(), config)),
-                         (f"fused grad s{s}", lambda: fused_grad(dz, config))):
-            try:
-                ms, _ = median_ms(fn, device, repeats)
-                rows.append(dict(shape=f"{m}×{n}×{k}", variant=name, ms=ms, tflops=flops / ms / 1e9))
-            except Exception as e:  # a config that does not fit this GPU's shared memory
-                rows.append(dict(shape=f"{m}×{n}×{k}", variant=name, ms=float("nan"), tflops=float("nan"),
-                                 note=short_error(e, 120)))
-    rows[0]["note"] = (f"max |Δlse| {(lse - lse_ref).abs().max().item():.2e}, max |Δzp| "
+    note = (f"max |Δlse| {(lse - lse_ref).abs().max().item():.2e}, max |Δzp| "
                        f"{(fused[2] / fused[1] - ref[2] / ref[1]).abs().max().item():.2e}, "
                        f"label logits equal {bool((fused[3] == ref[3]).all())}, dz differs on {differ:.2e}")
+    part = torch.empty((3, L.column_tiles(n), m), **f32)
+    scratch = torch.empty(m, **f32)
+    stats_args = dict(PART_M=part[0], PART_S=part[1], PART_T=part[2], ZY=scratch, stride_part=m, DZ=scratch,
+                      stride_dz=0, LSE=scratch, ENT=scratch, G_LP=scratch, G_ENT=scratch, GRAD=0, HAS_G_LP=False,
+                      HAS_G_ENT=False)
+    variants = []
+    for s in stages:
+        config = dataclasses.replace(L.CONFIG, num_stages=s)
+        variants += [
+            (f"fused statistics s{s}", lambda config=config: fused_stats(new_stats(), config)),
+            (f"fused grad s{s}", lambda config=config: fused_grad(dz, config)),
+        ]
+    config = L.CONFIG
+    launch = lambda **kw: L._launch(h, w, 0, None, labels, scalars, config, **{**stats_args, **kw})  # noqa: E731
+    variants += [
+        ("  epilogue: bit-pattern rounding", lambda: launch(ENTROPY=True, LABEL=True, ROUND=1)),
+        ("  epilogue: no label logit", lambda: launch(ENTROPY=True, LABEL=False)),
+        ("  epilogue: no label, no entropy", lambda: launch(ENTROPY=False, LABEL=False)),
+        ("  epilogue: none (a row max)", lambda: launch(ENTROPY=False, LABEL=False, GRAD=2)),
+    ]
+    for name, fn in variants:
+        try:
+            ms, _ = median_ms(fn, device, repeats)
+            rows.append(dict(shape=f"{m}×{n}×{k}", variant=name, ms=ms, tflops=flops / ms / 1e9))
+        except Exception as e:  # a config that does not fit this GPU's shared memory
+            rows.append(dict(shape=f"{m}×{n}×{k}", variant=name, ms=float("nan"), tflops=float("nan"),
+                             note=short_error(e, 120)))
+    rows[0]["note"] = note
     return rows
 
 
