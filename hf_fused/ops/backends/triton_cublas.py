@@ -292,10 +292,6 @@ class TritonCublasBackend:
         m_rows, vocab_size = head.rows.numel(), weight.shape[0]
         stats = self._new_stats(m_rows, weight.device, statistics)
         scalars = self._scalars(head.transform, bias)
-        if not statistics and logits_epilogues.applies(h if buf is None else buf, weight):
-            self._fused_statistics(head, plan, h, buf, y, stats, scalars, return_entropy)
-            logp, entropy, lse, token_stats = self._finish(stats, y, vocab_size, return_entropy, statistics)
-            return HeadPass(logp, entropy, lse, None, token_stats)
         tile_buf = torch.empty((plan.block_rows, plan.cols), dtype=weight.dtype, device=weight.device)
         for v0 in range(0, vocab_size, plan.cols):
             w_chunk = weight[v0 : v0 + plan.cols]
@@ -304,24 +300,6 @@ class TritonCublasBackend:
                 self._stats(z, v0, bias, y[r0:r1], _row_slice(stats, r0, r1), scalars, return_entropy)
         logp, entropy, lse, token_stats = self._finish(stats, y, vocab_size, return_entropy, statistics)
         return HeadPass(logp, entropy, lse, None, token_stats)
-
-    def _fused_statistics(self, head: HeadInputs, plan: LeanPlan, h, buf, y, stats, scalars, return_entropy):
-        """The statistics pass on :mod:`.logits_epilogues`: no logits tile is written, so each row block is taken
-        once (gathered once) and its columns in spans as wide as the plan's tile holds the partial statistics
-        for (the whole vocabulary at every planned shape of a 128k–256k vocabulary)."""
-        weight, bias = head.weight, head.bias
-        vocab_size = weight.shape[0]
-        cfg = logits_epilogues.CONFIG
-        span_tiles = plan.cols * weight.element_size() // logits_epilogues.PARTIAL_BYTES_PER_TILE_ROW
-        span = min(vocab_size, max(1, span_tiles) * cfg.block_n)
-        run_max, run_sum, run_zp, label_logit = stats[:4]
-        for r0, r1, h_rows in self._row_blocks(head, plan, h, buf):
-            for v0 in range(0, vocab_size, span):
-                logits_epilogues.logits_statistics_(
-                    h_rows, weight[v0 : v0 + span], y[r0:r1], run_max[r0:r1], run_sum[r0:r1],
-                    run_zp[r0:r1] if return_entropy else None, label_logit[r0:r1], col_offset=v0, bias=bias,
-                    scalars=scalars,
-                )
 
     def logprobs_backward(
         self, head: HeadInputs, lse: torch.Tensor, entropy: Optional[torch.Tensor],
@@ -367,7 +345,7 @@ class TritonCublasBackend:
         scalars = self._scalars(head.transform, bias)
         tile_buf = torch.empty((block_rows, cols), dtype=weight.dtype, device=weight.device)
         # dz straight from the logits matmul's epilogue where it runs (the logits are never written)
-        fused = logits_epilogues.applies(h if buf is None else buf, weight)
+        fused = logits_epilogues.applies(h if buf is None else buf, weight, tile_buf)
         for v0 in range(0, vocab_size, cols):
             v1 = min(v0 + cols, vocab_size)
             w_chunk = weight[v0:v1]
