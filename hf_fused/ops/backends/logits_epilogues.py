@@ -5,7 +5,7 @@ cuBLAS, then read it back in ``triton_kernels.grad_kernel`` to overwrite it with
 the two gradient matmuls consume: 2 bytes per logit written, read and written again. Here one persistent Triton
 matmul (TMA loads, one program per multiprocessor, the loop nest flattened so the next tile's loads overlap this
 tile's epilogue, as in :func:`.compensated._compensated_addmm_tma_kernel`) computes ``dz`` from the fp32 output
-tile while it is still in registers and stores it through a TMA descriptor: the logits are never written. On an
+tile while it is still in registers and stores it: the logits are never written. On an
 H100 (docs/gpu_results.md, tenth session; ``python -m benchmarks.logits_epilogues``) this is 7–12 % faster than
 cuBLAS's matmul followed by the gradient kernel at the two passes' shapes.
 
@@ -39,8 +39,8 @@ from .compensated import GemmConfig, _halves, _multiprocessors, _round, _tile, _
 from .triton_kernels import _transform
 
 #: The launch shape: 128×256 output tiles on 8 warps, 4 pipelined stages, the epilogue on four 64-column slices
-#: (the fp32 accumulator alone is 128 registers per thread; ptxas for sm_90 spills 24 bytes of stack in the plain
-#: case, 536 with a soft-cap, scaling and an entropy gradient).
+#: (the fp32 accumulator alone is 128 registers per thread; ptxas for sm_90, Triton 3.9, spills 24 bytes of stack
+#: in the plain case, 544 with a bias, soft-cap, scaling and an entropy gradient). 3 stages: up to 12 % slower.
 CONFIG = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4, epilogue_split=4, tma=True)
 
 # What a ``forced`` block set: None (the rule of :func:`applies`), True or False.
@@ -65,8 +65,8 @@ def applies(h: torch.Tensor, weight: torch.Tensor, tile: torch.Tensor) -> bool:
     """Whether :func:`logits_grad_` can compute ``h @ weight.T``'s ``dz`` into ``tile`` (``[rows, cols]`` buffer):
     by default on a CUDA device of compute capability ≥ 9.0 with bf16 operands (an fp32 matmul stays cuBLAS's:
     Triton's fp32 ``tl.dot`` is TF32 or slow), inside a :func:`forced` block as it says where the operands are
-    bf16 or (CPU, interpreter) fp32; always with all three row-major and TMA-aligned (base address and row stride
-    multiples of 16 bytes)."""
+    bf16 or (CPU, interpreter) fp32; always with all three row-major, ``h`` and ``weight`` TMA-aligned (base
+    address and row stride multiples of 16 bytes)."""
     enabled = _FORCED.get("enabled")
     if enabled is False or h.dtype != weight.dtype or tile.dtype != weight.dtype:
         return False
@@ -77,14 +77,14 @@ def applies(h: torch.Tensor, weight: torch.Tensor, tile: torch.Tensor) -> bool:
             return False
     elif weight.dtype not in (torch.bfloat16, torch.float32) or (weight.is_cuda and weight.dtype != torch.bfloat16):
         return False
-    return all(t.stride(-1) == 1 and _tma_operand(t) is None for t in (h, weight, tile))
+    return tile.stride(-1) == 1 and all(t.stride(-1) == 1 and _tma_operand(t) is None for t in (h, weight))
 
 
 @triton.jit
-def _grad_slice(acc, off_m, off_n, rn, N, col_offset, Bias, labels, lse, ent, g_lp, g_ent, DZ_DESC,
+def _grad_slice(acc, rm, rn, M, N, col_offset, Bias, labels, lse, ent, g_lp, g_ent, DZ, stride_dz,
                 logit_scale, softcap, inv_temperature, ROUND: tl.constexpr, HAS_BIAS: tl.constexpr,
                 SOFTCAP: tl.constexpr, SCALED: tl.constexpr, HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr):
-    """``dz`` of one column slice ``acc [BLOCK_M, len(rn)]`` (columns ``rn``), stored at ``(off_m, off_n)``:
+    """``dz`` of one column slice ``acc [len(rm), len(rn)]`` (rows ``rm``, columns ``rn``), stored:
     ``triton_kernels._row_grad``'s formula, element for element, on the rounded logit (plus bias)."""
     raw = acc
     if ROUND == 1:  # on the bit pattern: the interpreter's fp32 → bf16 conversion truncates
@@ -107,13 +107,14 @@ def _grad_slice(acc, off_m, off_n, rn, N, col_offset, Bias, labels, lse, ent, g_
         dz = dz * (1.0 - th * th)
     if SCALED:
         dz = dz * logit_scale
-    # the descriptor's shape clips the rows and columns past the tile's (TMA writes nothing there)
-    DZ_DESC.store([off_m, off_n], dz.to(DZ_DESC.dtype))
+    # pointer stores: a TMA store of each slice (through shared memory) was 1–6 % slower on an H100
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    tl.store(DZ + rm[:, None].to(tl.int64) * stride_dz + rn[None, :], dz.to(DZ.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _logits_grad_kernel(
-    A_DESC, B_DESC, DZ_DESC, M, N, K, col_offset, Bias, Labels, LSE, ENT, G_LP, G_ENT,
+    A_DESC, B_DESC, DZ, stride_dz, M, N, K, col_offset, Bias, Labels, LSE, ENT, G_LP, G_ENT,
     logit_scale, softcap, inv_temperature,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, WIDEN_DOT: tl.constexpr, ROUND: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -121,8 +122,8 @@ def _logits_grad_kernel(
 ):
     """Tiles ``pid, pid + NUM_PROGRAMS, …`` of ``h [M, K] @ w [N, K]ᵀ`` (``A_DESC`` over ``h`` in
     ``[BLOCK_M, BLOCK_K]`` boxes, ``B_DESC`` over ``w`` in ``[BLOCK_N, BLOCK_K]`` boxes, whose zero fill past their
-    shapes stands in for masks) in :func:`.compensated._tile`'s grouped order; each tile's ``dz`` is stored
-    through ``DZ_DESC`` (``[M, N]``, ``[BLOCK_M, BLOCK_N // 4]`` boxes) in four column slices."""
+    shapes stands in for masks) in :func:`.compensated._tile`'s grouped order; each tile's ``dz`` is stored into
+    ``DZ`` (``[M, N]``, row stride ``stride_dz``) in four column slices."""
     start = tl.program_id(0)
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -159,17 +160,14 @@ def _logits_grad_kernel(
         q2, q3 = _halves(right, BLOCK_M, BLOCK_N // 4)
         SLICE: tl.constexpr = BLOCK_N // 4
         rn = off_n_c + tl.arange(0, SLICE)
-        _grad_slice(q0, off_m_c, off_n_c, rn, N, col_offset, Bias, labels, lse, ent, g_lp, g_ent, DZ_DESC,
+        _grad_slice(q0, rm, rn, M, N, col_offset, Bias, labels, lse, ent, g_lp, g_ent, DZ, stride_dz,
                     logit_scale, softcap, inv_temperature, ROUND, HAS_BIAS, SOFTCAP, SCALED, HAS_G_LP, HAS_G_ENT)
-        _grad_slice(q1, off_m_c, off_n_c + SLICE, rn + SLICE, N, col_offset, Bias, labels, lse, ent, g_lp, g_ent,
-                    DZ_DESC, logit_scale, softcap, inv_temperature, ROUND, HAS_BIAS, SOFTCAP, SCALED, HAS_G_LP,
-                    HAS_G_ENT)
-        _grad_slice(q2, off_m_c, off_n_c + 2 * SLICE, rn + 2 * SLICE, N, col_offset, Bias, labels, lse, ent, g_lp,
-                    g_ent, DZ_DESC, logit_scale, softcap, inv_temperature, ROUND, HAS_BIAS, SOFTCAP, SCALED,
-                    HAS_G_LP, HAS_G_ENT)
-        _grad_slice(q3, off_m_c, off_n_c + 3 * SLICE, rn + 3 * SLICE, N, col_offset, Bias, labels, lse, ent, g_lp,
-                    g_ent, DZ_DESC, logit_scale, softcap, inv_temperature, ROUND, HAS_BIAS, SOFTCAP, SCALED,
-                    HAS_G_LP, HAS_G_ENT)
+        _grad_slice(q1, rm, rn + SLICE, M, N, col_offset, Bias, labels, lse, ent, g_lp, g_ent, DZ, stride_dz,
+                    logit_scale, softcap, inv_temperature, ROUND, HAS_BIAS, SOFTCAP, SCALED, HAS_G_LP, HAS_G_ENT)
+        _grad_slice(q2, rm, rn + 2 * SLICE, M, N, col_offset, Bias, labels, lse, ent, g_lp, g_ent, DZ, stride_dz,
+                    logit_scale, softcap, inv_temperature, ROUND, HAS_BIAS, SOFTCAP, SCALED, HAS_G_LP, HAS_G_ENT)
+        _grad_slice(q3, rm, rn + 3 * SLICE, M, N, col_offset, Bias, labels, lse, ent, g_lp, g_ent, DZ, stride_dz,
+                    logit_scale, softcap, inv_temperature, ROUND, HAS_BIAS, SOFTCAP, SCALED, HAS_G_LP, HAS_G_ENT)
 
 
 def logits_grad_(
@@ -198,15 +196,13 @@ def logits_grad_(
     n = w.shape[0]
     if m == 0 or n == 0:
         return
-    slice_n = config.block_n // 4
     a_desc = TensorDescriptor(h, [m, k], [h.stride(0), 1], [config.block_m, config.block_k])
     b_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [config.block_n, config.block_k])
-    dz_desc = TensorDescriptor(dz, [m, n], [dz.stride(0), 1], [config.block_m, slice_n])
     programs = _multiprocessors(h.device)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
         _logits_grad_kernel[(min(tiles, programs),)](
-            a_desc, b_desc, dz_desc, m, n, k, col_offset, bias if bias is not None else lse, labels, lse, ent,
+            a_desc, b_desc, dz, dz.stride(0), m, n, k, col_offset, bias if bias is not None else lse, labels, lse, ent,
             g_lp, g_ent, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, NUM_PROGRAMS=programs, WIDEN_DOT=not h.is_cuda and h.dtype == torch.bfloat16,
             ROUND=(2 if h.is_cuda else 1) if h.dtype == torch.bfloat16 else 0, HAS_G_LP=has_g_lp,
