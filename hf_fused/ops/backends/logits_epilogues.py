@@ -6,8 +6,8 @@ the two gradient matmuls consume: 2 bytes per logit written, read and written ag
 matmul (TMA loads, one program per multiprocessor, the loop nest flattened so the next tile's loads overlap this
 tile's epilogue, as in :func:`.compensated._compensated_addmm_tma_kernel`) computes ``dz`` from the fp32 output
 tile while it is still in registers and stores it: the logits are never written. On an
-H100 (docs/gpu_results.md, tenth session; ``python -m benchmarks.logits_epilogues``) this is 7–12 % faster than
-cuBLAS's matmul followed by the gradient kernel at the two passes' shapes.
+H100 (docs/gpu_results.md, tenth session; ``python -m benchmarks.logits_epilogues``) this is 6–11 % faster than
+cuBLAS's matmul followed by the gradient kernel at the two passes' tile shapes (1–2 % of a lean step).
 
 The statistics pass stays cuBLAS + ``triton_kernels.stats_kernel``: the same kernel with the log-sum-exp, label
 logit and entropy reduced in its epilogue (partials per output tile, merged afterwards) was measured 4–9 %

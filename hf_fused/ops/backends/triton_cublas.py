@@ -14,7 +14,9 @@ asked) then gradients (recompute ``2·M·H·V`` + ``dX`` ``2·M·H·V`` + ``dW``
 on the non-ignored rows M only.
 One preallocated ``[rows, V_chunk]`` tile in the weight dtype holds the logits cuBLAS writes (as
 eager transformers and TRL's chunked head round them) and then, in place, ``dz``; every statistic and
-accumulation after the matmul is fp32. Its shape comes from :func:`hf_fused.ops.tiling.two_pass_plan`.
+accumulation after the matmul is fp32. Its shape comes from :func:`hf_fused.ops.tiling.two_pass_plan`. On a
+Hopper GPU with bf16 operands the gradient pass writes ``dz`` straight from its own logits matmul's epilogue
+instead (:mod:`.logits_epilogues`: the same rounded logits and formula, the logits never stored).
 
 Cross-entropy (plain or token-weighted) and log-probs given a ``grad_hint`` take a one-pass path
 instead (token rows outside, whole vocabulary rows per tile, gradients right after each row's
