@@ -316,25 +316,35 @@ def _compensated_addmm_tma_kernel(
         pid_m, pid_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(k_tiles):
-            off_k = k * BLOCK_K
-            if A_T:
-                a = A_DESC.load([off_k, off_m]).T
-            else:
-                a = A_DESC.load([off_m, off_k])
-            if B_T:
-                b = B_DESC.load([off_n, off_k]).T
-            else:
-                b = B_DESC.load([off_k, off_n])
-            if WIDEN_DOT:
-                acc = tl.dot(_to_fp32(a), _to_fp32(b), acc)
-            else:
-                acc = tl.dot(a, b, acc)
+        acc = tma_tile_product(A_DESC, B_DESC, off_m, off_n, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, A_T, B_T, WIDEN_DOT)
         tile_c += NUM_PROGRAMS
         pid_m_c, pid_n_c = _tile(tile_c, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         _epilogue(acc, HI, LO, HI_ROWS, pid_m_c, pid_n_c, M, N, stride_hm, stride_hn, stride_lm, stride_ln,
                   BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, GATHER_HI)
+
+
+@triton.jit
+def tma_tile_product(A_DESC, B_DESC, off_m, off_n, k_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr, WIDEN_DOT: tl.constexpr):
+    """The fp32 ``[BLOCK_M, BLOCK_N]`` product tile at ``(off_m, off_n)`` over ``k_tiles`` K steps, its operand
+    boxes loaded through TMA descriptors (``A_T``/``B_T``: the descriptor is over the transpose, as in
+    :func:`_compensated_addmm_tma_kernel`); ``WIDEN_DOT`` widens bf16 operands to fp32 first (the interpreter)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_tiles):
+        off_k = k * BLOCK_K
+        if A_T:
+            a = A_DESC.load([off_k, off_m]).T
+        else:
+            a = A_DESC.load([off_m, off_k])
+        if B_T:
+            b = B_DESC.load([off_n, off_k]).T
+        else:
+            b = B_DESC.load([off_k, off_n])
+        if WIDEN_DOT:
+            acc = tl.dot(_to_fp32(a), _to_fp32(b), acc)
+        else:
+            acc = tl.dot(a, b, acc)
+    return acc
 
 
 @triton.jit

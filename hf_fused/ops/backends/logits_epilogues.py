@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .compensated import GemmConfig, _halves, _multiprocessors, _round, _tile, _tma_operand, _to_fp32
-from .triton_kernels import _transform
+from .compensated import GemmConfig, _halves, _multiprocessors, _round, _tile, _tma_operand, tma_tile_product
+from .triton_kernels import _logit_grad, _transform
 
 #: The launch shape: 128×256 output tiles on 8 warps, 4 pipelined stages, the epilogue on four 64-column slices
 #: (the fp32 accumulator alone is 128 registers per thread; ptxas for sm_90, Triton 3.9, spills 24 bytes of stack
@@ -94,19 +94,9 @@ def _grad_slice(acc, rm, rn, M, N, col_offset, Bias, labels, lse, ent, g_lp, g_e
     if HAS_BIAS:
         raw += tl.load(Bias + col_offset + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     z, th = _transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
-    logp = z - lse[:, None]
-    p = tl.exp(logp)
-    dz = tl.zeros_like(p)
-    if HAS_G_LP:
-        dz = g_lp[:, None] * (tl.where((rn + col_offset)[None, :] == labels[:, None], 1.0, 0.0) - p)
-    if HAS_G_ENT:
-        dz -= g_ent[:, None] * p * (logp + ent[:, None])
-    if SCALED:
-        dz = dz * inv_temperature
-    if SOFTCAP:
-        dz = dz * (1.0 - th * th)
-    if SCALED:
-        dz = dz * logit_scale
+    dz, _ = _logit_grad(z, th, (rn + col_offset)[None, :] == labels[:, None], lse[:, None], ent[:, None],
+                        g_lp[:, None], g_ent[:, None], logit_scale, inv_temperature, SOFTCAP, SCALED, HAS_G_LP,
+                        HAS_G_ENT)
     # pointer stores: a TMA store of each slice (through shared memory) was 1–6 % slower on an H100
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     tl.store(DZ + rm[:, None].to(tl.int64) * stride_dz + rn[None, :], dz.to(DZ.dtype.element_ty), mask=mask)
@@ -134,15 +124,8 @@ def _logits_grad_kernel(
         pid_m, pid_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(k_tiles):
-            off_k = k * BLOCK_K
-            a = A_DESC.load([off_m, off_k])
-            b = B_DESC.load([off_n, off_k]).T
-            if WIDEN_DOT:
-                acc = tl.dot(_to_fp32(a), _to_fp32(b), acc)
-            else:
-                acc = tl.dot(a, b, acc)
+        acc = tma_tile_product(A_DESC, B_DESC, off_m, off_n, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, False, True,
+                               WIDEN_DOT)
         tile_c += NUM_PROGRAMS
         pid_m_c, pid_n_c = _tile(tile_c, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m_c = pid_m_c * BLOCK_M

@@ -111,6 +111,29 @@ def _label_logit(z_row, label, col_offset, Bias, logit_scale, softcap, inv_tempe
 
 
 @triton.jit
+def _logit_grad(z, th, is_label, lse, ent, g_lp, g_ent, logit_scale, inv_temperature, SOFTCAP: tl.constexpr,
+                SCALED: tl.constexpr, HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr):
+    """``(dz, p)`` of transformed logits ``z`` (``th``: their soft-cap's tanh) given the row's ``lse``, entropy
+    and upstream gradients (scalars or broadcastable blocks): with ``logp = z − lse``, ``p = exp(logp)``,
+    ``∂L/∂z = g_lp·(1[is_label] − p) − g_ent·p·(logp + H)``, then × 1/temperature, × (1 − tanh²) for the
+    soft-cap, × logit_scale: ``∂L/∂raw``."""
+    logp = z - lse
+    p = tl.exp(logp)
+    dz = tl.zeros_like(p)
+    if HAS_G_LP:
+        dz = g_lp * (tl.where(is_label, 1.0, 0.0) - p)
+    if HAS_G_ENT:
+        dz -= g_ent * p * (logp + ent)
+    if SCALED:
+        dz = dz * inv_temperature
+    if SOFTCAP:
+        dz = dz * (1.0 - th * th)
+    if SCALED:
+        dz = dz * logit_scale
+    return dz, p
+
+
+@triton.jit
 def _row_grad(z_row, dz_row, n_cols, col_offset, Bias, label, lse, ent, g_lp, g_ent,
               logit_scale, softcap, inv_temperature,
               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, HAS_G_LP: tl.constexpr,
@@ -125,19 +148,8 @@ def _row_grad(z_row, dz_row, n_cols, col_offset, Bias, label, lse, ent, g_lp, g_
         mask = cols < n_cols
         z, th = _load_logits(z_row, cols, mask, Bias, col_offset, logit_scale, softcap, inv_temperature,
                              HAS_BIAS, SOFTCAP, SCALED)
-        logp = z - lse
-        p = tl.exp(logp)
-        dz = tl.zeros_like(p)
-        if HAS_G_LP:
-            dz = g_lp * (tl.where((cols + col_offset) == label, 1.0, 0.0) - p)
-        if HAS_G_ENT:
-            dz -= g_ent * p * (logp + ent)
-        if SCALED:
-            dz = dz * inv_temperature
-        if SOFTCAP:
-            dz = dz * (1.0 - th * th)
-        if SCALED:
-            dz = dz * logit_scale
+        dz, p = _logit_grad(z, th, (cols + col_offset) == label, lse, ent, g_lp, g_ent, logit_scale,
+                            inv_temperature, SOFTCAP, SCALED, HAS_G_LP, HAS_G_ENT)
         if SUM_PZ:
             pz += tl.where(mask, p * z, 0.0)
         tl.store(dz_row + cols, dz.to(dz_row.dtype.element_ty), mask=mask)
