@@ -580,8 +580,8 @@ class HFFusedTokenLossPeer(HFFusedPeer):
 ALL_PEERS = [EagerPeer, LigerPeer, LigerGRPOPeer, CCEPeer, CCEExactPeer, QuackPeer, TRLPeer, TorchPeer, HFFusedPeer,
              HFFusedLeanPeer, HFFusedLeanCublasPeer, HFFusedSmallTilesPeer, HFFusedLargeBudgetPeer, HFFusedPairPeer, HFFusedOnePassGRPOPeer,
              HFFusedHintGRPOPeer, HFFusedHintPairGRPOPeer, HFFusedTokenLossPeer]
-#: Run when ``--peers`` is not given (``cce_exact`` only on request).
-DEFAULT_PEERS = [p.key for p in ALL_PEERS if p.key != "cce_exact"]
+#: Run when ``--peers`` is not given (``cce_exact`` and the A/B peer ``hf_fused_lean_cublas`` only on request).
+DEFAULT_PEERS = [p.key for p in ALL_PEERS if p.key not in ("cce_exact", "hf_fused_lean_cublas")]
 
 
 def select_peers(spec: Optional[str], with_entropy: bool = True, hf_backend: Optional[str] = None) -> list[Peer]:
