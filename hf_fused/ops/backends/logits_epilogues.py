@@ -40,7 +40,8 @@ from .triton_kernels import _logit_grad, _transform
 
 #: The launch shape: 128×256 output tiles on 8 warps, 4 pipelined stages, the epilogue on four 64-column slices
 #: (the fp32 accumulator alone is 128 registers per thread; ptxas for sm_90, Triton 3.9, spills 24 bytes of stack
-#: in the plain case, 544 with a bias, soft-cap, scaling and an entropy gradient). 3 stages: up to 12 % slower.
+#: in the plain case, 544 with a bias, soft-cap, scaling and an entropy gradient). 3 stages were up to 12 % slower
+#: (H100, measured with the TMA-store variant, docs/bench/h100/session10/logits_epilogues_tma_store.txt).
 CONFIG = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4, epilogue_split=4, tma=True)
 
 # What a ``forced`` block set: None (the rule of :func:`applies`), True or False.
