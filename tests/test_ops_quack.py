@@ -114,27 +114,6 @@ def test_the_one_pass_reads_the_fused_statistics(monkeypatch):
     _close_to(fused, plain)
 
 
-@pytest.mark.parametrize("budget", [40 * 1100 * 2 * 3, 16 * 1100 * 2 * 3], ids=["vocab-chunks", "chunks-and-blocks"])
-def test_the_two_passes_read_the_fused_statistics_chunk_by_chunk(monkeypatch, budget):
-    """Under a small budget (two passes: vocabulary chunks, and row blocks) the statistics pass takes each tile's
-    log-sum-exp and label logit from the fused matmul (the stand-in, with each label clamped into the tile's
-    columns) and merges them across chunks; the statistics kernel never runs, the label logit is kept only from
-    the chunk that holds the label (labels at the vocabulary's edges included), and loss and gradients are the
-    unfused two passes'."""
-    hidden, weight, labels = _inputs(8)
-    labels[1], labels[2], labels[3], labels[4] = 0, weight.shape[0] - 1, 3967, 3968  # edges of the vocabulary, chunks
-    plain = _ce(hidden, weight, labels, budget)
-    quack, stats_calls = _StandIn(), []
-    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": quack})
-    monkeypatch.setattr(triton_cublas, "_quack_runs_on", lambda h, w: True)
-    stats = triton_cublas.TritonCublasBackend._stats
-    monkeypatch.setattr(triton_cublas.TritonCublasBackend, "_stats",
-                        lambda self, *a: stats_calls.append(1) or stats(self, *a))
-    fused = _ce(hidden, weight, labels, budget)
-    assert len(quack.calls) == (2 if budget == 40 * 1100 * 2 * 3 else 4) and stats_calls == []  # tiles of the plan
-    _close_to(fused, plain)
-
-
 def test_with_a_fixed_hint_the_entropy_comes_from_the_gradient_kernel(monkeypatch):
     """FusedGRPOTrainer's on-policy one pass (log-probs and entropy, ``grad_hint`` a fixed weight per token): the
     statistics come from the fused matmul and the entropy from the gradient kernel's Σ p·z (its gradient does not
@@ -271,12 +250,11 @@ def test_without_quack_installed_nothing_is_imported(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["cross_entropy", "logprobs_entropy_hint", "off_policy_hint", "lean_cross_entropy"])
+@pytest.mark.parametrize("case", ["cross_entropy", "logprobs_entropy_hint", "off_policy_hint"])
 def test_quack_statistics_on_gpu_match_cublas_and_the_statistics_kernel(monkeypatch, case):
     """On a Hopper GPU with QuACK, the bf16 one pass takes the fused statistics — plain cross-entropy, and
     FusedGRPOTrainer's on-policy log-probs with entropy and a fixed ``grad_hint``, and its off-policy token-loss hint
-    (the entropy then from the gradient kernel) — as do the two passes' statistics under a 64 MiB budget, tile by
-    tile — and its results are those of cuBLAS and the statistics kernel up to fp32 summation order
+    (the entropy then from the gradient kernel) — and its results are those of cuBLAS and the statistics kernel up to fp32 summation order
     (log-sum-exp, entropy) and the matmuls' own accumulation order (a logit whose fp32 sum lands on the other
     side of a bf16 rounding boundary): relative error norms of at most 2⁻⁸ between the two, far below bf16's own
     rounding of the logits. Accuracy against float64 on the cross-entropy path:
@@ -293,9 +271,8 @@ def test_quack_statistics_on_gpu_match_cublas_and_the_statistics_kernel(monkeypa
     hint = (torch.randn(n, generator=g).cuda() * (labels != -100)).float()
 
     def run():
-        if case in ("cross_entropy", "lean_cross_entropy"):  # lean: the two passes, their statistics chunk by chunk
-            budget = 64 * 2**20 if case == "lean_cross_entropy" else None
-            loss = linear_cross_entropy(hidden, weight, labels, backend="triton", tile_budget_bytes=budget)
+        if case == "cross_entropy":
+            loss = linear_cross_entropy(hidden, weight, labels, backend="triton")
             return (loss, *torch.autograd.grad(loss, (hidden, weight)))
         if case == "off_policy_hint":
             lp, ent = linear_logprobs(hidden, weight, labels, return_entropy=True, grad_hint=off_policy,

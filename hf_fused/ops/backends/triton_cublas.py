@@ -43,7 +43,6 @@ from types import ModuleType
 from typing import Optional, Sequence
 
 import torch
-import triton
 
 from ..grads import HeadGrads
 from ..head_inputs import HeadInputs, NeededGrads
@@ -118,36 +117,6 @@ def _quack_statistics(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
         _quack_failed(err)
         return False
     return True
-
-
-def _quack_chunk_statistics(h: torch.Tensor, w_chunk: torch.Tensor, labels: torch.Tensor, col_offset: int,
-                            out: torch.Tensor, stats: tuple) -> bool:
-    """The two passes' statistics of one ``[rows, cols]`` tile from QuACK's epilogue: the tile's log-sum-exp and the
-    logit at each label (clamped into the tile's columns) from :func:`.quack_epilogues.logits_with_statistics`, then
-    merged into the running (max, Σexp) and label logit by ``triton_kernels.merge_lse_kernel`` (the label logit
-    kept only where the label falls in these columns). ``False`` as :func:`_quack_statistics` says."""
-    module = _quack()
-    m_rows, cols = out.shape
-    lse = torch.empty(m_rows, dtype=torch.float32, device=h.device)
-    picked = torch.empty_like(lse)
-    index = (labels - col_offset).clamp_(0, cols - 1)
-    if module is None or not _aligned16(h, w_chunk, index, out, picked):
-        return False
-    try:
-        module.logits_with_statistics(h, w_chunk, index, out, lse=lse, label_logit=picked)
-    except Exception as err:  # noqa: BLE001 - turned off for the process, said once
-        _quack_failed(err)
-        return False
-    from . import triton_kernels
-
-    run_max, run_sum, _, label_logit = stats[:4]
-    triton_kernels.merge_lse_kernel[(triton.cdiv(m_rows, _MERGE_BLOCK),)](
-        lse, picked, labels, col_offset, col_offset + cols, run_max, run_sum, label_logit, m_rows, BLOCK=_MERGE_BLOCK,
-    )
-    return True
-
-
-_MERGE_BLOCK = 1024
 
 
 def _aligned16(*tensors: torch.Tensor) -> bool:
@@ -326,18 +295,11 @@ class TritonCublasBackend:
         stats = self._new_stats(m_rows, weight.device, statistics)
         scalars = self._scalars(head.transform, bias)
         tile_buf = torch.empty((plan.block_rows, plan.cols), dtype=weight.dtype, device=weight.device)
-        # QuACK's matmul with the log-sum-exp in its epilogue, where it runs (plain log-sum-exp and label logit)
-        fused = _fuses_statistics(head, h if buf is None else buf, return_entropy, statistics)
         for v0 in range(0, vocab_size, plan.cols):
             w_chunk = weight[v0 : v0 + plan.cols]
             for r0, r1, h_rows in self._row_blocks(head, plan, h, buf):
-                row_stats = _row_slice(stats, r0, r1)
-                # a contiguous [rows, cols] view of the buffer, also for a narrower last chunk (QuACK's D store)
-                z = tile_buf.view(-1)[: (r1 - r0) * w_chunk.shape[0]].view(r1 - r0, w_chunk.shape[0])
-                fused = fused and _quack_chunk_statistics(h_rows, w_chunk, y[r0:r1], v0, z, row_stats)
-                if not fused:
-                    torch.mm(h_rows, w_chunk.t(), out=z)
-                    self._stats(z, v0, bias, y[r0:r1], row_stats, scalars, return_entropy)
+                z = torch.mm(h_rows, w_chunk.t(), out=tile_buf[: r1 - r0, : w_chunk.shape[0]])
+                self._stats(z, v0, bias, y[r0:r1], _row_slice(stats, r0, r1), scalars, return_entropy)
         logp, entropy, lse, token_stats = self._finish(stats, y, vocab_size, return_entropy, statistics)
         return HeadPass(logp, entropy, lse, None, token_stats)
 

@@ -219,20 +219,3 @@ def grad_kernel(
                    BLOCK_V)
     if SUM_PZ:
         tl.store(PZ + row, pz)
-
-
-@triton.jit
-def merge_lse_kernel(LSE, PICKED, Labels, v0, v1, M, S, ZY, n_rows, BLOCK: tl.constexpr):
-    """Rows ``[pid·BLOCK, (pid + 1)·BLOCK)``: a tile's log-sum-exp ``LSE`` (columns ``[v0, v1)``) merged into the
-    running max ``M`` (starts at −inf) and Σexp(z − M) ``S`` (starts at 0) as ``stats_kernel`` merges a chunk, and
-    ``ZY`` set to ``PICKED`` (the logit at each row's label, clamped into the tile) where the label is in the
-    tile's columns."""
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = rows < n_rows
-    lse = tl.load(LSE + rows, mask=ok, other=0.0)
-    m_old = tl.load(M + rows, mask=ok, other=0.0)
-    m = tl.maximum(m_old, lse)
-    tl.store(S + rows, tl.load(S + rows, mask=ok, other=0.0) * tl.exp(m_old - m) + tl.exp(lse - m), mask=ok)
-    tl.store(M + rows, m, mask=ok)
-    label = tl.load(Labels + rows, mask=ok, other=-1)
-    tl.store(ZY + rows, tl.load(PICKED + rows, mask=ok, other=0.0), mask=ok & (label >= v0) & (label < v1))
