@@ -11,9 +11,9 @@ cuBLAS's matmul followed by the gradient kernel at the two passes' tile shapes (
 
 The statistics pass stays cuBLAS + ``triton_kernels.stats_kernel``: the same kernel with the log-sum-exp, label
 logit and entropy reduced in its epilogue (partials per output tile, merged afterwards) was measured 4–9 %
-slower than that pair, because Triton's Hopper matmul is itself ~7 % slower than cuBLAS's and its epilogue runs
-between tiles rather than beside the next tile's matmul (no warp specialization on sm_90 in Triton 3.6); only
-without the label logit and the entropy did it equal cuBLAS + the kernel.
+slower than that pair: its epilogue runs between tiles rather than beside the next tile's matmul (no warp
+specialization on sm_90 in Triton 3.6), on top of a matmul that is itself slower than cuBLAS's; only without the
+label logit and the entropy did it equal cuBLAS + the kernel.
 
 Numerics: each fp32 accumulator element is first rounded to bf16 (``cvt.rn``; under the interpreter on the bit
 pattern, :func:`.compensated._round`, since the interpreter's conversion truncates), the value cuBLAS would have
