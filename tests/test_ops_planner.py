@@ -312,12 +312,11 @@ def _lean(budget, residual=1, copy=True, weight_chunk=True):
 def test_lean_plan_holds_the_whole_working_set_within_the_budget(budget_mib, residual):
     budget = budget_mib * 2**20
     plan = _lean(budget, residual)
-    # counted independently: residual, the kept rows (a compact copy or one gathered block), the tile, and the
-    # fp32 weight-gradient chunk when several row blocks add into it
+    # counted independently: residual, the kept rows (a compact copy or one gathered block) and the tile; the fp32
+    # weight-gradient chunk, when several row blocks add into it, lives in the gradient or the tile (no budget)
     rows = plan.block_rows * H * BF16 if plan.gather_rows else LEAN_M * H * BF16
-    chunk = plan.cols * H * 4 if plan.block_rows < LEAN_M else 0
     vectors = LEAN_M * tiling.ROW_VECTOR_BYTES  # row indices, labels, log-sum-exp, upstream gradients
-    assert LEAN_M * H * residual + rows + plan.block_rows * plan.cols * BF16 + chunk + vectors == plan.bytes <= budget
+    assert LEAN_M * H * residual + rows + plan.block_rows * plan.cols * BF16 + vectors == plan.bytes <= budget
     assert plan.cols >= tiling.MIN_CHUNK_COLS and plan.cols % tiling.CHUNK_COL_ALIGN == 0
 
 
@@ -332,8 +331,7 @@ def test_lean_plan_gathers_rows_only_when_a_compact_copy_leaves_too_little():
 def test_lean_plan_without_ignored_rows_reads_hidden_in_place():
     plan = _lean(256 * 2**20, copy=False)  # every row kept: nothing to copy or gather
     assert not plan.gather_rows
-    assert plan.bytes == LEAN_M * (H * 1 + tiling.ROW_VECTOR_BYTES) + plan.block_rows * plan.cols * BF16 + (
-        plan.cols * H * 4 if plan.block_rows < LEAN_M else 0)
+    assert plan.bytes == LEAN_M * (H * 1 + tiling.ROW_VECTOR_BYTES) + plan.block_rows * plan.cols * BF16
 
 
 def test_lean_plan_moves_fewer_bytes_with_wider_chunks():
@@ -383,8 +381,8 @@ def test_gpu_two_pass_gathered_row_blocks_match_the_compact_copy(monkeypatch):
 
 def test_gpu_two_pass_plans_within_an_explicit_budget():
     """The backend hands the planner everything it will hold: with a quarter of the rows ignored and a budget too
-    small for their compact copy, the plan gathers row blocks and counts the gather buffer and the weight-gradient
-    chunk."""
+    small for their compact copy, the plan gathers row blocks and counts the gather buffer (the weight-gradient
+    chunk's accumulator takes no budget: tiling.weight_gradient_chunks)."""
     pytest.importorskip("triton")
     from hf_fused.ops import LogitTransform
     from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
@@ -395,14 +393,13 @@ def test_gpu_two_pass_plans_within_an_explicit_budget():
     rows = torch.arange(n)[torch.arange(n) % 4 != 0]
     m = rows.numel()
     kind, residual = tiling.hidden_accumulator(m, h, torch.bfloat16, 1)
-    # room for the weight-gradient chunk and 64 gathered rows of a 2048-column tile, not for the compact copy
-    budget = residual + m * tiling.ROW_VECTOR_BYTES + 2048 * h * 4 + 64 * (2048 * BF16 + h * BF16)
-    assert budget - residual - m * tiling.ROW_VECTOR_BYTES - m * h * BF16 < 2048 * h * 4
+    # room for 64 gathered rows of a 2048-column tile, not for the compact copy beside a 2048-column row
+    budget = residual + m * tiling.ROW_VECTOR_BYTES + 64 * (2048 * BF16 + h * BF16)
+    assert budget - residual - m * tiling.ROW_VECTOR_BYTES - m * h * BF16 < 2048 * BF16
     head = HeadInputs(hidden, weight, None, torch.zeros(n, dtype=torch.long), rows, LogitTransform(), budget)
     plan = TritonCublasBackend._plan(head, reserved_bytes=residual, accumulator_row_bytes=h * 6, weight_chunk=True)
     assert kind == "pair" and plan.gather_rows and plan.bytes <= budget
-    assert plan.bytes == residual + m * tiling.ROW_VECTOR_BYTES + plan.block_rows * (plan.cols + h) * BF16 + (
-        plan.cols * h * 4)
+    assert plan.bytes == residual + m * tiling.ROW_VECTOR_BYTES + plan.block_rows * (plan.cols + h) * BF16
 
 
 def test_gpu_two_pass_gathers_into_one_buffer_for_the_whole_pass():

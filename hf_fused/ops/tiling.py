@@ -20,7 +20,9 @@ The GPU backend has two schedules (:mod:`hf_fused.ops.backends.triton_cublas`):
   :mod:`hf_fused.ops.backends.compensated`; ~10% slower). An fp32 gradient is its own accumulator. Under an
   explicit budget the budget covers the whole working set (:func:`lean_two_pass_plan`): that residual, the kept
   hidden rows (one compact copy, or each row block gathered again for every vocabulary chunk when the copy
-  would leave too little), the tile, and an fp32 weight-gradient chunk when several row blocks add into it.
+  would leave too little) and the tile. When several row blocks add into one vocabulary chunk's weight gradient,
+  its fp32 accumulator takes no memory beyond the gradient: it lives in the bf16 gradient's own rows that are
+  not written yet, or, near the vocabulary's end, in the tile's unused part (:func:`weight_gradient_chunks`).
 
 **The default rule** (``tile_budget_bytes=None``) on a CUDA device: the one pass with
 ``ONE_PASS_TILE_ROWS`` rows per tile whenever its working set fits in ``ONE_PASS_FREE_SHARE`` of the memory
@@ -356,8 +358,10 @@ def lean_two_pass_plan(
     The working set: ``reserved_bytes`` (the hidden gradient's accumulator, :func:`hidden_accumulator`);
     ``ROW_VECTOR_BYTES`` per row; the kept hidden rows in the weight's dtype, either one compact copy
     (``copy_bytes``, 0 when every row is kept) or a ``[block_rows, H]`` gather buffer (``gather_row_bytes`` per
-    row); the ``[block_rows, cols]`` tile; and, when several row blocks add into one vocabulary chunk's weight
-    gradient (``weight_chunk``), its fp32 ``[cols, H]`` buffer. Among the plans that fit (the rows in 1, 2, 4, ...
+    row); and the ``[block_rows, cols]`` tile. When several row blocks add into one vocabulary chunk's weight
+    gradient (``weight_chunk``), its fp32 ``[cols, H]`` accumulator costs no budget (it lives in the weight
+    gradient's unwritten rows or the tile's unused part, :func:`weight_gradient_chunks`) but its traffic counts.
+    Among the plans that fit (the rows in 1, 2, 4, ...
     equal blocks of at least ``MIN_LEAN_BLOCK_ROWS``, or in the fewest equal blocks beside a ``MIN_CHUNK_COLS``
     chunk; each with its widest chunk), the one that moves the fewest bytes in what it repeats: per vocabulary
     chunk, the accumulator's read and write (``accumulator_row_bytes`` per row) and the gather; per row block and
@@ -381,7 +385,7 @@ def lean_two_pass_plan(
         avail = budget - reserved_bytes - fixed
         narrow = min(vocab_size, MIN_CHUNK_COLS)
         # the most rows beside the narrowest chunk, then all rows and halvings with their widest chunks
-        most = (avail - narrow * hidden_size * 4 * weight_chunk) // (narrow * elem_bytes + row_bytes)
+        most = avail // (narrow * elem_bytes + row_bytes)
         equal = {-(-m // -(-m // most))} if most >= 1 else set()  # in equal blocks
         blocks = 1  # m split evenly into 1, 2, 4, ... blocks (m // 2 rows would leave a block of one row)
         while blocks == 1 or -(-m // blocks) >= MIN_LEAN_BLOCK_ROWS:
@@ -392,8 +396,7 @@ def lean_two_pass_plan(
         sizes += [(row_quantum > 1, q) for q in equal]
         for unquantized, block_rows in sorted(sizes, key=lambda size: (size[0], -size[1])):
             split = block_rows < m and weight_chunk
-            # block_rows·(cols·e + row_bytes) + [split]·cols·H·4 ≤ avail
-            cols = (avail - block_rows * row_bytes) // (block_rows * elem_bytes + (hidden_size * 4 if split else 0))
+            cols = (avail - block_rows * row_bytes) // (block_rows * elem_bytes)  # the tile and its rows fit
             if cols < narrow:
                 continue
             cols = _aligned_cols(cols, vocab_size)
@@ -401,15 +404,79 @@ def lean_two_pass_plan(
             moved = chunks * m * (accumulator_row_bytes + 2 * row_bytes)
             moved += chunks * n_blocks * cols * hidden_size * 8 if split else 0
             used = fixed + reserved_bytes + block_rows * (cols * elem_bytes + row_bytes)
-            used += cols * hidden_size * 4 if split else 0
             options.append((unquantized, moved, LeanPlan(block_rows, cols, gather, used)))
     if options:  # the first of the cheapest: the compact copy, then larger blocks, win ties
         return min(options, key=lambda option: option[:2])[2]
     block_rows, cols = two_pass_plan(n_rows, vocab_size, elem_bytes, tile_budget_bytes, reserved_bytes + copy_bytes)
     block_rows = -(-m // -(-m // block_rows))  # the same number of blocks, equal
-    split = block_rows < m and weight_chunk
-    used = reserved_bytes + copy_bytes + block_rows * cols * elem_bytes + (cols * hidden_size * 4 if split else 0)
-    return LeanPlan(block_rows, cols, False, used)
+    return LeanPlan(block_rows, cols, False, reserved_bytes + copy_bytes + block_rows * cols * elem_bytes)
+
+
+@dataclass(frozen=True)
+class WeightChunk:
+    """One vocabulary chunk ``[v0, v1)`` of the two passes' gradient pass, and where its weight gradient adds up
+    over the row blocks (``accumulator``, :func:`weight_gradient_chunks`):
+
+    - ``"direct"``: written by one matmul per row block into the gradient itself: one row block, or an fp32
+      gradient that is its own accumulator;
+    - ``"gradient"``: an fp32 ``[v1 − v0, H]`` accumulator in the 2-byte gradient's rows ``[v0, v0 + 2·(v1 − v0))``,
+      which no chunk has written yet, rounded into rows ``[v0, v1)`` at the chunk's end;
+    - ``"tile"``: the accumulator in the tile buffer's bytes from :func:`tile_accumulator_offset`, the chunk's
+      ``dz`` packed before it;
+    - ``"buffer"``: an fp32 buffer of its own (a last chunk of fewer than ``TILE_ACCUMULATOR_ALIGN`` columns
+      that neither holds).
+    """
+
+    v0: int
+    v1: int
+    accumulator: str
+
+
+#: Columns of a chunk whose weight-gradient accumulator shares the tile buffer are packed in rows of a multiple
+#: of this many elements (16-byte rows for TMA) and the accumulator starts 16-byte aligned after them.
+TILE_ACCUMULATOR_ALIGN = 8
+
+
+def tile_accumulator_offset(block_rows: int, cols: int, elem_bytes: int) -> int:
+    """Byte offset in the tile buffer of a ``"tile"`` chunk's fp32 accumulator: after its ``[block_rows, cols]``
+    ``dz`` packed in rows of ``cols`` rounded up to ``TILE_ACCUMULATOR_ALIGN`` elements, 16-byte aligned."""
+    row = -(-cols // TILE_ACCUMULATOR_ALIGN) * TILE_ACCUMULATOR_ALIGN
+    return -(-block_rows * row * elem_bytes // 16) * 16
+
+
+def weight_gradient_chunks(
+    vocab_size: int, hidden_size: int, plan: "LeanPlan", n_rows: int, elem_bytes: int, grad_elem_bytes: int,
+) -> list[WeightChunk]:
+    """The gradient pass's vocabulary chunks under ``plan`` for ``n_rows`` kept rows, and where each chunk's
+    weight gradient accumulates (:class:`WeightChunk`) so that it needs no memory beyond the gradient and the
+    tile: ``plan.cols`` wide while the fp32 accumulator fits in the gradient's unwritten rows (twice the chunk's),
+    then, for the vocabulary's last ``2·cols``, the widest of half the rest (in the gradient again) and what the
+    tile buffer holds beside the chunk's ``dz``. ``elem_bytes``: the tile's element size; ``grad_elem_bytes``:
+    the weight gradient's (4: it is its own accumulator). With one row block, or an fp32 gradient, every chunk
+    is ``"direct"`` and ``plan.cols`` wide."""
+    cols, block_rows = plan.cols, plan.block_rows
+    if block_rows >= n_rows or grad_elem_bytes >= 4:
+        return [WeightChunk(v0, min(v0 + cols, vocab_size), "direct") for v0 in range(0, vocab_size, cols)]
+    align = TILE_ACCUMULATOR_ALIGN
+    # the widest multiple of `align` whose packed dz and fp32 accumulator fit in the tile buffer together
+    tile_cols = max(0, (block_rows * cols * elem_bytes - 16) // (block_rows * elem_bytes + 4 * hidden_size))
+    tile_cols = tile_cols // align * align
+    chunks, v0 = [], 0
+    while v0 < vocab_size:
+        rest = vocab_size - v0
+        width, where = min(cols, rest), "gradient"
+        if 2 * width > rest:
+            half, fit = rest // 2 // align * align, min(width, tile_cols)
+            if fit and fit >= half:  # the rest in one tile chunk, or in two of about equal width
+                even = min(fit, -(-((rest + 1) // 2) // align) * align)  # half the rest, rounded up to `align`
+                width, where = (rest if rest <= fit else fit if rest > 2 * fit else even), "tile"
+            elif half:
+                width = half
+            else:  # fewer than 2·align columns left and no room in the tile
+                width, where = rest, "buffer"
+        chunks.append(WeightChunk(v0, v0 + width, where))
+        v0 += width
+    return chunks
 
 
 def _quantized(candidates: set[int], m: int, quantum: int) -> set[int]:

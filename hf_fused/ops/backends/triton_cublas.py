@@ -48,8 +48,8 @@ from ..grads import HeadGrads
 from ..head_inputs import HeadInputs, NeededGrads
 from ..logit_transform import LogitTransform
 from ..tiling import (
-    LeanPlan, OnePassPlan, accumulation_row_bytes, hidden_accumulator, one_pass_accumulators, one_pass_plan,
-    two_pass_tile_plan,
+    TILE_ACCUMULATOR_ALIGN, LeanPlan, OnePassPlan, WeightChunk, accumulation_row_bytes, hidden_accumulator,
+    one_pass_accumulators, one_pass_plan, tile_accumulator_offset, two_pass_tile_plan, weight_gradient_chunks,
 )
 from . import logits_epilogues
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_, one_pass_config, wave_rows
@@ -348,14 +348,15 @@ class TritonCublasBackend:
         tile_buf = torch.empty((block_rows, cols), dtype=weight.dtype, device=weight.device)
         # dz straight from the logits matmul's epilogue where it runs (the logits are never written)
         fused = logits_epilogues.applies(h if buf is None else buf, weight, tile_buf)
-        for v0 in range(0, vocab_size, cols):
-            v1 = min(v0 + cols, vocab_size)
+        chunks = weight_gradient_chunks(vocab_size, hidden_size, plan, m_rows, weight.element_size(),
+                                        grads.weight.element_size() if need_weight else 4)
+        for chunk in chunks:
+            v0, v1 = chunk.v0, chunk.v1
             w_chunk = weight[v0:v1]
-            d_w_chunk32 = None
-            if need_weight and block_rows < m_rows:  # several row blocks add into this chunk; the first sets it
-                d_w_chunk32 = torch.empty((v1 - v0, hidden_size), dtype=torch.float32, device=weight.device)
+            # several row blocks add into this chunk's fp32 accumulator (tiling.WeightChunk); the first sets it
+            tile, d_w_chunk32 = _chunk_buffers(chunk, tile_buf, grads.weight, hidden_size, block_rows < m_rows)
             for r0, r1, h_rows in self._row_blocks(head, plan, h, buf):
-                dz = tile_buf[: r1 - r0, : v1 - v0]
+                dz = tile[: r1 - r0]
                 if fused:
                     logits_epilogues.logits_grad_(
                         h_rows, w_chunk, dz, y[r0:r1], lse[r0:r1], ent[r0:r1], g_lp[r0:r1], g_ent[r0:r1],
@@ -384,7 +385,7 @@ class TritonCublasBackend:
                 if grads.bias is not None:
                     grads.bias[v0:v1] += dz.float().sum(0)
             if d_w_chunk32 is not None:
-                grads.weight[v0:v1] = d_w_chunk32
+                _round_into_(grads.weight, chunk, d_w_chunk32, tile_buf)
         grads.hidden = d_hidden  # fp32 [M, H] in the order of ``rows``, or (the pair) hidden's whole bf16 gradient
         grads.hidden_scattered = pair
         return grads
@@ -520,6 +521,60 @@ class TritonCublasBackend:
             grads.weight = d_weight32
         logp, entropy, lse, token_stats = self._finish(stats, y, vocab_size, return_entropy, statistics)
         return HeadPass(logp, entropy, lse, grads if tile_grads is not None else None, token_stats)
+
+
+def _chunk_buffers(chunk: WeightChunk, tile_buf: torch.Tensor, grad_weight: Optional[torch.Tensor],
+                   hidden_size: int, several_blocks: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(the [block_rows, v1 − v0] view of tile_buf that the chunk's dz goes to, its fp32 [v1 − v0, H]
+    weight-gradient accumulator or None)`` where ``chunk.accumulator`` says (:class:`~hf_fused.ops.tiling.
+    WeightChunk`): for ``"direct"``, ``None`` (one row block writes the gradient itself) or, over
+    ``several_blocks``, an fp32 gradient's own rows; the gradient's unwritten rows seen as fp32; the tile buffer
+    behind a packed dz; or a new buffer."""
+    width, block_rows = chunk.v1 - chunk.v0, tile_buf.shape[0]
+    if grad_weight is None or chunk.accumulator == "direct":
+        in_place = several_blocks and grad_weight is not None and grad_weight.dtype == torch.float32
+        return tile_buf[:, :width], (grad_weight[chunk.v0 : chunk.v1] if in_place else None)
+    acc = None
+    if chunk.accumulator == "tile":
+        flat, row = tile_buf.view(-1), -(-width // TILE_ACCUMULATOR_ALIGN) * TILE_ACCUMULATOR_ALIGN
+        offset = tile_accumulator_offset(block_rows, width, tile_buf.element_size()) // tile_buf.element_size()
+        tile = flat[: block_rows * row].view(block_rows, row)[:, :width]
+        acc = _as_fp32(flat[offset : offset + 4 * width * hidden_size // tile_buf.element_size()], width)
+    else:
+        tile = tile_buf[:, :width]
+        if chunk.accumulator == "gradient":
+            acc = _as_fp32(grad_weight[chunk.v0 : chunk.v0 + 2 * width].view(-1), width)
+    if acc is None:  # "buffer", or a view whose start is not 4-byte aligned (an odd H)
+        acc = torch.empty((width, hidden_size), dtype=torch.float32, device=tile_buf.device)
+    return tile, acc
+
+
+def _as_fp32(flat: torch.Tensor, rows: int) -> Optional[torch.Tensor]:
+    """The 2-byte elements of ``flat`` seen as an fp32 ``[rows, H]`` matrix, or None where they cannot be."""
+    if flat.element_size() != 2 or flat.storage_offset() % 2:
+        return None
+    return flat.view(torch.float32).view(rows, -1)
+
+
+def _round_into_(grad_weight: torch.Tensor, chunk: WeightChunk, acc: torch.Tensor, tile_buf: torch.Tensor) -> None:
+    """``grad_weight[v0:v1] = acc`` rounded once (the chunk's fp32 accumulator, :func:`_chunk_buffers`). For a
+    ``"gradient"`` chunk ``acc`` is the gradient's own rows ``[v0, v0 + 2·width)``: rounded in ascending blocks,
+    each read whole into the (now free) tile buffer before it is written, so that a block's writes, which land on
+    the accumulator's rows below its last, never clobber an fp32 row not yet read."""
+    out = grad_weight[chunk.v0 : chunk.v1]
+    if chunk.accumulator == "direct":  # an fp32 gradient, its own accumulator
+        return
+    if chunk.accumulator != "gradient" or acc.data_ptr() != out.data_ptr():  # "tile", "buffer" or a fallback
+        out.copy_(acc)
+        return
+    width, hidden_size = acc.shape
+    temp = tile_buf.view(-1).view(grad_weight.dtype)
+    step = max(1, temp.numel() // hidden_size)
+    for a in range(0, width, step):
+        b = min(a + step, width)
+        block = temp[: (b - a) * hidden_size].view(b - a, hidden_size)
+        block.copy_(acc[a:b])
+        out[a:b].copy_(block)
 
 
 def _row_slice(stats, r0, r1):
