@@ -35,7 +35,20 @@ def _operands(m: int, n: int, k: int, device: torch.device):
     return h, w, labels
 
 
-def bench_shape(m: int, n: int, k: int, device: torch.device, repeats: int, stages: tuple[int, ...]) -> list:
+def parse_config(name: str):
+    """A :class:`~hf_fused.ops.backends.compensated.GemmConfig` from its ``name`` (``128x256x64/g8/w8/s4/e4``; the
+    kernel is always the TMA one)."""
+    from hf_fused.ops.backends.compensated import GemmConfig
+
+    blocks, *fields = name.strip().split("/")
+    block_m, block_n, block_k = (int(x) for x in blocks.split("x"))
+    keys = {"g": "group_m", "w": "num_warps", "s": "num_stages", "e": "epilogue_split"}
+    values = {keys[f[0]]: int(f[1:]) for f in fields if f and f[0] in keys}
+    return GemmConfig(block_m, block_n, block_k, tma=True, **values)
+
+
+def bench_shape(m: int, n: int, k: int, device: torch.device, repeats: int, stages: tuple[int, ...],
+                configs: tuple = ()) -> list:
     from hf_fused.ops.backends import logits_epilogues as L
     from hf_fused.ops.backends import triton_kernels as TK
     from hf_fused.ops.backends.triton_cublas import _GRAD_BLOCK_V, _GRAD_WARPS
@@ -69,6 +82,7 @@ def bench_shape(m: int, n: int, k: int, device: torch.device, repeats: int, stag
     variants = [("cuBLAS mm (tile)", lambda: torch.mm(h, w.t(), out=tile)), ("cuBLAS mm + grad kernel", cublas_grad)]
     variants += [(f"fused grad s{s}", lambda s=s: fused_grad(dz, dataclasses.replace(L.CONFIG, num_stages=s)))
                  for s in stages]
+    variants += [(f"fused grad {c.name}", lambda c=c: fused_grad(dz, c)) for c in configs]
     rows = []
     for name, fn in variants:
         try:
@@ -86,13 +100,19 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--stages", default="4,3", help="comma-separated stage counts of the fused kernels")
+    parser.add_argument("--shapes", default=None, help="comma-separated M:N:K (default: the lean plan's tiles)")
+    parser.add_argument("--configs", default="", help="comma-separated launch shapes of the fused kernel to time "
+                        "besides --stages, named as GemmConfig.name: 128x256x64/g8/w8/s4/e4")
     args = parser.parse_args(argv)
     if args.quick:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.quick else "cpu"))
     rows = []
-    for m, n, k in QUICK_SHAPES if args.quick else SHAPES:
-        rows += bench_shape(m, n, k, device, args.repeats, tuple(int(s) for s in args.stages.split(",")))
+    shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes.split(",")] if args.shapes else (
+        QUICK_SHAPES if args.quick else SHAPES)
+    configs = tuple(parse_config(c) for c in args.configs.split(",") if c)
+    for m, n, k in shapes:
+        rows += bench_shape(m, n, k, device, args.repeats, tuple(int(s) for s in args.stages.split(",")), configs)
         free_memory(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}")

@@ -404,7 +404,8 @@ def _pair_one_pass_budget(inp: Inputs, rows: int = 2048) -> int:
     """``tile_budget_bytes`` holding the one pass with the compensated pair as its weight-gradient accumulator
     (an int8 ``[V, H]`` residual beside the bf16 gradient) and ``rows`` full-vocabulary rows of logits with their
     gathered hidden rows, plus the kept rows' fp32 hidden gradient (counted for every token: no host sync for the
-    kept count, so a few more rows where tokens are ignored), but not the fp32 accumulator (3·V·H bytes more):
+    kept count, so a few more rows where tokens are ignored), but not the fp32 accumulator with as many rows
+    (V·H bytes more: it would leave about H/2 rows fewer):
     the planner's choice when only the pair fits."""
     vocab_size, hidden_size = inp.weight.shape
     elem, tokens = inp.weight.element_size(), inp.labels.numel()
@@ -413,7 +414,7 @@ def _pair_one_pass_budget(inp: Inputs, rows: int = 2048) -> int:
 
 class HFFusedPairPeer(HFFusedPeer):
     """The one pass with the compensated pair (bf16 gradient + int8 residual, V·H bytes) instead of the fp32
-    ``[V, H]`` accumulator (4·V·H): what the default rule takes when only the pair fits a quarter of free memory,
+    ``[V, H]`` accumulator (2·V·H beside the gradient): what the default rule takes when only the pair fits a quarter of free memory,
     forced here by a budget sized to the shape (:func:`_pair_one_pass_budget`). Cross-entropy only: log-probs
     without a hint take two passes whatever the budget."""
 
@@ -431,10 +432,13 @@ class HFFusedPairPeer(HFFusedPeer):
 
 
 def _one_pass_budget(weight: torch.Tensor, rows: int) -> int:
-    """``tile_budget_bytes`` holding the fp32 ``[V, H]`` weight-gradient accumulator and ``rows``
-    full-vocabulary rows of logits (the GPU backend's one-pass condition)."""
+    """``tile_budget_bytes`` holding the fp32 ``[V, H]`` weight-gradient accumulator (``2·V·H`` beside a bf16
+    gradient, :data:`hf_fused.ops.tiling.ACCUMULATOR_BYTES`) and ``rows`` full-vocabulary rows of logits (the GPU
+    backend's one-pass condition)."""
+    from hf_fused.ops.tiling import ACCUMULATOR_BYTES
+
     vocab_size, hidden_size = weight.shape
-    return vocab_size * hidden_size * 4 + rows * vocab_size * weight.element_size()
+    return vocab_size * hidden_size * ACCUMULATOR_BYTES["fp32"] + rows * vocab_size * weight.element_size()
 
 
 class HFFusedOnePassGRPOPeer(HFFusedPeer):
@@ -453,7 +457,7 @@ class HFFusedOnePassGRPOPeer(HFFusedPeer):
 
     def describe(self):
         return ("hf_fused.ops.linear_cross_entropy(hidden, weight, labels, token_weights=A·mask/normalizer, "
-                "reduction='sum', tile_budget_bytes=4·V·H + 2048·V·2): the on-policy KL-free gradient of the "
+                "reduction='sum', tile_budget_bytes=2·V·H + 2048·V·2): the on-policy KL-free gradient of the "
                 "problem's loss type in one pass; loss value the loss at ratio 1 (a constant, −Σ token_weights for "
                 "the clipped-ratio types; the weighted sum itself for cispo)")
 

@@ -116,3 +116,22 @@ def test_fused_gradient_on_gpu_matches_cublas_tiles(budget):
     for gf, gc in zip(grads_f, grads_c):
         rel = ((gf.double() - gc.double()).norm() / gc.double().norm()).item()
         assert rel <= 2**-8, rel  # bf16's unit roundoff: a few elements one step apart, nowhere a larger error
+
+
+def test_developer_sweeps_run_on_cpu(capsys):
+    """The launch-shape tools (``benchmarks.epilogue_sweep``, ``benchmarks.logits_epilogues --configs``) call the
+    kernels with their current signatures (the epilogue sweep had fallen behind ``grad_kernel``'s): a tiny run
+    under the interpreter, every configuration checked against the backend's own launch."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1")
+    from benchmarks import epilogue_sweep, logits_epilogues
+
+    assert epilogue_sweep.main(["--device", "cpu", "--rows", "2", "--vocab", "300", "--repeats", "1"]) == 0
+    assert epilogue_sweep.main(["--device", "cpu", "--rows", "2", "--vocab", "300", "--repeats", "1",
+                                "--no-entropy", "--stats-only"]) == 0
+    assert logits_epilogues.main(["--quick", "--repeats", "1", "--stages", "4", "--shapes", "40:300:64",
+                                  "--configs", "64x64x32/g4/w4/s2/e2"]) == 0
+    printed = capsys.readouterr().out
+    assert "DIFF" not in printed and "64x64x32/g4/w4/s2/e2/tma" in printed

@@ -46,11 +46,17 @@ def _forced(monkeypatch, accumulator):
         plans.append(OnePassPlan(ROWS, accumulator, 0))
         return plans[-1]
 
+    halves = []  # the fp32 accumulator's dW comes in two matmuls per tile: rows [0, V // 2), then the rest
+
     def spy(real, fold):
         def accumulate(out, *args, **kwargs):
             a, b = args[-2:] if fold else args
             folds.extend([a.shape] if fold else [])
             terms = torch.stack([a.double() @ b.double(), a.double().abs() @ b.double().abs()])
+            if a.shape[0] != V:  # one half of the split accumulator's product
+                offset = 0 if len(halves) % 2 == 0 else V // 2
+                halves.append(offset)
+                terms = torch.nn.functional.pad(terms, (0, 0, offset, V - offset - a.shape[0]))
             abs_sum.append(terms + abs_sum.pop() if abs_sum else terms)
             return real(out, *args, **kwargs)
         return accumulate
@@ -61,7 +67,8 @@ def _forced(monkeypatch, accumulator):
         real = getattr(triton_cublas, name)
         if name == "_mm_f32_":  # also the hidden gradient's (dz @ W): only dW's operands are [V, rows], [rows, H]
             monkeypatch.setattr(target, lambda out, a, b, real=real, acc=spy(real, False): (
-                acc(out, a, b) if a.shape[0] == V and b.shape[1] == H and a.shape[1] == b.shape[0] != V
+                acc(out, a, b) if a.shape[0] in (V, V // 2, V - V // 2) and b.shape[1] == H
+                and a.shape[1] == b.shape[0] != V
                 else real(out, a, b)))
         else:
             monkeypatch.setattr(target, spy(real, fold))

@@ -19,8 +19,11 @@ from hf_fused.ops.tiling import (
 )
 
 V, H, BF16 = 151_936, 2048, 2
+#: Bytes per [V, H] element of the one pass's fp32 weight-gradient accumulator beyond a bf16 gradient: half its rows
+#: live in the gradient's own bytes (hf_fused.ops.grads.split_accumulator).
+FP32_ACC = 2
 CUDA = torch.device("cuda")
-NEEDED = one_pass_working_set(V, H, BF16, "fp32", ONE_PASS_TILE_ROWS)  # fp32 [V, H] + a 2048-row bf16 tile
+NEEDED = one_pass_working_set(V, H, BF16, "fp32", ONE_PASS_TILE_ROWS)  # fp32 [V, H] beyond the gradient + tile
 
 
 def _meta_head(n: int, tile_budget_bytes, **kwargs) -> HeadInputs:
@@ -38,7 +41,7 @@ def _free(monkeypatch, free):
 
 
 def test_working_set_is_the_fp32_accumulator_plus_the_tile():
-    assert NEEDED == V * H * 4 + ONE_PASS_TILE_ROWS * V * BF16
+    assert NEEDED == V * H * FP32_ACC + ONE_PASS_TILE_ROWS * V * BF16
     assert one_pass_working_set(V, H, BF16, "none", 100) == 100 * V * BF16  # frozen head: no accumulator
     assert one_pass_working_set(V, H, BF16, "none", 100, 7) == 100 * V * BF16 + 7  # the call's rows' buffers
 
@@ -65,13 +68,13 @@ def test_one_pass_counts_the_kept_rows_buffers(monkeypatch):
     assert seen[-1][-2:] == (n * H * 4, 0)  # every row kept: tiles slice hidden itself
     TritonCublasBackend._one_pass_plan(replace(every_row, hidden=hidden.float()), NeededGrads(False, True, False))
     assert seen[-1][-2:] == (0, H * (BF16 + 4))  # fp32 hidden states: gathered through fp32, no hidden gradient
-    budget = V * H * 4 + MIN_ONE_PASS_ROWS * V * BF16
+    budget = V * H * FP32_ACC + MIN_ONE_PASS_ROWS * V * BF16
     assert one_pass_rows(V, H, BF16, "fp32", budget, CUDA) == MIN_ONE_PASS_ROWS
     assert one_pass_rows(V, H, BF16, "fp32", budget, CUDA, 7) == 0
     assert one_pass_rows(V, H, BF16, "fp32", budget, CUDA, 0, H * BF16) == 0
     assert one_pass_rows(V, H, BF16, "fp32", budget + MIN_ONE_PASS_ROWS * H * BF16, CUDA, 0, H * BF16) == \
         MIN_ONE_PASS_ROWS
-    assert one_pass_working_set(V, H, BF16, "fp32", 10, 7, 3) == V * H * 4 + 10 * (V * BF16 + 3) + 7
+    assert one_pass_working_set(V, H, BF16, "fp32", 10, 7, 3) == V * H * FP32_ACC + 10 * (V * BF16 + 3) + 7
 
 
 @pytest.mark.parametrize("share,expected", [(1.0, ONE_PASS_TILE_ROWS), (1.01, ONE_PASS_TILE_ROWS), (0.99, 0)])
@@ -89,7 +92,7 @@ def test_default_for_a_frozen_head_needs_only_the_tile(monkeypatch):
 @pytest.mark.parametrize("free", [2**40, 0])
 def test_explicit_budget_is_a_hard_bound_whatever_is_free(monkeypatch, free):
     _free(monkeypatch, free)
-    accumulator = V * H * 4
+    accumulator = V * H * FP32_ACC
     assert one_pass_rows(V, H, BF16, "fp32", accumulator + MIN_ONE_PASS_ROWS * V * BF16, CUDA) == MIN_ONE_PASS_ROWS
     assert one_pass_rows(V, H, BF16, "fp32", accumulator + (MIN_ONE_PASS_ROWS - 1) * V * BF16, CUDA) == 0
     assert one_pass_rows(V, H, BF16, "fp32", DEFAULT_TILE_BUDGET_BYTES, CUDA) == 0
@@ -100,15 +103,15 @@ def test_default_off_cuda_is_the_default_budget(monkeypatch):
     cpu = torch.device("cpu")
     assert one_pass_rows(V, H, BF16, "fp32", None, cpu) == one_pass_rows(V, H, BF16, "fp32", DEFAULT_TILE_BUDGET_BYTES, cpu)
     small_v = 1000
-    rows = (DEFAULT_TILE_BUDGET_BYTES - small_v * 64 * 4) // (small_v * 4)  # 67042
-    assert one_pass_rows(small_v, 64, 4, "fp32", None, cpu) == rows - rows % tiling.ONE_PASS_ROW_ALIGN == 67040
+    rows = (DEFAULT_TILE_BUDGET_BYTES - small_v * 64 * FP32_ACC) // (small_v * 4)  # 67076
+    assert one_pass_rows(small_v, 64, 4, "fp32", None, cpu) == rows - rows % tiling.ONE_PASS_ROW_ALIGN == 67072
 
 
 @pytest.mark.parametrize("extra_rows", range(9))
 def test_one_pass_rows_are_whole_multiples_of_the_alignment(extra_rows):
     """Under an explicit budget the rows per tile are the most that fit, rounded down to ``ONE_PASS_ROW_ALIGN``
     (each tile's slice of the fp32 / int64 per-row vectors then starts 16-byte aligned, as QuACK's TMA needs)."""
-    budget = V * H * 4 + (MIN_ONE_PASS_ROWS + 8 + extra_rows) * V * BF16
+    budget = V * H * FP32_ACC + (MIN_ONE_PASS_ROWS + 8 + extra_rows) * V * BF16
     rows = one_pass_rows(V, H, BF16, "fp32", budget, CUDA)
     assert rows == MIN_ONE_PASS_ROWS + (16 if extra_rows == 8 else 8)
     assert rows % tiling.ONE_PASS_ROW_ALIGN == 0 and (rows * 4) % 16 == 0 and (rows * 8) % 16 == 0
@@ -176,7 +179,7 @@ def test_explicit_budget_keeps_fp32_for_full_tiles_else_the_most_rows(monkeypatc
     pair (3 bytes less per [V, H] element: 3·V·H/(V·2) = 1.5·H more rows) leaves more rows and is taken."""
     _free(monkeypatch, 0)  # ignored under a budget
     extra = 1000 * H * 4
-    budget = V * H * 4 + fp32_rows * V * BF16 + extra
+    budget = V * H * FP32_ACC + fp32_rows * V * BF16 + extra
     plan = one_pass_plan(V, H, BF16, PAIRED, budget, CUDA, extra)
     if fp32_rows == ONE_PASS_TILE_ROWS:
         assert plan.accumulator == "fp32" and plan.rows == ONE_PASS_TILE_ROWS

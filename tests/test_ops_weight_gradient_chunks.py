@@ -190,3 +190,30 @@ def test_accumulators_on_gpu_match_a_buffer_of_their_own(monkeypatch):
             assert torch.equal(got, want)
         else:
             assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7).all(), i
+
+
+# -- the one pass's fp32 [V, H] accumulator, half of it in the bf16 gradient's own bytes ------------------------
+
+
+@pytest.mark.parametrize("vocab", [7, 64, 301])
+@pytest.mark.parametrize("factor", [1.0, 0.37, "tensor"])
+def test_split_accumulator_rounds_the_fp32_sums_once(vocab, factor):
+    """``split_accumulator`` + ``HeadGrads.input_grads``: whatever fp32 values the head (the gradient's own bytes)
+    and the tail hold, the gradient comes out as ``(values · factor)`` rounded once to bf16, row for row — the
+    in-place rounding of the head (ascending blocks of V/16 rows) never reads a row it has overwritten."""
+    from hf_fused.ops.grads import HeadGrads, split_accumulator
+
+    hidden_size = 6
+    grad = torch.full((vocab, hidden_size), float("nan"), dtype=torch.bfloat16)
+    head, tail = split_accumulator(grad)
+    assert head.shape == (vocab // 2, hidden_size) and tail.shape == (vocab - vocab // 2, hidden_size)
+    assert head.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()
+    values = torch.randn(vocab, hidden_size, generator=torch.Generator().manual_seed(vocab)) * 1e3
+    head.copy_(values[: vocab // 2])
+    tail.copy_(values[vocab // 2 :])
+    f = torch.tensor(-2.5) if factor == "tensor" else factor
+    weight = torch.zeros(vocab, hidden_size, dtype=torch.bfloat16)
+    _, d_weight, _ = HeadGrads(weight=grad, weight_tail=tail).input_grads(
+        torch.zeros(1, hidden_size), weight, None, torch.arange(1), f)
+    assert d_weight.data_ptr() == grad.data_ptr() and d_weight.dtype == torch.bfloat16
+    assert torch.equal(d_weight, (values * f).bfloat16())

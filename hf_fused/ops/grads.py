@@ -30,6 +30,10 @@ class HeadGrads:
     #: (:mod:`hf_fused.ops.backends.compensated`) that the GPU one pass accumulated instead of an fp32 buffer;
     #: :meth:`input_grads` scales the pair's value and rounds it once.
     weight_residual: Optional[torch.Tensor] = None
+    #: With ``weight`` a 2-byte gradient: its own bytes hold the fp32 accumulator of its first ``V − T`` rows
+    #: (:func:`split_accumulator`) and this fp32 ``[T, H]`` buffer the last ``T``; :meth:`input_grads` scales both
+    #: and rounds them once into ``weight``'s rows.
+    weight_tail: Optional[torch.Tensor] = None
 
     def input_grads(self, hidden, weight, bias, rows, factor: Union[float, torch.Tensor] = 1.0):
         """``(d_hidden [N, H], d_weight, d_bias)`` in the inputs' dtypes (``None`` where not computed):
@@ -50,6 +54,9 @@ class HeadGrads:
             if name == "weight" and self.weight_residual is not None:
                 scaled = _scaled_pair(grad, self.weight_residual, factor, like.dtype)
                 self.weight_residual = None
+            elif name == "weight" and self.weight_tail is not None:
+                scaled = _scaled_split(grad, self.weight_tail, factor)
+                self.weight_tail = None
             else:
                 scaled = _scaled(grad, factor, hidden.dtype if name == "hidden" else like.dtype)
             scatter = name == "hidden" and not self.hidden_scattered
@@ -75,6 +82,41 @@ def _scaled_pair(hi: torch.Tensor, lo: torch.Tensor, factor, dtype: torch.dtype)
     from .backends.compensated import compensated_scale_  # Triton: only the GPU backend makes pairs
 
     return compensated_scale_(hi, lo, factor).to(dtype)
+
+
+def split_accumulator(grad: torch.Tensor, zero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 view of a 2-byte ``[V, H]`` gradient's own bytes as the accumulator of its first ``V // 2`` rows
+    (``[V // 2, H]``), and a new fp32 ``[V − V // 2, H]`` buffer for the rest: an fp32 ``[V, H]`` accumulator that
+    costs ``2·V·H`` bytes beside the gradient instead of ``4·V·H`` (for :meth:`HeadGrads.input_grads`: the
+    gradient as ``weight``, the buffer as ``weight_tail``). ``zero``: the buffer starts at 0 (else uninitialized;
+    the head is whatever ``grad`` holds)."""
+    rows, hidden_size = grad.shape[0] // 2, grad.shape[1]
+    head = grad.view(-1)[: 2 * rows * hidden_size].view(torch.float32).view(rows, hidden_size)
+    new = torch.zeros if zero else torch.empty
+    tail = new((grad.shape[0] - rows, hidden_size), dtype=torch.float32, device=grad.device)
+    return head, tail
+
+
+#: Rows rounded per step where a split accumulator's head is rounded into its own bytes (the temporary: 1/8).
+_NARROW_STEPS = 8
+
+
+def _scaled_split(grad: torch.Tensor, tail: torch.Tensor, factor) -> torch.Tensor:
+    """``grad`` holding ``(accumulator · factor)`` rounded once, for the split accumulator of
+    :func:`split_accumulator` (``grad``'s bytes the fp32 head, ``tail`` the rest). The head is rounded into rows
+    ``[0, V // 2)`` in ascending blocks, each read whole into a temporary before it is written: a block's writes
+    land on fp32 rows below its own end, all read by then."""
+    rows, hidden_size = grad.shape[0] - tail.shape[0], grad.shape[1]
+    head = grad.view(-1)[: 2 * rows * hidden_size].view(torch.float32).view(rows, hidden_size)
+    step = max(1, -(-rows // _NARROW_STEPS))
+    temp = torch.empty((min(step, rows), hidden_size), dtype=grad.dtype, device=grad.device)
+    for a in range(0, rows, step):
+        b = min(a + step, rows)
+        torch.mul(head[a:b], factor, out=temp[: b - a])
+        grad[a:b].copy_(temp[: b - a])
+    del temp
+    torch.mul(tail, factor, out=grad[rows:])
+    return grad
 
 
 def _scatter_rows(d_rows: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

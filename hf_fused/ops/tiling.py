@@ -8,7 +8,9 @@ The GPU backend has two schedules (:mod:`hf_fused.ops.backends.triton_cublas`):
 
 - one pass (6·N·H·V FLOPs): token rows outside, whole vocabulary rows per tile, gradients right after each
   row block's log-sum-exp; it holds a ``[rows, V]`` tile in the weight's dtype and a ``[V, H]`` weight-gradient
-  accumulator (:func:`one_pass_plan`): ``"fp32"``, 4·V·H bytes, the fastest; ``"pair"`` for a bf16 weight
+  accumulator (:func:`one_pass_plan`): ``"fp32"``, the fastest: for the 2-byte (bf16, fp16) gradient it is
+  made for, the fp32 sums of its first V/2 rows in the gradient's own bytes and the rest in a buffer
+  (:func:`hf_fused.ops.grads.split_accumulator`), 2·V·H bytes beside the gradient; ``"pair"`` for a bf16 weight
   gradient, the gradient itself plus an int8 residual of V·H bytes (:mod:`hf_fused.ops.backends.compensated`,
   as accurate as the fp32 buffer, its fold ~20% slower than cuBLAS's fp32 accumulation); ``"none"`` for a
   frozen lm_head, or for an fp32 weight gradient (fp32 master weights), which is its own accumulator;
@@ -115,7 +117,7 @@ def tiles(rows: torch.Tensor, tile_rows: int) -> Iterator[torch.Tensor]:
 
 
 #: Bytes per ``[V, H]`` element of each one-pass weight-gradient accumulator beyond the gradient itself.
-ACCUMULATOR_BYTES = {"none": 0, "fp32": 4, "pair": PAIR_RESIDUAL_BYTES}
+ACCUMULATOR_BYTES = {"none": 0, "fp32": 2, "pair": PAIR_RESIDUAL_BYTES}
 
 
 def one_pass_working_set(

@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..grads import HeadGrads
+from ..grads import HeadGrads, split_accumulator
 from ..head_inputs import HeadInputs, NeededGrads
 from ..logit_transform import LogitTransform
 from ..tiling import (
@@ -476,7 +476,16 @@ class TritonCublasBackend:
         # zero: its fold reads what it adds to.
         new = torch.empty if m_rows else torch.zeros
         pair = need_weight and plan.accumulator == "pair"
-        d_weight32 = new(weight.shape, dtype=torch.float32, device=weight.device) if need_weight and not pair else None
+        # "fp32" for a 2-byte gradient: its first V // 2 rows accumulate in the gradient's own bytes, the rest in a
+        # buffer (grads.split_accumulator): 2·V·H bytes beside the gradient, each tile's dW in two matmuls
+        grad_dtype = head.weight_grad_dtype or weight.dtype
+        split = need_weight and plan.accumulator == "fp32" and grad_dtype.itemsize == 2
+        d_weight32 = new(weight.shape, dtype=torch.float32, device=weight.device) if (
+            need_weight and not pair and not split) else None
+        if split:
+            grads.weight = new(weight.shape, dtype=grad_dtype, device=weight.device)
+            d_weight_head, grads.weight_tail = split_accumulator(grads.weight, zero=not m_rows)
+            v_split = d_weight_head.shape[0]
         if pair:
             grads.weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
             grads.weight_residual = torch.zeros(weight.shape, dtype=RESIDUAL_DTYPE, device=weight.device)
@@ -512,12 +521,15 @@ class TritonCublasBackend:
                 _mm_f32_(d_hidden[r0:r1], dz, weight)
             if d_weight32 is not None:
                 (_addmm_f32_ if r0 else _mm_f32_)(d_weight32, dz.t(), h)
+            elif split:
+                (_addmm_f32_ if r0 else _mm_f32_)(d_weight_head, dz[:, :v_split].t(), h)
+                (_addmm_f32_ if r0 else _mm_f32_)(grads.weight_tail, dz[:, v_split:].t(), h)
             elif pair:
                 compensated_addmm_(grads.weight, grads.weight_residual, dz.t(), h, config=fold_config)
             if grads.bias is not None:
                 grads.bias += dz.float().sum(0)
         grads.hidden = d_hidden
-        if not pair:
+        if not pair and not split:
             grads.weight = d_weight32
         logp, entropy, lse, token_stats = self._finish(stats, y, vocab_size, return_entropy, statistics)
         return HeadPass(logp, entropy, lse, grads if tile_grads is not None else None, token_stats)
