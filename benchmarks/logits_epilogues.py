@@ -102,7 +102,8 @@ def main(argv=None) -> int:
     parser.add_argument("--stages", default="4,3", help="comma-separated stage counts of the fused kernels")
     parser.add_argument("--shapes", default=None, help="comma-separated M:N:K (default: the lean plan's tiles)")
     parser.add_argument("--configs", default="", help="comma-separated launch shapes of the fused kernel to time "
-                        "besides --stages, named as GemmConfig.name: 128x256x64/g8/w8/s4/e4")
+                        "besides --stages, named as GemmConfig.name: 128x256x64/g8/w8/s4/e4 (the epilogue split must "
+                        "be 4)")
     args = parser.parse_args(argv)
     if args.quick:
         os.environ.setdefault("TRITON_INTERPRET", "1")

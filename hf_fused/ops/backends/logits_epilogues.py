@@ -173,8 +173,15 @@ def logits_grad_(
         bias: the whole ``[V]`` bias or None. scalars: ``TritonCublasBackend._scalars`` (the logit transform).
 
     The operands must pass :func:`applies` (row-major, 16-byte aligned rows).
+
+    Raises:
+        ValueError: for a ``config`` whose ``epilogue_split`` is not 4 (the kernel's epilogue is built for four
+            column slices) or that is not the TMA kernel's.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if config.epilogue_split != 4 or config.tma is False:
+        raise ValueError(f"logits_grad_: the kernel runs TMA loads and a four-slice epilogue; got {config.name}")
 
     m, k = h.shape
     n = w.shape[0]

@@ -2,7 +2,9 @@
 
 Loop order: vocabulary chunks outside, token rows inside. Each weight-gradient chunk ``dW[v0:v1]`` is
 complete after its chunk (cuBLAS reduces over all rows in fp32 and rounds once; over several row blocks into an
-fp32 ``[cols, H]`` buffer), so the ``[V, H]`` weight gradient is never held in fp32; the hidden-state gradient
+fp32 ``[cols, H]`` accumulator that lives in the bf16 gradient's rows not written yet, or in the tile buffer:
+:func:`hf_fused.ops.tiling.weight_gradient_chunks`), so the ``[V, H]`` weight gradient is never held in fp32 and
+the accumulator takes no memory of its own; the hidden-state gradient
 ``[M, H]`` accumulates across chunks in an fp32 buffer (cuBLAS), or, under an explicit ``tile_budget_bytes`` and
 for bf16, as a compensated pair (the gradient itself plus an int8 residual, :mod:`.compensated`: a Triton matmul
 whose fp32 accumulator is folded into the pair, no less accurate than eager's one rounding). Under an explicit
@@ -21,7 +23,8 @@ instead (:mod:`.logits_epilogues`: the same rounded logits and formula, the logi
 Cross-entropy (plain or token-weighted) and log-probs given a ``grad_hint`` take a one-pass path
 instead (token rows outside, whole vocabulary rows per tile, gradients right after each row's
 log-sum-exp: ``6·M·H·V``) when the planner's rule allows it (:func:`hf_fused.ops.tiling.one_pass_plan`: by
-default when its ``[V, H]`` weight-gradient accumulator and tile fit in a quarter of the free device memory: fp32,
+default when its ``[V, H]`` weight-gradient accumulator and tile fit in a quarter of the free device memory: fp32
+(for a 2-byte gradient half of it in the gradient's own bytes, :func:`hf_fused.ops.grads.split_accumulator`),
 or for a bf16 gradient the compensated pair of :mod:`.compensated` — the gradient itself and an int8 residual,
 folded by :func:`.compensated_addmm_` after each tile and scaled by the upstream gradient in backward); see
 :meth:`TritonCublasBackend.logprobs_with_grads`. Otherwise they return ``None`` and the op falls back to the
@@ -57,6 +60,9 @@ from .protocol import HeadPass, TileGrads
 
 # Triton launch shapes, measured on an H200 (docs/gpu_results.md).
 _STATS_BLOCK_V, _STATS_WARPS = 512, 2
+# Rows of at most this many columns (the two passes' narrow chunks) run the statistics kernel on one warp: 10 %
+# less time on an H100 at 29,491 × 2432 (docs/bench/h100/session11/stats_sweep_lean_*.txt).
+_STATS_NARROW_COLS, _STATS_NARROW_WARPS = 4096, 1
 _GRAD_BLOCK_V, _GRAD_WARPS = 2048, 8
 
 
@@ -234,13 +240,14 @@ class TritonCublasBackend:
         """Fold the raw logits ``z [rows, cols]`` (columns from ``col_offset``) into ``stats`` (:meth:`_new_stats`):
         the running max, Σexp, Σexp·z and label logit, and those of the token statistics it holds."""
         run_max, run_sum, run_zp, label_logit, z_sum, arg, sum_sq = stats
+        warps = _STATS_NARROW_WARPS if z.shape[1] <= _STATS_NARROW_COLS else _STATS_WARPS
         self.kernels.stats_kernel[(z.shape[0],)](
             z, z.stride(0), z.shape[1], col_offset, bias if bias is not None else labels, labels,
             run_max, run_sum, run_zp, label_logit,
             # statistics not asked for: any valid pointer, never read (their flags compile them out)
             run_max if z_sum is None else z_sum, labels if arg is None else arg, run_max if sum_sq is None else sum_sq,
             ENTROPY=return_entropy, SUM_Z=z_sum is not None, ARGMAX=arg is not None, SUM_SQ=sum_sq is not None,
-            BLOCK_V=_STATS_BLOCK_V, num_warps=_STATS_WARPS, **scalars,
+            BLOCK_V=_STATS_BLOCK_V, num_warps=warps, **scalars,
         )
 
     def _grad(self, z, col_offset, bias, labels, lse, ent, g_lp, g_ent, scalars, has_g_lp, has_g_ent,
