@@ -169,10 +169,8 @@ def test_default_rule_takes_the_pair_when_only_it_fits(monkeypatch, device):
     pair's one pass, the very computation checked above (same bits as the forced plan)."""
     hidden, weight, b, labels = _inputs(device, True)
     kept = int((labels != -100).sum())
-    # the kept rows' fp32 hidden gradient (beyond hidden's own gradient, which holds half of it); each tile row's
-    # gathered hidden row
-    extra, gather = tiling.split_accumulator_bytes(kept, N, H, 2), H * 2
-    budget = V * H * 1 + ROWS * (V * 2 + gather) + extra  # fp32 would need V·H more: fewer rows than the pair's
+    extra, gather = kept * H * 4, H * 2  # the kept rows' fp32 hidden gradient; each tile row's gathered hidden row
+    budget = V * H * 1 + ROWS * (V * 2 + gather) + extra  # fp32 would need 3·V·H more: fewer rows than the pair's
     assert tiling.one_pass_plan(V, H, 2, ("fp32", "pair"), budget, hidden.device, extra, gather) == \
         OnePassPlan(ROWS, "pair", budget)
     folds = []

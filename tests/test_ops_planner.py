@@ -62,11 +62,10 @@ def test_one_pass_counts_the_kept_rows_buffers(monkeypatch):
     seen = []
     monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass_plan", lambda *a: seen.append(a))
     TritonCublasBackend._one_pass_plan(head, NeededGrads(True, True, False))
-    # the fp32 hidden gradient beyond the half that hidden's own bf16 gradient holds; a gathered row per tile row
-    assert seen[-1][-2:] == (4 * H * (kept - n // 2), H * BF16)
+    assert seen[-1][-2:] == (kept * H * 4, H * BF16)  # the fp32 hidden gradient; a gathered row per tile row
     every_row = replace(head, rows=head.rows.new_empty(n))
     TritonCublasBackend._one_pass_plan(every_row, NeededGrads(True, True, False))
-    assert seen[-1][-2:] == (4 * H * (n - n // 2), 0)  # every row kept: tiles slice hidden itself
+    assert seen[-1][-2:] == (n * H * 4, 0)  # every row kept: tiles slice hidden itself
     TritonCublasBackend._one_pass_plan(replace(every_row, hidden=hidden.float()), NeededGrads(False, True, False))
     assert seen[-1][-2:] == (0, H * (BF16 + 4))  # fp32 hidden states: gathered through fp32, no hidden gradient
     budget = V * H * FP32_ACC + MIN_ONE_PASS_ROWS * V * BF16
@@ -210,7 +209,7 @@ def test_gpu_backend_asks_the_planner(monkeypatch):
     n = 64
     head = _meta_head(n, 12345)
     assert TritonCublasBackend._one_pass_plan(head, NeededGrads(True, True, False)) is None
-    assert seen == [(V, H, BF16, ("fp32", "pair"), 12345, head.weight.device, n * H * 2, 0)]  # half in the gradient
+    assert seen == [(V, H, BF16, ("fp32", "pair"), 12345, head.weight.device, n * H * 4, 0)]
 
 
 # -- the two passes' hidden-gradient accumulator ---------------------------------------------------------
@@ -276,21 +275,18 @@ def test_gpu_two_pass_accumulates_a_bf16_hidden_gradient_as_a_compensated_pair()
     triton_cublas.compensated_addmm_, saved = spy, triton_cublas.compensated_addmm_
     try:
         pair = backend.logprobs_backward(head, lse, None, g_lp, None, need=only_hidden).hidden
-        # The default rule (no budget) keeps the fastest two passes: cuBLAS into an fp32 accumulator (half of it in
-        # hidden's own bf16 gradient: grads.split_accumulator), no pair.
+        # The default rule (no budget) keeps the fastest two passes: cuBLAS into an fp32 buffer, no pair.
         default = backend.logprobs_backward(replace(head, tile_budget_bytes=None), lse, None, g_lp, None,
-                                            need=only_hidden).input_grads(hidden, None, None, rows)[0]
+                                            need=only_hidden).hidden
     finally:
         triton_cublas.compensated_addmm_ = saved
     fp32 = backend.logprobs_backward(replace(head, hidden=hidden.float()), lse, None, g_lp, None,
                                      need=only_hidden).hidden
     assert len(calls) == 3 and pair.dtype == torch.bfloat16 and fp32.dtype == torch.float32
-    assert default.dtype == torch.bfloat16 and default.shape == (n, h)
+    assert default.dtype == torch.float32 and default.shape == (m, h)
     fp32_default = backend.logprobs_backward(replace(head, hidden=hidden.float(), tile_budget_bytes=None), lse, None,
                                              g_lp, None, need=only_hidden).hidden
-    # the same plan and the same fp32 accumulation, rounded once, in the kept rows; 0 in the others
-    assert torch.equal(default[rows], fp32_default.bfloat16())
-    assert (default.index_fill(0, rows, 0) == 0).all()
+    assert torch.equal(default, fp32_default)  # the same plan and the same fp32 accumulation
     assert pair.shape == (n, h) and fp32.shape == (m, h)
     ignored = torch.ones(n, dtype=torch.bool)
     ignored[rows] = False

@@ -217,27 +217,3 @@ def test_split_accumulator_rounds_the_fp32_sums_once(vocab, factor):
         torch.zeros(1, hidden_size), weight, None, torch.arange(1), f)
     assert d_weight.data_ptr() == grad.data_ptr() and d_weight.dtype == torch.bfloat16
     assert torch.equal(d_weight, (values * f).bfloat16())
-
-
-@pytest.mark.parametrize("n,kept_every", [(9, 1), (9, 3), (40, 2), (41, 5), (6, 7)])
-@pytest.mark.parametrize("factor", [1.0, -0.75])
-def test_split_hidden_accumulator_scatters_the_kept_rows(n, kept_every, factor):
-    """The kept rows' fp32 hidden gradient split into hidden's own 2-byte ``[N, H]`` gradient and a buffer
-    (``split_accumulator(grad, M)``): ``input_grads`` rounds the scaled rows once, moves each to its row of ``rows``
-    in place and zeroes the others — equal to scattering the rounded rows into zeros."""
-    from hf_fused.ops.grads import HeadGrads, split_accumulator
-
-    hidden_size = 4
-    rows = torch.arange(n)[torch.arange(n) % kept_every == 0] if kept_every < n else torch.arange(0)
-    m = rows.numel()
-    grad = torch.full((n, hidden_size), float("nan"), dtype=torch.bfloat16)
-    head, tail = split_accumulator(grad, m)
-    assert head.shape[0] == min(m, n // 2) and tail.shape[0] == m - head.shape[0]
-    values = torch.randn(m, hidden_size, generator=torch.Generator().manual_seed(n * 7 + kept_every)) * 50
-    head.copy_(values[: head.shape[0]])
-    tail.copy_(values[head.shape[0] :])
-    hidden = torch.zeros(n, hidden_size, dtype=torch.bfloat16)
-    grads = HeadGrads(hidden=grad, hidden_tail=tail, hidden_scattered=True)
-    d_hidden, _, _ = grads.input_grads(hidden, None, None, rows, factor)
-    want = torch.zeros(n, hidden_size, dtype=torch.bfloat16).index_copy_(0, rows, (values * factor).bfloat16())
-    assert d_hidden.data_ptr() == grad.data_ptr() and torch.equal(d_hidden, want)

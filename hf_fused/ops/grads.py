@@ -34,9 +34,6 @@ class HeadGrads:
     #: (:func:`split_accumulator`) and this fp32 ``[T, H]`` buffer the last ``T``; :meth:`input_grads` scales both
     #: and rounds them once into ``weight``'s rows.
     weight_tail: Optional[torch.Tensor] = None
-    #: Likewise for ``hidden``: then ``hidden`` is hidden's whole 2-byte ``[N, H]`` gradient whose bytes hold the
-    #: fp32 accumulator of the first kept rows and this buffer the others (``hidden_scattered`` is set with it).
-    hidden_tail: Optional[torch.Tensor] = None
 
     def input_grads(self, hidden, weight, bias, rows, factor: Union[float, torch.Tensor] = 1.0):
         """``(d_hidden [N, H], d_weight, d_bias)`` in the inputs' dtypes (``None`` where not computed):
@@ -60,9 +57,6 @@ class HeadGrads:
             elif name == "weight" and self.weight_tail is not None:
                 scaled = _scaled_split(grad, self.weight_tail, factor)
                 self.weight_tail = None
-            elif name == "hidden" and self.hidden_tail is not None:
-                scaled = _scatter_rows_in_place(_scaled_split(grad, self.hidden_tail, factor, rows.numel()), rows)
-                self.hidden_tail = None
             else:
                 scaled = _scaled(grad, factor, hidden.dtype if name == "hidden" else like.dtype)
             scatter = name == "hidden" and not self.hidden_scattered
@@ -90,65 +84,39 @@ def _scaled_pair(hi: torch.Tensor, lo: torch.Tensor, factor, dtype: torch.dtype)
     return compensated_scale_(hi, lo, factor).to(dtype)
 
 
-def split_accumulator(grad: torch.Tensor, rows: Optional[int] = None, zero: bool = False,
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """An fp32 ``[rows, H]`` accumulator (``rows``: ``grad``'s, by default; at most that) for a 2-byte ``[N, H]``
-    gradient, split in two: the fp32 view of ``grad``'s own bytes as its first ``min(rows, N // 2)`` rows, and a
-    new fp32 buffer for the rest. Costs ``4·rows·H − 2·N·H`` bytes beside the gradient instead of ``4·rows·H``
-    (``2·V·H`` for the weight's ``[V, H]``). For :meth:`HeadGrads.input_grads`: the gradient as ``weight`` with the
-    buffer as ``weight_tail``, or as ``hidden`` (the kept rows' accumulator, rows in the order of ``rows``) with
-    ``hidden_tail``. ``zero``: the buffer starts at 0 (else uninitialized; the head is whatever ``grad`` holds)."""
-    total = grad.shape[0] if rows is None else rows
-    head_rows = min(total, grad.shape[0] // 2)
+def split_accumulator(grad: torch.Tensor, zero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 view of a 2-byte ``[V, H]`` gradient's own bytes as the accumulator of its first ``V // 2`` rows
+    (``[V // 2, H]``), and a new fp32 ``[V − V // 2, H]`` buffer for the rest: an fp32 ``[V, H]`` accumulator that
+    costs ``2·V·H`` bytes beside the gradient instead of ``4·V·H`` (for :meth:`HeadGrads.input_grads`: the
+    gradient as ``weight``, the buffer as ``weight_tail``). ``zero``: the buffer starts at 0 (else uninitialized;
+    the head is whatever ``grad`` holds)."""
+    rows, hidden_size = grad.shape[0] // 2, grad.shape[1]
+    head = grad.view(-1)[: 2 * rows * hidden_size].view(torch.float32).view(rows, hidden_size)
     new = torch.zeros if zero else torch.empty
-    tail = new((total - head_rows, grad.shape[1]), dtype=torch.float32, device=grad.device)
-    return _fp32_rows(grad, head_rows), tail
-
-
-def _fp32_rows(grad: torch.Tensor, rows: int) -> torch.Tensor:
-    """The first ``4·rows·H`` bytes of a 2-byte ``[N, H]`` tensor seen as an fp32 ``[rows, H]`` matrix."""
-    hidden_size = grad.shape[1]
-    return grad.view(-1)[: 2 * rows * hidden_size].view(torch.float32).view(rows, hidden_size)
+    tail = new((grad.shape[0] - rows, hidden_size), dtype=torch.float32, device=grad.device)
+    return head, tail
 
 
 #: Rows rounded per step where a split accumulator's head is rounded into its own bytes (the temporary: 1/8).
 _NARROW_STEPS = 8
 
 
-def _scaled_split(grad: torch.Tensor, tail: torch.Tensor, factor, rows: Optional[int] = None) -> torch.Tensor:
-    """``grad`` whose rows ``[0, rows)`` hold ``(accumulator · factor)`` rounded once, for the split accumulator of
-    :func:`split_accumulator` (``grad``'s bytes its fp32 head, ``tail`` the rest; ``rows`` as given there). The
-    head is rounded into its rows in ascending blocks, each read whole into a temporary before it is written: a
-    block's writes land on fp32 rows below its own end, all read by then; the tail then fills the rows after it,
-    whose bytes the head no longer needs."""
-    total = grad.shape[0] if rows is None else rows
-    head_rows, hidden_size = total - tail.shape[0], grad.shape[1]
-    head = _fp32_rows(grad, head_rows)
-    step = max(1, -(-head_rows // _NARROW_STEPS))
-    temp = torch.empty((min(step, head_rows), hidden_size), dtype=grad.dtype, device=grad.device)
-    for a in range(0, head_rows, step):
-        b = min(a + step, head_rows)
+def _scaled_split(grad: torch.Tensor, tail: torch.Tensor, factor) -> torch.Tensor:
+    """``grad`` holding ``(accumulator · factor)`` rounded once, for the split accumulator of
+    :func:`split_accumulator` (``grad``'s bytes the fp32 head, ``tail`` the rest). The head is rounded into rows
+    ``[0, V // 2)`` in ascending blocks, each read whole into a temporary before it is written: a block's writes
+    land on fp32 rows below its own end, all read by then."""
+    rows, hidden_size = grad.shape[0] - tail.shape[0], grad.shape[1]
+    head = grad.view(-1)[: 2 * rows * hidden_size].view(torch.float32).view(rows, hidden_size)
+    step = max(1, -(-rows // _NARROW_STEPS))
+    temp = torch.empty((min(step, rows), hidden_size), dtype=grad.dtype, device=grad.device)
+    for a in range(0, rows, step):
+        b = min(a + step, rows)
         torch.mul(head[a:b], factor, out=temp[: b - a])
         grad[a:b].copy_(temp[: b - a])
     del temp
-    torch.mul(tail, factor, out=grad[head_rows:total])
+    torch.mul(tail, factor, out=grad[rows:])
     return grad
-
-
-def _scatter_rows_in_place(grad: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``grad`` (``[N, H]``) whose first ``M = len(rows)`` rows hold the gradients of hidden rows ``rows`` (sorted,
-    so ``rows[k] ≥ k``), moved to those rows, 0 elsewhere: in descending blocks, each copied out before it is
-    written, so that a block's destinations (at or above its own first row) hold only rows already moved."""
-    m = rows.numel()
-    if m == grad.shape[0]:  # every row kept, in order
-        return grad
-    step = max(1, -(-m // _NARROW_STEPS))
-    for b in range(m, 0, -step):
-        a = max(0, b - step)
-        grad.index_copy_(0, rows[a:b], grad[a:b].clone())
-    kept = torch.zeros(grad.shape[0], dtype=torch.bool, device=grad.device)
-    kept[rows] = True
-    return grad.masked_fill_(~kept[:, None], 0)
 
 
 def _scatter_rows(d_rows: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

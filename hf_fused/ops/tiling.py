@@ -281,31 +281,18 @@ def one_pass_accumulators(need_weight: bool, grad_dtype: torch.dtype, operand_dt
     return ("fp32",)
 
 
-def split_accumulator_bytes(rows: int, grad_rows: int, hidden_size: int, grad_elem_bytes: int) -> int:
-    """Bytes beyond the gradient of an fp32 ``[rows, H]`` accumulator for a ``[grad_rows, H]`` gradient: with a
-    2-byte gradient its bytes hold the first ``min(rows, grad_rows // 2)`` fp32 rows
-    (:func:`hf_fused.ops.grads.split_accumulator`), the rest is a buffer; otherwise all ``4·rows·H``."""
-    if grad_elem_bytes != 2:
-        return 4 * rows * hidden_size
-    return 4 * hidden_size * (rows - min(rows, grad_rows // 2))
-
-
 def hidden_accumulator(
-    n_rows: int, hidden_size: int, grad_dtype: torch.dtype, tile_budget_bytes: Optional[int],
-    n_tokens: Optional[int] = None,
+    n_rows: int, hidden_size: int, grad_dtype: torch.dtype, tile_budget_bytes: Optional[int]
 ) -> tuple[str, int]:
     """How the GPU gradient pass accumulates the hidden-state gradient of ``n_rows`` kept tokens over vocabulary
     chunks, and the bytes that holds beyond the gradient itself (module docstring): ``("none", 0)`` for an fp32
     gradient (it is the accumulator), ``("pair", PAIR_RESIDUAL_BYTES·M·H)`` for bf16 under an explicit budget
-    (the compensated pair's residual), else ``("fp32", 4·M·H)``, or with ``n_tokens`` (hidden's rows) for a 2-byte
-    gradient the part that its own bytes do not hold (:func:`split_accumulator_bytes`)."""
+    (the compensated pair's residual), else ``("fp32", 4·M·H)``."""
     if grad_dtype == torch.float32:
         return "none", 0
     if grad_dtype == torch.bfloat16 and tile_budget_bytes is not None:
         return "pair", n_rows * hidden_size * PAIR_RESIDUAL_BYTES
-    if n_tokens is None:
-        return "fp32", n_rows * hidden_size * 4
-    return "fp32", split_accumulator_bytes(n_rows, n_tokens, hidden_size, grad_dtype.itemsize)
+    return "fp32", n_rows * hidden_size * 4
 
 
 def accumulation_row_bytes(kind: str, hidden_size: int, grad_elem_bytes: int) -> int:
@@ -539,8 +526,7 @@ def describe_plan(
     need_weight = weight.requires_grad if need_weight is None else need_weight
     elem = weight.element_size()
     copy = 0 if n_tokens is None or n_tokens == n_rows else n_rows * hidden_size * elem
-    extra = split_accumulator_bytes(n_rows, n_rows if n_tokens is None else n_tokens, hidden_size, elem)
-    gather = hidden_size * elem if copy else 0
+    extra, gather = n_rows * hidden_size * 4, hidden_size * elem if copy else 0
     plan = one_pass_plan(vocab_size, hidden_size, elem, one_pass_accumulators(need_weight, weight.dtype, weight.dtype),
                          tile_budget_bytes, weight.device, extra, gather)
     if plan:
@@ -548,8 +534,7 @@ def describe_plan(
                                     extra, gather)
         return (f"one pass (6·N·H·V): {plan.rows} rows per tile, {size / 2**30:.2f} GiB working set with the "
                 f"weight-gradient accumulator {plan.accumulator!r}")
-    kind, acc = hidden_accumulator(n_rows, hidden_size, weight.dtype, tile_budget_bytes,
-                                   n_rows if n_tokens is None else n_tokens)
+    kind, acc = hidden_accumulator(n_rows, hidden_size, weight.dtype, tile_budget_bytes)
     quantum = 1
     if kind == "pair" and weight.is_cuda:  # the backend's row blocks for the pair's persistent matmul
         from .backends.compensated import wave_rows

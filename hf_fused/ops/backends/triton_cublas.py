@@ -52,8 +52,7 @@ from ..head_inputs import HeadInputs, NeededGrads
 from ..logit_transform import LogitTransform
 from ..tiling import (
     TILE_ACCUMULATOR_ALIGN, LeanPlan, OnePassPlan, WeightChunk, accumulation_row_bytes, hidden_accumulator,
-    one_pass_accumulators, one_pass_plan, split_accumulator_bytes, tile_accumulator_offset, two_pass_tile_plan,
-    weight_gradient_chunks,
+    one_pass_accumulators, one_pass_plan, tile_accumulator_offset, two_pass_tile_plan, weight_gradient_chunks,
 )
 from . import logits_epilogues
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_, one_pass_config, wave_rows
@@ -333,12 +332,12 @@ class TritonCublasBackend:
                           weight_chunk=need_weight, row_quantum=wave_rows(hidden_size, weight.device) if pair else 1)
         h, buf, y = self._rows_source(head, plan)
         gather = pair and m_rows != hidden.shape[0]
-        d_hidden = d_hidden_lo = d_hidden_tail = None
+        d_hidden = d_hidden_lo = None
         if pair:
             d_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
             d_hidden_lo = torch.zeros((m_rows, hidden_size), dtype=RESIDUAL_DTYPE, device=hidden.device)
         elif need_hidden:  # the first chunk writes it
-            d_hidden, d_hidden_tail = _hidden_accumulator(grads, hidden, m_rows)
+            d_hidden = torch.empty((m_rows, hidden_size), dtype=torch.float32, device=hidden.device)
         if need_weight:
             # In the given weight's dtype: fp32 for an fp32 weight under autocast (cuBLAS writes fp32 from the
             # bf16 operands), the compute dtype otherwise (one rounding, as eager's). Every chunk writes its rows
@@ -382,8 +381,7 @@ class TritonCublasBackend:
                 elif pair:
                     compensated_addmm_(d_hidden[r0:r1], d_hidden_lo[r0:r1], dz, w_chunk)
                 elif d_hidden is not None:
-                    for acc, a, b in _accumulator_rows(d_hidden, d_hidden_tail, r0, r1):
-                        (_addmm_f32_ if v0 else _mm_f32_)(acc, dz[a:b], w_chunk)
+                    (_addmm_f32_ if v0 else _mm_f32_)(d_hidden[r0:r1], dz, w_chunk)
                 if d_w_chunk32 is not None:
                     (_addmm_f32_ if r0 else _mm_f32_)(d_w_chunk32, dz.t(), h_rows)
                 elif need_weight:
@@ -395,9 +393,8 @@ class TritonCublasBackend:
                     grads.bias[v0:v1] += dz.float().sum(0)
             if d_w_chunk32 is not None:
                 _round_into_(grads.weight, chunk, d_w_chunk32, tile_buf)
-        if grads.hidden is None:  # fp32 [M, H] in the order of ``rows``, or (the pair) hidden's whole bf16 gradient
-            grads.hidden = d_hidden
-        grads.hidden_scattered = pair or grads.hidden_tail is not None
+        grads.hidden = d_hidden  # fp32 [M, H] in the order of ``rows``, or (the pair) hidden's whole bf16 gradient
+        grads.hidden_scattered = pair
         return grads
 
     # -- one pass: token rows outside, full vocabulary per tile --------------------------------------
@@ -409,9 +406,7 @@ class TritonCublasBackend:
         weight = head.weight
         vocab_size, hidden_size = weight.shape
         accumulators = one_pass_accumulators(need.weight, head.weight_grad_dtype or weight.dtype, weight.dtype)
-        hidden = head.hidden
-        gradient = split_accumulator_bytes(head.rows.numel(), hidden.shape[0], hidden_size, hidden.element_size()) if (
-            need.hidden) else 0
+        gradient = head.rows.numel() * hidden_size * 4 if need.hidden else 0
         return one_pass_plan(vocab_size, hidden_size, weight.element_size(), accumulators, head.tile_budget_bytes,
                              weight.device, gradient, TritonCublasBackend._one_pass_gather_row_bytes(head))
 
@@ -502,9 +497,7 @@ class TritonCublasBackend:
             grads.weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
             grads.weight_residual = torch.zeros(weight.shape, dtype=RESIDUAL_DTYPE, device=weight.device)
             fold_config = one_pass_config(vocab_size, hidden_size, device)
-        d_hidden = d_hidden_tail = None
-        if need_hidden:
-            d_hidden, d_hidden_tail = _hidden_accumulator(grads, head.hidden, m_rows)
+        d_hidden = torch.empty((m_rows, hidden_size), dtype=torch.float32, device=device) if need_hidden else None
         if need.bias and bias is not None:
             grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
         stats = self._new_stats(m_rows, device, statistics)
@@ -532,8 +525,7 @@ class TritonCublasBackend:
                        lse if g_ent is None else g_ent, scalars, True, g_ent is not None,
                        sum_pz=run_zp if return_entropy and fused else None)
             if d_hidden is not None:  # each row's dh is complete within its tile
-                for acc, a, b in _accumulator_rows(d_hidden, d_hidden_tail, r0, r1):
-                    _mm_f32_(acc, dz[a:b], weight)
+                _mm_f32_(d_hidden[r0:r1], dz, weight)
             if d_weight32 is not None:
                 (_addmm_f32_ if r0 else _mm_f32_)(d_weight32, dz.t(), h)
             elif split:
@@ -543,9 +535,7 @@ class TritonCublasBackend:
                 compensated_addmm_(grads.weight, grads.weight_residual, dz.t(), h, config=fold_config)
             if grads.bias is not None:
                 grads.bias += dz.float().sum(0)
-        if grads.hidden is None:
-            grads.hidden = d_hidden
-        grads.hidden_scattered = grads.hidden_tail is not None
+        grads.hidden = d_hidden
         if not pair and not split:
             grads.weight = d_weight32
         logp, entropy, lse, token_stats = self._finish(stats, y, vocab_size, return_entropy, statistics)
@@ -576,31 +566,6 @@ def _chunk_buffers(chunk: WeightChunk, tile_buf: torch.Tensor, grad_weight: Opti
     if acc is None:  # "buffer", or a view whose start is not 4-byte aligned (an odd H)
         acc = torch.empty((width, hidden_size), dtype=torch.float32, device=tile_buf.device)
     return tile, acc
-
-
-def _hidden_accumulator(grads: HeadGrads, hidden: torch.Tensor, m_rows: int):
-    """The fp32 ``[M, H]`` accumulator of the kept rows' hidden-state gradient, as ``(head, tail)``: for a 2-byte
-    hidden, hidden's whole gradient is made now (``grads.hidden``, ``hidden_scattered``) and its bytes hold the
-    first rows (:func:`~hf_fused.ops.grads.split_accumulator`), ``grads.hidden_tail`` the rest; otherwise one fp32
-    buffer and ``None``. Every kept row is written (first chunk or tile) before it is read."""
-    if hidden.element_size() != 2:
-        return torch.empty((m_rows, hidden.shape[1]), dtype=torch.float32, device=hidden.device), None
-    grads.hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
-    head, grads.hidden_tail = split_accumulator(grads.hidden, m_rows)
-    return head, grads.hidden_tail
-
-
-def _accumulator_rows(head: torch.Tensor, tail: Optional[torch.Tensor], r0: int, r1: int):
-    """``(rows of the accumulator, a, b)`` for the kept rows ``[r0, r1)`` of an accumulator split in ``(head,
-    tail)`` (:func:`_hidden_accumulator`), ``[a, b)`` the matching rows of the tile."""
-    if tail is None:
-        return [(head[r0:r1], 0, r1 - r0)]
-    split, parts = head.shape[0], []
-    if r0 < split:
-        parts.append((head[r0 : min(r1, split)], 0, min(r1, split) - r0))
-    if r1 > split:
-        parts.append((tail[max(r0, split) - split : r1 - split], max(r0, split) - r0, r1 - r0))
-    return parts
 
 
 def _as_fp32(flat: torch.Tensor, rows: int) -> Optional[torch.Tensor]:
