@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shapes", default=None,
                         help="comma-separated shape names, kinds (ce, grpo) or groups (grpo-loss-types, grpo-offpolicy-kl, grpo-loss-types-offpolicy-kl); "
                         "default ce and grpo")
-    parser.add_argument("--peers", default=None, help="comma-separated peer keys, or 'all' (adds cce_exact and hf_fused_lean_cublas)")
+    parser.add_argument("--peers", default=None,
+                        help="comma-separated peer keys, or 'all' (adds cce_exact and hf_fused_lean_cublas)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per pair (median; default 5)")
     parser.add_argument("--hf-backend", default=None, help="force an hf_fused backend (e.g. torch, triton)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,

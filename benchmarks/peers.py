@@ -414,8 +414,8 @@ def _pair_one_pass_budget(inp: Inputs, rows: int = 2048) -> int:
 
 class HFFusedPairPeer(HFFusedPeer):
     """The one pass with the compensated pair (bf16 gradient + int8 residual, V·H bytes) instead of the fp32
-    ``[V, H]`` accumulator (2·V·H beside the gradient): what the default rule takes when only the pair fits a quarter of free memory,
-    forced here by a budget sized to the shape (:func:`_pair_one_pass_budget`). Cross-entropy only: log-probs
+    ``[V, H]`` accumulator (2·V·H beside the gradient): what the default rule takes when only the pair fits a quarter
+    of free memory, forced here by a budget sized to the shape (:func:`_pair_one_pass_budget`). Cross-entropy only: log-probs
     without a hint take two passes whatever the budget."""
 
     key, label = "hf_fused_pair", "hf_fused (one pass, pair accumulator)"

@@ -147,16 +147,17 @@ def test_rounding_a_gradient_chunk_in_place_in_small_blocks():
     """``_round_into_`` of a "gradient" chunk with a temporary of fewer rows than the chunk (the tile buffer
     smaller than the chunk's [cols, H]): every ascending block is read before its writes land, so the result is
     the fp32 accumulator rounded once, row for row."""
-    from hf_fused.ops.backends.triton_cublas import _as_fp32, _round_into_
+    from hf_fused.ops.backends.triton_cublas import _round_into_
+    from hf_fused.ops.grads import fp32_view
 
     hidden_size, width, v0 = 8, 37, 16
     grad = torch.full((v0 + 2 * width + 5, hidden_size), float("nan"), dtype=torch.bfloat16)
-    acc = _as_fp32(grad[v0 : v0 + 2 * width].view(-1), width)
+    acc = fp32_view(grad[v0 : v0 + 2 * width].view(-1), width)
     values = torch.randn(width, hidden_size, generator=torch.Generator().manual_seed(3))
     acc.copy_(values)
     for temp_rows in (1, 3, 8, 40):
         grad_copy = grad.clone()
-        acc_copy = _as_fp32(grad_copy[v0 : v0 + 2 * width].view(-1), width)
+        acc_copy = fp32_view(grad_copy[v0 : v0 + 2 * width].view(-1), width)
         assert torch.equal(acc_copy, values)
         _round_into_(grad_copy, WeightChunk(v0, v0 + width, "gradient"), acc_copy,
                      torch.empty(temp_rows, hidden_size, dtype=torch.bfloat16))

@@ -91,10 +91,32 @@ def split_accumulator(grad: torch.Tensor, zero: bool = False) -> tuple[torch.Ten
     gradient as ``weight``, the buffer as ``weight_tail``). ``zero``: the buffer starts at 0 (else uninitialized;
     the head is whatever ``grad`` holds)."""
     rows, hidden_size = grad.shape[0] // 2, grad.shape[1]
-    head = grad.view(-1)[: 2 * rows * hidden_size].view(torch.float32).view(rows, hidden_size)
     new = torch.zeros if zero else torch.empty
     tail = new((grad.shape[0] - rows, hidden_size), dtype=torch.float32, device=grad.device)
-    return head, tail
+    return fp32_view(grad.view(-1)[: 2 * rows * hidden_size], rows), tail
+
+
+def fp32_view(flat: torch.Tensor, rows: int) -> Optional[torch.Tensor]:
+    """The 2-byte elements of the flat tensor ``flat`` seen as an fp32 ``[rows, H]`` matrix (its bytes, no copy), or
+    ``None`` where they cannot be (not 2-byte, or a start that is not 4-byte aligned)."""
+    if flat.element_size() != 2 or flat.storage_offset() % 2:
+        return None
+    return flat.view(torch.float32).view(rows, -1)
+
+
+def round_rows_in_place_(out: torch.Tensor, acc: torch.Tensor, temp: torch.Tensor, factor=1.0) -> None:
+    """``out = acc · factor`` rounded once to ``out``'s dtype, where ``acc`` is an fp32 view of bytes that start
+    where ``out``'s do (the 2-byte rows ``out`` and the next as many: :func:`split_accumulator`, the two passes'
+    weight-gradient chunks): in ascending blocks of ``temp``'s rows (``temp``: flat, ``out``'s dtype), each read
+    whole into ``temp`` before it is written. A block's writes land on the fp32 rows below half its end, all read
+    by then, so no fp32 row is overwritten before it is read."""
+    width, hidden_size = acc.shape
+    step = max(1, temp.numel() // hidden_size)
+    for a in range(0, width, step):
+        b = min(a + step, width)
+        block = temp[: (b - a) * hidden_size].view(b - a, hidden_size)
+        torch.mul(acc[a:b], factor, out=block)
+        out[a:b].copy_(block)
 
 
 #: Rows rounded per step where a split accumulator's head is rounded into its own bytes (the temporary: 1/8).
@@ -104,16 +126,11 @@ _NARROW_STEPS = 8
 def _scaled_split(grad: torch.Tensor, tail: torch.Tensor, factor) -> torch.Tensor:
     """``grad`` holding ``(accumulator · factor)`` rounded once, for the split accumulator of
     :func:`split_accumulator` (``grad``'s bytes the fp32 head, ``tail`` the rest). The head is rounded into rows
-    ``[0, V // 2)`` in ascending blocks, each read whole into a temporary before it is written: a block's writes
-    land on fp32 rows below its own end, all read by then."""
+    ``[0, V // 2)`` in place (:func:`round_rows_in_place_`, through a temporary of 1/``_NARROW_STEPS`` of them)."""
     rows, hidden_size = grad.shape[0] - tail.shape[0], grad.shape[1]
-    head = grad.view(-1)[: 2 * rows * hidden_size].view(torch.float32).view(rows, hidden_size)
     step = max(1, -(-rows // _NARROW_STEPS))
-    temp = torch.empty((min(step, rows), hidden_size), dtype=grad.dtype, device=grad.device)
-    for a in range(0, rows, step):
-        b = min(a + step, rows)
-        torch.mul(head[a:b], factor, out=temp[: b - a])
-        grad[a:b].copy_(temp[: b - a])
+    temp = torch.empty(min(step, rows) * hidden_size, dtype=grad.dtype, device=grad.device)
+    round_rows_in_place_(grad[:rows], fp32_view(grad.view(-1)[: 2 * rows * hidden_size], rows), temp, factor)
     del temp
     torch.mul(tail, factor, out=grad[rows:])
     return grad

@@ -421,8 +421,8 @@ class WeightChunk:
 
     - ``"direct"``: written by one matmul per row block into the gradient itself: one row block, or an fp32
       gradient that is its own accumulator;
-    - ``"gradient"``: an fp32 ``[v1 − v0, H]`` accumulator in the 2-byte gradient's rows ``[v0, v0 + 2·(v1 − v0))``,
-      which no chunk has written yet, rounded into rows ``[v0, v1)`` at the chunk's end;
+    - ``"gradient"``: an fp32 ``[v1 − v0, H]`` accumulator in the 2-byte gradient's rows
+      ``[v0, v0 + 2·(v1 − v0))``, which no chunk has written yet, rounded into rows ``[v0, v1)`` at the chunk's end;
     - ``"tile"``: the accumulator in the tile buffer's bytes from :func:`tile_accumulator_offset`, the chunk's
       ``dz`` packed before it;
     - ``"buffer"``: an fp32 buffer of its own (a last chunk of fewer than ``TILE_ACCUMULATOR_ALIGN`` columns

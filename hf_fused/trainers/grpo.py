@@ -53,8 +53,8 @@ class FusedGRPOTrainer(GRPOTrainer):
     def __init__(self, model, *args, fused_options: Optional[dict] = None, **kwargs):
         """Same arguments as :class:`trl.GRPOTrainer`, plus ``fused_options``: keyword arguments for
         :func:`hf_fused.apply_fused_loss` (``tile_budget_bytes``, ``backend``, ``verify``). A
-        ``tile_budget_bytes`` of at least ``2·V·H + 512·V·2`` (``2048·V·2`` for full speed; a bf16 or fp16 head) lets on-policy
-        steps compute the head's gradients in the forward pass (module docstring, point 2)."""
+        ``tile_budget_bytes`` of at least ``2·V·H + 512·V·2`` (``2048·V·2`` for full speed; a bf16 or fp16 head)
+        lets on-policy steps compute the head's gradients in the forward pass (module docstring, point 2)."""
         from ..model import apply_fused_loss
 
         self._fused_options = dict(fused_options or {})

@@ -47,7 +47,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..grads import HeadGrads, split_accumulator
+from ..grads import HeadGrads, fp32_view, round_rows_in_place_, split_accumulator
 from ..head_inputs import HeadInputs, NeededGrads
 from ..logit_transform import LogitTransform
 from ..tiling import (
@@ -558,42 +558,27 @@ def _chunk_buffers(chunk: WeightChunk, tile_buf: torch.Tensor, grad_weight: Opti
         flat, row = tile_buf.view(-1), -(-width // TILE_ACCUMULATOR_ALIGN) * TILE_ACCUMULATOR_ALIGN
         offset = tile_accumulator_offset(block_rows, width, tile_buf.element_size()) // tile_buf.element_size()
         tile = flat[: block_rows * row].view(block_rows, row)[:, :width]
-        acc = _as_fp32(flat[offset : offset + 4 * width * hidden_size // tile_buf.element_size()], width)
+        acc = fp32_view(flat[offset : offset + 4 * width * hidden_size // tile_buf.element_size()], width)
     else:
         tile = tile_buf[:, :width]
         if chunk.accumulator == "gradient":
-            acc = _as_fp32(grad_weight[chunk.v0 : chunk.v0 + 2 * width].view(-1), width)
+            acc = fp32_view(grad_weight[chunk.v0 : chunk.v0 + 2 * width].view(-1), width)
     if acc is None:  # "buffer", or a view whose start is not 4-byte aligned (an odd H)
         acc = torch.empty((width, hidden_size), dtype=torch.float32, device=tile_buf.device)
     return tile, acc
 
 
-def _as_fp32(flat: torch.Tensor, rows: int) -> Optional[torch.Tensor]:
-    """The 2-byte elements of ``flat`` seen as an fp32 ``[rows, H]`` matrix, or None where they cannot be."""
-    if flat.element_size() != 2 or flat.storage_offset() % 2:
-        return None
-    return flat.view(torch.float32).view(rows, -1)
-
-
 def _round_into_(grad_weight: torch.Tensor, chunk: WeightChunk, acc: torch.Tensor, tile_buf: torch.Tensor) -> None:
     """``grad_weight[v0:v1] = acc`` rounded once (the chunk's fp32 accumulator, :func:`_chunk_buffers`). For a
-    ``"gradient"`` chunk ``acc`` is the gradient's own rows ``[v0, v0 + 2·width)``: rounded in ascending blocks,
-    each read whole into the (now free) tile buffer before it is written, so that a block's writes, which land on
-    the accumulator's rows below its last, never clobber an fp32 row not yet read."""
+    ``"gradient"`` chunk ``acc`` is the gradient's own rows ``[v0, v0 + 2·width)``: rounded in place
+    (:func:`~hf_fused.ops.grads.round_rows_in_place_`) through the now free tile buffer."""
     out = grad_weight[chunk.v0 : chunk.v1]
     if chunk.accumulator == "direct":  # an fp32 gradient, its own accumulator
         return
     if chunk.accumulator != "gradient" or acc.data_ptr() != out.data_ptr():  # "tile", "buffer" or a fallback
         out.copy_(acc)
         return
-    width, hidden_size = acc.shape
-    temp = tile_buf.view(-1).view(grad_weight.dtype)
-    step = max(1, temp.numel() // hidden_size)
-    for a in range(0, width, step):
-        b = min(a + step, width)
-        block = temp[: (b - a) * hidden_size].view(b - a, hidden_size)
-        block.copy_(acc[a:b])
-        out[a:b].copy_(block)
+    round_rows_in_place_(out, acc, tile_buf.view(-1).view(grad_weight.dtype))
 
 
 def _row_slice(stats, r0, r1):
