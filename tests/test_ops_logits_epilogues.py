@@ -136,3 +136,19 @@ def test_developer_sweeps_run_on_cpu(capsys):
     printed = capsys.readouterr().out
     assert "DIFF" not in printed and "64x64x32/g4/w4/s2/e4/tma" in printed
     assert "four-slice epilogue" in printed  # an e2 config is refused, not run as e4 under its name
+
+
+def test_warp_specialization_probe_runs_on_cpu():
+    """``benchmarks.ws_probe`` (Triton's warp specialization at the two passes' matmul shapes, GPU) under the
+    interpreter: every row built and run, the stored product and ``dz`` within the interpreter's bf16 truncation
+    (it truncates fp32 → bf16: below 2⁻⁷ relative of the ~4-sized values) of PyTorch's."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1")
+    from benchmarks import ws_probe
+
+    rows = ws_probe.main(["--quick"])
+    runs = [row for row in rows if row[1] != "cublas mm"]
+    assert len(runs) == 6 and all(row[4] != "error" for row in runs), runs
+    assert all(float(row[6]) < 2**-7 * 4 for row in runs), runs
