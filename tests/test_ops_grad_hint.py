@@ -189,6 +189,42 @@ def test_hint_on_gpu_bf16_matches_the_recompute_path():
         assert rel_err(ours, ref) <= 1.1 * rel_err(theirs, ref) + 1e-6, (rel_err(ours, ref), rel_err(theirs, ref))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", [0.5, 1.0])
+def test_hint_check_behind_the_queued_gradients_gives_the_same_bits(monkeypatch, scale):
+    """On CUDA the backward reads ``c`` and the multiple-of-the-hint check through an event recorded before the
+    gradients' scaling kernels are queued (``logprobs._DEFER_HOST_CHECK``): the same gradients, bit for bit, as
+    reading them first and scaling by the host's ``c`` (one-pass accumulator "fp32", the split one); and an upstream
+    that is not a multiple still warns and recomputes, to the recompute path's accuracy."""
+    from hf_fused.ops import logprobs as logprobs_module
+
+    n, h, v = 2048, 512, 16000
+    gen = torch.Generator().manual_seed(1)
+    hid = torch.randn(n, h, generator=gen).cuda().bfloat16().requires_grad_()
+    w = (torch.randn(v, h, generator=gen) / h**0.25).cuda().bfloat16().requires_grad_()
+    y = torch.randint(0, v, (n,), generator=gen).cuda()
+    y[::7] = -100
+    hint = torch.randn(n, generator=gen).cuda()
+    other = torch.randn(n, generator=gen).cuda()
+    budget = v * h * 4 + 1024 * v * 2
+
+    def grads(upstream, defer, grad_hint=hint):
+        monkeypatch.setattr(logprobs_module, "_DEFER_HOST_CHECK", defer)
+        hid.grad = w.grad = None
+        lp, _ = linear_logprobs(hid, w, y, grad_hint=grad_hint, tile_budget_bytes=budget, return_entropy=True)
+        (lp * upstream).sum().backward()
+        return hid.grad.clone(), w.grad.clone()
+
+    deferred, first = grads(hint * scale, True), grads(hint * scale, False)
+    for got, want in zip(deferred, first):
+        assert torch.equal(got, want)
+    with pytest.warns(HintMissedWarning):
+        missed = grads(other, True)
+    recomputed = grads(other, True, grad_hint=None)
+    for got, want in zip(missed, recomputed):
+        assert rel_err(got, want) <= 2**-8, rel_err(got, want)  # bf16: the two forwards' lse round apart
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_gradients_are_rounded_once_whatever_the_factor(backend):
     """The forward's gradients stay fp32 until backward has scaled them by ``c`` (here 0.37), then round

@@ -624,3 +624,15 @@ def test_default_reads_free_memory_once_when_the_fp32_accumulator_fits(monkeypat
     assert one_pass_plan(V, H, BF16, PAIRED, None, CUDA).accumulator == "fp32" and len(calls) == 1
     monkeypatch.setattr(tiling, "free_device_bytes", lambda device: calls.append(device) or int(PAIR_NEEDED * 4))
     assert one_pass_plan(V, H, BF16, PAIRED, None, CUDA).accumulator == "pair" and len(calls) == 3
+
+
+@pytest.mark.gpu
+def test_free_device_bytes_reads_the_allocator_once():
+    """The default rule's free memory (driver-free plus the allocator's reserved but unallocated bytes) from one
+    read of the allocator's nested statistics equals ``memory_reserved() − memory_allocated()``'s."""
+    device = torch.device("cuda")
+    keep = torch.empty(3 * 2**20 + 5, dtype=torch.uint8, device=device)  # noqa: F841  (something allocated)
+    torch.cuda.synchronize(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    want = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    assert tiling.free_device_bytes(device) == want

@@ -9,6 +9,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .backends import Backend, get_backend
+from .grads import HeadGrads
 from .head_inputs import HeadInputs, NeededGrads, check_per_token, flatten_head_inputs, per_token_outputs
 from .logit_transform import LogitTransform
 from .precision import autocast_dtype, autocast_off, refuse_double_backward
@@ -19,6 +20,10 @@ from .token_statistics import check_statistics, per_token_statistics
 #: ``max |g − c·hint| ≤ HINT_RTOL · max |g|`` for the forward's gradients to stand in for the upstream ``g``:
 #: a few fp32 roundings of the same products (TRL's normalizers), far below bf16 gradient noise.
 HINT_RTOL = 1e-6
+
+#: Whether :func:`hinted_input_grads` reads its host check through an event behind the queued gradient kernels on
+#: CUDA (else it syncs first, as on CPU): a switch for the test that the two give the same bits.
+_DEFER_HOST_CHECK = True
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,9 +92,9 @@ class LinearLogprobsFunction(torch.autograd.Function):
         if (g_lp is None and g_h is None) or not need.any:
             return None, None, None, None
         if hinted is not None:
-            factor = _hint_factor(hinted[0], g_lp, g_h)
-            if factor is not None:
-                return hinted[1].input_grads(given.hidden, given.weight, given.bias, given.rows, factor) + (None,)
+            out = _hinted_grads(hinted[0], hinted[1], g_lp, g_h, given)
+            if out is not None:
+                return out + (None,)
         grads, rows = recompute_grads(ctx.backend, given.computed(), lse, ent_rows, g_lp, g_h, need)
         return grads.input_grads(given.hidden, given.weight, given.bias, rows) + (None,)
 
@@ -112,22 +117,41 @@ def recompute_grads(backend: Backend, head: HeadInputs, lse, ent_rows, g_lp, g_h
     return grads, head.rows
 
 
-def _hint_factor(hint, g_lp, g_h):
-    """``c`` if the upstream gradient is ``c·hint`` and none reaches the entropy, so that the forward's
-    gradients of ``Σ hint·logp``, times ``c``, are the gradients; else ``None`` (the caller recomputes).
-    One host sync."""
+def _hinted_grads(hint, grads: HeadGrads, g_lp, g_h, given: HeadInputs):
+    """The forward's gradients of ``Σ hint·logp`` times ``c``, as the inputs' gradients, if the upstream gradient
+    is ``c·hint`` and none reaches the entropy; else ``None`` after warning (the caller recomputes)."""
     if g_h is not None and bool(g_h.ne(0).any()):
         return _hint_missed("the entropy receives a gradient")
     if hint.numel() == 0:  # every token ignored: the gradients are zeros
-        return 1.0
-    g = torch.zeros_like(hint) if g_lp is None else g_lp
+        return grads.input_grads(given.hidden, given.weight, given.bias, given.rows, 1.0)
+    out = hinted_input_grads(grads, hint, torch.zeros_like(hint) if g_lp is None else g_lp, given)
+    return out if out is not None else _hint_missed("the upstream gradient is not a multiple of the hint")
+
+
+def hinted_input_grads(grads: HeadGrads, hint: torch.Tensor, upstream: torch.Tensor, given: HeadInputs):
+    """``grads.input_grads(..., c)`` (the inputs' gradients from a hinted one pass) if ``upstream`` is ``c·hint``
+    to ``HINT_RTOL`` of its largest entry (``c`` by least squares), else ``None`` (``grads`` consumed).
+
+    One host sync, for ``c`` and the check. On CUDA the two come back through pinned memory and an event recorded
+    before the gradients' scaling and rounding are queued (with ``c`` on the device), so the GPU runs those while
+    the host waits instead of idling after it; the result is dropped if the check fails. A compensated pair's
+    weight gradient (``weight_residual``) takes the factor from the host as before: a Python 1.0 keeps its ``hi``
+    as it is, which a tensor factor would round again."""
     hh = hint.dot(hint)
-    c = torch.where(hh > 0, g.dot(hint) / hh.clamp_min(torch.finfo(torch.float32).tiny), 0.0)  # least squares
-    matches = (g - c * hint).abs().max() <= HINT_RTOL * g.abs().max()
-    factor, ok = torch.stack([c, matches.float()]).tolist()
-    if not ok:
-        return _hint_missed("the upstream gradient is not a multiple of the hint")
-    return factor
+    c = torch.where(hh > 0, upstream.dot(hint) / hh.clamp_min(torch.finfo(torch.float32).tiny), 0.0)  # least squares
+    matches = (upstream - c * hint).abs().max() <= HINT_RTOL * upstream.abs().max()
+    flags = torch.stack([c, matches.float()])
+    inputs = (given.hidden, given.weight, given.bias, given.rows)
+    if flags.is_cuda and grads.weight_residual is None and _DEFER_HOST_CHECK:
+        host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        out = grads.input_grads(*inputs, c)
+        ready.synchronize()
+        return out if host[1].item() else None
+    factor, ok = flags.tolist()
+    return grads.input_grads(*inputs, factor) if ok else None
 
 
 def _hint_missed(why: str):

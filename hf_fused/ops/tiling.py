@@ -145,7 +145,11 @@ def free_device_bytes(device: torch.device) -> Optional[int]:
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    # the allocator's nested statistics read once: memory_reserved() and memory_allocated() each flatten the
+    # whole dict in Python (~0.3 ms apiece on an H200, right after the call's host sync, with the GPU idle)
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    current = lambda key: stats.get(key, {}).get("all", {}).get("current", 0)  # noqa: E731
+    return free + current("reserved_bytes") - current("allocated_bytes")
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from .backends import Backend, HeadPass, get_backend
 from .head_inputs import HeadInputs, NeededGrads, flatten_head_inputs, per_token_outputs
 from .logit_transform import LogitTransform
-from .logprobs import HINT_RTOL, HintMissedWarning, recompute_grads
+from .logprobs import HintMissedWarning, hinted_input_grads, recompute_grads
 from .precision import autocast_dtype, autocast_off, refuse_double_backward
 from .tiling import validate_tile_budget
 
@@ -419,29 +419,27 @@ class HintedLogprobsFunction(torch.autograd.Function):
         if (g_lp is None and g_h is None) or not need.any:
             return None, None, None, None
         if hinted is not None:
-            factor = _token_hint_factor(hinted[0], hinted[1], g_lp, g_h)
-            if factor is not None:
-                return hinted[2].input_grads(given.hidden, given.weight, given.bias, given.rows, factor) + (None,)
+            out = _token_hinted_grads(hinted[0], hinted[1], hinted[2], g_lp, g_h, given)
+            if out is not None:
+                return out + (None,)
         if g_h is not None and ent is None:  # cannot happen: entropy is returned only when computed
             raise RuntimeError("linear_logprobs: an entropy gradient without a saved entropy")
         grads, rows = recompute_grads(ctx.backend, given.computed(), lse, ent, g_lp, g_h, need)
         return grads.input_grads(given.hidden, given.weight, given.bias, rows) + (None,)
 
 
-def _token_hint_factor(hint_lp, hint_ent, g_lp, g_h) -> Optional[float]:
-    """``c`` if the upstream ``(g_lp, g_h)`` is ``c·(hint_lp, hint_ent)`` to ``HINT_RTOL`` of its largest entry, else
-    ``None`` after warning once (the caller recomputes). One host sync."""
+def _token_hinted_grads(hint_lp, hint_ent, grads, g_lp, g_h, given):
+    """The forward's gradients times ``c`` as the inputs' gradients (:func:`~hf_fused.ops.logprobs.
+    hinted_input_grads`) if the upstream ``(g_lp, g_h)`` is ``c·(hint_lp, hint_ent)`` to ``HINT_RTOL`` of its
+    largest entry, else ``None`` after warning once (the caller recomputes). One host sync."""
     if hint_lp.numel() == 0:
-        return 1.0
+        return grads.input_grads(given.hidden, given.weight, given.bias, given.rows, 1.0)
     hint = torch.cat([hint_lp, hint_ent])
     up = torch.cat([torch.zeros_like(hint_lp) if g_lp is None else g_lp,
                     torch.zeros_like(hint_ent) if g_h is None else g_h])
-    hh = hint.dot(hint)
-    c = torch.where(hh > 0, up.dot(hint) / hh.clamp_min(torch.finfo(torch.float32).tiny), 0.0)  # least squares
-    matches = (up - c * hint).abs().max() <= HINT_RTOL * up.abs().max()
-    factor, ok = torch.stack([c, matches.float()]).tolist()
-    if ok:
-        return factor
+    out = hinted_input_grads(grads, hint, up, given)
+    if out is not None:
+        return out
     warnings.warn(
         "linear_logprobs(grad_hint=TokenLossHint(...)): the gradient the loss sent to the log-probs/entropies is not "
         "a multiple of the hint's token loss gradient, so the gradients computed in the forward were dropped and "
