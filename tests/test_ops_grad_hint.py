@@ -161,6 +161,22 @@ def test_bad_hints_raise_clear_errors():
         linear_logprobs(hidden, weight, labels, grad_hint=torch.ones(2, 3, dtype=torch.long))
 
 
+def _gpu_inputs(n, h, v, seed, ignore_every):
+    """bf16 hidden ``[n, h]`` and lm_head ``[v, h]`` (leaves) and labels with every ``ignore_every``-th ignored, on
+    CUDA, drawn from a CPU generator that is returned for the test's further draws."""
+    gen = torch.Generator().manual_seed(seed)
+    hid = torch.randn(n, h, generator=gen).cuda().bfloat16().requires_grad_()
+    w = (torch.randn(v, h, generator=gen) / h**0.25).cuda().bfloat16().requires_grad_()
+    y = torch.randint(0, v, (n,), generator=gen).cuda()
+    y[::ignore_every] = -100
+    return hid, w, y, gen
+
+
+def _one_pass_budget(h, v):
+    """A budget that holds the one pass's fp32 ``[V, H]`` accumulator and 1024 full-vocabulary bf16 rows."""
+    return v * h * 4 + 1024 * v * 2
+
+
 @pytest.mark.gpu
 def test_hint_on_gpu_bf16_matches_the_recompute_path():
     """bf16 on the GPU: the one-pass path (hint) against the recompute path on the same inputs, both
@@ -168,13 +184,9 @@ def test_hint_on_gpu_bf16_matches_the_recompute_path():
     chunks), so cuBLAS may round a logit to bf16 differently: each output's error is pinned to the
     recompute path's own, not bit-equality (measured: entropy differed by more than 1e-6 relative)."""
     n, h, v = 4096, 1024, 32000
-    gen = torch.Generator().manual_seed(0)
-    hid = torch.randn(n, h, generator=gen).cuda().bfloat16().requires_grad_()
-    w = (torch.randn(v, h, generator=gen) / h**0.25).cuda().bfloat16().requires_grad_()
-    y = torch.randint(0, v, (n,), generator=gen).cuda()
-    y[::9] = -100
+    hid, w, y, gen = _gpu_inputs(n, h, v, seed=0, ignore_every=9)
     hint = torch.randn(n, generator=gen).cuda()
-    budget = v * h * 4 + 1024 * v * 2
+    budget = _one_pass_budget(h, v)
     results = []
     for grad_hint in (hint, None):
         hid.grad = w.grad = None
@@ -199,14 +211,10 @@ def test_hint_check_behind_the_queued_gradients_gives_the_same_bits(monkeypatch,
     from hf_fused.ops import logprobs as logprobs_module
 
     n, h, v = 2048, 512, 16000
-    gen = torch.Generator().manual_seed(1)
-    hid = torch.randn(n, h, generator=gen).cuda().bfloat16().requires_grad_()
-    w = (torch.randn(v, h, generator=gen) / h**0.25).cuda().bfloat16().requires_grad_()
-    y = torch.randint(0, v, (n,), generator=gen).cuda()
-    y[::7] = -100
+    hid, w, y, gen = _gpu_inputs(n, h, v, seed=1, ignore_every=7)
     hint = torch.randn(n, generator=gen).cuda()
     other = torch.randn(n, generator=gen).cuda()
-    budget = v * h * 4 + 1024 * v * 2
+    budget = _one_pass_budget(h, v)
 
     def grads(upstream, defer, grad_hint=hint):
         monkeypatch.setattr(logprobs_module, "_DEFER_HOST_CHECK", defer)
