@@ -146,7 +146,7 @@ def hinted_input_grads(grads: HeadGrads, hint: torch.Tensor, upstream: torch.Ten
         host = torch.empty(2, dtype=torch.float32, pin_memory=True)
         host.copy_(flags, non_blocking=True)
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(flags.device))  # the copy's stream, whatever the current device
         out = grads.input_grads(*inputs, c)
         ready.synchronize()
         return out if host[1].item() else None
