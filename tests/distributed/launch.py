@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -52,23 +53,60 @@ def free_port() -> int:
 
 
 def run(cmd: list, cwd: Path = REPO, cuda: bool = CUDA, gpus: int | None = None) -> None:
-    """Run ``cmd`` in its own process group (seeing ``gpus`` GPUs: :func:`worker_env`); on timeout kill the ranks
-    too, not only the launcher."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=worker_env(cuda, gpus), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGABRT)  # faulthandler: each hung process prints where it waits
+    """Run ``cmd`` in its own process group (seeing ``gpus`` GPUs: :func:`worker_env`), its output into a file; on
+    timeout abort, then kill, it and every process it started. torchrun starts its ranks in sessions of their own,
+    out of reach of the launcher's process group: a rank left running holds a pipe's write end open (a
+    ``communicate()`` on it never returns) and outlives the test."""
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=worker_env(cuda, gpus), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
-            output, _ = proc.communicate(timeout=30)
+            proc.wait(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        raise AssertionError(f"{' '.join(map(str, cmd[:6]))} ... still running after {TIMEOUT_S} s, stacks at "
-                             f"SIGABRT:\n{output[-12000:]}") from None
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd[:6]))} ... exited with {proc.returncode}:\n{output[-6000:]}")
+            tree = [proc.pid] + _descendants(proc.pid)
+            _signal(tree, signal.SIGABRT)  # faulthandler: each hung process prints where it waits
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            _signal(tree + _descendants(proc.pid), signal.SIGKILL)
+            proc.wait()
+            raise AssertionError(f"{' '.join(map(str, cmd[:6]))} ... still running after {TIMEOUT_S} s, stacks at "
+                                 f"SIGABRT:\n{_tail(log, 12000)}") from None
+        if proc.returncode != 0:
+            raise AssertionError(f"{' '.join(map(str, cmd[:6]))} ... exited with {proc.returncode}:\n{_tail(log, 6000)}")
+
+
+def _tail(log, chars: int) -> str:
+    log.seek(0)
+    return log.read()[-chars:]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc's parent links; none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in dict.fromkeys(pids):
+        try:
+            os.killpg(pid, sig) if pid == pids[0] else os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def accelerate_launch(config: str, script: Path, *args: str, processes: int = 2, cuda: bool = CUDA) -> None:

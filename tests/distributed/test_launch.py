@@ -1,0 +1,48 @@
+"""The launcher of the multi-process tests (launch.run) on a command that hangs: it fails the test in bounded time
+and leaves no process behind, also one the command started in a session of its own (as torchrun starts its ranks),
+whose open output would otherwise keep the test waiting forever."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+import launch
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the processes through /proc")
+def test_run_kills_a_hung_command_and_the_ranks_in_their_own_sessions(monkeypatch, tmp_path):
+    script, pid_file = tmp_path / "hang.py", tmp_path / "rank.pid"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "rank = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(rank.pid))\n"
+        "print('launched', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    monkeypatch.setattr(launch, "TIMEOUT_S", 5)
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"still running after 5 s(.|\n)*launched"):
+        launch.run([sys.executable, str(script)], cuda=False)
+    assert time.monotonic() - start < 45
+    rank = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(rank) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(rank)
+
+
+def test_run_reports_a_failing_command(tmp_path):
+    with pytest.raises(AssertionError, match=r"exited with 3:(.|\n)*boom"):
+        launch.run([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], cuda=False)
