@@ -122,8 +122,6 @@ def _hinted_grads(hint, grads: HeadGrads, g_lp, g_h, given: HeadInputs):
     is ``c·hint`` and none reaches the entropy; else ``None`` after warning (the caller recomputes)."""
     if g_h is not None and bool(g_h.ne(0).any()):
         return _hint_missed("the entropy receives a gradient")
-    if hint.numel() == 0:  # every token ignored: the gradients are zeros
-        return grads.input_grads(given.hidden, given.weight, given.bias, given.rows, 1.0)
     out = hinted_input_grads(grads, hint, torch.zeros_like(hint) if g_lp is None else g_lp, given)
     return out if out is not None else _hint_missed("the upstream gradient is not a multiple of the hint")
 
@@ -136,12 +134,15 @@ def hinted_input_grads(grads: HeadGrads, hint: torch.Tensor, upstream: torch.Ten
     before the gradients' scaling and rounding are queued (with ``c`` on the device), so the GPU runs those while
     the host waits instead of idling after it; the result is dropped if the check fails. A compensated pair's
     weight gradient (``weight_residual``) takes the factor from the host as before: a Python 1.0 keeps its ``hi``
-    as it is, which a tensor factor would round again."""
+    as it is, which a tensor factor would round again. An empty ``hint`` (every token ignored) needs no check: the
+    gradients are zeros."""
+    inputs = (given.hidden, given.weight, given.bias, given.rows)
+    if hint.numel() == 0:
+        return grads.input_grads(*inputs, 1.0)
     hh = hint.dot(hint)
     c = torch.where(hh > 0, upstream.dot(hint) / hh.clamp_min(torch.finfo(torch.float32).tiny), 0.0)  # least squares
     matches = (upstream - c * hint).abs().max() <= HINT_RTOL * upstream.abs().max()
     flags = torch.stack([c, matches.float()])
-    inputs = (given.hidden, given.weight, given.bias, given.rows)
     if flags.is_cuda and grads.weight_residual is None and _DEFER_HOST_CHECK:
         host = torch.empty(2, dtype=torch.float32, pin_memory=True)
         host.copy_(flags, non_blocking=True)

@@ -432,8 +432,6 @@ def _token_hinted_grads(hint_lp, hint_ent, grads, g_lp, g_h, given):
     """The forward's gradients times ``c`` as the inputs' gradients (:func:`~hf_fused.ops.logprobs.
     hinted_input_grads`) if the upstream ``(g_lp, g_h)`` is ``c·(hint_lp, hint_ent)`` to ``HINT_RTOL`` of its
     largest entry, else ``None`` after warning once (the caller recomputes). One host sync."""
-    if hint_lp.numel() == 0:
-        return grads.input_grads(given.hidden, given.weight, given.bias, given.rows, 1.0)
     hint = torch.cat([hint_lp, hint_ent])
     up = torch.cat([torch.zeros_like(hint_lp) if g_lp is None else g_lp,
                     torch.zeros_like(hint_ent) if g_h is None else g_h])
