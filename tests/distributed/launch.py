@@ -63,6 +63,7 @@ def run(cmd: list, cwd: Path = REPO, cuda: bool = CUDA, gpus: int | None = None)
         try:
             proc.wait(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
+            # found before the signal: once the launcher dies its ranks hang from init, out of _descendants' reach
             tree = [proc.pid] + _descendants(proc.pid)
             _signal(tree, signal.SIGABRT)  # faulthandler: each hung process prints where it waits
             try:
@@ -102,9 +103,13 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _signal(pids: list[int], sig: int) -> None:
-    for pid in dict.fromkeys(pids):
+    """``sig`` to the process group of ``pids[0]`` (the launcher, its group's leader) and to each other process."""
+    for i, pid in enumerate(dict.fromkeys(pids)):
         try:
-            os.killpg(pid, sig) if pid == pids[0] else os.kill(pid, sig)
+            if i == 0:
+                os.killpg(pid, sig)
+            else:
+                os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
 
