@@ -19,8 +19,12 @@ import torch
 from .measure import median_ms
 from .report import text_table
 
-STATS_SWEEP = [(b, w) for b in (256, 512, 1024, 2048) for w in (1, 2, 4, 8)]
+STATS_SWEEP = [(b, w) for b in (256, 512, 1024, 2048, 4096) for w in (1, 2, 4, 8)]
 GRAD_SWEEP = [(b, w) for b in (512, 1024, 2048, 4096) for w in (4, 8, 16)]
+
+
+def _configs(text):
+    return [tuple(int(x) for x in item.split(":")) for item in text.split(",")]
 
 
 def main(argv=None) -> int:
@@ -32,6 +36,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-entropy", action="store_true",
                         help="statistics without the entropy sum (as cross-entropy's two passes run them)")
     parser.add_argument("--stats-only", action="store_true", help="skip the gradient kernel's sweep")
+    parser.add_argument("--stats-configs", type=_configs, default=STATS_SWEEP, metavar="BLOCK_V:WARPS,...",
+                        help="the statistics kernel's launch shapes to time (default: the whole sweep)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
 
@@ -71,7 +77,7 @@ def main(argv=None) -> int:
     dz_ref = dz.clone()
     tile_bytes = logits.numel() * logits.element_size()
     rows = []
-    for block, warps in STATS_SWEEP:
+    for block, warps in args.stats_configs:
         out = new_stats()
         stats(block, warps, out)
         ok = torch.allclose(out[0] + out[1].log(), lse, rtol=1e-5, atol=1e-5)

@@ -130,7 +130,7 @@ def test_developer_sweeps_run_on_cpu(capsys):
 
     assert epilogue_sweep.main(["--device", "cpu", "--rows", "2", "--vocab", "300", "--repeats", "1"]) == 0
     assert epilogue_sweep.main(["--device", "cpu", "--rows", "2", "--vocab", "300", "--repeats", "1",
-                                "--no-entropy", "--stats-only"]) == 0
+                                "--no-entropy", "--stats-only", "--stats-configs", "64:1,4096:8"]) == 0
     assert logits_epilogues.main(["--quick", "--repeats", "1", "--stages", "4", "--shapes", "40:300:64",
                                   "--configs", "64x64x32/g4/w4/s2/e4,64x64x32/g4/w4/s2/e2"]) == 0
     printed = capsys.readouterr().out

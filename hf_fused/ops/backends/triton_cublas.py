@@ -58,10 +58,11 @@ from . import logits_epilogues
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_, one_pass_config, wave_rows
 from .protocol import HeadPass, TileGrads
 
-# Triton launch shapes, measured on an H200 (docs/gpu_results.md).
-_STATS_BLOCK_V, _STATS_WARPS = 512, 2
-# Rows of at most this many columns (the two passes' narrow chunks) run the statistics kernel on one warp: 10 %
-# less time on an H100 at 29,491 × 2432 (docs/bench/h100/session11/stats_sweep_lean_*.txt).
+# Triton launch shapes, measured on an H100 (docs/bench/h100/session13/sweep_*.txt) and an H200 (the gradient
+# kernel's, docs/gpu_results.md). The statistics kernel: 1024 columns per block on 4 warps for whole-vocabulary
+# rows (0.232 ms per 2048 × 151936 tile, 2.7 TB/s, with or without the entropy); rows of at most
+# _STATS_NARROW_COLS columns (the two passes' narrow chunks) on one warp (0.078 ms at 29,491 × 2432).
+_STATS_BLOCK_V, _STATS_WARPS = 1024, 4
 _STATS_NARROW_COLS, _STATS_NARROW_WARPS = 4096, 1
 _GRAD_BLOCK_V, _GRAD_WARPS = 2048, 8
 

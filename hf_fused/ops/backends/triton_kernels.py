@@ -7,12 +7,13 @@ chunk into the logits-gradient ``dz`` that the two gradient matmuls consume. Bot
 fly, so raw matmul output is read once per kernel. One program per row, streaming the row in
 ``BLOCK_V`` column blocks. Runs on CPU tensors under ``TRITON_INTERPRET=1`` (used by CI).
 
-Measured on an H200 (docs/gpu_results.md): these kernels are bound by instructions per logit, not by
-memory. A statistics kernel with a reduction per column block, or one program per block followed by a
-combine, read 1.1–1.5 TB/s; keeping the online log-sum-exp per lane with one exponential per logit
-(below) reads 2.0–2.3 TB/s. Fusing the two for whole-vocabulary rows (statistics, then ``dz`` from a
-second read of the row, in one persistent launch meant to find that row still in L2) was no faster on
-an H100 in any launch shape tried (10.8 ms for the two kernels vs 11.0–23.5 ms fused, docs/gpu_results.md).
+These kernels are bound by instructions per logit more than by memory (docs/gpu_results.md): a statistics
+kernel with a reduction per column block, or one program per block followed by a combine, read 1.1–1.5 TB/s on
+an H200; a running max per column with one exponential per logit, 2.0–2.3; lanes of 8 adjacent columns that
+rescale once per column block (``_row_lanes``), 2.7 on an H100 (2.1 for the per-column max on the same machine).
+Fusing the two for whole-vocabulary rows (statistics, then ``dz`` from a second read of the row, in one
+persistent launch meant to find that row still in L2) was no faster on an H100 in any launch shape tried
+(10.8 ms for the two kernels vs 11.0–23.5 ms fused, docs/gpu_results.md).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import triton.language as tl
 # Below every finite fp32 value: a lane's max before its first column, and the value of masked-out
 # columns. Finite (unlike −inf) so that ``exp(−|z − m|)`` is never ``exp(nan)``.
 _NO_MAX = tl.constexpr(-3.4028234663852886e38)
+_LOG2E = tl.constexpr(1.4426950408889634)
+# Columns of one lane of the statistics kernel: one 16-byte load of bf16 logits per thread.
+_VEC = tl.constexpr(8)
 
 
 @triton.jit
@@ -55,47 +59,59 @@ def _row_lanes(z_row, n_cols, col_offset, Bias, logit_scale, softcap, inv_temper
                HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, ENTROPY: tl.constexpr,
                SUM_Z: tl.constexpr, ARGMAX: tl.constexpr, SUM_SQ: tl.constexpr, BLOCK_V: tl.constexpr):
     """One row's columns folded into per-lane (running max, Σexp(z−m), Σexp(z−m)·z, Σz, first column of the max,
-    Σexp(2(z−m))), ``[BLOCK_V]`` each; the last four only under their flags (zeros otherwise, so a launch that
-    asks for none of them compiles to the kernel without them).
+    Σexp(2(z−m))), ``[BLOCK_V // _VEC]`` each; the last four only under their flags (zeros otherwise, so a launch
+    that asks for none of them compiles to the kernel without them).
 
-    Each lane keeps its own running max ``m`` and sums and rescales only when its max grows: with
-    ``e = exp(−|z − m|)``, ``s ← s·e + 1`` if ``z > m`` else ``s + e`` (one exponential per logit, no
-    cross-lane reduction until the end), and ``s2 ← s2·e² + 1`` or ``s2 + e²`` with the same ``e``. A lane
-    visits its columns in increasing order, so recording the column only when the max grows strictly keeps
-    the first maximum (``torch.argmax``'s tie rule). Full column blocks are read without masks."""
-    m_lane = tl.full([BLOCK_V], _NO_MAX, tl.float32)
-    s_lane = tl.zeros([BLOCK_V], tl.float32)
-    t_lane = tl.zeros([BLOCK_V], tl.float32)
-    zsum_lane = tl.zeros([BLOCK_V], tl.float32)
-    arg_lane = tl.zeros([BLOCK_V], tl.int32)
-    s2_lane = tl.zeros([BLOCK_V], tl.float32)
+    A lane is ``_VEC`` adjacent columns of each column block, which one thread loads with one vector load, so the
+    lane's max over them is a reduction inside the thread. The lane's sums are rescaled once per block by
+    ``exp(m_old − m_new)`` and each logit then costs one fused multiply-add and one exponential,
+    ``exp2(z·log2e − m·log2e)``, instead of a compare, two selects and a rescale per logit for a running max
+    per column (0.298 → 0.257 ms per 2048 × 151936 tile at the same launch shape on an H100, 0.232 at the
+    best one; docs/bench/h100/session13/).
+    A lane visits its column groups in increasing order and takes a group's first maximum
+    (``tl.argmax``'s left tie-break) only when it is strictly larger, which keeps the first maximum
+    (``torch.argmax``'s tie rule). Full column blocks are read without masks."""
+    LANES: tl.constexpr = BLOCK_V // _VEC
+    m_lane = tl.full([LANES], _NO_MAX, tl.float32)
+    s_lane = tl.zeros([LANES], tl.float32)
+    t_lane = tl.zeros([LANES], tl.float32)
+    zsum_lane = tl.zeros([LANES], tl.float32)
+    arg_lane = tl.zeros([LANES], tl.int32)
+    s2_lane = tl.zeros([LANES], tl.float32)
+    lane_cols = tl.arange(0, LANES)[:, None] * _VEC + tl.arange(0, _VEC)[None, :]
     n_full = n_cols // BLOCK_V * BLOCK_V
     for start in range(0, n_cols, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
+        cols = start + lane_cols
         if start < n_full:
             raw = tl.load(z_row + cols).to(tl.float32)
             if HAS_BIAS:
                 raw += tl.load(Bias + col_offset + cols).to(tl.float32)
             z, _ = _transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
-            if SUM_Z:
-                zsum_lane += z
+            z_max = z
+            m_new = tl.maximum(m_lane, tl.max(z, axis=1))
+            e = tl.exp2(z * _LOG2E - (m_new * _LOG2E)[:, None])
         else:
-            z, _ = _load_logits(z_row, cols, cols < n_cols, Bias, col_offset, logit_scale, softcap,
-                                inv_temperature, HAS_BIAS, SOFTCAP, SCALED)
-            if SUM_Z:  # masked columns load as 0 and every logit transform maps 0 to 0
-                zsum_lane += z
-            z = tl.where(cols < n_cols, z, _NO_MAX)
-        grows = z > m_lane
-        e = tl.exp(-tl.abs(z - m_lane))  # exp(m − z) where the max grows, else exp(z − m)
-        s_lane = tl.where(grows, s_lane * e + 1.0, s_lane + e)
-        if ENTROPY:  # Σ exp(z − m)·z; masked columns add e·_NO_MAX with e = 0
-            t_lane = tl.where(grows, t_lane * e + z, t_lane + tl.where(e > 0.0, e * z, 0.0))
+            valid = cols < n_cols
+            # masked columns load as 0, which every logit transform maps to 0: nothing added to Σz or Σe·z
+            z, _ = _load_logits(z_row, cols, valid, Bias, col_offset, logit_scale, softcap, inv_temperature,
+                                HAS_BIAS, SOFTCAP, SCALED)
+            z_max = tl.where(valid, z, _NO_MAX)
+            m_new = tl.maximum(m_lane, tl.max(z_max, axis=1))
+            # a lane with no valid column yet keeps m_new = _NO_MAX, whose product with log2e would overflow
+            m_scaled = tl.where(m_new > _NO_MAX, m_new, 0.0) * _LOG2E
+            e = tl.exp2(tl.where(valid, z * _LOG2E - m_scaled[:, None], float("-inf")))
+        if SUM_Z:
+            zsum_lane += tl.sum(z, axis=1)
+        alpha = tl.exp(m_lane - m_new)  # 0 on a lane's first valid block, 1 while its max holds
+        s_lane = s_lane * alpha + tl.sum(e, axis=1)
+        if ENTROPY:
+            t_lane = t_lane * alpha + tl.sum(e * z, axis=1)
         if ARGMAX:
-            arg_lane = tl.where(grows, cols, arg_lane)
-        if SUM_SQ:  # Σ exp(2(z − m)) = Σ (exp(z − m))²: rescaled by e² when the max grows
-            e2 = e * e
-            s2_lane = tl.where(grows, s2_lane * e2 + 1.0, s2_lane + e2)
-        m_lane = tl.maximum(m_lane, z)
+            first = start + tl.arange(0, LANES) * _VEC + tl.argmax(z_max, axis=1, tie_break_left=True)
+            arg_lane = tl.where(m_new > m_lane, first, arg_lane)
+        if SUM_SQ:  # Σ exp(2(z − m)) = Σ (exp(z − m))²
+            s2_lane = s2_lane * (alpha * alpha) + tl.sum(e * e, axis=1)
+        m_lane = m_new
     return m_lane, s_lane, t_lane, zsum_lane, arg_lane, s2_lane
 
 
