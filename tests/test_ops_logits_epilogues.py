@@ -152,3 +152,18 @@ def test_warp_specialization_probe_runs_on_cpu():
     runs = [row for row in rows if row[1] != "cublas mm"]
     assert len(runs) == 6 and all(row[4] != "error" for row in runs), runs
     assert all(float(row[6]) < 2**-7 * 4 for row in runs), runs
+
+
+def test_stream_overlap_probe_runs_on_cpu(capsys):
+    """``benchmarks.stream_overlap`` (the one pass's epilogues on a second stream beside its matmuls, GPU) under the
+    interpreter, without streams: a tile cut into row slices gives the whole tile's ``dh`` and ``dW``."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1")
+    from benchmarks import stream_overlap
+
+    assert stream_overlap.main(["--device", "cpu", "--rows", "6", "--hidden", "16", "--vocab", "300",
+                                "--slices", "2,3", "--repeats", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("epilogues on a second stream") == 2 and "DIFFERENT" not in printed
