@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -71,9 +72,29 @@ def _scaled(grad: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
         return grad.to(dtype)
     if grad.dtype != torch.float32:
         raise RuntimeError("hf_fused internal error: a gradient rounded by the backend cannot be scaled again")
-    if dtype == grad.dtype:
-        return grad.mul_(factor)
-    return torch.mul(grad, factor, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
+    out = grad if dtype == grad.dtype else torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    _mul_into(out, grad, factor)
+    return out
+
+
+def _mul_into(out: torch.Tensor, src: torch.Tensor, factor) -> None:
+    """``out ← src · factor`` (an fp32 product, rounded once to ``out``'s dtype; ``out`` may be ``src``): the GPU
+    kernel of :mod:`~hf_fused.ops.backends.scaled_round` for contiguous CUDA tensors (PyTorch's casting kernel
+    is unvectorized there), else ``torch.mul``."""
+    kernel = _scaled_round_kernel() if out.is_cuda and out.is_contiguous() and src.is_contiguous() else None
+    if kernel is not None:
+        kernel(out, src, factor)
+    else:
+        torch.mul(src, factor, out=out)
+
+
+@functools.lru_cache(maxsize=None)
+def _scaled_round_kernel() -> Optional[Callable]:
+    try:  # Triton: present with PyTorch's CUDA builds, optional elsewhere
+        from .backends.scaled_round import scaled_round_
+    except ImportError:
+        return None
+    return scaled_round_
 
 
 def _scaled_pair(hi: torch.Tensor, lo: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
@@ -115,7 +136,7 @@ def round_rows_in_place_(out: torch.Tensor, acc: torch.Tensor, temp: torch.Tenso
     for a in range(0, width, step):
         b = min(a + step, width)
         block = temp[: (b - a) * hidden_size].view(b - a, hidden_size)
-        torch.mul(acc[a:b], factor, out=block)
+        _mul_into(block, acc[a:b], factor)
         out[a:b].copy_(block)
 
 
@@ -132,7 +153,7 @@ def _scaled_split(grad: torch.Tensor, tail: torch.Tensor, factor) -> torch.Tenso
     temp = torch.empty(min(step, rows) * hidden_size, dtype=grad.dtype, device=grad.device)
     round_rows_in_place_(grad[:rows], fp32_view(grad.view(-1)[: 2 * rows * hidden_size], rows), temp, factor)
     del temp
-    torch.mul(tail, factor, out=grad[rows:])
+    _mul_into(grad[rows:], tail, factor)
     return grad
 
 

@@ -1,0 +1,54 @@
+"""The gradients' one rounding on the GPU (``backends/scaled_round.py``) gives PyTorch's bits.
+
+``torch.mul(src, factor, out=out)`` (an fp32 product rounded once to ``out``'s dtype) is the reference: the kernel
+replaces it in :meth:`HeadGrads.input_grads` only for speed, so every element must be equal, for each output
+dtype, a factor given as a Python float or as a 0-d device tensor (the upstream gradient), in place, and sizes
+that leave a partial block.
+"""
+
+import pytest
+import torch
+
+from hf_fused.ops import grads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("factor", [1.0, 0.37, "tensor"])
+@pytest.mark.parametrize("n", [1, 4095, 4096 * 3 + 17])
+def test_scaled_round_gives_torch_bits(dtype, factor, n):
+    from hf_fused.ops.backends.scaled_round import scaled_round_
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    # values spread over many binades, so that rounding ties and subnormal-free small values both occur
+    src = torch.randn(n, generator=g, device="cuda") * torch.exp2(torch.randint(-20, 20, (n,), device="cuda",
+                                                                               generator=g).float())
+    f = torch.tensor(0.7310586, device="cuda") if factor == "tensor" else factor
+    out = torch.empty(n, dtype=dtype, device="cuda")
+    scaled_round_(out, src, f)
+    assert torch.equal(out, torch.mul(src, f, out=torch.empty_like(out)))
+    if dtype == torch.float32:
+        ref = src * f
+        scaled_round_(src, src, f)  # in place
+        assert torch.equal(src, ref)
+
+
+@pytest.mark.gpu
+def test_input_grads_route_through_the_kernel_and_refuse_bad_input(monkeypatch):
+    from hf_fused.ops.backends import scaled_round
+
+    calls = []
+    original = scaled_round.scaled_round_
+    monkeypatch.setattr(grads, "_scaled_round_kernel", lambda: lambda *a: (calls.append(a[0].shape), original(*a)))
+    hidden = torch.zeros(3, 8, dtype=torch.bfloat16, device="cuda")
+    weight = torch.zeros(5, 8, dtype=torch.bfloat16, device="cuda")
+    head = grads.HeadGrads(hidden=torch.randn(3, 8, device="cuda"), weight=torch.randn(5, 8, device="cuda"))
+    d_h, d_w, _ = head.input_grads(hidden, weight, None, torch.arange(3, device="cuda"),
+                                   torch.tensor(0.5, device="cuda"))
+    assert calls == [(3, 8), (5, 8)] and d_h.dtype == d_w.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="fp32 accumulator"):
+        original(torch.empty(4, device="cuda"), torch.empty(4, dtype=torch.bfloat16, device="cuda"), 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        original(torch.empty(4, 2, device="cuda").t(), torch.empty(2, 4, device="cuda"), 1.0)
+    with pytest.raises(ValueError, match="elements"):
+        original(torch.empty(4, device="cuda"), torch.empty(5, device="cuda"), 1.0)
