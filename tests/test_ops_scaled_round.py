@@ -52,3 +52,5 @@ def test_input_grads_route_through_the_kernel_and_refuse_bad_input(monkeypatch):
         original(torch.empty(4, 2, device="cuda").t(), torch.empty(2, 4, device="cuda"), 1.0)
     with pytest.raises(ValueError, match="elements"):
         original(torch.empty(4, device="cuda"), torch.empty(5, device="cuda"), 1.0)
+    with pytest.raises(ValueError, match="one element on cuda"):
+        original(torch.empty(4, device="cuda"), torch.empty(4, device="cuda"), torch.tensor(1.0))

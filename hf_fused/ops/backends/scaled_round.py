@@ -10,7 +10,6 @@ H100. This kernel gives the same bits (one fp32 product, then round-to-nearest-e
 
 from __future__ import annotations
 
-import contextlib
 from typing import Union
 
 import torch
@@ -30,7 +29,8 @@ def scaled_round_(out: torch.Tensor, src: torch.Tensor, factor: Union[float, tor
         factor: a Python float, or a 0-d fp32 tensor on ``src``'s device (read by the kernel: no host sync).
 
     Raises:
-        ValueError: on tensors that are not contiguous, not on one CUDA device, or of different sizes.
+        ValueError: on tensors that are not contiguous, not on one CUDA device (a tensor ``factor`` included), or
+            of different sizes.
         TypeError: on ``src`` not fp32.
     """
     if not (out.is_cuda and src.device == out.device and out.is_contiguous() and src.is_contiguous()):
@@ -45,8 +45,11 @@ def scaled_round_(out: torch.Tensor, src: torch.Tensor, factor: Union[float, tor
         return
     on_device = isinstance(factor, torch.Tensor)
     if on_device:
+        if factor.device != src.device or factor.numel() != 1:
+            raise ValueError(f"scaled_round_: a tensor factor must be one element on {src.device}; got "
+                             f"{tuple(factor.shape)} on {factor.device}")
         factor = factor.reshape(())
-    with torch.cuda.device(src.device) if src.is_cuda else contextlib.nullcontext():
+    with torch.cuda.device(src.device):
         _scaled_round_kernel[(triton.cdiv(n, _BLOCK),)](
             out, src, factor if on_device else src, 0.0 if on_device else float(factor), n,
             FACTOR_ON_DEVICE=on_device, BLOCK=_BLOCK,

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 # Below every finite fp32 value: a lane's max before its first column, and the value of masked-out
-# columns. Finite (unlike −inf) so that ``exp(−|z − m|)`` is never ``exp(nan)``.
+# columns. Finite (unlike −inf) so that a lane's rescale ``exp(m_old − m_new)`` is never ``exp(−inf + inf)``.
 _NO_MAX = tl.constexpr(-3.4028234663852886e38)
 _LOG2E = tl.constexpr(1.4426950408889634)
 # Columns of one lane of the statistics kernel: one 16-byte load of bf16 logits per thread.
