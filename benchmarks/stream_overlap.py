@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
 
     from hf_fused.ops.backends import triton_cublas as tc
-    from hf_fused.ops.backends import triton_kernels as tk
+    from hf_fused.ops.logit_transform import LogitTransform
 
     n, h_size, v = args.rows, args.hidden, args.vocab
     gen = torch.Generator(device=device).manual_seed(0)
@@ -45,31 +45,26 @@ def main(argv=None) -> int:
     tile = torch.empty(n, v, dtype=torch.bfloat16, device=device)
     d_hidden = torch.empty(n, h_size, **f32)
     d_weight = torch.zeros(v, h_size, **f32)
-    m, s, t, zy = (torch.empty(n, **f32) for _ in range(4))
-    lse, ent, g_lp = torch.empty(n, **f32), torch.zeros(n, **f32), torch.full((n,), 1.0 / n, **f32)
-    scalars = dict(logit_scale=1.0, softcap=1.0, inv_temperature=1.0, HAS_BIAS=False, SOFTCAP=False, SCALED=False)
+    g_lp = torch.full((n,), 1.0 / n, **f32)
+    # the backend's own launches (as benchmarks.plan_sweep times them)
+    backend = tc.TritonCublasBackend()
+    scalars = backend._scalars(LogitTransform(), None)
+    stats = backend._new_stats(n, device)
 
     def logits(a, b):
         torch.mm(hidden[a:b], weight.t(), out=tile[a:b])
 
     def epilogues(a, b):
-        m[a:b].fill_(float("-inf"))
-        s[a:b].zero_()
-        t[a:b].zero_()
-        z = tile[a:b]
-        tk.stats_kernel[(b - a,)](z, z.stride(0), v, 0, labels, labels[a:b], m[a:b], s[a:b], t[a:b], zy[a:b],
-                                  m[a:b], labels, m[a:b], ENTROPY=True, SUM_Z=False, ARGMAX=False, SUM_SQ=False,
-                                  BLOCK_V=tc._STATS_BLOCK_V, num_warps=tc._STATS_WARPS, **scalars)
-        torch.add(m[a:b], s[a:b].log(), out=lse[a:b])
-        tk.grad_kernel[(b - a,)](z, z.stride(0), z, z.stride(0), v, 0, lse[a:b], labels[a:b], lse[a:b], ent[a:b],
-                                 g_lp[a:b], g_lp[a:b], lse[a:b], HAS_G_LP=True, HAS_G_ENT=False, SUM_PZ=False,
-                                 BLOCK_V=tc._GRAD_BLOCK_V, num_warps=tc._GRAD_WARPS, **scalars)
+        row_stats = tc._row_slice(stats, a, b)
+        row_stats[0].fill_(float("-inf"))
+        row_stats[1].zero_()
+        row_stats[2].zero_()
+        backend._stats(tile[a:b], 0, None, labels[a:b], row_stats, scalars, True)
+        lse = row_stats[0] + row_stats[1].log()
+        backend._grad(tile[a:b], 0, None, labels[a:b], lse, lse, g_lp[a:b], lse, scalars, True, False)
 
     def hidden_grad(a, b):
-        if device.type == "cuda":
-            torch.mm(tile[a:b], weight, out_dtype=torch.float32, out=d_hidden[a:b])
-        else:  # no bf16 → fp32 matmul on CPU
-            torch.mm(tile[a:b].float(), weight.float(), out=d_hidden[a:b])
+        tc._mm_f32_(d_hidden[a:b], tile[a:b], weight)
 
     def weight_grad():
         tc._addmm_f32_(d_weight, tile.t(), hidden)
