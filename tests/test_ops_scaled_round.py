@@ -39,7 +39,7 @@ def test_input_grads_route_through_the_kernel_and_refuse_bad_input(monkeypatch):
 
     calls = []
     original = scaled_round.scaled_round_
-    monkeypatch.setattr(grads, "_scaled_round_kernel", lambda: lambda *a: (calls.append(a[0].shape), original(*a)))
+    monkeypatch.setattr(grads, "_gpu_scaled_round", lambda: lambda *a: (calls.append(a[0].shape), original(*a)))
     hidden = torch.zeros(3, 8, dtype=torch.bfloat16, device="cuda")
     weight = torch.zeros(5, 8, dtype=torch.bfloat16, device="cuda")
     head = grads.HeadGrads(hidden=torch.randn(3, 8, device="cuda"), weight=torch.randn(5, 8, device="cuda"))

@@ -81,7 +81,7 @@ def _mul_into(out: torch.Tensor, src: torch.Tensor, factor) -> None:
     """``out ← src · factor`` (an fp32 product, rounded once to ``out``'s dtype; ``out`` may be ``src``): the GPU
     kernel of :mod:`~hf_fused.ops.backends.scaled_round` for contiguous CUDA tensors (PyTorch's casting kernel
     is unvectorized there), else ``torch.mul``."""
-    kernel = _scaled_round_kernel() if out.is_cuda and out.is_contiguous() and src.is_contiguous() else None
+    kernel = _gpu_scaled_round() if out.is_cuda and out.is_contiguous() and src.is_contiguous() else None
     if kernel is not None:
         kernel(out, src, factor)
     else:
@@ -89,7 +89,7 @@ def _mul_into(out: torch.Tensor, src: torch.Tensor, factor) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _scaled_round_kernel() -> Optional[Callable]:
+def _gpu_scaled_round() -> Optional[Callable]:
     try:  # Triton: present with PyTorch's CUDA builds, optional elsewhere
         from .backends.scaled_round import scaled_round_
     except ImportError:
