@@ -10,6 +10,12 @@ Why it exists: the lean path's hidden-gradient matmul costs 1.2-1.3× cuBLAS's t
 asks whether that is Triton's doing or the fold's (a second implementation on the fastest public GEMM framework).
 Not used by the library. QuACK 0.6.4's host layer has no int8 entry in ``torch2cute_dtype_map``; the tool adds
 one (``cutlass.Int8``) for the residual's TMA load and store.
+
+``--add-only`` times instead the plain fp32 accumulation ``acc += a @ b`` on QuACK's GEMM with its output added
+by a TMA reduce-add store (``gemm_add_inplace``: QuACK's default configuration, and the configurations above)
+against cuBLAS's ``beta = 1`` addmm, at the one pass's weight-gradient shapes (each half of the split accumulator,
+H = 2048 and 4096) and the lean path's chunk. Measured on an H100 (docs/gpu_results.md, fourteenth session): QuACK
+0.6.4 1.00–1.17× cuBLAS's time at every shape, so the library keeps cuBLAS there.
 """
 
 from __future__ import annotations
@@ -113,10 +119,46 @@ def _time_shape(m, k, n, transposed, device, repeats, quack_fold_, configs) -> l
     return rows
 
 
+def _time_add(m, k, n, device, repeats, configs) -> list[list[str]]:
+    """Table rows for ``acc += a @ b`` (``a = [K, M]ᵀ``, the one pass's ``dz.T``): cuBLAS's addmm, QuACK's with
+    its default configuration and per config; the largest difference from cuBLAS's result after one call,
+    relative."""
+    from quack.gemm_interface import gemm_add_inplace, gemm_tuned
+
+    a = (torch.randn(k, m, device=device) * 1e-3).bfloat16().t()
+    b = torch.randn(k, n, device=device).bfloat16()
+    acc = torch.zeros(m, n, device=device)
+    ref = torch.addmm(acc, a, b, out_dtype=torch.float32)
+    variants = {"cuBLAS addmm → fp32": lambda: torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc),
+                "QuACK add → fp32, default": lambda: gemm_add_inplace(a, b, acc, tuned=False)}
+    variants.update({f"QuACK add → fp32, {name}": (
+        lambda c=config: gemm_tuned.fn(a, b, acc, None, add_to_output=True, config=c)) for name, config in configs.items()})
+    rows = []
+    for name, fn in variants.items():
+        try:
+            acc.zero_()
+            fn()  # compile / warm up, and the check
+            err = ((acc - ref).abs().max() / ref.abs().max()).item()
+            ms = median_ms(fn, device, repeats)[0]
+            rows.append([f"{m}×{k}×{n}", name, f"{ms:.3f}", f"{2 * m * n * k / ms / 1e9:.1f}", f"{err:.1e}"])
+        except Exception as exc:  # noqa: BLE001 - a config QuACK cannot build for this shape: say so, go on
+            print(f"{m}×{k}×{n} {name}: {short_error(exc)}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.quack_fold", description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--add-only", action="store_true",
+                        help="time only the fp32 accumulation with QuACK's TMA reduce-add against cuBLAS's addmm")
     args = parser.parse_args(argv)
+    if args.add_only:
+        device, rows = torch.device("cuda"), []
+        for m, k, n in [(75968, 2048, 2048), (151936, 2048, 2048), (75968, 2048, 4096), (10112, 8448, 2048)]:
+            rows += _time_add(m, k, n, device, args.repeats, _configs())
+            free_memory(device)
+        print("\n" + "\n".join(text_table(["M×K×N", "variant", "ms", "TFLOP/s", "max rel. diff"], rows, align_left=2)))
+        return 0
     from hf_fused.ops.backends.compensated import RESIDUAL_DTYPE, compensated_addmm_
 
     device = torch.device("cuda")
