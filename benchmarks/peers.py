@@ -400,6 +400,16 @@ class HFFusedLargeBudgetPeer(HFFusedPeer):
     tile_budget_bytes = 4 * 2**30
 
 
+class HFFused8GiBPeer(HFFusedLargeBudgetPeer):
+    """An 8 GiB budget: the one pass in two tiles at 32768×2048×151936 (one pass over the fp32 accumulator per
+    ~15,000 rows instead of ~10,000), the budget at which it reached 91 % of the H100's bf16 GEMM ceiling on 6·N·H·V
+    over all tokens with QuACK installed (issue 13's measure; docs/gpu_results.md, fourteenth session). On request
+    only (``--peers hf_fused_8gib``)."""
+
+    key, label = "hf_fused_8gib", "hf_fused (8 GiB, one pass)"
+    tile_budget_bytes = 8 * 2**30
+
+
 def _pair_one_pass_budget(inp: Inputs, rows: int = 2048) -> int:
     """``tile_budget_bytes`` holding the one pass with the compensated pair as its weight-gradient accumulator
     (an int8 ``[V, H]`` residual beside the bf16 gradient) and ``rows`` full-vocabulary rows of logits with their
@@ -582,10 +592,11 @@ class HFFusedTokenLossPeer(HFFusedPeer):
 
 #: Every adapter, in table order.
 ALL_PEERS = [EagerPeer, LigerPeer, LigerGRPOPeer, CCEPeer, CCEExactPeer, QuackPeer, TRLPeer, TorchPeer, HFFusedPeer,
-             HFFusedLeanPeer, HFFusedLeanCublasPeer, HFFusedSmallTilesPeer, HFFusedLargeBudgetPeer, HFFusedPairPeer, HFFusedOnePassGRPOPeer,
+             HFFusedLeanPeer, HFFusedLeanCublasPeer, HFFusedSmallTilesPeer, HFFusedLargeBudgetPeer, HFFused8GiBPeer, HFFusedPairPeer, HFFusedOnePassGRPOPeer,
              HFFusedHintGRPOPeer, HFFusedHintPairGRPOPeer, HFFusedTokenLossPeer]
-#: Run when ``--peers`` is not given (``cce_exact`` and the A/B peer ``hf_fused_lean_cublas`` only on request).
-DEFAULT_PEERS = [p.key for p in ALL_PEERS if p.key not in ("cce_exact", "hf_fused_lean_cublas")]
+#: Run when ``--peers`` is not given (``cce_exact``, the A/B peer ``hf_fused_lean_cublas`` and ``hf_fused_8gib`` only
+#: on request).
+DEFAULT_PEERS = [p.key for p in ALL_PEERS if p.key not in ("cce_exact", "hf_fused_lean_cublas", "hf_fused_8gib")]
 
 
 def select_peers(spec: Optional[str], with_entropy: bool = True, hf_backend: Optional[str] = None) -> list[Peer]:

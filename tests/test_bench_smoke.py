@@ -75,6 +75,14 @@ def test_bench_selection_errors():
     assert [p.kind for p in select_problems("grpo", quick=False)] == ["grpo", "grpo"]
 
 
+def test_the_8_gib_one_pass_peer_runs_on_request_only():
+    from benchmarks.peers import DEFAULT_PEERS
+
+    (peer,) = select_peers("hf_fused_8gib")
+    assert peer.tile_budget_bytes == 8 * 2**30 and "8 GiB" in peer.label
+    assert "hf_fused_8gib" not in DEFAULT_PEERS and "hf_fused_4gib" in DEFAULT_PEERS
+
+
 @pytest.mark.parametrize("peer", ["hf_fused_1pass", "hf_fused_hint"])
 def test_one_pass_grpo_peers_match_float64_and_skip_cross_entropy(tmp_path, peer):
     out = tmp_path / "bench"
