@@ -401,8 +401,8 @@ class HFFusedLargeBudgetPeer(HFFusedPeer):
 
 
 class HFFused8GiBPeer(HFFusedLargeBudgetPeer):
-    """An 8 GiB budget: the one pass in two tiles at 32768×2048×151936 (one pass over the fp32 accumulator per
-    ~15,000 rows instead of ~10,000), the budget at which it reached 91 % of the H100's bf16 GEMM ceiling on 6·N·H·V
+    """An 8 GiB budget: the one pass in two tiles at 32768×2048×151936 (25,080 and 4,411 of the 29,491 kept rows,
+    against three of up to 11,136 at 4 GiB: fewer passes over the fp32 accumulator), the budget at which it reached 91 % of the H100's bf16 GEMM ceiling on 6·N·H·V
     over all tokens with QuACK installed (issue 13's measure; docs/gpu_results.md, fourteenth session). On request
     only (``--peers hf_fused_8gib``)."""
 

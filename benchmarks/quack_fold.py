@@ -153,9 +153,9 @@ def main(argv=None) -> int:
                         help="time only the fp32 accumulation with QuACK's TMA reduce-add against cuBLAS's addmm")
     args = parser.parse_args(argv)
     if args.add_only:
-        device, rows = torch.device("cuda"), []
+        device, rows, configs = torch.device("cuda"), [], _configs()
         for m, k, n in [(75968, 2048, 2048), (151936, 2048, 2048), (75968, 2048, 4096), (10112, 8448, 2048)]:
-            rows += _time_add(m, k, n, device, args.repeats, _configs())
+            rows += _time_add(m, k, n, device, args.repeats, configs)
             free_memory(device)
         print("\n" + "\n".join(text_table(["M×K×N", "variant", "ms", "TFLOP/s", "max rel. diff"], rows, align_left=2)))
         return 0
