@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from hf_fused.ops import LogitTransform, linear_cross_entropy, linear_logprobs, linear_token_loss  # noqa: E402
-from hf_fused.ops.backends import triton_cublas  # noqa: E402
+from hf_fused.ops.backends import logits_epilogues, triton_cublas  # noqa: E402
 from hf_fused.ops.head_inputs import HeadInputs  # noqa: E402
 from hf_fused.ops.token_loss import TokenLossHint  # noqa: E402
 
@@ -74,6 +74,14 @@ class _StandIn:
         z = out.float()
         lse.copy_(torch.logsumexp(z, -1))
         label_logit.copy_(z.gather(1, y[:, None])[:, 0])
+
+    def softmax_grad(self, h, w, y, lse, scale, out, label_logit):
+        """quack_epilogues.softmax_grad: ``scale·exp(z − lse)`` of the bf16 tile, the label logit where in range."""
+        self.calls.append("grad")
+        z = (h.float() @ w.float().t()).bfloat16().float()  # fp32 accumulation, one rounding, as the GPU's
+        inside = (y >= 0) & (y < z.shape[1])
+        label_logit.copy_(torch.where(inside, z.gather(1, y.clamp(0, z.shape[1] - 1)[:, None])[:, 0], label_logit))
+        out.copy_(scale[:, None] * torch.exp(z - lse[:, None]))
 
 
 def _close_to(got, want):
@@ -247,6 +255,99 @@ def test_without_quack_installed_nothing_is_imported(monkeypatch):
     monkeypatch.setattr(triton_cublas, "_QUACK", {})
     monkeypatch.setattr(triton_cublas.importlib.util, "find_spec", lambda name: None)
     assert triton_cublas._quack() is None
+
+
+def test_label_grad_sets_only_the_labels_in_the_chunk():
+    """logits_epilogues.label_grad_ (after QuACK's gradient epilogue): ``g·(1 − exp(z_y − lse))`` rounded to nearest
+    bf16 at each row's label column where it falls in the chunk; every other element untouched."""
+    g = torch.Generator().manual_seed(3)
+    m, n, v0 = 37, 50, 100
+    dz = torch.randn(m, 64, generator=g).bfloat16()[:, :n]  # a strided chunk view
+    labels = torch.randint(80, 170, (m,), generator=g)
+    zy, lse, g_lp = torch.randn(m, generator=g), torch.randn(m, generator=g) + 3, torch.randn(m, generator=g)
+    want = dz.clone()
+    inside = (labels >= v0) & (labels < v0 + n)
+    rows = inside.nonzero()[:, 0]
+    want[rows, labels[rows] - v0] = (g_lp[rows] * (1.0 - torch.exp(zy[rows] - lse[rows]))).bfloat16()
+    logits_epilogues.label_grad_(dz, labels, zy, lse, g_lp, col_offset=v0)
+    assert 0 < rows.numel() < m
+    torch.testing.assert_close(dz, want, rtol=2.0**-8, atol=0)  # exp in the interpreter vs torch: one bf16 step
+
+
+@pytest.mark.parametrize("entropy_gradient", [False, True])
+def test_the_gradient_pass_takes_dz_from_quack(monkeypatch, entropy_gradient):
+    """The two passes' gradient pass (log-probs without a hint, an explicit budget) takes each tile's ``dz`` from
+    QuACK's epilogue plus the label fix (the stand-in on CPU; the Triton fused kernel forced on under the interpreter
+    as on a Hopper GPU) where the gradient is the log-probs' alone, and its gradients are the Triton kernel's;
+    with an entropy gradient it keeps the Triton kernel."""
+    hidden, weight, labels = _inputs(2)
+    w = torch.linspace(-1, 1, labels.numel())
+
+    def run():
+        h, wt = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+        lp, ent = linear_logprobs(h, wt, labels, backend="triton", return_entropy=True, tile_budget_bytes=2**30)
+        loss = (lp * w).sum() + (0.5 * ent.sum() if entropy_gradient else 0.0)
+        return torch.autograd.grad(loss, (h, wt))
+
+    with logits_epilogues.forced(True):
+        plain = run()
+        quack = _StandIn()
+        monkeypatch.setattr(triton_cublas, "_QUACK", {"module": quack})
+        monkeypatch.setattr(triton_cublas, "_quack_runs_on", lambda h, w: True)
+        fused = run()
+    assert (quack.calls.count("grad") > 0) is not entropy_gradient
+    # Not the same bits on CPU: the interpreter's fp32 → bf16 store truncates the Triton kernel's dz, where the GPU
+    # (and the stand-in, and the label fix) rounds to nearest. So both against float64: no worse than the kernel's.
+    # (The GPU test below checks that the real kernels give the same bits.)
+    ref_params = [t.detach().double().requires_grad_() for t in (hidden, weight)]
+    logp = torch.log_softmax(ref_params[0] @ ref_params[1].T, -1)
+    ent = -(logp.exp() * logp).sum(-1)
+    mask = labels != -100
+    ref = ((logp.gather(1, labels.clamp_min(0)[:, None])[:, 0] * w
+            + (0.5 * ent if entropy_gradient else 0.0)) * mask).sum()
+    for got, want, exact in zip(fused, plain, torch.autograd.grad(ref, ref_params)):
+        err = lambda t: ((t.double() - exact).norm() / exact.norm()).item()  # noqa: E731
+        assert err(got) <= 1.1 * err(want) + 1e-6, (err(got), err(want))
+
+
+@pytest.mark.gpu
+def test_quack_gradient_epilogue_on_gpu_is_the_triton_kernels_bits():
+    """On a Hopper GPU with QuACK, the two passes' gradient pass with QuACK's ``dz`` epilogue gives the same bits
+    as with the Triton fused-``dz`` kernel (the same bf16-rounded logit, ``exp`` and rounding), for cross-entropy
+    and hint-less log-probs at an explicit budget."""
+    pytest.importorskip("quack")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("QuACK's SM90 epilogue needs a GPU of compute capability 9.x")
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 8192, 1024, 32000
+    hidden = torch.randn(n, h, generator=g).cuda().bfloat16().requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 4 / h**0.5).cuda().bfloat16().requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g).cuda()
+    labels[::10] = -100
+    upstream = torch.randn(n, generator=g).cuda()
+
+    def run():
+        loss = linear_cross_entropy(hidden, weight, labels, backend="triton", tile_budget_bytes=64 * 2**20)
+        lp, _ = linear_logprobs(hidden, weight, labels, backend="triton", tile_budget_bytes=64 * 2**20)
+        return (*torch.autograd.grad(loss, (hidden, weight)), *torch.autograd.grad((lp * upstream).sum(),
+                                                                                  (hidden, weight)))
+
+    quack = triton_cublas._quack()
+    assert quack is not None, f"QuACK was turned off in this process: {triton_cublas._QUACK_ERROR.get('error')}"
+    calls = []
+    spy = type("Spy", (), {"softmax_grad": staticmethod(
+        lambda *a, **k: calls.append(1) or quack.softmax_grad(*a, **k))})()
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        monkeypatch.setattr(triton_cublas, "_QUACK", {"module": spy})
+        fused = run()
+        assert calls
+        monkeypatch.setattr(triton_cublas, "_QUACK", {"module": None})
+        plain = run()
+    finally:
+        monkeypatch.undo()
+    for got, want in zip(fused, plain):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.gpu

@@ -201,4 +201,43 @@ def logits_grad_(
         )
 
 
-__all__ = ["CONFIG", "applies", "forced", "logits_grad_"]
+def label_grad_(dz: torch.Tensor, labels: torch.Tensor, label_logit: torch.Tensor, lse: torch.Tensor,
+                g_lp: torch.Tensor, *, col_offset: int) -> None:
+    """Each row's label column of a ``dz [M, N]`` chunk (columns ``col_offset …``), where the label falls in it, set
+    to ``g_lp·(1 − exp(z_y − lse))``: the logits gradient at the label, for a ``dz`` that holds ``−g_lp·p``
+    everywhere (QuACK's epilogue, :func:`.quack_epilogues.softmax_grad`); ``grad_kernel``'s formula and rounding
+    there, so the chunk is the one :func:`logits_grad_` writes (plain log-probs gradient: no entropy term, bias
+    or transform).
+
+    Args:
+        dz: ``[M, N]`` bf16, unit column stride.  labels: int64 ``[M]`` (the whole vocabulary's columns).
+        label_logit: fp32 ``[M]``, the bf16-rounded logit at the label (read only where it is in the chunk).
+        lse, g_lp: fp32 ``[M]``.
+    """
+    m, n = dz.shape
+    if m == 0 or n == 0:
+        return
+    with torch.cuda.device(dz.device) if dz.is_cuda else contextlib.nullcontext():
+        _label_grad_kernel[(triton.cdiv(m, _LABEL_BLOCK),)](
+            dz, dz.stride(0), m, n, col_offset, labels, label_logit, lse, g_lp,
+            ROUND=(2 if dz.is_cuda else 1) if dz.dtype == torch.bfloat16 else 0, BLOCK=_LABEL_BLOCK)
+
+
+_LABEL_BLOCK = 256
+
+
+@triton.jit
+def _label_grad_kernel(DZ, stride_dz, M, N, col_offset, Labels, ZY, LSE, G_LP, ROUND: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    label = tl.load(Labels + rows, mask=rows < M, other=-1)
+    inside = (rows < M) & (label >= col_offset) & (label < col_offset + N)
+    p = tl.exp(tl.load(ZY + rows, mask=inside, other=0.0) - tl.load(LSE + rows, mask=inside, other=0.0))
+    dz = tl.load(G_LP + rows, mask=inside, other=0.0) * (1.0 - p)
+    if ROUND == 1:  # the interpreter's fp32 → bf16 conversion truncates: round on the bit pattern
+        dz, _ = _round(dz)
+    ptrs = DZ + rows.to(tl.int64) * stride_dz + (label - col_offset)
+    tl.store(ptrs, dz.to(DZ.dtype.element_ty), mask=inside)
+
+
+__all__ = ["CONFIG", "applies", "forced", "label_grad_", "logits_grad_"]

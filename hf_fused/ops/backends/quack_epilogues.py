@@ -14,6 +14,11 @@ reduces that, so the log-sum-exp and label logit are those of the rounded tile i
 kernel computes from the tile, and what eager transformers computes from its bf16 logits, up to the fp32
 summation order. ``dz`` then comes from the same tile and log-sum-exp as before.
 
+The same GEMM with a softmax-gradient epilogue (:func:`softmax_grad`) writes the two passes' ``dz`` tile
+``−g·exp(z − lse)`` and gathers the label logit, from which :func:`.logits_epilogues.label_grad_` sets the label
+column: the Triton fused-``dz`` kernel's bits at 0.457 ms per 8448×10112×2048 tile against its 0.547 (H200,
+docs/gpu_results.md, fifteenth session).
+
 This module imports QuACK (and the CuTe DSL under it) at import time; :mod:`.triton_cublas` imports it only
 when ``quack`` is installed and a call can use it (bf16 on compute capability 9.x, no token statistics, no
 entropy but where the gradient kernel can sum it, no bias, soft-cap, temperature or logit scale), and turns it
@@ -29,6 +34,7 @@ import cutlass
 import torch
 from cutlass import Float32
 from quack.epilogue.frontend import gemm_epilogue
+from quack.epilogue.math import pexp
 from quack.epilogue.ops import ColVecLoad, ColVecSelect, OnlineLSEReduce
 
 _LABELS = ColVecLoad("target")
@@ -61,3 +67,33 @@ def logits_with_statistics(
     res = bf16_logits_statistics(hidden, weight.mT, out={"D": out}, target=labels, target_logit=label_logit,
                                  tuned=False)
     lse.copy_(res["lse"])
+
+
+@gemm_epilogue(
+    ops={"lse": ColVecLoad("lse"), "scale": ColVecLoad("scale")},
+    outs={"target_logit": ColVecSelect("target_logit", idx_op=_LABELS)},
+    extra_ops=(_LABELS,),
+)
+def bf16_softmax_grad(acc, lse, scale):
+    """The tile stores ``scale·p`` with ``p = exp(z − lse)`` of the bf16 logit ``z`` (the logits gradient but at the
+    label column, fixed afterwards from the gathered label logit)."""
+    z = Float32(cutlass.BFloat16(acc))
+    return {"D": scale * pexp(z - lse), "target_logit": z}
+
+
+def softmax_grad(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
+    out: torch.Tensor, label_logit: torch.Tensor,
+) -> None:
+    """``out = scale[:, None]·exp(z − lse[:, None])`` rounded to bf16, ``z = bf16(hidden @ weight.T)``, and the
+    label logit of ``z`` where the label falls in the tile's columns (``label_logit`` left as it is elsewhere).
+
+    Args:
+        hidden: ``[M, H]`` bf16, contiguous, ``H`` a multiple of 8.  weight: ``[N, H]`` bf16, contiguous, ``N`` a
+            multiple of 8 (a row slice of the lm_head).
+        labels: ``[M]`` int64, each row's label column relative to the slice (out of ``[0, N)``: none here).
+        lse, scale: fp32 ``[M]``, contiguous (the row's log-sum-exp over the whole vocabulary; ``−∂L/∂logp``).
+        out: ``[M, N]`` bf16, contiguous: written.  label_logit: fp32 ``[M]``: written where the label is inside.
+    Every tensor must start 16-byte aligned (QuACK's TMA)."""
+    bf16_softmax_grad(hidden, weight.mT, out={"D": out}, lse=lse, scale=scale, target=labels,
+                      target_logit=label_logit, tuned=False)

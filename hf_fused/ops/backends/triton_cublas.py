@@ -34,7 +34,10 @@ Where QuACK (``quack-kernels``) is installed, the one pass of plain bf16 cross-e
 log-probs with a ``grad_hint`` whose token loss does not read the entropy (a returned entropy then from the
 gradient kernel's Σ p·z), takes each tile's
 log-sum-exp and label logit from the epilogue of QuACK's logits matmul instead of the statistics kernel
-(:mod:`.quack_epilogues`: the same rounded tile, 3–6 % less time per step); a QuACK that cannot run it is turned
+(:mod:`.quack_epilogues`: the same rounded tile, 3–6 % less time per step), and the two passes' gradient pass,
+where the gradient reaches the log-probs only and no bias or transform applies, writes each ``dz`` tile from the
+epilogue of QuACK's logits matmul instead of the Triton one (the label column then set by
+:func:`.logits_epilogues.label_grad_`: the same bits, 16–22 % less time per tile); a QuACK that cannot run it is turned
 off with one warning.
 """
 
@@ -120,6 +123,22 @@ def _quack_statistics(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
         return False
     try:
         module.logits_with_statistics(h, weight, labels, out, lse=lse, label_logit=label_logit)
+    except Exception as err:  # noqa: BLE001 - turned off for the process, said once
+        _quack_failed(err)
+        return False
+    return True
+
+
+def _quack_softmax_grad(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                        scale: torch.Tensor, out: torch.Tensor, label_logit: torch.Tensor) -> bool:
+    """:func:`.quack_epilogues.softmax_grad` into ``out`` and ``label_logit``; ``False`` where QuACK is unavailable,
+    an operand is not contiguous and 16-byte aligned, or it raises (then turned off for the process, said once),
+    so that the caller writes the tile itself."""
+    module = _quack()
+    if module is None or not out.is_contiguous() or not _aligned16(h, weight, labels, lse, scale, out, label_logit):
+        return False
+    try:
+        module.softmax_grad(h, weight, labels, lse, scale, out, label_logit)
     except Exception as err:  # noqa: BLE001 - turned off for the process, said once
         _quack_failed(err)
         return False
@@ -354,8 +373,16 @@ class TritonCublasBackend:
         block_rows, cols = plan.block_rows, plan.cols
         scalars = self._scalars(head.transform, bias)
         tile_buf = torch.empty((block_rows, cols), dtype=weight.dtype, device=weight.device)
-        # dz straight from the logits matmul's epilogue where it runs (the logits are never written)
+        # dz straight from the logits matmul's epilogue where it runs (the logits are never written): QuACK's
+        # where installed and the gradient is the log-probs' alone (16 % less time per tile than the Triton
+        # matmul's on an H200, the same bits: docs/gpu_results.md, fifteenth session), else the Triton kernel
         fused = logits_epilogues.applies(h if buf is None else buf, weight, tile_buf)
+        quack_dz = (fused and grad_logprobs is not None and grad_entropy is None and bias is None
+                    and head.transform.is_identity and _quack_runs_on(h if buf is None else buf, weight)
+                    and _quack() is not None)
+        if quack_dz:
+            neg_g_lp = g_lp.neg()  # the epilogue's per-row factor: dz = −g_lp·p off the label
+            label_logit = torch.empty(block_rows, dtype=torch.float32, device=weight.device)
         chunks = weight_gradient_chunks(vocab_size, hidden_size, plan, m_rows, weight.element_size(),
                                         grads.weight.element_size() if need_weight else 4)
         for chunk in chunks:
@@ -365,7 +392,10 @@ class TritonCublasBackend:
             tile, d_w_chunk32 = _chunk_buffers(chunk, tile_buf, grads.weight, hidden_size, block_rows < m_rows)
             for r0, r1, h_rows in self._row_blocks(head, plan, h, buf):
                 dz = tile[: r1 - r0]
-                if fused:
+                if quack_dz and _quack_softmax_grad(h_rows, w_chunk, y[r0:r1] - v0, lse[r0:r1], neg_g_lp[r0:r1], dz,
+                                                    label_logit[: r1 - r0]):
+                    logits_epilogues.label_grad_(dz, y[r0:r1], label_logit, lse[r0:r1], g_lp[r0:r1], col_offset=v0)
+                elif fused:
                     logits_epilogues.logits_grad_(
                         h_rows, w_chunk, dz, y[r0:r1], lse[r0:r1], ent[r0:r1], g_lp[r0:r1], g_ent[r0:r1],
                         has_g_lp=grad_logprobs is not None, has_g_ent=grad_entropy is not None, col_offset=v0,
