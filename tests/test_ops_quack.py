@@ -310,20 +310,27 @@ def test_the_gradient_pass_takes_dz_from_quack(monkeypatch, entropy_gradient):
         assert err(got) <= 1.1 * err(want) + 1e-6, (err(got), err(want))
 
 
+def _hopper_inputs(n, scale_weight, ignore_every, h=1024, v=32000):
+    """``(hidden [n, h], weight [v, h] scaled by scale_weight, labels, the generator)`` in bf16 on a GPU where
+    QuACK's SM90 epilogues run; skips the test elsewhere."""
+    pytest.importorskip("quack")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("QuACK's SM90 epilogue needs a GPU of compute capability 9.x")
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g).cuda().bfloat16().requires_grad_()
+    weight = scale_weight(torch.randn(v, h, generator=g)).cuda().bfloat16().requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g).cuda()
+    labels[::ignore_every] = -100
+    return hidden, weight, labels, g
+
+
 @pytest.mark.gpu
 def test_quack_gradient_epilogue_on_gpu_is_the_triton_kernels_bits():
     """On a Hopper GPU with QuACK, the two passes' gradient pass with QuACK's ``dz`` epilogue gives the same bits
     as with the Triton fused-``dz`` kernel (the same bf16-rounded logit, ``exp`` and rounding), for cross-entropy
     and hint-less log-probs at an explicit budget."""
-    pytest.importorskip("quack")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("QuACK's SM90 epilogue needs a GPU of compute capability 9.x")
-    g = torch.Generator().manual_seed(0)
-    n, h, v = 8192, 1024, 32000
-    hidden = torch.randn(n, h, generator=g).cuda().bfloat16().requires_grad_()
-    weight = (torch.randn(v, h, generator=g) * 4 / h**0.5).cuda().bfloat16().requires_grad_()
-    labels = torch.randint(0, v, (n,), generator=g).cuda()
-    labels[::10] = -100
+    n = 8192
+    hidden, weight, labels, g = _hopper_inputs(n, lambda w: w * 4 / w.shape[1] ** 0.5, ignore_every=10)
     upstream = torch.randn(n, generator=g).cuda()
 
     def run():
@@ -360,15 +367,8 @@ def test_quack_statistics_on_gpu_match_cublas_and_the_statistics_kernel(monkeypa
     side of a bf16 rounding boundary): relative error norms of at most 2⁻⁸ between the two, far below bf16's own
     rounding of the logits. Accuracy against float64 on the cross-entropy path:
     test_ops_triton_backend.py::test_triton_backend_bf16_on_gpu_no_worse_than_eager (kw={}, budget=None)."""
-    pytest.importorskip("quack")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("QuACK's SM90 epilogue needs a GPU of compute capability 9.x")
-    g = torch.Generator().manual_seed(0)
-    n, h, v = 4096, 1024, 32000
-    hidden = torch.randn(n, h, generator=g).cuda().bfloat16().requires_grad_()
-    weight = (torch.randn(v, h, generator=g) / h**0.25).cuda().bfloat16().requires_grad_()
-    labels = torch.randint(0, v, (n,), generator=g).cuda()
-    labels[::5] = -100
+    n = 4096
+    hidden, weight, labels, g = _hopper_inputs(n, lambda w: w / w.shape[1] ** 0.25, ignore_every=5)
     hint = (torch.randn(n, generator=g).cuda() * (labels != -100)).float()
 
     def run():
