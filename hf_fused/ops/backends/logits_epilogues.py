@@ -23,7 +23,10 @@ tile's by one bf16 step where the exact sum lies near a rounding boundary (measu
 at 8448×151936×2048).
 
 Runs on CUDA tensors of compute capability ≥ 9.0, or on CPU tensors under ``TRITON_INTERPRET=1`` (CI, where the
-operands may also be fp32: no rounding then). :func:`applies` says whether a call can use it.
+operands may also be fp32: no rounding then). :func:`applies` says whether a call can use it. Where QuACK is
+installed and the gradient reaches the log-probs only, QuACK's warp-specialized GEMM writes the same tile instead
+(:func:`.quack_epilogues.softmax_grad`, 16–22 % less time per tile on an H200) but for the label columns, which
+:func:`label_grad_` then sets.
 """
 
 from __future__ import annotations
