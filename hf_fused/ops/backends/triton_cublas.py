@@ -113,36 +113,36 @@ def _quack_failed(err: BaseException) -> None:
                   "0.6.4 and nvidia-cutlass-dsl 4.6.2.", stacklevel=3)
 
 
-def _quack_statistics(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, out: torch.Tensor,
-                      lse: torch.Tensor, label_logit: torch.Tensor) -> bool:
-    """:func:`.quack_epilogues.logits_with_statistics` into ``out``, ``lse`` and ``label_logit``; ``False`` where
-    QuACK is unavailable or raises (then turned off for the process, said once), so that the caller computes
-    them itself."""
+def _run_quack(launch, *operands: torch.Tensor) -> bool:
+    """``launch(quack_epilogues)``, where QuACK is available and every operand starts 16-byte aligned (its TMA
+    raises otherwise); ``False`` where it is not, or where the launch raises (then turned off for the process, said
+    once), so that the caller does the work itself."""
     module = _quack()
-    if module is None or not _aligned16(h, weight, labels, out, label_logit):
+    if module is None or not _aligned16(*operands):
         return False
     try:
-        module.logits_with_statistics(h, weight, labels, out, lse=lse, label_logit=label_logit)
+        launch(module)
     except Exception as err:  # noqa: BLE001 - turned off for the process, said once
         _quack_failed(err)
         return False
     return True
+
+
+def _quack_statistics(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, label_logit: torch.Tensor) -> bool:
+    """:func:`.quack_epilogues.logits_with_statistics` into ``out``, ``lse`` and ``label_logit`` (:func:`_run_quack`;
+    ``False``: the caller computes them itself)."""
+    return _run_quack(lambda q: q.logits_with_statistics(h, weight, labels, out, lse=lse, label_logit=label_logit),
+                      h, weight, labels, out, label_logit)
 
 
 def _quack_softmax_grad(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
                         scale: torch.Tensor, out: torch.Tensor, label_logit: torch.Tensor) -> bool:
-    """:func:`.quack_epilogues.softmax_grad` into ``out`` and ``label_logit``; ``False`` where QuACK is unavailable,
-    an operand is not contiguous and 16-byte aligned, or it raises (then turned off for the process, said once),
-    so that the caller writes the tile itself."""
-    module = _quack()
-    if module is None or not out.is_contiguous() or not _aligned16(h, weight, labels, lse, scale, out, label_logit):
-        return False
-    try:
-        module.softmax_grad(h, weight, labels, lse, scale, out, label_logit)
-    except Exception as err:  # noqa: BLE001 - turned off for the process, said once
-        _quack_failed(err)
-        return False
-    return True
+    """:func:`.quack_epilogues.softmax_grad` into ``out`` and ``label_logit`` (:func:`_run_quack`, and ``out``
+    contiguous; ``False``: the caller writes the tile itself)."""
+    return out.is_contiguous() and _run_quack(
+        lambda q: q.softmax_grad(h, weight, labels, lse, scale, out, label_logit),
+        h, weight, labels, lse, scale, out, label_logit)
 
 
 def _aligned16(*tensors: torch.Tensor) -> bool:
@@ -376,10 +376,10 @@ class TritonCublasBackend:
         # dz straight from the logits matmul's epilogue where it runs (the logits are never written): QuACK's
         # where installed and the gradient is the log-probs' alone (16 % less time per tile than the Triton
         # matmul's on an H200, the same bits: docs/gpu_results.md, fifteenth session), else the Triton kernel
-        fused = logits_epilogues.applies(h if buf is None else buf, weight, tile_buf)
+        rows_operand = h if buf is None else buf
+        fused = logits_epilogues.applies(rows_operand, weight, tile_buf)
         quack_dz = (fused and grad_logprobs is not None and grad_entropy is None and bias is None
-                    and head.transform.is_identity and _quack_runs_on(h if buf is None else buf, weight)
-                    and _quack() is not None)
+                    and head.transform.is_identity and _quack_runs_on(rows_operand, weight) and _quack() is not None)
         if quack_dz:
             neg_g_lp = g_lp.neg()  # the epilogue's per-row factor: dz = −g_lp·p off the label
             label_logit = torch.empty(block_rows, dtype=torch.float32, device=weight.device)
