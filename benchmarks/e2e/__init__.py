@@ -29,8 +29,10 @@ vocabulary, hidden 2304, 26 layers, 8 heads, 4 KV heads, head_dim 256, intermedi
 soft-capping 30, attention soft-capping 50, sliding window 4096) under ``eager`` attention, since transformers
 refuses SDPA for Gemma-2; Liger's patches then go to ``modeling_gemma2``.
 
-Each run records tokens/s over the timed steps (a ``TrainerCallback`` synchronizes the GPU at step
-begin/end), ``torch.cuda.max_memory_allocated()`` over the whole ``train()`` (weights, gradients,
+Each run records tokens/s as the row length over the median timed step (a ``TrainerCallback``
+synchronizes the GPU at step begin/end; the median, as in part B and the kernel benchmark, because a step
+that hosts one of Python's full garbage collections — 0.3–0.5 s with transformers, TRL and QuACK imported,
+on 0.25 s steps at 4k tokens, docs/gpu_results.md, sixteenth session — says nothing about the variant), ``torch.cuda.max_memory_allocated()`` over the whole ``train()`` (weights, gradients,
 optimizer states, activations and loss; the counter is reset after the model is built) and the logged
 losses (step 1 is the same model and batch for every variant, so the first losses should agree to bf16
 precision). ``torch.cuda.OutOfMemoryError`` is recorded as ``OOM`` (any other exception as ``error``,

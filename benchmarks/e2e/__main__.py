@@ -33,6 +33,9 @@ def parse_list(s: str, allowed: tuple, what: str) -> list[str]:
     bad = [x for x in items if x not in allowed]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown {what}: {', '.join(bad)} (choose from {', '.join(allowed)})")
+    repeated = sorted({x for x in items if items.count(x) > 1})
+    if repeated:  # the table and the JSON key runs by name: a second run would hide the first
+        raise argparse.ArgumentTypeError(f"{what} given twice: {', '.join(repeated)} (run the command again instead)")
     return items
 
 
@@ -100,8 +103,8 @@ def new_doc(args, argv) -> dict:
         "sft": {
             "model": (f"{args.sft_shape}-shaped {'Gemma-2' if is_gemma2(args.sft_shape) else 'Qwen3'} (random init, "
                       f"tied, {dt}, {attn_implementation(args.sft_shape)})"),
-            "setup": (f"Trainer (trl_* variants: trl.SFTTrainer), batch 1, grad checkpointing, {args.optim}, {args.warmup} warm-up + {args.steps} "
-                      f"timed steps"),
+            "setup": (f"Trainer (trl_* variants: trl.SFTTrainer), batch 1, grad checkpointing, {args.optim}, median of "
+                      f"{args.steps} timed steps after {args.warmup} warm-up"),
             "shape": SHAPES[args.sft_shape],
             "variants": args.sft_variants,
             "runs": [],
