@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hf-backend", default=None, help="force an hf_fused backend (e.g. torch, triton)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="input dtype (default: bf16 on CUDA, fp32 on CPU where bf16 matmuls are very slow)")
+    parser.add_argument("--autocast", choices=["bf16", "fp16"], default=None,
+                        help="run each forward+backward under torch.autocast in this dtype; with --dtype fp32 this is "
+                             "mixed precision (fp32 master weights and gradients), what TRL's GRPOTrainer trains by "
+                             "default: it loads models in float32 and its config sets bf16=True")
     parser.add_argument("--no-reference", action="store_true", help="skip the float64 reference (no error columns)")
     parser.add_argument("--no-entropy", action="store_true", help="GRPO: do not ask peers for the entropy")
     parser.add_argument("--resume", action="store_true",
@@ -86,6 +90,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         device=device, dtype=dtype, problems=problems, peers=peers, repeats=args.repeats,
         out_dir=args.out, reference=not args.no_reference, resume=args.resume, seed=args.seed,
         matmul_n=args.matmul_n or (256 if args.quick else 8192), progress=not args.no_progress, argv=argv,
+        autocast=DTYPES[args.autocast] if args.autocast else None,
     )
     doc = run(cfg)
     publish(doc, args.out)

@@ -77,7 +77,9 @@ def render_table(doc: dict) -> str:
         c = run.get("matmul_ceiling")
         tag = f"run {i}: " if len(used) > 1 else ""
         lines += [
-            f"{tag}device: {run['device']}   dtype: {run['dtype']}   timer: {run['timer']}   repeats: {run['repeats']}",
+            f"{tag}device: {run['device']}   dtype: {run['dtype']}"
+            + (f"   autocast: {run['autocast']}" if run.get("autocast") else "")
+            + f"   timer: {run['timer']}   repeats: {run['repeats']}",
             f"{tag}matmul ceiling: " + (f"{c['tflops']:.4g} TFLOP/s ({c['dtype']} {c['n']}³ median {c['ms']:.3f} ms)"
                                         if c else "none (measured on CUDA only; CPU times are not compared to one)"),
             f"{tag}versions: " + ", ".join(f"{k} {v}" for k, v in run["versions"].items() if v),
@@ -201,7 +203,7 @@ def render_plot(doc: dict, path: Path) -> Optional[Path]:
     run = doc["runs"][-1] if doc["runs"] else {}
     if run:
         c = run.get("matmul_ceiling")
-        fig.suptitle(f"{run['device']}, {run['dtype']}" + (f"; matmul ceiling {c['tflops']:.4g} TFLOP/s" if c else ""),
+        fig.suptitle(f"{run['device']}, {run['dtype']}" + (f" under {run['autocast']} autocast" if run.get("autocast") else "") + (f"; matmul ceiling {c['tflops']:.4g} TFLOP/s" if c else ""),
                      fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

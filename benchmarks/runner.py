@@ -50,6 +50,10 @@ class RunConfig:
     matmul_n: int = 8192
     progress: bool = True
     argv: Optional[list[str]] = None
+    # Each step under torch.autocast in this dtype (None: no autocast). With fp32 inputs that is mixed precision:
+    # fp32 master weights and gradients, bf16 matmuls, what TRL's GRPOTrainer trains by default (it loads a model
+    # in float32 and its config has bf16=True).
+    autocast: Optional[torch.dtype] = None
 
 
 def versions() -> dict:
@@ -92,9 +96,11 @@ def _zero_grads(inp: Inputs) -> None:
             t.grad.zero_()
 
 
-def _step(peer: Peer, problem: Problem, inp: Inputs):
-    """One forward+backward; returns detached (loss, logps, entropy)."""
-    with peer.step_context():
+def _step(peer: Peer, problem: Problem, inp: Inputs, autocast: Optional[torch.dtype] = None):
+    """One forward+backward (under ``torch.autocast(dtype=autocast)`` when given, as ``Trainer(bf16=True)`` runs
+    a step); returns detached (loss, logps, entropy)."""
+    device_type = inp.weight.device.type
+    with peer.step_context(), torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
         if problem.kind == "ce":
             loss, logps, entropy = peer.ce_loss(inp), None, None
         else:
@@ -146,10 +152,10 @@ def run_pair(
     phase = "warm-up"
     try:
         _zero_grads(inp)
-        _step(peer, problem, inp)  # compile / autotune / allocator warm-up
+        _step(peer, problem, inp, cfg.autocast)  # compile / autotune / allocator warm-up
         inp.hidden.grad = inp.weight.grad = None  # the gradients this step produces become .grad
         phase = "memory"
-        (loss, logps, entropy), peak = measure.peak_memory(lambda: _step(peer, problem, inp), cfg.device)
+        (loss, logps, entropy), peak = measure.peak_memory(lambda: _step(peer, problem, inp, cfg.autocast), cfg.device)
         peak -= sum(t.grad.numel() * t.grad.element_size() for t in (inp.hidden, inp.weight) if t.grad is not None)
         rec["peak_mem_bytes"] = peak
         rec["loss"] = float(loss)
@@ -158,7 +164,7 @@ def run_pair(
             rec.update(_errors(problem, inp, ref, loss, logps, entropy))
         del loss, logps, entropy
         phase = "timing"
-        ms, timer = measure.median_ms(lambda: _step(peer, problem, inp), cfg.device, cfg.repeats)
+        ms, timer = measure.median_ms(lambda: _step(peer, problem, inp, cfg.autocast), cfg.device, cfg.repeats)
         n_valid = int((inp.labels != IGNORE_INDEX).sum())
         tflops = problem.flops_per_token_hv * n_valid * problem.H * problem.V / (ms * 1e-3) / 1e12
         rec.update(time_ms=ms, timer=timer, tflops=tflops, ceiling_tflops=ceiling,
@@ -189,6 +195,7 @@ def run(cfg: RunConfig) -> dict:
         "argv": cfg.argv if cfg.argv is not None else sys.argv[1:],
         "device": device_name(cfg.device),
         "dtype": str(cfg.dtype).replace("torch.", ""),
+        "autocast": None if cfg.autocast is None else str(cfg.autocast).replace("torch.", ""),
         "versions": versions(),
         "matmul_ceiling": ceiling,
         "timer": measure.timer_name(cfg.device),

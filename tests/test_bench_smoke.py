@@ -258,3 +258,32 @@ def test_host_time_tool_runs_on_cpu(capsys):
                            "--device", "cpu", "--steps", "2", "--hidden", "16", "--vocab", "64", "--rows", "5"]) == 0
     out = capsys.readouterr().out
     assert "ms of host time per step" in out and "1×2048×16×64" in out and "function calls" in out
+
+
+def test_autocast_runs_every_step_in_mixed_precision(tmp_path, capsys):
+    """``--dtype fp32 --autocast bf16``: fp32 inputs and gradients, each step under bf16 autocast (TRL's
+    GRPOTrainer default: a float32 model trained with bf16=True). Autocast reaches every peer: their errors against
+    float64 are bf16's (fp32 steps are ~1e-6), hf_fused's no larger than eager's (its fp32 gradients are rounded
+    once, eager's through bf16 first), and the run and its table say so."""
+    out = tmp_path / "bench"
+    assert main(["--device", "cpu", "--quick", "--shapes", SHAPES, "--peers", "eager,trl,hf_fused", "--dtype", "fp32",
+                 "--autocast", "bf16", "--repeats", "1", "--out", str(out), "--no-progress"]) == 0
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["runs"][0]["autocast"] == "bfloat16" and doc["runs"][0]["dtype"] == "float32"
+    assert "autocast: bfloat16" in (out / "bench.txt").read_text()
+    recs = _records(doc)
+    for shape in SHAPES.split(","):
+        eager = recs[(shape, "eager")]
+        for peer in ("eager", "trl", "hf_fused"):
+            r = recs[(shape, peer)]
+            assert r["status"] == "ok", r
+            for key in ("grad_hidden_rel_err", "grad_weight_rel_err"):
+                assert 1e-4 < r[key] < 2e-2, (shape, peer, key, r[key])  # bf16 operands: 2^-8 relative rounding
+                if peer == "hf_fused":
+                    assert r[key] <= 1.25 * eager[key], (shape, key, r[key], eager[key])
+
+    fp32 = tmp_path / "fp32"
+    assert main(["--device", "cpu", "--quick", "--shapes", "ce-128-h64-v1k", "--peers", "eager", "--dtype", "fp32",
+                 "--repeats", "1", "--out", str(fp32), "--no-progress"]) == 0
+    (plain,) = json.loads((fp32 / "bench.json").read_text())["results"]
+    assert plain["grad_hidden_rel_err"] < 1e-5 and json.loads((fp32 / "bench.json").read_text())["runs"][0]["autocast"] is None
