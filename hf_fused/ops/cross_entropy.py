@@ -40,7 +40,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, call: _CrossEntropyCall):
         given = replace(call.head, hidden=hidden, weight=weight, bias=bias)
-        head = given.computed()  # the operands F.linear would compute from; gradients go to the given tensors
+        # backends cast to the operands F.linear would compute from (HeadInputs.compute_dtype); gradients go
+        # to the given tensors
+        head = given
         backend, grad_scale, row_weights, rows = call.backend, call.grad_scale, call.row_weights, head.rows
         need = NeededGrads.of(ctx, bias, call.grad_enabled)
         ctx.config = (grad_scale, backend, need)
@@ -78,7 +80,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         else:
             with autocast_off(given.hidden.device.type):
                 g_lp = _grad_logprobs(grad_scale, factor, row_weights, given.rows)
-                grads = backend.logprobs_backward(given.computed(), lse, None, g_lp, None, need=need)
+                grads = backend.logprobs_backward(given, lse, None, g_lp, None, need=need)
             factor = 1.0
         d_hidden, d_weight, d_bias = grads.input_grads(given.hidden, given.weight, given.bias, given.rows, factor)
         return d_hidden, d_weight, d_bias, None

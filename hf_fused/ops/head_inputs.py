@@ -22,11 +22,14 @@ class HeadInputs:
         this order.
     transform: the logit transform.  tile_budget_bytes: the working-set bound the planner
         (:mod:`hf_fused.ops.tiling`) tiles within; ``None``: its default rule.
-    compute_dtype: the dtype ``F.linear`` would compute in under autocast (``None`` outside it): backends take
-        :meth:`computed` heads, whose hidden, weight and bias are cast to it; the ops' autograd Functions keep
-        the tensors as given, so that an fp32 parameter's gradient comes back in fp32 straight from the fp32
-        accumulators (never rounded to bf16 on the way, as eager autocast's is) and no half-precision copy of
-        the weight is held from forward to backward.
+    compute_dtype: the dtype ``F.linear`` would compute in under autocast (``None`` outside it). Backends take
+        the head as the op was given it and compute from operands in :attr:`operand_dtype`: the one passes from
+        a :meth:`computed` head (hidden, weight and bias cast whole), the GPU two passes casting one vocabulary
+        chunk of the weight at a time (:meth:`weight_rows`), so that an fp32 weight (fp32 master weights under
+        ``Trainer(bf16=True)``, TRL's GRPOTrainer default) costs no whole half-precision copy there. The ops'
+        autograd Functions keep the tensors as given, so that an fp32 parameter's gradient comes back in fp32
+        straight from the fp32 accumulators (never rounded to bf16 on the way, as eager autocast's is) and no
+        half-precision copy of the weight is held from forward to backward.
     """
 
     hidden: torch.Tensor
@@ -40,6 +43,23 @@ class HeadInputs:
     #: In a :meth:`computed` head: the given weight's dtype, which its gradient comes back in (an fp32 weight under
     #: autocast gets an fp32 gradient: backends write it in fp32 instead of the compute dtype).
     weight_grad_dtype: Optional[torch.dtype] = None
+
+    @property
+    def operand_dtype(self) -> torch.dtype:
+        """The dtype the matmuls' operands are in: :attr:`compute_dtype` under autocast, else the weight's."""
+        return self.compute_dtype or self.weight.dtype
+
+    def casts_weight(self) -> bool:
+        """Whether the weight is not in :attr:`operand_dtype` (an fp32 weight under bf16 autocast)."""
+        return self.weight.dtype != self.operand_dtype
+
+    def weight_rows(self, v0: int, v1: int, buf: Optional[torch.Tensor]) -> torch.Tensor:
+        """``weight[v0:v1]`` in :attr:`operand_dtype`: the slice itself when no cast is needed, else cast into the
+        first ``v1 − v0`` rows of ``buf`` (``[≥ v1 − v0, H]``, contiguous) and that view returned."""
+        rows = self.weight[v0:v1]
+        if not self.casts_weight():
+            return rows
+        return buf[: v1 - v0].copy_(rows)
 
     def computed(self) -> "HeadInputs":
         """This head with hidden, weight and bias cast to :attr:`compute_dtype` as autocast casts ``F.linear``'s

@@ -54,7 +54,9 @@ class LinearLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, call: _LogprobsCall):
         given = replace(call.head, hidden=hidden, weight=weight, bias=bias)
-        head = given.computed()  # the operands F.linear would compute from; gradients go to the given tensors
+        # backends cast to the operands F.linear would compute from (HeadInputs.compute_dtype); gradients go
+        # to the given tensors
+        head = given
         backend, grad_hint, statistics = call.backend, call.grad_hint, call.statistics
         rows, labels = head.rows, head.labels
         # An entropy returned but unused must not cost a backward term: let its gradient arrive as None.
@@ -95,7 +97,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
             out = _hinted_grads(hinted[0], hinted[1], g_lp, g_h, given)
             if out is not None:
                 return out + (None,)
-        grads, rows = recompute_grads(ctx.backend, given.computed(), lse, ent_rows, g_lp, g_h, need)
+        grads, rows = recompute_grads(ctx.backend, given, lse, ent_rows, g_lp, g_h, need)
         return grads.input_grads(given.hidden, given.weight, given.bias, rows) + (None,)
 
 

@@ -356,7 +356,7 @@ MIN_LEAN_BLOCK_ROWS = 1024
 def lean_two_pass_plan(
     n_rows: int, hidden_size: int, vocab_size: int, elem_bytes: int, tile_budget_bytes: int, *,
     reserved_bytes: int = 0, copy_bytes: int = 0, gather_row_bytes: int = 0, accumulator_row_bytes: int = 0,
-    weight_chunk: bool = False, row_quantum: int = 1,
+    weight_chunk: bool = False, row_quantum: int = 1, col_bytes: int = 0,
 ) -> LeanPlan:
     """The tile of the GPU two passes when ``tile_budget_bytes`` is given: a hard bound on everything the pass
     holds beyond its inputs and outputs, not on the tile alone.
@@ -364,7 +364,8 @@ def lean_two_pass_plan(
     The working set: ``reserved_bytes`` (the hidden gradient's accumulator, :func:`hidden_accumulator`);
     ``ROW_VECTOR_BYTES`` per row; the kept hidden rows in the weight's dtype, either one compact copy
     (``copy_bytes``, 0 when every row is kept) or a ``[block_rows, H]`` gather buffer (``gather_row_bytes`` per
-    row); and the ``[block_rows, cols]`` tile. When several row blocks add into one vocabulary chunk's weight
+    row); the ``[block_rows, cols]`` tile; and ``col_bytes`` per chunk column (the ``[cols, H]`` buffer a weight in
+    another dtype than the operands' is cast into, chunk by chunk). When several row blocks add into one vocabulary chunk's weight
     gradient (``weight_chunk``), its fp32 ``[cols, H]`` accumulator costs no budget (it lives in the weight
     gradient's unwritten rows or the tile's unused part, :func:`weight_gradient_chunks`) but its traffic counts.
     Among the plans that fit (the rows in 1, 2, 4, ...
@@ -391,7 +392,7 @@ def lean_two_pass_plan(
         avail = budget - reserved_bytes - fixed
         narrow = min(vocab_size, MIN_CHUNK_COLS)
         # the most rows beside the narrowest chunk, then all rows and halvings with their widest chunks
-        most = avail // (narrow * elem_bytes + row_bytes)
+        most = (avail - narrow * col_bytes) // (narrow * elem_bytes + row_bytes)
         equal = {-(-m // -(-m // most))} if most >= 1 else set()  # in equal blocks
         blocks = 1  # m split evenly into 1, 2, 4, ... blocks (m // 2 rows would leave a block of one row)
         while blocks == 1 or -(-m // blocks) >= MIN_LEAN_BLOCK_ROWS:
@@ -402,20 +403,22 @@ def lean_two_pass_plan(
         sizes += [(row_quantum > 1, q) for q in equal]
         for unquantized, block_rows in sorted(sizes, key=lambda size: (size[0], -size[1])):
             split = block_rows < m and weight_chunk
-            cols = (avail - block_rows * row_bytes) // (block_rows * elem_bytes)  # the tile and its rows fit
+            # the tile, its rows and the chunk's cast weight fit
+            cols = (avail - block_rows * row_bytes) // (block_rows * elem_bytes + col_bytes)
             if cols < narrow:
                 continue
             cols = _aligned_cols(cols, vocab_size)
             chunks, n_blocks = -(-vocab_size // cols), -(-m // block_rows)
             moved = chunks * m * (accumulator_row_bytes + 2 * row_bytes)
             moved += chunks * n_blocks * cols * hidden_size * 8 if split else 0
-            used = fixed + reserved_bytes + block_rows * (cols * elem_bytes + row_bytes)
+            used = fixed + reserved_bytes + block_rows * (cols * elem_bytes + row_bytes) + cols * col_bytes
             options.append((unquantized, moved, LeanPlan(block_rows, cols, gather, used)))
     if options:  # the first of the cheapest: the compact copy, then larger blocks, win ties
         return min(options, key=lambda option: option[:2])[2]
     block_rows, cols = two_pass_plan(n_rows, vocab_size, elem_bytes, tile_budget_bytes, reserved_bytes + copy_bytes)
     block_rows = -(-m // -(-m // block_rows))  # the same number of blocks, equal
-    return LeanPlan(block_rows, cols, False, reserved_bytes + copy_bytes + block_rows * cols * elem_bytes)
+    return LeanPlan(block_rows, cols, False,
+                    reserved_bytes + copy_bytes + block_rows * cols * elem_bytes + cols * col_bytes)
 
 
 @dataclass(frozen=True)
@@ -495,11 +498,12 @@ def _quantized(candidates: set[int], m: int, quantum: int) -> set[int]:
 def two_pass_tile_plan(
     n_rows: int, hidden_size: int, vocab_size: int, elem_bytes: int, tile_budget_bytes: Optional[int], *,
     copy_bytes: int = 0, gather_row_bytes: int = 0, reserved_bytes: int = 0, accumulator_row_bytes: int = 0,
-    weight_chunk: bool = False, row_quantum: int = 1,
+    weight_chunk: bool = False, row_quantum: int = 1, col_bytes: int = 0,
 ) -> LeanPlan:
     """The GPU two passes' tile for ``n_rows`` kept rows: the one a :func:`forced_plans` block set; under the
     default rule (``tile_budget_bytes=None``) :func:`two_pass_plan`'s, the tile alone within
-    ``DEFAULT_TILE_BUDGET_BYTES`` beside one compact copy of the kept rows; under an explicit budget
+    ``DEFAULT_TILE_BUDGET_BYTES`` beside one compact copy of the kept rows (and the cast weight chunk,
+    ``col_bytes`` per column); under an explicit budget
     :func:`lean_two_pass_plan`'s, with every keyword as there.
 
     Raises:
@@ -514,7 +518,7 @@ def two_pass_tile_plan(
     return lean_two_pass_plan(
         n_rows, hidden_size, vocab_size, elem_bytes, tile_budget_bytes, reserved_bytes=reserved_bytes,
         copy_bytes=copy_bytes, gather_row_bytes=gather_row_bytes, accumulator_row_bytes=accumulator_row_bytes,
-        weight_chunk=weight_chunk, row_quantum=row_quantum,
+        weight_chunk=weight_chunk, row_quantum=row_quantum, col_bytes=col_bytes,
     )
 
 

@@ -153,7 +153,9 @@ class LinearTokenLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, call: _TokenLossCall):
         given = replace(call.head, hidden=hidden, weight=weight, bias=bias)
-        head = given.computed()  # the operands F.linear would compute from; gradients go to the given tensors
+        # backends cast to the operands F.linear would compute from (HeadInputs.compute_dtype); gradients go
+        # to the given tensors
+        head = given
         rows, tile_loss = head.rows, call.tile_loss
         need = NeededGrads.of(ctx, bias, call.grad_enabled)
         ctx.backend, ctx.need = call.backend, need
@@ -203,7 +205,7 @@ class LinearTokenLossFunction(torch.autograd.Function):
             (g_lp, g_ent), ctx.row_grads = ctx.row_grads, None
             g_lp = g_lp * factor
             g_ent = None if g_ent is None else g_ent * factor
-            grads, rows = recompute_grads(ctx.backend, given.computed(), lse, ent, g_lp, g_ent, need)
+            grads, rows = recompute_grads(ctx.backend, given, lse, ent, g_lp, g_ent, need)
             factor = 1.0
         return grads.input_grads(given.hidden, given.weight, given.bias, rows, factor) + (None,)
 
@@ -392,7 +394,9 @@ class HintedLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, call: _TokenLossCall):
         given = replace(call.head, hidden=hidden, weight=weight, bias=bias)
-        head = given.computed()  # the operands F.linear would compute from; gradients go to the given tensors
+        # backends cast to the operands F.linear would compute from (HeadInputs.compute_dtype); gradients go
+        # to the given tensors
+        head = given
         ctx.set_materialize_grads(False)
         need = NeededGrads.of(ctx, bias, call.grad_enabled)
         ctx.backend, ctx.need = call.backend, need
@@ -424,7 +428,7 @@ class HintedLogprobsFunction(torch.autograd.Function):
                 return out + (None,)
         if g_h is not None and ent is None:  # cannot happen: entropy is returned only when computed
             raise RuntimeError("linear_logprobs: an entropy gradient without a saved entropy")
-        grads, rows = recompute_grads(ctx.backend, given.computed(), lse, ent, g_lp, g_h, need)
+        grads, rows = recompute_grads(ctx.backend, given, lse, ent, g_lp, g_h, need)
         return grads.input_grads(given.hidden, given.weight, given.bias, rows) + (None,)
 
 

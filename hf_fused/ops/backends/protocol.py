@@ -50,7 +50,11 @@ class Backend(Protocol):
     """``logprobs_with_grads`` (one pass, with the gradients of a known upstream), ``logprobs_forward``
     (statistics) and ``logprobs_backward`` (recompute). Optionally ``token_loss_with_grads`` (the one pass of
     :func:`~hf_fused.ops.linear_token_loss` and of a ``TokenLossHint``; without it those run statistics +
-    recompute), with the signature of :meth:`TokenLossBackend.token_loss_with_grads`."""
+    recompute), with the signature of :meth:`TokenLossBackend.token_loss_with_grads`. Every method takes the head
+    as the op was given it: under autocast (:attr:`HeadInputs.compute_dtype`) it computes from operands in
+    :attr:`HeadInputs.operand_dtype`, cast whole (:meth:`HeadInputs.computed`) or chunk by chunk
+    (:meth:`HeadInputs.weight_rows`), and returns gradients in the given tensors' dtypes' precision (fp32 for fp32
+    inputs)."""
 
     name: str
 

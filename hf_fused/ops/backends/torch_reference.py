@@ -101,6 +101,7 @@ class TorchReferenceBackend:
     def _one_pass(self, head: HeadInputs, tile_grads: Optional[TileGrads], need: NeededGrads,
                   return_entropy: bool, statistics: Sequence[str], grads_read_entropy: bool = True) -> HeadPass:
         """The loop behind the forward methods; statistics only (``grads`` ``None``) without ``tile_grads``."""
+        head = head.computed()  # the reference computes from whole cast operands
         hidden, weight, labels, rows, transform = head.hidden, head.weight, head.labels, head.rows, head.transform
         weight32 = weight.float()
         grads = None
@@ -168,6 +169,7 @@ class TorchReferenceBackend:
         grad_logprobs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor], *, need: NeededGrads,
     ) -> HeadGrads:
         """Gradients from upstream ``grad_logprobs [M]`` / ``grad_entropy [M]`` (fp32, either may be None)."""
+        head = head.computed()
         weight, labels, rows = head.weight, head.labels, head.rows
         weight32 = weight.float()
         grads = self._new_grads(head, need)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from dataclasses import replace
 from types import ModuleType
 from typing import Optional, Sequence
 
@@ -188,27 +189,29 @@ class TritonCublasBackend:
         per-block gather) and the fp32 weight-gradient chunk (``weight_chunk``) inside the budget, row blocks in
         whole ``row_quantum``s)."""
         hidden, weight = head.hidden, head.weight
-        m_rows, (vocab_size, hidden_size), elem = head.rows.numel(), weight.shape, weight.element_size()
-        cast = hidden.dtype != weight.dtype  # gathered rows pass through hidden's dtype before the cast
+        m_rows, (vocab_size, hidden_size), elem = head.rows.numel(), weight.shape, head.operand_dtype.itemsize
+        cast = hidden.dtype != head.operand_dtype  # gathered rows pass through hidden's dtype before the cast
         return two_pass_tile_plan(
             m_rows, hidden_size, vocab_size, elem, head.tile_budget_bytes, reserved_bytes=reserved_bytes,
             copy_bytes=TritonCublasBackend._compact_bytes(head),
             gather_row_bytes=hidden_size * (elem + (hidden.element_size() if cast else 0)),
             accumulator_row_bytes=accumulator_row_bytes, weight_chunk=weight_chunk, row_quantum=row_quantum,
+            # an fp32 weight under autocast: each vocabulary chunk cast into a [cols, H] buffer (no whole copy)
+            col_bytes=hidden_size * elem if head.casts_weight() else 0,
         )
 
     @staticmethod
     def _compact_bytes(head: HeadInputs) -> int:
-        """Bytes of the copy :meth:`_compact` makes: none when every row is kept in the weight's dtype."""
-        hidden, weight, m_rows = head.hidden, head.weight, head.rows.numel()
-        if m_rows == hidden.shape[0] and hidden.dtype == weight.dtype:
+        """Bytes of the copy :meth:`_compact` makes: none when every row is kept in the operands' dtype."""
+        hidden, m_rows, dtype = head.hidden, head.rows.numel(), head.operand_dtype
+        if m_rows == hidden.shape[0] and hidden.dtype == dtype:
             return 0
-        return m_rows * hidden.shape[1] * weight.element_size()
+        return m_rows * hidden.shape[1] * dtype.itemsize
 
     @staticmethod
     def _compact(head: HeadInputs):
-        """The kept rows' hidden states (in weight's dtype) and labels."""
-        hidden, labels, rows = head.hidden.to(head.weight.dtype), head.labels, head.rows
+        """The kept rows' hidden states (in the operands' dtype) and labels."""
+        hidden, labels, rows = head.hidden.to(head.operand_dtype), head.labels, head.rows
         if rows.numel() == hidden.shape[0]:
             return hidden, labels
         return hidden.index_select(0, rows), labels.index_select(0, rows)
@@ -224,7 +227,7 @@ class TritonCublasBackend:
             for r0 in range(0, m_rows, plan.block_rows):
                 yield r0, min(r0 + plan.block_rows, m_rows), compact[r0 : r0 + plan.block_rows]
             return
-        hidden, dtype = head.hidden, head.weight.dtype
+        hidden, dtype = head.hidden, head.operand_dtype
         for r0 in range(0, m_rows, plan.block_rows):
             r1 = min(r0 + plan.block_rows, m_rows)
             index = head.rows[r0:r1]
@@ -238,7 +241,7 @@ class TritonCublasBackend:
         """``(compact hidden rows or None, gather buffer or None, the kept rows' labels)`` for :meth:`_row_blocks`."""
         if plan.gather_rows:
             hidden, rows = head.hidden, head.rows
-            buf = torch.empty((min(plan.block_rows, rows.numel()), hidden.shape[1]), dtype=head.weight.dtype,
+            buf = torch.empty((min(plan.block_rows, rows.numel()), hidden.shape[1]), dtype=head.operand_dtype,
                               device=hidden.device)
             return None, buf, head.labels.index_select(0, rows)
         h, y = TritonCublasBackend._compact(head)
@@ -315,15 +318,16 @@ class TritonCublasBackend:
     ) -> HeadPass:
         """Like :meth:`TorchReferenceBackend.logprobs_forward`, vocabulary chunks outside: the token statistics
         are online reductions across chunks like the log-sum-exp."""
-        weight, bias = head.weight, head.bias
+        weight, bias, dtype = head.weight, _operand_bias(head), head.operand_dtype
         plan = self._plan(head)
         h, buf, y = self._rows_source(head, plan)
         m_rows, vocab_size = head.rows.numel(), weight.shape[0]
         stats = self._new_stats(m_rows, weight.device, statistics)
         scalars = self._scalars(head.transform, bias)
-        tile_buf = torch.empty((plan.block_rows, plan.cols), dtype=weight.dtype, device=weight.device)
+        tile_buf = torch.empty((plan.block_rows, plan.cols), dtype=dtype, device=weight.device)
+        w_buf = _weight_chunk_buffer(head, plan.cols)
         for v0 in range(0, vocab_size, plan.cols):
-            w_chunk = weight[v0 : v0 + plan.cols]
+            w_chunk = head.weight_rows(v0, min(v0 + plan.cols, vocab_size), w_buf)
             for r0, r1, h_rows in self._row_blocks(head, plan, h, buf):
                 z = torch.mm(h_rows, w_chunk.t(), out=tile_buf[: r1 - r0, : w_chunk.shape[0]])
                 self._stats(z, v0, bias, y[r0:r1], _row_slice(stats, r0, r1), scalars, return_entropy)
@@ -335,7 +339,8 @@ class TritonCublasBackend:
         grad_logprobs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor], *, need: NeededGrads,
     ) -> HeadGrads:
         """Like :meth:`TorchReferenceBackend.logprobs_backward`, vocabulary chunks outside (module docstring)."""
-        hidden, weight, bias, rows = head.hidden, head.weight, head.bias, head.rows
+        hidden, weight, bias, rows = head.hidden, head.weight, _operand_bias(head), head.rows
+        dtype = head.operand_dtype  # the matmuls' operands: a weight in another dtype is cast chunk by chunk
         need_hidden, need_weight = need.hidden, need.weight
         m_rows, (vocab_size, hidden_size) = rows.numel(), weight.shape
         grads = HeadGrads()
@@ -344,7 +349,7 @@ class TritonCublasBackend:
         # (d_hidden, d_hidden_lo) whose hi is hidden's whole gradient (the kept rows written through ``hi_rows``),
         # so only the residual is extra; the explicit budget then covers it too.
         kind, extra = hidden_accumulator(m_rows, hidden_size, hidden.dtype, head.tile_budget_bytes)
-        pair = need_hidden and kind == "pair" and weight.dtype == torch.bfloat16
+        pair = need_hidden and kind == "pair" and dtype == torch.bfloat16
         moved = accumulation_row_bytes("pair" if pair else "fp32", hidden_size, hidden.element_size()) if (
             need_hidden) else 0
         # The pair's matmul is a persistent kernel: row blocks that fill whole waves of the GPU (compensated.wave_rows).
@@ -372,22 +377,24 @@ class TritonCublasBackend:
         ent = zeros if entropy is None else entropy
         block_rows, cols = plan.block_rows, plan.cols
         scalars = self._scalars(head.transform, bias)
-        tile_buf = torch.empty((block_rows, cols), dtype=weight.dtype, device=weight.device)
+        tile_buf = torch.empty((block_rows, cols), dtype=dtype, device=weight.device)
+        w_buf = _weight_chunk_buffer(head, cols)
+        w_like = weight if w_buf is None else w_buf  # what the chunks' operands look like, for the checks below
         # dz straight from the logits matmul's epilogue where it runs (the logits are never written): QuACK's
         # where installed and the gradient is the log-probs' alone (16 % less time per tile than the Triton
         # matmul's on an H200, the same bits: docs/gpu_results.md, fifteenth session), else the Triton kernel
         rows_operand = h if buf is None else buf
-        fused = logits_epilogues.applies(rows_operand, weight, tile_buf)
+        fused = logits_epilogues.applies(rows_operand, w_like, tile_buf)
         quack_dz = (fused and grad_logprobs is not None and grad_entropy is None and bias is None
-                    and head.transform.is_identity and _quack_runs_on(rows_operand, weight) and _quack() is not None)
+                    and head.transform.is_identity and _quack_runs_on(rows_operand, w_like) and _quack() is not None)
         if quack_dz:
             neg_g_lp = g_lp.neg()  # the epilogue's per-row factor: dz = −g_lp·p off the label
             label_logit = torch.empty(block_rows, dtype=torch.float32, device=weight.device)
-        chunks = weight_gradient_chunks(vocab_size, hidden_size, plan, m_rows, weight.element_size(),
+        chunks = weight_gradient_chunks(vocab_size, hidden_size, plan, m_rows, dtype.itemsize,
                                         grads.weight.element_size() if need_weight else 4)
         for chunk in chunks:
             v0, v1 = chunk.v0, chunk.v1
-            w_chunk = weight[v0:v1]
+            w_chunk = head.weight_rows(v0, v1, w_buf)
             # several row blocks add into this chunk's fp32 accumulator (tiling.WeightChunk); the first sets it
             tile, d_w_chunk32 = _chunk_buffers(chunk, tile_buf, grads.weight, hidden_size, block_rows < m_rows)
             for r0, r1, h_rows in self._row_blocks(head, plan, h, buf):
@@ -416,7 +423,7 @@ class TritonCublasBackend:
                 if d_w_chunk32 is not None:
                     (_addmm_f32_ if r0 else _mm_f32_)(d_w_chunk32, dz.t(), h_rows)
                 elif need_weight:
-                    if grads.weight.dtype == weight.dtype:
+                    if grads.weight.dtype == dtype:
                         torch.mm(dz.t(), h_rows, out=grads.weight[v0:v1])
                     else:
                         _mm_f32_(grads.weight[v0:v1], dz.t(), h_rows)
@@ -434,12 +441,13 @@ class TritonCublasBackend:
         """The call's one pass (tile rows and weight-gradient accumulator), or ``None`` for the two passes
         (:func:`~hf_fused.ops.tiling.one_pass_plan`), counting the kept rows' fp32 hidden gradient (held until
         backward) and, where rows are gathered (:meth:`_one_pass_gathers`), each tile's gathered rows."""
-        weight = head.weight
+        device, view, casts = head.weight.device, *_computed_view(head)
+        weight = view.weight
         vocab_size, hidden_size = weight.shape
-        accumulators = one_pass_accumulators(need.weight, head.weight_grad_dtype or weight.dtype, weight.dtype)
+        accumulators = one_pass_accumulators(need.weight, view.weight_grad_dtype or weight.dtype, weight.dtype)
         gradient = head.rows.numel() * hidden_size * 4 if need.hidden else 0
         return one_pass_plan(vocab_size, hidden_size, weight.element_size(), accumulators, head.tile_budget_bytes,
-                             weight.device, gradient, TritonCublasBackend._one_pass_gather_row_bytes(head))
+                             device, gradient + casts, TritonCublasBackend._one_pass_gather_row_bytes(view))
 
     @staticmethod
     def _one_pass_gathers(head: HeadInputs) -> bool:
@@ -492,11 +500,13 @@ class TritonCublasBackend:
         rows come from the same statistics kernel. ``tile_grads`` is passed the entropy only with
         ``entropy_in_grads`` (its loss reads it); without, where QuACK's epilogue gives the statistics
         (:func:`_fuses_statistics`), a returned entropy comes from the gradient kernel's Σ p·z."""
-        weight, bias = head.weight, head.bias
         need_hidden, need_weight = need.hidden, need.weight
         plan = self._one_pass_plan(head, need)
         if plan is None:
             return None
+        # Every tile reads the whole weight: under autocast one cast copy for the pass (the plan counted it)
+        head = head.computed()
+        weight, bias = head.weight, head.bias
         block_rows = plan.rows
         m_rows, (vocab_size, hidden_size) = head.rows.numel(), weight.shape
         device = weight.device
@@ -614,3 +624,32 @@ def _round_into_(grad_weight: torch.Tensor, chunk: WeightChunk, acc: torch.Tenso
 
 def _row_slice(stats, r0, r1):
     return tuple(None if t is None else t[r0:r1] for t in stats)
+
+
+def _operand_bias(head: HeadInputs) -> Optional[torch.Tensor]:
+    """The bias in the operands' dtype, as ``F.linear`` under autocast adds it (``[V]``: cast whole)."""
+    bias = head.bias
+    return None if bias is None else bias.to(head.operand_dtype)
+
+
+def _weight_chunk_buffer(head: HeadInputs, cols: int) -> Optional[torch.Tensor]:
+    """The ``[cols, H]`` buffer each vocabulary chunk of a weight in another dtype is cast into
+    (:meth:`~hf_fused.ops.head_inputs.HeadInputs.weight_rows`, counted by the plan's ``col_bytes``); ``None``
+    when the weight is in the operands' dtype (its slices are the operands)."""
+    if not head.casts_weight():
+        return None
+    return torch.empty((min(cols, head.weight.shape[0]), head.weight.shape[1]), dtype=head.operand_dtype,
+                       device=head.weight.device)
+
+
+def _computed_view(head: HeadInputs) -> tuple[HeadInputs, int]:
+    """``(a head with the shapes and dtypes of head.computed() on the meta device, the bytes its casts hold)``:
+    what the one pass plans with before deciding to make the copies."""
+    if head.compute_dtype is None:
+        return head, 0
+    dtype, hidden, weight = head.compute_dtype, head.hidden, head.weight
+    casts = sum(t.numel() * dtype.itemsize for t in (hidden, weight) if t.dtype != dtype)
+    view = replace(head, hidden=torch.empty(hidden.shape, dtype=dtype, device="meta"),
+                   weight=torch.empty(weight.shape, dtype=dtype, device="meta"), bias=None, compute_dtype=None,
+                   weight_grad_dtype=weight.dtype)
+    return view, casts
