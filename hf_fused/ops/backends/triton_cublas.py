@@ -440,7 +440,8 @@ class TritonCublasBackend:
     def _one_pass_plan(head: HeadInputs, need: NeededGrads) -> Optional[OnePassPlan]:
         """The call's one pass (tile rows and weight-gradient accumulator), or ``None`` for the two passes
         (:func:`~hf_fused.ops.tiling.one_pass_plan`), counting the kept rows' fp32 hidden gradient (held until
-        backward) and, where rows are gathered (:meth:`_one_pass_gathers`), each tile's gathered rows."""
+        backward), where rows are gathered (:meth:`_one_pass_gathers`) each tile's gathered rows, and under autocast
+        the whole casts of hidden and weight the pass makes (:func:`_computed_view`)."""
         device, view, casts = head.weight.device, *_computed_view(head)
         weight = view.weight
         vocab_size, hidden_size = weight.shape
