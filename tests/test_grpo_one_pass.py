@@ -83,7 +83,7 @@ def _count_backend_calls(monkeypatch):
     """Count the torch backend's one-pass forwards that compute gradients and its recompute backwards."""
     backend = get_backend(torch.device("cpu"), "torch")
     calls = {"one_pass": 0, "logprobs_backward": 0}
-    dtypes = set()  # the head weight's dtype each call computes from
+    dtypes = set()  # the dtype each call's matmul operands are in (backends take the head as given, HeadInputs)
     for name, key in (("token_loss_with_grads", "one_pass"), ("logprobs_with_grads", "one_pass"),
                       ("logprobs_backward", "logprobs_backward")):
         original = getattr(backend, name)
@@ -91,7 +91,7 @@ def _count_backend_calls(monkeypatch):
         def counted(*args, _key=key, _original=original, **kwargs):
             if _key == "logprobs_backward" or kwargs["need"].any:  # one-pass calls that compute gradients
                 calls[_key] += 1
-                dtypes.add(args[0].weight.dtype)
+                dtypes.add(args[0].operand_dtype)
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(backend, name, counted)
