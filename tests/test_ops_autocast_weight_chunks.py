@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from hf_fused.ops import LogitTransform, linear_cross_entropy, tiling  # noqa: E402
-from hf_fused.ops.backends.triton_cublas import TritonCublasBackend, _computed_view  # noqa: E402
+from hf_fused.ops.backends.triton_cublas import TritonCublasBackend  # noqa: E402
 from hf_fused.ops.head_inputs import HeadInputs, NeededGrads  # noqa: E402
 
 N, H, V = 40, 32, 1000
@@ -102,10 +102,11 @@ def test_the_one_pass_counts_the_whole_casts_it_makes():
     """The one pass reads the whole weight per tile, so it casts it whole (and hidden): its plan counts both copies,
     and an explicit budget that only leaves room for the tile without them takes the two passes."""
     head = _head()
-    view, casts = _computed_view(head)
+    view, casts = head.computed(meta=True), head.cast_bytes()
     assert casts == (V * H + N * H) * 2 and view.weight.dtype == torch.bfloat16 and view.weight.is_meta
     assert view.weight_grad_dtype == torch.float32 and view.compute_dtype is None
-    assert _computed_view(head.computed())[1] == 0
+    assert head.computed().cast_bytes() == 0
+    assert _head(bias=True).cast_bytes() == (V * H + N * H + V) * 2  # the bias's copy too
     rows = head.rows.numel()
     gradient = rows * H * 4
     tile_rows = tiling.MIN_ONE_PASS_ROWS

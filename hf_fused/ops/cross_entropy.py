@@ -39,23 +39,22 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, call: _CrossEntropyCall):
+        # as given: the backends cast to the operands F.linear would compute from (HeadInputs.compute_dtype),
+        # and the gradients go to the given tensors
         given = replace(call.head, hidden=hidden, weight=weight, bias=bias)
-        # backends cast to the operands F.linear would compute from (HeadInputs.compute_dtype); gradients go
-        # to the given tensors
-        head = given
-        backend, grad_scale, row_weights, rows = call.backend, call.grad_scale, call.row_weights, head.rows
+        backend, grad_scale, row_weights, rows = call.backend, call.grad_scale, call.row_weights, given.rows
         need = NeededGrads.of(ctx, bias, call.grad_enabled)
         ctx.config = (grad_scale, backend, need)
         ctx.grads, lse, one_pass = None, None, None
         with autocast_off(hidden.device.type):
             if need.any:
                 one_pass = backend.logprobs_with_grads(
-                    head, _grad_logprobs(grad_scale, 1.0, row_weights, rows), need=need
+                    given, _grad_logprobs(grad_scale, 1.0, row_weights, rows), need=need
                 )
             if one_pass is not None:
                 logp, ctx.grads = one_pass.logprobs, one_pass.grads
             else:
-                statistics = backend.logprobs_forward(head)
+                statistics = backend.logprobs_forward(given)
                 logp, lse = statistics.logprobs, statistics.lse
         given.save_for_backward(ctx, lse, row_weights)
         loss_sum = -(logp if row_weights is None else logp * row_weights).sum()

@@ -61,15 +61,27 @@ class HeadInputs:
             return rows
         return buf[: v1 - v0].copy_(rows)
 
-    def computed(self) -> "HeadInputs":
+    def computed(self, *, meta: bool = False) -> "HeadInputs":
         """This head with hidden, weight and bias cast to :attr:`compute_dtype` as autocast casts ``F.linear``'s
-        operands (itself when there is none)."""
+        operands (itself when there is none). ``meta``: tensors of those shapes and dtypes on the meta device
+        instead, no copy made (what a planner reads before deciding to make them; :meth:`cast_bytes` is their
+        size)."""
         dtype = self.compute_dtype
         if dtype is None:
             return self
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return replace(self, hidden=self.hidden.to(dtype), weight=self.weight.to(dtype), bias=bias,
+        cast = (lambda t: torch.empty(t.shape, dtype=dtype, device="meta")) if meta else (lambda t: t.to(dtype))
+        bias = None if self.bias is None else cast(self.bias)
+        return replace(self, hidden=cast(self.hidden), weight=cast(self.weight), bias=bias,
                        compute_dtype=None, weight_grad_dtype=self.weight.dtype)
+
+    def cast_bytes(self) -> int:
+        """Bytes the copies :meth:`computed` makes hold: hidden, weight and bias where not already in
+        :attr:`compute_dtype` (0 outside autocast)."""
+        dtype = self.compute_dtype
+        if dtype is None:
+            return 0
+        return sum(t.numel() * dtype.itemsize for t in (self.hidden, self.weight, self.bias)
+                   if t is not None and t.dtype != dtype)
 
     def with_rows(self, rows: torch.Tensor) -> "HeadInputs":
         """The same head restricted to ``rows`` (a subset of :attr:`rows`, ascending)."""

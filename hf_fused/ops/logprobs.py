@@ -53,12 +53,11 @@ class LinearLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, call: _LogprobsCall):
+        # as given: the backends cast to the operands F.linear would compute from (HeadInputs.compute_dtype),
+        # and the gradients go to the given tensors
         given = replace(call.head, hidden=hidden, weight=weight, bias=bias)
-        # backends cast to the operands F.linear would compute from (HeadInputs.compute_dtype); gradients go
-        # to the given tensors
-        head = given
         backend, grad_hint, statistics = call.backend, call.grad_hint, call.statistics
-        rows, labels = head.rows, head.labels
+        rows, labels = given.rows, given.labels
         # An entropy returned but unused must not cost a backward term: let its gradient arrive as None.
         ctx.set_materialize_grads(False)
         need = NeededGrads.of(ctx, bias)
@@ -67,12 +66,12 @@ class LinearLogprobsFunction(torch.autograd.Function):
         with autocast_off(hidden.device.type):
             if grad_hint is not None and call.grad_enabled and need.any:
                 one_pass = backend.logprobs_with_grads(
-                    head, grad_hint, need=need, return_entropy=call.return_entropy, statistics=statistics
+                    given, grad_hint, need=need, return_entropy=call.return_entropy, statistics=statistics
                 )
             if one_pass is not None:
                 ctx.hinted = (grad_hint, one_pass.grads)
             else:
-                one_pass = backend.logprobs_forward(head, return_entropy=call.return_entropy, statistics=statistics)
+                one_pass = backend.logprobs_forward(given, return_entropy=call.return_entropy, statistics=statistics)
         logprobs, entropy = per_token_outputs(hidden, rows, labels.numel(), one_pass.logprobs, one_pass.entropy,
                                               call.return_entropy)
         token_stats = per_token_statistics(one_pass.statistics, rows, labels.numel())

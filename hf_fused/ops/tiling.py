@@ -365,9 +365,10 @@ def lean_two_pass_plan(
     ``ROW_VECTOR_BYTES`` per row; the kept hidden rows in the weight's dtype, either one compact copy
     (``copy_bytes``, 0 when every row is kept) or a ``[block_rows, H]`` gather buffer (``gather_row_bytes`` per
     row); the ``[block_rows, cols]`` tile; and ``col_bytes`` per chunk column (the ``[cols, H]`` buffer a weight in
-    another dtype than the operands' is cast into, chunk by chunk). When several row blocks add into one vocabulary chunk's weight
-    gradient (``weight_chunk``), its fp32 ``[cols, H]`` accumulator costs no budget (it lives in the weight
-    gradient's unwritten rows or the tile's unused part, :func:`weight_gradient_chunks`) but its traffic counts.
+    another dtype than the operands' is cast into, chunk by chunk). When several row blocks add into one
+    vocabulary chunk's weight gradient (``weight_chunk``), its fp32 ``[cols, H]`` accumulator costs no budget (it
+    lives in the weight gradient's unwritten rows or the tile's unused part, :func:`weight_gradient_chunks`) but
+    its traffic counts.
     Among the plans that fit (the rows in 1, 2, 4, ...
     equal blocks of at least ``MIN_LEAN_BLOCK_ROWS``, or in the fewest equal blocks beside a ``MIN_CHUNK_COLS``
     chunk; each with its widest chunk), the one that moves the fewest bytes in what it repeats: per vocabulary

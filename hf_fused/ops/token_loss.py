@@ -152,29 +152,28 @@ class LinearTokenLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, call: _TokenLossCall):
+        # as given: the backends cast to the operands F.linear would compute from (HeadInputs.compute_dtype),
+        # and the gradients go to the given tensors
         given = replace(call.head, hidden=hidden, weight=weight, bias=bias)
-        # backends cast to the operands F.linear would compute from (HeadInputs.compute_dtype); gradients go
-        # to the given tensors
-        head = given
-        rows, tile_loss = head.rows, call.tile_loss
+        rows, tile_loss = given.rows, call.tile_loss
         need = NeededGrads.of(ctx, bias, call.grad_enabled)
         ctx.backend, ctx.need = call.backend, need
         ctx.grads, ctx.row_grads = None, None
         lse = None
         with autocast_off(hidden.device.type):
-            one_pass = call.one_pass(head, need)
+            one_pass = call.one_pass(given, need)
             if one_pass is not None:
                 ctx.grads = one_pass.grads
             else:
                 # Statistics, then the loss and its per-row gradients on all rows at once (elementwise, so
                 # the same values as tile by tile); backward recomputes the tiles.
-                one_pass = call.backend.logprobs_forward(head, return_entropy=call.need_entropy)
+                one_pass = call.backend.logprobs_forward(given, return_entropy=call.need_entropy)
                 lse = one_pass.lse
                 tile_loss.differentiate = need.any
                 ctx.row_grads = tile_loss(0, rows.numel(), one_pass.logprobs, one_pass.entropy)
         logp, ent = one_pass.logprobs, one_pass.entropy
         given.save_for_backward(ctx, lse, ent)
-        n = head.labels.numel()
+        n = given.labels.numel()
         logprobs, entropy = per_token_outputs(hidden, rows, n, logp, ent, ent is not None)
         if entropy is None:
             ctx.mark_non_differentiable(logprobs)
@@ -393,21 +392,20 @@ class HintedLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, call: _TokenLossCall):
+        # as given: the backends cast to the operands F.linear would compute from (HeadInputs.compute_dtype),
+        # and the gradients go to the given tensors
         given = replace(call.head, hidden=hidden, weight=weight, bias=bias)
-        # backends cast to the operands F.linear would compute from (HeadInputs.compute_dtype); gradients go
-        # to the given tensors
-        head = given
         ctx.set_materialize_grads(False)
         need = NeededGrads.of(ctx, bias, call.grad_enabled)
         ctx.backend, ctx.need = call.backend, need
         ctx.hinted = None
         with autocast_off(hidden.device.type):
-            one_pass = call.one_pass(head, need)
+            one_pass = call.one_pass(given, need)
             if one_pass is not None:
                 ctx.hinted = call.tile_loss.stacked_row_grads() + (one_pass.grads,)
             else:
-                one_pass = call.backend.logprobs_forward(head, return_entropy=call.return_entropy)
-        logprobs, entropy = per_token_outputs(hidden, head.rows, head.labels.numel(), one_pass.logprobs,
+                one_pass = call.backend.logprobs_forward(given, return_entropy=call.return_entropy)
+        logprobs, entropy = per_token_outputs(hidden, given.rows, given.labels.numel(), one_pass.logprobs,
                                               one_pass.entropy, call.return_entropy)
         given.save_for_backward(ctx, one_pass.lse, one_pass.entropy)
         return logprobs, entropy

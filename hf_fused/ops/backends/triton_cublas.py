@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
-from dataclasses import replace
 from types import ModuleType
 from typing import Optional, Sequence
 
@@ -441,8 +440,8 @@ class TritonCublasBackend:
         """The call's one pass (tile rows and weight-gradient accumulator), or ``None`` for the two passes
         (:func:`~hf_fused.ops.tiling.one_pass_plan`), counting the kept rows' fp32 hidden gradient (held until
         backward), where rows are gathered (:meth:`_one_pass_gathers`) each tile's gathered rows, and under autocast
-        the whole casts of hidden and weight the pass makes (:func:`_computed_view`)."""
-        device, view, casts = head.weight.device, *_computed_view(head)
+        the whole casts the pass makes (:meth:`~hf_fused.ops.head_inputs.HeadInputs.cast_bytes`)."""
+        device, view, casts = head.weight.device, head.computed(meta=True), head.cast_bytes()
         weight = view.weight
         vocab_size, hidden_size = weight.shape
         accumulators = one_pass_accumulators(need.weight, view.weight_grad_dtype or weight.dtype, weight.dtype)
@@ -641,16 +640,3 @@ def _weight_chunk_buffer(head: HeadInputs, cols: int) -> Optional[torch.Tensor]:
         return None
     return torch.empty((min(cols, head.weight.shape[0]), head.weight.shape[1]), dtype=head.operand_dtype,
                        device=head.weight.device)
-
-
-def _computed_view(head: HeadInputs) -> tuple[HeadInputs, int]:
-    """``(a head with the shapes and dtypes of head.computed() on the meta device, the bytes its casts hold)``:
-    what the one pass plans with before deciding to make the copies."""
-    if head.compute_dtype is None:
-        return head, 0
-    dtype, hidden, weight = head.compute_dtype, head.hidden, head.weight
-    casts = sum(t.numel() * dtype.itemsize for t in (hidden, weight) if t.dtype != dtype)
-    view = replace(head, hidden=torch.empty(hidden.shape, dtype=dtype, device="meta"),
-                   weight=torch.empty(weight.shape, dtype=dtype, device="meta"), bias=None, compute_dtype=None,
-                   weight_grad_dtype=weight.dtype)
-    return view, casts
