@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -73,10 +74,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def launched_ranks() -> tuple[int, int]:
+    """(rank, world size) of this process under ``accelerate launch`` / ``torchrun`` (their ``RANK`` and
+    ``WORLD_SIZE``); (0, 1) for a plain process."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def resolve_args(args, parser) -> argparse.Namespace:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch.cuda.is_available() is False (use --tiny --device cpu)")
+    args.rank, args.world_size = launched_ranks()
+    if args.world_size > 1:
+        if args.parts != ["sft"]:  # part B calls GRPOTrainer._compute_loss itself, outside any engine
+            parser.error(f"under {args.world_size} processes only --parts sft runs (the Trainer's engine); "
+                         "run the GRPO part as one process")
+        if device.type == "cuda" and device.index is None:  # one GPU per rank, as accelerate places them
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     args.device = device
@@ -126,12 +140,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = resolve_args(parser.parse_args(argv), parser)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    deadline = start + args.time_budget
+    # Ranks that decided apart whether to start a run would wait on each other's collectives forever: under
+    # several processes every run starts (the launcher bounds the time; benchmarks.e2e.distributed).
+    deadline = start + args.time_budget if args.world_size == 1 else float("inf")
     doc = new_doc(args, argv)
+    doc["env"].update(rank=args.rank, world_size=args.world_size)
+    name = "e2e.json" if args.world_size == 1 else f"e2e.rank{args.rank}.json"
 
     def save():
         doc["total_s"] = time.perf_counter() - start
-        (args.out / "e2e.json").write_text(json.dumps(doc, indent=1, default=str))
+        (args.out / name).write_text(json.dumps(doc, indent=1, default=str))
 
     log(f"e2e: {doc['env']}")
     threads = torch.get_num_threads()
@@ -143,9 +161,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         torch.set_num_threads(threads)
     save()
-    text = table(doc)
-    (args.out / "e2e.txt").write_text(text + "\n")
-    print("\n" + text, flush=True)
+    if args.rank == 0:  # one table per launch; the other ranks' numbers are in their JSON files
+        text = table(doc)
+        (args.out / "e2e.txt").write_text(text + "\n")
+        print("\n" + text, flush=True)
     return 0
 
 

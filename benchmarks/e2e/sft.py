@@ -92,38 +92,46 @@ def sft_trl_config(out_dir: str, seq_len: int, args, device: torch.device):
     )
 
 
-def _make_trainer(variant: str, model, dataset: RandomTokens, tmp: str, seq_len: int, args, device, timer):
+def _training_args(variant: str, tmp: str, seq_len: int, args, device):
+    if variant in TRL_SFT_VARIANTS:
+        return sft_trl_config(tmp, seq_len, args, device)
+    return sft_training_args(variant, tmp, args, device)
+
+
+def _make_trainer(variant: str, model, dataset: RandomTokens, training_args, timer):
     if variant in TRL_SFT_VARIANTS:
         from trl import SFTTrainer
 
         from .grpo import word_tokenizer
 
         # The rows are pre-tokenized ids; the tokenizer only supplies the pad / eos ids SFTTrainer asks for.
-        return SFTTrainer(model=model, args=sft_trl_config(tmp, seq_len, args, device),
-                          train_dataset=dataset.as_hf_dataset(), processing_class=word_tokenizer(), callbacks=[timer])
+        return SFTTrainer(model=model, args=training_args, train_dataset=dataset.as_hf_dataset(),
+                          processing_class=word_tokenizer(), callbacks=[timer])
     from transformers import Trainer
 
-    return Trainer(model=model, args=sft_training_args(variant, tmp, args, device), train_dataset=dataset,
-                   callbacks=[timer])
+    return Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=[timer])
 
 
 def _sft_once(variant: str, seq_len: int, args, device: torch.device) -> dict:
     from transformers.trainer_callback import PrinterCallback
 
-    t_build = time.perf_counter()
-    config = model_config(args.sft_shape, max(args.max_positions, seq_len))
-    model = build_model(config, device, args.dtype, args.seed, attn_implementation(args.sft_shape))
-    if variant in ("hf_fused", "hf_fused_trl_sft", "hf_fused_liger"):
-        from hf_fused import apply_fused_loss
-
-        apply_fused_loss(model)
-    synchronize(device)
-    build_s = time.perf_counter() - t_build
-    weights = allocated_gib(device)
-    timer = make_step_timer(device)
-    dataset = RandomTokens(args.warmup + args.steps, seq_len, config.vocab_size, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = _make_trainer(variant, model, dataset, tmp, seq_len, args, device, timer)
+        # The arguments before the model, as users write it: under accelerate's ZeRO-3 config (zero3_init_flag)
+        # they make transformers build the model partitioned (deepspeed.zero.Init), for every variant alike.
+        training_args = _training_args(variant, tmp, seq_len, args, device)
+        t_build = time.perf_counter()
+        config = model_config(args.sft_shape, max(args.max_positions, seq_len))
+        model = build_model(config, device, args.dtype, args.seed, attn_implementation(args.sft_shape))
+        if variant in ("hf_fused", "hf_fused_trl_sft", "hf_fused_liger"):
+            from hf_fused import apply_fused_loss
+
+            apply_fused_loss(model)
+        synchronize(device)
+        build_s = time.perf_counter() - t_build
+        weights = allocated_gib(device)
+        timer = make_step_timer(device)
+        dataset = RandomTokens(args.warmup + args.steps, seq_len, config.vocab_size, args.seed)
+        trainer = _make_trainer(variant, model, dataset, training_args, timer)
         trainer.remove_callback(PrinterCallback)  # no per-step log dicts on stdout
         reset_peak(device)
         t_train = time.perf_counter()

@@ -1,0 +1,56 @@
+"""``python -m benchmarks.e2e.distributed``: the end-to-end SFT benchmark launched under the shipped accelerate
+configs (2 CPU ranks over gloo here; 2 GPUs over NCCL on a machine that has them, docs/gpu_results.md).
+
+Checked: every rank of every engine wrote its runs, the table combines them, and under one engine the patched
+model's step-1 loss equals the unpatched model's (same seed, same rows, same engine; fp32 on CPU, so the two
+differ by float32 summation order only)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.e2e.distributed import combine, main
+
+pytestmark = [pytest.mark.distributed]
+
+
+def test_e2e_distributed_tiny_cpu(tmp_path, capsys):
+    out = tmp_path / "e2e"
+    rc = main(["--tiny", "--device", "cpu", "--engines", "ddp,zero3", "--sft-variants", "plain,hf_fused",
+               "--seq-lens", "64", "--steps", "2", "--out", str(out)])
+    printed = capsys.readouterr().out
+    doc = json.loads((out / "e2e_distributed.json").read_text())
+    assert rc == 0, [e.get("output_tail") for e in doc["engines"]]
+    assert [e["engine"] for e in doc["engines"]] == ["ddp", "zero3"]
+    for engine in ("ddp", "zero3"):
+        ranks = [json.loads((out / engine / f"e2e.rank{r}.json").read_text()) for r in (0, 1)]
+        assert [d["env"]["rank"] for d in ranks] == [0, 1] and {d["env"]["world_size"] for d in ranks} == {2}
+        rows = {r["variant"]: r for r in doc["rows"] if r["engine"] == engine}
+        assert set(rows) == {"plain", "hf_fused"} and all(r["status"] == "ok" for r in rows.values()), rows
+        assert rows["hf_fused"]["forward"].startswith("hf_fused"), rows["hf_fused"]["forward"]
+        assert not rows["plain"]["forward"].startswith("hf_fused")
+        assert rows["hf_fused"]["loss_step1"] == pytest.approx(rows["plain"]["loss_step1"], rel=1e-5)
+        # tokens/s of all ranks: the sum of each rank's row length over its median step
+        for variant, row in rows.items():
+            per_rank = [next(r for r in d["sft"]["runs"] if r["variant"] == variant) for d in ranks]
+            assert row["tokens_per_s"] == pytest.approx(sum(64 / r["step_s_median"] for r in per_rank))
+    table = (out / "e2e_distributed.txt").read_text()
+    assert table in printed and "zero3  hf_fused" in table and "1.00x" in table
+
+
+def test_combine_reports_a_rank_that_wrote_nothing():
+    run = {"variant": "plain", "seq_len": 64, "status": "ok", "tokens_per_s": 1.0, "peak_gib": None, "losses": [1.0]}
+    engine_run = {"engine": "ddp", "ranks": [{"sft": {"runs": [run]}}, None]}
+    (row,) = combine(engine_run, ["plain"])
+    assert row["status"] == "missing" and "tokens_per_s" not in row
+
+
+def test_several_ranks_run_only_the_sft_part(monkeypatch, tmp_path):
+    from benchmarks.e2e.__main__ import main as e2e_main
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        e2e_main(["--tiny", "--device", "cpu", "--out", str(tmp_path)])
