@@ -6,9 +6,11 @@ For each engine, one ``accelerate launch --config_file examples/distributed/<eng
 --parts sft ...`` (the configs shipped for users, 2 processes, one GPU each over NCCL; on CPU, gloo and
 DeepSpeed's CPU accelerator): every rank runs part A of :mod:`benchmarks.e2e` (the same model, variants and
 step timer; ``Trainer`` / ``SFTTrainer`` hand the model to the engine) on its own rows, batch 1 per rank, and
-writes ``DIR/<engine>/e2e.rank<R>.json``. The variants of one engine run one after another in the same
-processes (one launch per engine: imports and NCCL start-up once); the memory still allocated when a variant
-starts is recorded beside its peak.
+writes ``DIR/<engine>/e2e.rank<R>.json``. By default the variants of one engine run one after another in the
+same processes (one launch per engine: imports and NCCL start-up once) and the memory still allocated when a
+variant starts is recorded beside its peak ("held before"): DDP, ZeRO-2 and FSDP2 free everything between
+variants, DeepSpeed ZeRO-3 does not (each engine it builds keeps its partitions alive, 13 GiB per variant at
+Qwen3-1.7B), so ``--launch per-variant`` gives each variant launches of its own (``DIR/<engine>/<variant>/``).
 
 The table (``DIR/e2e_distributed.txt``, and ``.json``) gives per engine and variant: tokens/s of all ranks
 (the sum over ranks of the row length over that rank's median step), the peak memory of the fullest GPU
@@ -67,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optim", default="adamw_torch")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default cuda if available")
     p.add_argument("--tiny", action="store_true", help="tiny model and lengths (CPU smoke test)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds one engine's launch may take (default 900)")
+    p.add_argument("--launch", choices=("per-engine", "per-variant"), default="per-engine",
+                   help="one launch per engine (default) or per engine and variant (clean memory under ZeRO-3)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one launch may take (default 900)")
     return p
 
 
@@ -88,8 +92,8 @@ def launch_env(cpu: bool) -> dict:
     return env
 
 
-def launch_command(engine: str, args, out: Path) -> list[str]:
-    inner = ["--parts", "sft", "--sft-variants", ",".join(args.sft_variants), "--model", args.model,
+def launch_command(engine: str, variants: list[str], args, out: Path) -> list[str]:
+    inner = ["--parts", "sft", "--sft-variants", ",".join(variants), "--model", args.model,
              "--steps", str(args.steps), "--warmup", str(args.warmup), "--optim", args.optim, "--out", str(out)]
     if args.seq_lens:
         inner += ["--seq-lens", ",".join(map(str, args.seq_lens))]
@@ -102,13 +106,13 @@ def launch_command(engine: str, args, out: Path) -> list[str]:
             "-m", "benchmarks.e2e", *inner]
 
 
-def run_engine(engine: str, args) -> dict:
-    """One launch; returns {"status", "wall_s", "ranks": [rank docs], "output_tail"}."""
-    out = args.out / engine
+def run_engine(engine: str, variants: list[str], args, out: Path) -> dict:
+    """One launch of ``variants`` under ``engine``; returns {"engine", "variants", "status", "wall_s", "ranks":
+    [each rank's document, None where a rank wrote none], "output_tail"}."""
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("e2e.rank*.json"):
         old.unlink()
-    cmd = launch_command(engine, args, out)
+    cmd = launch_command(engine, variants, args, out)
     log(f"[{engine}] {' '.join(cmd[1:])}")
     t0 = time.perf_counter()
     with open(out / "launch.log", "w+") as logf:
@@ -117,7 +121,12 @@ def run_engine(engine: str, args) -> dict:
         try:
             rc: Optional[int] = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # the launcher's group; ranks it started in sessions of their own follow it
+            # torchrun starts the ranks in sessions of their own: the launcher's process group misses them
+            import psutil  # accelerate's own dependency
+
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
             proc.wait()
             rc = None
         logf.seek(0)
@@ -128,7 +137,7 @@ def run_engine(engine: str, args) -> dict:
         ranks.append(json.loads(path.read_text()) if path.exists() else None)
     status = "ok" if rc == 0 else ("timeout" if rc is None else f"exit {rc}")
     log(f"[{engine}] {status} in {time.perf_counter() - t0:.0f} s")
-    return {"engine": engine, "status": status, "wall_s": time.perf_counter() - t0, "ranks": ranks,
+    return {"engine": engine, "variants": variants, "status": status, "wall_s": time.perf_counter() - t0, "ranks": ranks,
             "output_tail": None if rc == 0 else tail}
 
 
@@ -184,8 +193,8 @@ def table(doc: dict) -> str:
                             f"{fmt_gib(r['allocated_before_gib']):>13s}{loss:>10s}")
     for e in doc["engines"]:
         if e["status"] != "ok":
-            lines.append(f"  note: {e['engine']} launch {e['status']} after {e['wall_s']:.0f} s; output tail in "
-                         f"{e['engine']}/launch.log")
+            lines.append(f"  note: {e['engine']} launch of {','.join(e['variants'])} {e['status']} after "
+                         f"{e['wall_s']:.0f} s; output tail in its launch.log")
     return "\n".join(lines)
 
 
@@ -201,10 +210,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.out.mkdir(parents=True, exist_ok=True)
     shape = SFT_MODELS[args.model][1 if args.tiny else 0]
-    doc = {"argv": argv, "processes": args.processes, "steps": args.steps, "warmup": args.warmup,
+    doc = {"argv": argv, "launch": args.launch, "processes": args.processes, "steps": args.steps, "warmup": args.warmup,
            "model": f"{shape}-shaped model", "engines": [], "rows": [], "env": None}
+    launches = []
     for engine in args.engines:
-        e = run_engine(engine, args)
+        if args.launch == "per-engine":
+            launches.append((engine, list(args.sft_variants), args.out / engine))
+        else:
+            launches += [(engine, [v], args.out / engine / v) for v in args.sft_variants]
+    for engine, variants, out in launches:
+        e = run_engine(engine, variants, args, out)
         doc["engines"].append({k: v for k, v in e.items() if k != "ranks"})
         doc["rows"] += combine(e, args.sft_variants)
         first = next((d for d in e["ranks"] if d is not None), None)
