@@ -96,6 +96,12 @@ def _zero_grads(inp: Inputs) -> None:
             t.grad.zero_()
 
 
+def matmul_dtype(cfg: RunConfig) -> torch.dtype:
+    """The dtype the problems' matmuls run in, so the ceiling is measured in it: the autocast dtype when one is
+    given (fp32 inputs under bf16 autocast multiply in bf16; an fp32 ceiling made fractions of 800-1500 %)."""
+    return cfg.autocast if cfg.autocast is not None else cfg.dtype
+
+
 def _step(peer: Peer, problem: Problem, inp: Inputs, autocast: Optional[torch.dtype] = None):
     """One forward+backward (under ``torch.autocast(dtype=autocast)`` when given, as ``Trainer(bf16=True)`` runs
     a step); returns detached (loss, logps, entropy)."""
@@ -188,7 +194,7 @@ def run(cfg: RunConfig) -> dict:
 
     # A matmul ceiling is a GPU's (tensor-core peak); on CPU a small probe matmul is no ceiling for a tiled loss
     # whose tiles are larger, so fractions of it (4,000-7,000% in practice) would mislead: none is measured.
-    ceiling = (measure.matmul_tflops(cfg.device, cfg.dtype, cfg.matmul_n, cfg.repeats)
+    ceiling = (measure.matmul_tflops(cfg.device, matmul_dtype(cfg), cfg.matmul_n, cfg.repeats)
                if cfg.device.type == "cuda" else None)
     run_meta = {
         "started": datetime.datetime.now().isoformat(timespec="seconds"),

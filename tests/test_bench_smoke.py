@@ -287,3 +287,14 @@ def test_autocast_runs_every_step_in_mixed_precision(tmp_path, capsys):
                  "--repeats", "1", "--out", str(fp32), "--no-progress"]) == 0
     (plain,) = json.loads((fp32 / "bench.json").read_text())["results"]
     assert plain["grad_hidden_rel_err"] < 1e-5 and json.loads((fp32 / "bench.json").read_text())["runs"][0]["autocast"] is None
+
+
+def test_the_matmul_ceiling_is_measured_in_the_dtype_the_matmuls_run_in():
+    """Under ``--autocast bf16`` the fp32 problems multiply in bf16: a ceiling measured in fp32 (TF32) made the
+    H200 run of the seventeenth session print 836-1462 % of it."""
+    from benchmarks.runner import RunConfig, matmul_dtype
+
+    base = dict(device=torch.device("cpu"), problems=[], peers=[], repeats=1, out_dir=None)
+    assert matmul_dtype(RunConfig(dtype=torch.float32, autocast=torch.bfloat16, **base)) == torch.bfloat16
+    assert matmul_dtype(RunConfig(dtype=torch.bfloat16, **base)) == torch.bfloat16
+    assert matmul_dtype(RunConfig(dtype=torch.float32, **base)) == torch.float32
