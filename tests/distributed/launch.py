@@ -52,11 +52,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(cmd: list, cwd: Path = REPO, cuda: bool = CUDA, gpus: int | None = None) -> None:
+def run(cmd: list, cwd: Path = REPO, cuda: bool = CUDA, gpus: int | None = None,
+        rank_logs: Path | None = None) -> None:
     """Run ``cmd`` in its own process group (seeing ``gpus`` GPUs: :func:`worker_env`), its output into a file; on
     timeout abort, then kill, it and every process it started. torchrun starts its ranks in sessions of their own,
     out of reach of the launcher's process group: a rank left running holds a pipe's write end open (a
-    ``communicate()`` on it never returns) and outlives the test."""
+    ``communicate()`` on it never returns) and outlives the test. ``rank_logs``: torchrun's ``--log_dir``, whose
+    per-rank ``stderr.log`` tails the failure message adds (in the launch's own output two ranks' stacks at
+    SIGABRT interleave line by line)."""
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(cmd, cwd=cwd, env=worker_env(cuda, gpus), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -72,10 +75,29 @@ def run(cmd: list, cwd: Path = REPO, cuda: bool = CUDA, gpus: int | None = None)
                 pass
             _signal(tree + _descendants(proc.pid), signal.SIGKILL)
             proc.wait()
-            raise AssertionError(f"{' '.join(map(str, cmd[:6]))} ... still running after {TIMEOUT_S} s, stacks at "
-                                 f"SIGABRT:\n{_tail(log, 12000)}") from None
+            raise AssertionError(f"{_shown(cmd)} still running after {TIMEOUT_S} s, stacks at SIGABRT:\n"
+                                 f"{_tail(log, 12000)}{_rank_tails(rank_logs)}") from None
         if proc.returncode != 0:
-            raise AssertionError(f"{' '.join(map(str, cmd[:6]))} ... exited with {proc.returncode}:\n{_tail(log, 6000)}")
+            raise AssertionError(f"{_shown(cmd)} exited with {proc.returncode}:\n{_tail(log, 6000)}"
+                                 f"{_rank_tails(rank_logs)}")
+
+
+def _shown(cmd: list) -> str:
+    """The command for a failure message: its start and its last arguments (a script's flags, e.g. whether it
+    was the stock or the fused run), without a long JSON case in between."""
+    words = [str(w) if len(str(w)) <= 200 else str(w)[:200] + "..." for w in cmd]
+    return " ".join(words if len(words) <= 16 else [*words[:6], "...", *words[-10:]])
+
+
+def _rank_tails(rank_logs: Path | None, chars: int = 6000) -> str:
+    if rank_logs is None:
+        return ""
+    parts = []
+    for path in sorted(rank_logs.rglob("stderr.log")):  # <log_dir>/<run id>/attempt_<k>/<local rank>/stderr.log
+        text = path.read_text(errors="replace")
+        parts.append(f"\n--- rank {path.parent.name} ({path.relative_to(rank_logs)}), last {chars} chars ---\n"
+                     f"{text[-chars:]}")
+    return "".join(parts)
 
 
 def _tail(log, chars: int) -> str:
@@ -115,9 +137,12 @@ def _signal(pids: list[int], sig: int) -> None:
 
 
 def accelerate_launch(config: str, script: Path, *args: str, processes: int = 2, cuda: bool = CUDA) -> None:
-    """``accelerate launch --config_file examples/distributed/<config>.yaml script args``."""
-    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{config}.yaml"),
-         "--num_processes", str(processes), "--main_process_port", str(free_port()), str(script), *args], cuda=cuda)
+    """``accelerate launch --config_file examples/distributed/<config>.yaml script args``; each rank's stderr also
+    goes to a file of its own (torchrun's ``--log_dir`` / ``--tee``), shown when the launch fails."""
+    with tempfile.TemporaryDirectory() as logs:
+        run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{config}.yaml"),
+             "--num_processes", str(processes), "--main_process_port", str(free_port()), "--log_dir", logs,
+             "--tee", "3", str(script), *args], cuda=cuda, rank_logs=Path(logs))
 
 
 def train(case: dict, config: str | None, processes: int = 2) -> dict:

@@ -46,3 +46,20 @@ def test_run_kills_a_hung_command_and_the_ranks_in_their_own_sessions(monkeypatc
 def test_run_reports_a_failing_command(tmp_path):
     with pytest.raises(AssertionError, match=r"exited with 3:(.|\n)*boom"):
         launch.run([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], cuda=False)
+
+
+@pytest.mark.distributed
+def test_a_failed_launch_shows_each_ranks_own_stderr(tmp_path):
+    """Two ranks under ``accelerate launch`` (DDP config, CPU): rank 1 fails; the message carries each rank's own
+    stderr, so the stacks of a hang or a crash can be read rank by rank."""
+    script = tmp_path / "ranks.py"
+    script.write_text("import os, sys\n"
+                      "rank = os.environ['RANK']\n"
+                      "print(f'rank {rank} says hello', file=sys.stderr, flush=True)\n"
+                      "sys.exit(3 if rank == '1' else 0)\n")
+    with pytest.raises(AssertionError) as failure:
+        launch.accelerate_launch("ddp", script, cuda=False)
+    message = str(failure.value)
+    assert "--- rank 0 (" in message and "--- rank 1 (" in message, message[-3000:]
+    rank1 = message.split("--- rank 1 (")[1]
+    assert "rank 1 says hello" in rank1 and "rank 0 says hello" not in rank1
