@@ -105,3 +105,27 @@ def test_e2e_refuses_a_variant_given_twice(capsys):
     with pytest.raises(SystemExit):
         main(["--tiny", "--device", "cpu", "--parts", "sft", "--sft-variants", "hf_fused,plain,hf_fused"])
     assert "SFT variant given twice: hf_fused" in capsys.readouterr().err
+
+
+def test_e2e_grpo_in_trls_default_precision(tmp_path):
+    """``--grpo-precision trl-default``: float32 weights, every step under bf16 autocast (GRPOTrainer's default).
+    Off-policy with KL so the loss depends on the log-probs: under autocast it moves away from the fp32 run's
+    (autocast really reached the steps), and hf_fused stays with TRL's head."""
+    common = ["--tiny", "--device", "cpu", "--parts", "grpo", "--grpo-variants", "trl,hf_fused", "--steps", "1",
+              "--warmup", "0", "--grpo-completions", "2", "--grpo-completion-len", "8", "--grpo-off-policy-kl"]
+    runs = {}
+    for precision in ("bf16", "trl-default"):  # bf16 means fp32 weights on CPU: the fp32 baseline here
+        out = tmp_path / precision
+        assert main([*common, "--grpo-precision", precision, "--out", str(out)]) == 0
+        doc = json.loads((out / "e2e.json").read_text())
+        runs[precision] = {r["variant"]: r for r in doc["grpo"]["runs"]}
+        assert all(r["status"] == "ok" for r in runs[precision].values()), runs[precision]
+        assert ("float32 under bf16 autocast" in doc["grpo"]["model"]) == (precision == "trl-default")
+    fp32, mixed = runs["bf16"], runs["trl-default"]
+    assert not math.isclose(fp32["trl"]["losses"][0], mixed["trl"]["losses"][0], rel_tol=1e-6)
+    # bf16 operands round each logit by up to 2^-8 relative in both heads, each its own way (TRL: bf16 logits chunk
+    # by chunk; hf_fused: fp32 accumulation of bf16 products): loss and gradient agree to that bound, not to fp32's
+    # (seen: 3.6e-4 and 6.1e-4 relative).
+    assert math.isclose(mixed["trl"]["losses"][0], mixed["hf_fused"]["losses"][0], rel_tol=2**-8)
+    assert math.isclose(mixed["trl"]["grad_norm_last"], mixed["hf_fused"]["grad_norm_last"], rel_tol=2**-8)
+    assert math.isclose(fp32["trl"]["losses"][0], fp32["hf_fused"]["losses"][0], rel_tol=1e-4)

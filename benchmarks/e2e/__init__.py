@@ -55,7 +55,9 @@ per generation (so, as in TRL, there is no ``old_per_token_logps``: the loss use
 log-probs). Reports the median fwd+bwd time of the timed steps (no optimizer step) and the peak memory.
 Variants: ``trl``, ``hf_fused`` (default budget) and ``hf_fused_one_pass`` (``fused_options`` with a
 ``tile_budget_bytes`` holding the fp32 ``[V, H]`` accumulator + 2048 vocabulary rows, so the on-policy
-``grad_hint`` gives the head's gradients in the forward pass).
+``grad_hint`` gives the head's gradients in the forward pass). ``--grpo-precision trl-default`` builds the model
+in float32 and runs each step under bf16 autocast, as ``GRPOTrainer`` trains a model it loads itself
+(``GRPOConfig.bf16=True``); the default is bf16 weights.
 
 Writes ``DIR/e2e.json`` after every run (a command cut short keeps what it measured) and
 ``DIR/e2e.txt`` (the table printed last). ``--time-budget`` (seconds since start) skips the runs that

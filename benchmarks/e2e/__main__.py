@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="timed steps per run (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps per run (default 1)")
     p.add_argument("--optim", default="adamw_torch", help="SFT optimizer (TrainingArguments.optim; default adamw_torch)")
+    p.add_argument("--grpo-precision", choices=("bf16", "trl-default"), default="bf16",
+                   help="GRPO model precision: bf16 weights (default; fp32 on CPU), or trl-default: what GRPOTrainer "
+                        "does with a model it loads itself, float32 weights with every step under bf16 autocast "
+                        "(GRPOConfig.bf16=True)")
     p.add_argument("--grpo-completions", type=int, default=None, help="completions per step (default 8; --tiny 4)")
     p.add_argument("--grpo-prompt-len", type=int, default=None, help="prompt tokens (default 512; --tiny 16)")
     p.add_argument("--grpo-completion-len", type=int, default=None, help="completion tokens (default 2048; --tiny 32)")
@@ -99,6 +103,9 @@ def resolve_args(args, parser) -> argparse.Namespace:
     tiny = args.tiny
     args.sft_shape = SFT_MODELS[args.model][1 if tiny else 0]
     args.grpo_shape = "tiny" if tiny else args.grpo_model
+    # TRL's default: float32 master weights, each step under bf16 autocast (its GRPOConfig has bf16=True).
+    args.grpo_dtype, args.grpo_autocast = ((torch.float32, torch.bfloat16) if args.grpo_precision == "trl-default"
+                                           else (args.dtype, None))
     args.max_positions = 512 if tiny else 40960
     args.seq_lens = args.seq_lens or ([64, 128, 256] if tiny else [4096, 16384, 32768])
     args.grpo_completions = args.grpo_completions or (4 if tiny else 8)
@@ -124,7 +131,8 @@ def new_doc(args, argv) -> dict:
             "runs": [],
         },
         "grpo": {
-            "model": f"{args.grpo_shape}-shaped Qwen3 (random init, tied, {dt}, sdpa)",
+            "model": (f"{args.grpo_shape}-shaped Qwen3 (random init, tied, "
+                      f"{'float32 under bf16 autocast' if args.grpo_autocast else dt}, sdpa)"),
             "setup": (f"_compute_loss + backward, {args.grpo_completions} x ({args.grpo_prompt_len} prompt + "
                       f"{args.grpo_completion_len} completion) tokens, dapo, {grpo_setting(args)}, grad checkpointing, "
                       f"median of {args.steps} after {args.warmup} warm-up"),

@@ -70,7 +70,7 @@ def build_grpo_trainer(variant: str, model, out_dir: str, args, device: torch.de
         beta=0.0,
         learning_rate=1e-6,
         use_vllm=False,
-        **quiet_run_kwargs(args, device, GRPOConfig),
+        **{**quiet_run_kwargs(args, device, GRPOConfig), **({"bf16": True} if args.grpo_autocast else {})},
     )
     trainer = cls(model=model, reward_funcs=constant_reward, args=cfg, processing_class=word_tokenizer(),
                   train_dataset=Dataset.from_dict({"prompt": ["the red cat"] * g}), **extra)
@@ -121,7 +121,7 @@ def grpo_inputs(args, vocab_size: int, device: torch.device, model=None) -> dict
 def _grpo_once(variant: str, args, device: torch.device) -> dict:
     t_build = time.perf_counter()
     config = qwen3_config(args.grpo_shape, max(args.max_positions, args.grpo_prompt_len + args.grpo_completion_len))
-    model = build_model(config, device, args.dtype, args.seed)
+    model = build_model(config, device, args.grpo_dtype, args.seed)
     model.eval()  # for the old / reference log-probs, as TRL computes them (train() again below)
     inputs = grpo_inputs(args, config.vocab_size, device, model)
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
@@ -141,7 +141,10 @@ def _grpo_once(variant: str, args, device: torch.device) -> dict:
         model.zero_grad(set_to_none=True)
         synchronize(device)
         t0 = time.perf_counter()
-        loss = trainer._compute_loss(model, inputs)
+        # Trainer.train() runs the forward under the autocast accelerate wraps the prepared model in; this loop
+        # calls _compute_loss on the unprepared model, so it opens the same autocast itself.
+        with torch.autocast(device.type, dtype=args.grpo_autocast, enabled=args.grpo_autocast is not None):
+            loss = trainer._compute_loss(model, inputs)
         loss.backward()
         synchronize(device)
         times.append(time.perf_counter() - t0)
