@@ -160,10 +160,10 @@ def combine(engine_run: dict, variants: list[str]) -> list[dict]:
             row.update(status=first["status"] if first else "missing",
                        error=(first or {}).get("error") or (first or {}).get("note"))
         else:
+            peaks = [r["peak_gib"] for r in per_rank if r["peak_gib"] is not None]  # none on CPU
             row.update(status="ok",
                        tokens_per_s=sum(r["tokens_per_s"] for r in per_rank),
-                       peak_gib_per_gpu=max(r["peak_gib"] for r in per_rank if r["peak_gib"] is not None)
-                       if any(r["peak_gib"] is not None for r in per_rank) else None,
+                       peak_gib_per_gpu=max(peaks) if peaks else None,
                        allocated_before_gib=max((r.get("allocated_before_gib") or 0.0) for r in per_rank),
                        loss_step1=per_rank[0]["losses"][0] if per_rank[0].get("losses") else None,
                        forward=per_rank[0].get("forward"))
