@@ -203,8 +203,9 @@ def render_plot(doc: dict, path: Path) -> Optional[Path]:
     run = doc["runs"][-1] if doc["runs"] else {}
     if run:
         c = run.get("matmul_ceiling")
-        fig.suptitle(f"{run['device']}, {run['dtype']}" + (f" under {run['autocast']} autocast" if run.get("autocast") else "") + (f"; matmul ceiling {c['tflops']:.4g} TFLOP/s" if c else ""),
-                     fontsize=10)
+        autocast = f" under {run['autocast']} autocast" if run.get("autocast") else ""
+        ceiling = f"; matmul ceiling {c['tflops']:.4g} TFLOP/s" if c else ""
+        fig.suptitle(f"{run['device']}, {run['dtype']}{autocast}{ceiling}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -61,6 +61,9 @@ def build_grpo_trainer(variant: str, model, out_dir: str, args, device: torch.de
     else:
         cls = GRPOTrainer
     g = args.grpo_completions
+    run_kwargs = quiet_run_kwargs(args, device, GRPOConfig)
+    if args.grpo_autocast:  # float32 weights trained with bf16=True, TRL's default
+        run_kwargs["bf16"] = True
     cfg = GRPOConfig(
         output_dir=out_dir,
         per_device_train_batch_size=g,
@@ -70,7 +73,7 @@ def build_grpo_trainer(variant: str, model, out_dir: str, args, device: torch.de
         beta=0.0,
         learning_rate=1e-6,
         use_vllm=False,
-        **{**quiet_run_kwargs(args, device, GRPOConfig), **({"bf16": True} if args.grpo_autocast else {})},
+        **run_kwargs,
     )
     trainer = cls(model=model, reward_funcs=constant_reward, args=cfg, processing_class=word_tokenizer(),
                   train_dataset=Dataset.from_dict({"prompt": ["the red cat"] * g}), **extra)
