@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ranks import CUDA, rank_device  # noqa: E402
+from ranks import CUDA, exit_rank, rank_device  # noqa: E402
 from tiny_models import make_batch, make_model  # noqa: E402
 
 from hf_fused import apply_fused_loss, is_fused  # noqa: E402
@@ -81,6 +81,4 @@ def main(out_path: str, stage: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown, where gloo's threads have aborted a rank before
+    exit_rank()

@@ -11,14 +11,13 @@ of the loss and of every parameter gradient (full tensors) to the JSON file name
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from ranks import init_process_group
+from ranks import exit_rank, init_process_group
 from tiny_models import make_batch, make_model, rel_err
 from hf_fused import apply_fused_loss
 
@@ -63,7 +62,4 @@ def main(out_path: str, arch: str, tied: bool, patch_before_sharding: bool, head
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3] == "tied", sys.argv[4] == "before", sys.argv[5:] == ["head-unit"])
-    # The result is on disk; skip interpreter teardown, where gloo's threads have aborted a rank before.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank()

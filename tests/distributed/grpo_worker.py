@@ -21,6 +21,7 @@ import transformers
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_helpers  # noqa: E402
 from train_worker import count_fused_head_calls, full_parameters  # noqa: E402
+from ranks import exit_rank  # noqa: E402
 
 
 def main(case: dict) -> None:
@@ -54,6 +55,4 @@ def main(case: dict) -> None:
 
 if __name__ == "__main__":
     main(json.loads(sys.argv[1]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown, where gloo's threads have aborted a rank before
+    exit_rank()

@@ -25,6 +25,8 @@ WORKER = HERE / "train_worker.py"
 #: One launch (2 ranks: imports, DeepSpeed's first shm-op build, a few steps) takes 15-60 s on 2 cores, 20-70 s
 #: on 2 GPUs with 8 launches at once (CUDA and NCCL start-up). ``HF_FUSED_LAUNCH_TIMEOUT_S`` overrides it.
 TIMEOUT_S = int(os.environ.get("HF_FUSED_LAUNCH_TIMEOUT_S", "400"))
+#: Launches of one command before an "address already in use" on the rendezvous port fails a test.
+PORT_ATTEMPTS = 3
 
 
 def worker_env(cuda: bool = CUDA, gpus: int | None = None) -> dict:
@@ -94,7 +96,7 @@ def _rank_tails(rank_logs: Path | None, chars: int = 6000) -> str:
         return ""
     parts = []
     for path in sorted(rank_logs.rglob("stderr.log")):  # <log_dir>/<run id>/attempt_<k>/<local rank>/stderr.log
-        text = path.read_text(errors="replace")
+        text = _without_module_lists(path.read_text(errors="replace"))
         parts.append(f"\n--- rank {path.parent.name} ({path.relative_to(rank_logs)}), last {chars} chars ---\n"
                      f"{text[-chars:]}")
     return "".join(parts)
@@ -102,7 +104,13 @@ def _rank_tails(rank_logs: Path | None, chars: int = 6000) -> str:
 
 def _tail(log, chars: int) -> str:
     log.seek(0)
-    return log.read()[-chars:]
+    return _without_module_lists(log.read())[-chars:]
+
+
+def _without_module_lists(text: str) -> str:
+    """``text`` without faulthandler's one-line list of loaded extension modules after each stack (~5,000
+    characters, which would push the stack's innermost frames out of a tail)."""
+    return "".join(line for line in text.splitlines(keepends=True) if "Extension modules:" not in line)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -139,10 +147,18 @@ def _signal(pids: list[int], sig: int) -> None:
 def accelerate_launch(config: str, script: Path, *args: str, processes: int = 2, cuda: bool = CUDA) -> None:
     """``accelerate launch --config_file examples/distributed/<config>.yaml script args``; each rank's stderr also
     goes to a file of its own (torchrun's ``--log_dir`` / ``--tee``), shown when the launch fails."""
-    with tempfile.TemporaryDirectory() as logs:
-        run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{config}.yaml"),
-             "--num_processes", str(processes), "--main_process_port", str(free_port()), "--log_dir", logs,
-             "--tee", "3", str(script), *args], cuda=cuda, rank_logs=Path(logs))
+    for attempt in range(PORT_ATTEMPTS):
+        with tempfile.TemporaryDirectory() as logs:
+            try:
+                return run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                            str(CONFIGS / f"{config}.yaml"), "--num_processes", str(processes), "--main_process_port",
+                            str(free_port()), "--log_dir", logs, "--tee", "3", str(script), *args],
+                           cuda=cuda, rank_logs=Path(logs))
+            except AssertionError as e:
+                # The port was free when chosen, then taken (by another launch's sockets under pytest -n)
+                # before rank 0's store bound it: the launch never started, so it is run again on another port.
+                if "EADDRINUSE" not in str(e) or attempt == PORT_ATTEMPTS - 1:
+                    raise
 
 
 def train(case: dict, config: str | None, processes: int = 2) -> dict:

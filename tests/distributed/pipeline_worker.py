@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ranks import init_process_group  # noqa: E402
+from ranks import exit_rank, init_process_group  # noqa: E402
 from tiny_models import make_batch, make_model, rel_err  # noqa: E402
 
 from hf_fused import LinearCrossEntropyLoss  # noqa: E402
@@ -99,6 +99,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown, where gloo's threads have aborted a rank before
+    exit_rank()

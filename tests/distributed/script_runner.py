@@ -21,6 +21,7 @@ import runpy
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ranks import exit_rank  # noqa: E402
 from train_worker import count_fused_head_calls, full_parameters  # noqa: E402
 
 
@@ -55,6 +56,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown, where gloo's threads have aborted a rank before
+    exit_rank()

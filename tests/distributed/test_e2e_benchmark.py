@@ -17,6 +17,7 @@ pytestmark = [pytest.mark.distributed]
 
 
 def test_e2e_distributed_tiny_cpu(tmp_path, capsys):
+    pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
     out = tmp_path / "e2e"
     rc = main(["--tiny", "--device", "cpu", "--engines", "ddp,zero3", "--sft-variants", "plain,hf_fused",
                "--seq-lens", "64", "--steps", "2", "--out", str(out)])

@@ -56,6 +56,7 @@ def test_a_failed_launch_shows_each_ranks_own_stderr(tmp_path):
     script.write_text("import os, sys\n"
                       "rank = os.environ['RANK']\n"
                       "print(f'rank {rank} says hello', file=sys.stderr, flush=True)\n"
+                      "print('Extension modules: numpy.core, torch._C (total: 2)', file=sys.stderr, flush=True)\n"
                       "sys.exit(3 if rank == '1' else 0)\n")
     with pytest.raises(AssertionError) as failure:
         launch.accelerate_launch("ddp", script, cuda=False)
@@ -63,3 +64,35 @@ def test_a_failed_launch_shows_each_ranks_own_stderr(tmp_path):
     assert "--- rank 0 (" in message and "--- rank 1 (" in message, message[-3000:]
     rank1 = message.split("--- rank 1 (")[1]
     assert "rank 1 says hello" in rank1 and "rank 0 says hello" not in rank1
+    assert "Extension modules" not in message  # faulthandler's module list, which would crowd the stacks out
+
+
+def _fake_run(errors: list, calls: list):
+    def run(cmd, **kwargs):
+        calls.append(cmd[cmd.index("--main_process_port") + 1])
+        if errors:
+            raise AssertionError(errors.pop(0))
+    return run
+
+
+def test_a_launch_whose_port_was_taken_is_run_again(monkeypatch, tmp_path):
+    """torchrun's rendezvous failing to bind its port (taken between ``free_port`` and the bind, by another
+    launch's sockets under ``pytest -n``) fails before any rank starts: the launch runs again on a new port; any
+    other failure, or the port taken every time, fails the test."""
+    calls = []
+    monkeypatch.setattr(launch, "run", _fake_run(["... DistNetworkError: ... EADDRINUSE, message: address already in "
+                                                  "use"], calls))
+    launch.accelerate_launch("ddp", tmp_path / "script.py", cuda=False)
+    assert len(calls) == 2
+
+    calls = []
+    monkeypatch.setattr(launch, "run", _fake_run(["exited with 1: ValueError"], calls))
+    with pytest.raises(AssertionError, match="ValueError"):
+        launch.accelerate_launch("ddp", tmp_path / "script.py", cuda=False)
+    assert len(calls) == 1
+
+    calls = []
+    monkeypatch.setattr(launch, "run", _fake_run(["EADDRINUSE"] * launch.PORT_ATTEMPTS, calls))
+    with pytest.raises(AssertionError, match="EADDRINUSE"):
+        launch.accelerate_launch("ddp", tmp_path / "script.py", cuda=False)
+    assert len(calls) == launch.PORT_ATTEMPTS
