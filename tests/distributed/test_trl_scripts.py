@@ -15,6 +15,9 @@ process. Also checked: hf_fused computed the head on every rank (a
 script whose patch silently did nothing would match its reference exactly), under ZeRO-3 on a partitioned
 lm_head, and TRL's head never did in the reference.
 
+The same script launched as users launch it, without the runner, under FSDP2: it ends, and the model its
+``save_model`` wrote is the reference's trained model.
+
 SFT with a LoRA adapter on lm_head (``--use_peft --lora_target_modules q_proj v_proj lm_head``) under ZeRO-3
 and FSDP2: TRL's own head refuses that adapter, so there is no unpatched script to compare with; the reference
 is the same script in one process (the fused SFT loss with an adapter on lm_head is checked against the full
@@ -100,6 +103,26 @@ def test_trl_sft_script_matches_unpatched_single_process(engine, tmp_path, refer
         assert g.keys() == r.keys()
         for key in ("grad_norm", "entropy", "mean_token_accuracy", "num_tokens", "learning_rate", "epoch"):
             assert math.isclose(g[key], r[key], rel_tol=1e-5, abs_tol=1e-7), f"step {step} {key}: {g[key]} vs {r[key]}"
+
+
+def test_trl_sft_script_as_users_launch_it_under_fsdp2_saves_the_trained_model(tmp_path, reference):
+    """The SFT script launched exactly as users launch it, without the runner (each rank leaves through Python's own
+    exit), under FSDP2: it ends, and the model ``save_model`` wrote (rank 0's full state dict, gathered from the
+    shards) is the single-process reference's trained model within the parity tolerance. (The runner's ranks once
+    left with ``os._exit`` before their last queued NCCL all-gathers ran, hanging rank 0 in that gather on 2 GPUs:
+    ``ranks.exit_rank``.)"""
+    from safetensors.torch import load_file
+
+    accelerate_launch("fsdp2", SCRIPT, *ARGS, "--per_device_train_batch_size", str(BATCH), "--output_dir",
+                      str(tmp_path))
+    saved = load_file(tmp_path / "model.safetensors")
+    logs = [e for e in json.loads((tmp_path / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+    # a tied lm_head is saved once, as the embedding
+    missing = {n for n in reference["params"] if n not in saved}
+    assert missing <= {"lm_head.weight"}, missing
+    got = {"world": RANKS, "losses": [e["loss"] for e in logs], "initial": reference["initial"],
+           "params": {n: saved.get(n, saved.get("model.embed_tokens.weight")).float() for n in reference["params"]}}
+    assert_matches_reference(got, reference, ranks=RANKS)
 
 
 def _with_bf16(args: list) -> list:
