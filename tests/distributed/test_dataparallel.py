@@ -31,9 +31,9 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_dataparallel_training_matches_unpatched_dataparallel(name, tmp_path):
     model, trainer, options = CASES[name]
-    arch, tied = MODELS[model]
+    arch, tied, overrides = MODELS[model]
     model_dir = tmp_path / model
-    make_model(arch, tie_word_embeddings=tied).save_pretrained(model_dir)
+    make_model(arch, tie_word_embeddings=tied, **overrides).save_pretrained(model_dir)
     common = dict(model_dir=str(model_dir), batch=BATCH, steps=STEPS, cuda=True, gpus=2)
     reference_options = {k: v for k, v in options.items() if k != "fused"}
     ref = train(dict(common, out=str(tmp_path / "ref.pt"), trainer="Trainer", **reference_options), None)

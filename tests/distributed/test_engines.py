@@ -29,8 +29,12 @@ RANKS = 2
 #: rows_per_tile(128, 6144) = 4 rows per tile: a loss call runs several tiles.
 TILE_BUDGET = 6144
 
-#: Tiny models by name: (architecture, tied embeddings).
-MODELS = {"llama": ("llama", False), "qwen3-tied": ("qwen3", True)}
+#: Tiny models by name: (architecture, tied embeddings, config overrides). A prime vocabulary (131) splits
+#: unevenly over 2 ranks: FSDP2 shards the tied lm_head / embedding's rows 66 + 65, the last shard padded (the
+#: 128k-256k vocabularies divide by 2 but not always by the world size, and GPT-2's 50,257 by none). ZeRO-3 splits
+#: each parameter's flat numel instead, 131 × 32 here: even.
+MODELS = {"llama": ("llama", False, {}), "qwen3-tied": ("qwen3", True, {}),
+          "qwen3-tied-odd-vocab": ("qwen3", True, dict(vocab_size=131))}
 
 
 @pytest.fixture(scope="session")
@@ -38,8 +42,8 @@ def model_dirs(tmp_path_factory):
     """Each tiny model saved once (workers load it with ``from_pretrained``, so ZeRO-3 builds it partitioned)."""
     root = tmp_path_factory.mktemp("models")
     paths = {}
-    for name, (arch, tied) in MODELS.items():
-        make_model(arch, tie_word_embeddings=tied).save_pretrained(root / name)
+    for name, (arch, tied, overrides) in MODELS.items():
+        make_model(arch, tie_word_embeddings=tied, **overrides).save_pretrained(root / name)
         paths[name] = str(root / name)
     return paths
 
@@ -86,6 +90,9 @@ CASES = {
     "fsdp2-Trainer+apply_fused_loss-tied": ("fsdp2", "qwen3-tied", "Trainer", dict(fused=True)),
     "ddp-Trainer+apply_fused_loss-lora-on-lm_head-ga2-checkpointing": (
         "ddp", "llama", "Trainer", dict(fused=True, lora="lm_head", ga=2, grad_ckpt=True)),
+    # Uneven FSDP2 shards of lm_head (MODELS).
+    "fsdp2-Trainer+apply_fused_loss-tied-odd-vocab-ga2": (
+        "fsdp2", "qwen3-tied-odd-vocab", "Trainer", dict(fused=True, ga=2)),
 }
 
 
