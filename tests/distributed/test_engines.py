@@ -17,6 +17,7 @@ import torch
 from hf_fused.ops.tiling import rows_per_tile
 from launch import train
 from parity import assert_bf16_twin, assert_matches_reference
+from ranks import CUDA
 from tiny_models import VOCAB, make_model
 
 pytestmark = [
@@ -56,11 +57,12 @@ def references(tmp_path_factory, model_dirs):
     root = tmp_path_factory.mktemp("references")
     cache = {}
 
-    def get(model: str, engine: str | None = None, **options) -> dict:
-        key = (model, engine, tuple(sorted(options.items())))
+    def get(model: str, engine: str | None = None, ranks: int = RANKS, **options) -> dict:
+        """The reference for a run on ``ranks`` ranks: one process on ``ranks`` times the per-rank batch."""
+        key = (model, engine, ranks, tuple(sorted(options.items())))
         if key not in cache:
             case = dict(model_dir=model_dirs[model], out=str(root / f"ref{len(cache)}.pt"), trainer="Trainer",
-                        batch=BATCH * RANKS, **options)
+                        batch=BATCH * ranks, **options)
             cache[key] = train(case, engine, processes=1)
         return cache[key]
 
@@ -113,6 +115,25 @@ def test_engine_training_matches_single_process_reference(name, tmp_path, model_
         assert_head_gathered_and_reduced_once_per_micro_batch(got, micro_batches=len(ref["losses"]) * options["ga"])
     if options.get("track_vocab_tensors"):
         assert_no_full_vocabulary_logits(got)
+
+
+@pytest.mark.parametrize("config", ["zero3", "fsdp2"])
+def test_three_ranks_with_uneven_shards_match_single_process_reference(config, tmp_path, model_dirs, references):
+    """3 ranks, so that lm_head splits unevenly both ways: ZeRO-3 pads its flat partition (131 × 32 = 4,192
+    elements = 3 × 1,397 + 1) and FSDP2 shards its 131 rows 44 + 44 + 43; `Trainer` + `apply_fused_loss` on the
+    tied model with GA 2, against one process on 3 × the per-rank batch (the same samples)."""
+    if config.startswith("zero"):
+        pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
+    if CUDA and torch.cuda.device_count() < 3:
+        pytest.skip("3 ranks need 3 GPUs")
+    options = dict(fused=True, ga=2)
+    ref = references("qwen3-tied-odd-vocab", ranks=3, ga=2)
+    case = dict(model_dir=model_dirs["qwen3-tied-odd-vocab"], out=str(tmp_path / "run.pt"), trainer="Trainer",
+                batch=BATCH, **options)
+    got = train(case, config, processes=3)
+    if config == "zero3":
+        assert got["lm_head_numel"] == 0, "ZeRO-3 should have partitioned lm_head's weight"
+    assert_matches_reference(got, ref, ranks=3)
 
 
 def assert_no_full_vocabulary_logits(got: dict) -> None:
