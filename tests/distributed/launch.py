@@ -144,14 +144,16 @@ def _signal(pids: list[int], sig: int) -> None:
             pass
 
 
-def accelerate_launch(config: str, script: Path, *args: str, processes: int = 2, cuda: bool = CUDA) -> None:
-    """``accelerate launch --config_file examples/distributed/<config>.yaml script args``; each rank's stderr also
-    goes to a file of its own (torchrun's ``--log_dir`` / ``--tee``), shown when the launch fails."""
+def accelerate_launch(config: str | Path, script: Path, *args: str, processes: int = 2, cuda: bool = CUDA) -> None:
+    """``accelerate launch --config_file examples/distributed/<config>.yaml script args`` (``config`` a name
+    there, or a config file's path); each rank's stderr also goes to a file of its own (torchrun's ``--log_dir`` /
+    ``--tee``), shown when the launch fails."""
+    config_file = config if isinstance(config, Path) else CONFIGS / f"{config}.yaml"
     for attempt in range(PORT_ATTEMPTS):
         with tempfile.TemporaryDirectory() as logs:
             try:
                 return run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                            str(CONFIGS / f"{config}.yaml"), "--num_processes", str(processes), "--main_process_port",
+                            str(config_file), "--num_processes", str(processes), "--main_process_port",
                             str(free_port()), "--log_dir", logs, "--tee", "3", str(script), *args],
                            cuda=cuda, rank_logs=Path(logs))
             except AssertionError as e:

@@ -65,9 +65,10 @@ def _distance(a: dict, b: dict, fp32: dict) -> float:
     return float(diff.norm() / update.norm())
 
 
-def assert_bf16_twin(fused: dict, stock: dict, fp32: dict, ranks: int = 2) -> None:
+def assert_bf16_twin(fused: dict, stock: dict, fp32: dict, ranks: int = 2, stock_ranks: int = 1) -> None:
     """bf16 twin of :func:`assert_matches_reference`: ``fused`` (hf_fused under the engine, ``ranks``
-    processes, bf16) against ``stock`` (the unpatched model in one process under the same bf16 setting) and
+    processes, bf16) against ``stock`` (the unpatched model under the same bf16 setting, in one process or on
+    ``stock_ranks`` under the same engine) and
     ``fp32`` (the unpatched single-process fp32 run), all from the same model and global batch:
 
     1. every logged loss within 2^-8 relative of stock's: both round every layer to bf16 alike (2^-8
@@ -82,7 +83,7 @@ def assert_bf16_twin(fused: dict, stock: dict, fp32: dict, ranks: int = 2) -> No
        bf16 at a spacing of 2^-7, coarse next to its update). A distribution fault (a gradient reduced twice
        or never, a missing 1/world, an adapter left untrained) moves a tensor by O(1) of its update.
     """
-    assert fused["world"] == ranks and stock["world"] == 1
+    assert fused["world"] == ranks and stock["world"] == stock_ranks
     assert len(fused["losses"]) == len(stock["losses"]) == len(fp32["losses"]) > 0
     for step, (f, s) in enumerate(zip(fused["losses"], stock["losses"])):
         assert abs(f - s) <= BF16_LOSS_RTOL * abs(s), f"step {step}: fused bf16 loss {f} vs stock bf16 {s}"

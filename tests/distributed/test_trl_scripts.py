@@ -148,6 +148,24 @@ def test_trl_sft_script_under_bf16_matches_unpatched_bf16(engine, tmp_path, refe
     assert_bf16_twin(fused, stock, reference, ranks=RANKS)
 
 
+#: TRL's own FSDP2 accelerate config (tests/distributed/configs/trl_fsdp2.yaml says what differs from ours).
+TRL_FSDP2 = HERE / "configs" / "trl_fsdp2.yaml"
+
+
+def test_trl_sft_script_under_trls_own_fsdp2_config_matches_stock_under_it(tmp_path, reference):
+    """TRL's SFT script launched with TRL's own FSDP2 config (bf16, CPU-RAM-efficient loading: rank 1 starts from
+    the meta device and gets rank 0's weights, after ``apply_fused_loss`` has patched and probed its model),
+    against the unpatched script under the same config and ranks, and both against the fp32 reference
+    (``parity.assert_bf16_twin``)."""
+    args = _with_bf16(ARGS)
+    stock = _launch(SCRIPT, tmp_path / "stock", *args, "--no_fused_loss", "--per_device_train_batch_size",
+                    str(BATCH), engine=TRL_FSDP2)
+    fused = _launch(SCRIPT, tmp_path / "fused", *args, "--per_device_train_batch_size", str(BATCH), engine=TRL_FSDP2)
+    assert all(c["head_calls"] == 0 for c in stock["counts"]), stock["counts"]
+    assert all(c["head_calls"] >= 3 * 2 for c in fused["counts"]), fused["counts"]
+    assert_bf16_twin(fused, stock, reference, ranks=RANKS, stock_ranks=RANKS)
+
+
 LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0",
         "--lora_target_modules", "q_proj", "v_proj", "lm_head"]
 
