@@ -83,13 +83,27 @@ def assert_bf16_twin(fused: dict, stock: dict, fp32: dict, ranks: int = 2, stock
        bf16 at a spacing of 2^-7, coarse next to its update). A distribution fault (a gradient reduced twice
        or never, a missing 1/world, an adapter left untrained) moves a tensor by O(1) of its update.
     """
-    assert fused["world"] == ranks and stock["world"] == stock_ranks
-    assert len(fused["losses"]) == len(stock["losses"]) == len(fp32["losses"]) > 0
-    for step, (f, s) in enumerate(zip(fused["losses"], stock["losses"])):
-        assert abs(f - s) <= BF16_LOSS_RTOL * abs(s), f"step {step}: fused bf16 loss {f} vs stock bf16 {s}"
-    fused_err, stock_err = _distance(fused, fp32, fp32), _distance(stock, fp32, fp32)
+    assert_bf16_twins([(fused, stock, fp32)], ranks, stock_ranks)
+
+
+def assert_bf16_twins(runs: list[tuple[dict, dict, dict]], ranks: int = 2, stock_ranks: int = 1) -> None:
+    """:func:`assert_bf16_twin` over ``(fused, stock, fp32)`` runs of several seeds: bounds 1 and 3 for each seed,
+    bound 2 on the distances pooled over the seeds (root of the summed squares). One 3-step run's distance is one
+    draw of how the first roundings that differ grow: TRL's SFT script under DeepSpeed bf16 with gradient
+    accumulation 1 gave fused/stock ratios of 1.33, 0.31, 1.00 and 0.84 at seeds 0-3 (pooled over 0-2: 0.45), while the
+    bound is a claim about hf_fused's rounding, which hf_fused's op meets alone (more accurate than bf16 logits:
+    tests/test_ops_mixed_precision.py)."""
+    fused_sq = stock_sq = 0.0
+    for fused, stock, fp32 in runs:
+        assert fused["world"] == ranks and stock["world"] == stock_ranks
+        assert len(fused["losses"]) == len(stock["losses"]) == len(fp32["losses"]) > 0
+        for step, (f, s) in enumerate(zip(fused["losses"], stock["losses"])):
+            assert abs(f - s) <= BF16_LOSS_RTOL * abs(s), f"step {step}: fused bf16 loss {f} vs stock bf16 {s}"
+        fused_sq += _distance(fused, fp32, fp32) ** 2
+        stock_sq += _distance(stock, fp32, fp32) ** 2
+        for name, err in update_errors(fused, stock).items():
+            assert err <= BF16_PER_TENSOR, f"{name}: ‖θ−θ_stock‖/‖Δθ_stock‖ = {err:.3g}"
+    fused_err, stock_err = fused_sq ** 0.5, stock_sq ** 0.5
     assert 0 < stock_err, "bf16 changed nothing: mixed precision was not on"
     assert fused_err <= BF16_NO_FURTHER * stock_err, (
         f"parameters: fused bf16 {fused_err:.3g} vs stock bf16 {stock_err:.3g} of the fp32 update")
-    for name, err in update_errors(fused, stock).items():
-        assert err <= BF16_PER_TENSOR, f"{name}: ‖θ−θ_stock‖/‖Δθ_stock‖ = {err:.3g}"

@@ -36,12 +36,13 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from launch import CONFIGS, HERE, accelerate_launch, run
-from parity import PARAM_RTOL, assert_bf16_twin, assert_matches_reference, update_errors
+from parity import PARAM_RTOL, assert_bf16_twin, assert_bf16_twins, assert_matches_reference, update_errors
 from ranks import CUDA
 from test_engines import BF16_REFERENCE_ENGINE
 
@@ -131,7 +132,7 @@ def _with_bf16(args: list) -> list:
     return [*args[:i], "--bf16", "True", *args[i + 2:]]
 
 
-@pytest.mark.parametrize("engine", ["zero2", "ddp"])
+@pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp2", "ddp"])
 def test_trl_sft_script_under_bf16_matches_unpatched_bf16(engine, tmp_path, reference):
     """TRL's SFT script as users run it, with TRL's default ``bf16=True``, under the engine (2 ranks), against the
     same script unpatched (TRL's own head) in one process under the same bf16 setting (DeepSpeed's own config
@@ -148,22 +149,57 @@ def test_trl_sft_script_under_bf16_matches_unpatched_bf16(engine, tmp_path, refe
     assert_bf16_twin(fused, stock, reference, ranks=RANKS)
 
 
-#: TRL's own FSDP2 accelerate config (tests/distributed/configs/trl_fsdp2.yaml says what differs from ours).
+#: TRL's own accelerate configs (tests/distributed/configs/ says what differs from ours).
 TRL_FSDP2 = HERE / "configs" / "trl_fsdp2.yaml"
+TRL_ZERO3 = HERE / "configs" / "trl_zero3.yaml"
 
 
-def test_trl_sft_script_under_trls_own_fsdp2_config_matches_stock_under_it(tmp_path, reference):
+#: Seeds of the runs under TRL's configs: their bf16 twins pool the parameter distance over these
+#: (``parity.assert_bf16_twins`` says why).
+TWIN_SEEDS = (0, 1, 2)
+
+
+def _twins_under(config: Path, tmp_path, ga: int) -> list[tuple[dict, dict, dict]]:
+    """For each of ``TWIN_SEEDS``: TRL's SFT script under ``config`` with TRL's default ``bf16=True``, patched and
+    unpatched on 2 ranks, and the unpatched fp32 run in one process on the same samples; gradient accumulation
+    ``ga``. Checks that hf_fused ran on every rank of the patched runs and in none of the others."""
+    runs = []
+    for seed in TWIN_SEEDS:
+        args = list(ARGS)
+        args[args.index("--gradient_accumulation_steps") + 1] = str(ga)
+        args[args.index("--seed") + 1] = str(seed)
+        out = tmp_path / f"seed{seed}"
+        fp32 = _launch(SCRIPT, out / "fp32", *args, "--no_fused_loss", "--per_device_train_batch_size",
+                       str(BATCH * RANKS))
+        args = _with_bf16(args)
+        stock = _launch(SCRIPT, out / "stock", *args, "--no_fused_loss", "--per_device_train_batch_size", str(BATCH),
+                        engine=config)
+        fused = _launch(SCRIPT, out / "fused", *args, "--per_device_train_batch_size", str(BATCH), engine=config)
+        assert all(c["head_calls"] == 0 for c in stock["counts"] + fp32["counts"]), (stock["counts"], fp32["counts"])
+        assert all(c["head_calls"] >= 3 * ga for c in fused["counts"]), fused["counts"]
+        assert (out / "fused" / "model.safetensors").exists()  # save_model gathered and wrote the trained model
+        runs.append((fused, stock, fp32))
+    return runs
+
+
+def test_trl_sft_script_under_trls_own_fsdp2_config_matches_stock_under_it(tmp_path):
     """TRL's SFT script launched with TRL's own FSDP2 config (bf16, CPU-RAM-efficient loading: rank 1 starts from
     the meta device and gets rank 0's weights, after ``apply_fused_loss`` has patched and probed its model),
-    against the unpatched script under the same config and ranks, and both against the fp32 reference
-    (``parity.assert_bf16_twin``)."""
-    args = _with_bf16(ARGS)
-    stock = _launch(SCRIPT, tmp_path / "stock", *args, "--no_fused_loss", "--per_device_train_batch_size",
-                    str(BATCH), engine=TRL_FSDP2)
-    fused = _launch(SCRIPT, tmp_path / "fused", *args, "--per_device_train_batch_size", str(BATCH), engine=TRL_FSDP2)
-    assert all(c["head_calls"] == 0 for c in stock["counts"]), stock["counts"]
-    assert all(c["head_calls"] >= 3 * 2 for c in fused["counts"]), fused["counts"]
-    assert_bf16_twin(fused, stock, reference, ranks=RANKS, stock_ranks=RANKS)
+    against the unpatched script under the same config and ranks, and both against the fp32
+    run (``parity.assert_bf16_twins``)."""
+    assert_bf16_twins(_twins_under(TRL_FSDP2, tmp_path, ga=2), ranks=RANKS, stock_ranks=RANKS)
+
+
+def test_trl_sft_script_under_trls_own_zero3_config_matches_stock_under_it(tmp_path):
+    """TRL's SFT script launched with TRL's own ZeRO-3 config (zero.Init, the 16-bit model gathered and saved at
+    the end, DeepSpeed's gradient accumulation fixed at 1, which the script's arguments must then match), against
+    the unpatched script under the same config and ranks, and both against the fp32 run
+    (``parity.assert_bf16_twins``); hf_fused found lm_head partitioned in every call."""
+    pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
+    runs = _twins_under(TRL_ZERO3, tmp_path, ga=1)
+    for fused, _, _ in runs:
+        assert all(c["partitioned_head_calls"] == c["head_calls"] for c in fused["counts"]), fused["counts"]
+    assert_bf16_twins(runs, ranks=RANKS, stock_ranks=RANKS)
 
 
 LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0",
