@@ -92,9 +92,14 @@ CASES = {
     "fsdp2-Trainer+apply_fused_loss-tied": ("fsdp2", "qwen3-tied", "Trainer", dict(fused=True)),
     "ddp-Trainer+apply_fused_loss-lora-on-lm_head-ga2-checkpointing": (
         "ddp", "llama", "Trainer", dict(fused=True, lora="lm_head", ga=2, grad_ckpt=True)),
-    # Uneven FSDP2 shards of lm_head (MODELS).
+    # Uneven shards of lm_head (MODELS): FSDP2's rows on 2 ranks, and 3 ranks (``ranks``), where ZeRO-3 pads its
+    # flat partition (131 × 32 = 4,192 elements = 3 × 1,397 + 1) and FSDP2 shards the rows 44 + 44 + 43.
     "fsdp2-Trainer+apply_fused_loss-tied-odd-vocab-ga2": (
         "fsdp2", "qwen3-tied-odd-vocab", "Trainer", dict(fused=True, ga=2)),
+    "zero3-Trainer+apply_fused_loss-tied-odd-vocab-ga2-3-ranks": (
+        "zero3", "qwen3-tied-odd-vocab", "Trainer", dict(fused=True, ga=2, ranks=3)),
+    "fsdp2-Trainer+apply_fused_loss-tied-odd-vocab-ga2-3-ranks": (
+        "fsdp2", "qwen3-tied-odd-vocab", "Trainer", dict(fused=True, ga=2, ranks=3)),
 }
 
 
@@ -103,37 +108,22 @@ def test_engine_training_matches_single_process_reference(name, tmp_path, model_
     config, model, trainer, options = CASES[name]
     if config.startswith("zero"):
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
+    options = dict(options)
+    ranks = options.pop("ranks", RANKS)
+    if CUDA and torch.cuda.device_count() < ranks:
+        pytest.skip(f"{ranks} ranks need {ranks} GPUs")
     harness = ("fused", "tile_budget_bytes", "count_head_events", "track_vocab_tensors")
     reference_options = {k: v for k, v in options.items() if k not in harness}
-    ref = references(model, **reference_options)
+    ref = references(model, ranks=ranks, **reference_options)  # one process on ranks × the per-rank batch
     case = dict(model_dir=model_dirs[model], out=str(tmp_path / "run.pt"), trainer=trainer, batch=BATCH, **options)
-    got = train(case, config)
+    got = train(case, config, processes=ranks)
     if config == "zero3":
         assert got["lm_head_numel"] == 0, "ZeRO-3 should have partitioned lm_head's weight"
-    assert_matches_reference(got, ref)
+    assert_matches_reference(got, ref, ranks=ranks)
     if options.get("count_head_events"):
         assert_head_gathered_and_reduced_once_per_micro_batch(got, micro_batches=len(ref["losses"]) * options["ga"])
     if options.get("track_vocab_tensors"):
         assert_no_full_vocabulary_logits(got)
-
-
-@pytest.mark.parametrize("config", ["zero3", "fsdp2"])
-def test_three_ranks_with_uneven_shards_match_single_process_reference(config, tmp_path, model_dirs, references):
-    """3 ranks, so that lm_head splits unevenly both ways: ZeRO-3 pads its flat partition (131 × 32 = 4,192
-    elements = 3 × 1,397 + 1) and FSDP2 shards its 131 rows 44 + 44 + 43; `Trainer` + `apply_fused_loss` on the
-    tied model with GA 2, against one process on 3 × the per-rank batch (the same samples)."""
-    if config.startswith("zero"):
-        pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    if CUDA and torch.cuda.device_count() < 3:
-        pytest.skip("3 ranks need 3 GPUs")
-    options = dict(fused=True, ga=2)
-    ref = references("qwen3-tied-odd-vocab", ranks=3, ga=2)
-    case = dict(model_dir=model_dirs["qwen3-tied-odd-vocab"], out=str(tmp_path / "run.pt"), trainer="Trainer",
-                batch=BATCH, **options)
-    got = train(case, config, processes=3)
-    if config == "zero3":
-        assert got["lm_head_numel"] == 0, "ZeRO-3 should have partitioned lm_head's weight"
-    assert_matches_reference(got, ref, ranks=3)
 
 
 def assert_no_full_vocabulary_logits(got: dict) -> None:

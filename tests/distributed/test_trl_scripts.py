@@ -126,10 +126,15 @@ def test_trl_sft_script_as_users_launch_it_under_fsdp2_saves_the_trained_model(t
     assert_matches_reference(got, reference, ranks=RANKS)
 
 
+def _with(args: list, flag: str, value) -> list:
+    """``args`` with ``flag``'s value replaced by ``value``."""
+    i = args.index(flag)
+    return [*args[:i], flag, str(value), *args[i + 2:]]
+
+
 def _with_bf16(args: list) -> list:
     """``args`` with TRL's default mixed precision (``--bf16 True``: autocast, on CPU too) instead of fp32."""
-    i = args.index("--bf16")
-    return [*args[:i], "--bf16", "True", *args[i + 2:]]
+    return _with(args, "--bf16", "True")
 
 
 @pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp2", "ddp"])
@@ -165,9 +170,7 @@ def _twins_under(config: Path, tmp_path, ga: int) -> list[tuple[dict, dict, dict
     ``ga``. Checks that hf_fused ran on every rank of the patched runs and in none of the others."""
     runs = []
     for seed in TWIN_SEEDS:
-        args = list(ARGS)
-        args[args.index("--gradient_accumulation_steps") + 1] = str(ga)
-        args[args.index("--seed") + 1] = str(seed)
+        args = _with(_with(ARGS, "--gradient_accumulation_steps", ga), "--seed", seed)
         out = tmp_path / f"seed{seed}"
         fp32 = _launch(SCRIPT, out / "fp32", *args, "--no_fused_loss", "--per_device_train_batch_size",
                        str(BATCH * RANKS))
