@@ -41,6 +41,8 @@ def worker_env(cuda: bool = CUDA, gpus: int | None = None) -> dict:
     }
     if not cuda:
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CPU accelerator: gloo without oneCCL
+        # accelerate applies its FSDP plugin only on accelerators (DDP on CPU ranks otherwise): cpu_fsdp/
+        env["PYTHONPATH"] = os.pathsep.join([str(HERE / "cpu_fsdp"), env["PYTHONPATH"]])
     elif gpus is not None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]

@@ -46,3 +46,4 @@ def exit_rank() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     os._exit(0)
+

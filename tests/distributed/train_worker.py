@@ -45,9 +45,13 @@ SAMPLES = 64
 class TinyDataset(Dataset):
     """Fixed-length rows from :func:`tiny_models.make_batch` (prompt prefix and padding ignored)."""
 
-    def __init__(self, samples: int = SAMPLES, seq: int = 12):
+    def __init__(self, samples: int = SAMPLES, seq: int = 12, padding: bool = True):
         ids, mask, labels = make_batch(samples, seq, seed=7)
-        self.rows = [dict(input_ids=i, attention_mask=m, labels=y) for i, m, y in zip(ids, mask, labels)]
+        if padding:
+            self.rows = [dict(input_ids=i, attention_mask=m, labels=y) for i, m, y in zip(ids, mask, labels)]
+        else:  # context parallelism shards causal sequences only: no attention mask, prompt prefixes still ignored
+            labels[mask == 0] = ids[mask == 0]
+            self.rows = [dict(input_ids=i, labels=y) for i, y in zip(ids, labels)]
 
     def __len__(self):
         return len(self.rows)
@@ -57,8 +61,13 @@ class TinyDataset(Dataset):
 
 
 def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter as a whole fp32 CPU tensor: gathered from ZeRO-3 partitions or FSDP2 DTensors
-    (collective: every rank must call it)."""
+    """Every parameter as a whole fp32 CPU tensor: gathered from ZeRO-3 partitions, FSDP1 flat shards or FSDP2
+    DTensors (collective: every rank must call it)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):
+        with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+            return {_canonical(n): p.detach().float().cpu().clone() for n, p in model.named_parameters()}
     out = {}
     for name, p in model.named_parameters():
         if hasattr(p, "ds_status"):
@@ -185,7 +194,7 @@ def main(case: dict) -> None:
         disable_tqdm=True,
     )
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        case["model_dir"], attn_implementation="eager", dtype=torch.float32
+        case["model_dir"], attn_implementation=case.get("attn", "eager"), dtype=torch.float32
     )
     if case.get("lora"):
         import peft
@@ -211,7 +220,7 @@ def main(case: dict) -> None:
     extra = {}
     if case["trainer"] == "FusedTrainer" and case.get("tile_budget_bytes"):
         extra["fused_options"] = {"tile_budget_bytes": case["tile_budget_bytes"]}
-    trainer = trainer_cls(model=model, args=args, train_dataset=TinyDataset(),
+    trainer = trainer_cls(model=model, args=args, train_dataset=TinyDataset(padding=not case.get("no_padding")),
                           data_collator=transformers.default_data_collator, **extra)
     counts.clear()  # from here on: training only (not the patch-time probe)
     head_calls = count_fused_head_calls()
@@ -227,7 +236,8 @@ def main(case: dict) -> None:
     if trainer.accelerator.is_main_process:
         torch.save({"losses": losses, "params": params, "initial": initial, "world": trainer.accelerator.num_processes,
                     "head_counts": head_counts, "max_vocab_rows": tracker.max_rows,
-                    "lm_head_numel": lm_head_numel, "head_calls": head_calls["all"], "n_gpu": trainer.args.n_gpu},
+                    "lm_head_numel": lm_head_numel, "head_calls": head_calls["all"], "n_gpu": trainer.args.n_gpu,
+                    "wrapper": type(trainer.model_wrapped).__name__},
                    case["out"])
     trainer.accelerator.wait_for_everyone()
 
