@@ -90,7 +90,32 @@ def _lora_head_tensors(layer: nn.Module, hidden: torch.Tensor):
             raise NotImplementedError("hf_fused does not support lora_bias=True on lm_head")
         x = layer.lora_dropout[name](hidden.to(lora_A.weight.dtype))
         extra_hidden.append((lora_A(x) * layer.scaling[name]).to(hidden.dtype))
-        extra_weight.append(lora_B.weight.to(weight.dtype))
+        extra_weight.append(_whole_weight(lora_B, hidden.device).to(weight.dtype))
     if not extra_hidden:
         return base_hidden, weight, bias
     return torch.cat([base_hidden, *extra_hidden], dim=-1), torch.cat([weight, *extra_weight], dim=1), bias
+
+
+def _whole_weight(linear: nn.Module, device: torch.device) -> torch.Tensor:
+    """``linear.weight`` ``[out, in]`` as the module's own call would use it (on ``device``, the hidden states').
+
+    Read directly, except for a module FSDP1 wraps as a unit of its own (accelerate applies PEFT's auto-wrap
+    policy, which makes every trainable LoRA matrix one): outside its call its weight is a flat shard, whole only
+    inside the call, between FSDP's hooks. There the weight is recovered through the call, ``linear(I)ᵀ = W``
+    (exact: a product with the identity, with autocast off so it is not rounded to bf16 on the way), and its
+    gradient flows back through FSDP's hooks like any LoRA forward's.
+    """
+    if not _is_fsdp1_unit(linear):
+        return linear.weight
+    inner = linear.module
+    eye = torch.eye(inner.in_features, dtype=inner.weight.dtype, device=device)  # the weight may be offloaded
+    with torch.autocast(eye.device.type, enabled=False):
+        return linear(eye).t()
+
+
+def _is_fsdp1_unit(module: nn.Module) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return isinstance(module, FullyShardedDataParallel)

@@ -49,7 +49,8 @@ def main(case: dict) -> None:
     params = full_parameters(trainer.model)
     if trainer.accelerator.is_main_process:
         torch.save({"losses": losses, "logs": logs, "fused_calls": fused_calls, "params": params, "initial": initial, "lm_head_numel": lm_head_numel,
-                    "world": trainer.accelerator.num_processes}, case["out"])
+                    "world": trainer.accelerator.num_processes, "wrapper": type(trainer.model_wrapped).__name__},
+                   case["out"])
     trainer.accelerator.wait_for_everyone()
 
 

@@ -167,12 +167,18 @@ def accelerate_launch(config: str | Path, script: Path, *args: str, processes: i
 
 def train(case: dict, config: str | None, processes: int = 2) -> dict:
     """Run :mod:`train_worker` for ``case`` under the engine ``config`` (None: one plain process) and load
-    what rank 0 saved. ``case["cuda"]``: on the GPU (DeepSpeed's CUDA accelerator) instead of CPU ranks;
-    ``case["gpus"]``: GPUs a plain process sees (default 1: with more, the Trainer uses ``nn.DataParallel``)."""
+    what rank 0 saved, after checking that the engine wrapped the model (``parity.assert_wrapped_by``).
+    ``case["cuda"]``: on the GPU (DeepSpeed's CUDA accelerator) instead of CPU ranks; ``case["gpus"]``: GPUs a
+    plain process sees (default 1: with more, the Trainer uses ``nn.DataParallel``)."""
+    from parity import assert_wrapped_by
+
     case = {"cuda": CUDA, **case}
     cuda = bool(case["cuda"])
     if config is None:
         run([sys.executable, str(WORKER), json.dumps(case)], cuda=cuda, gpus=case.get("gpus", 1))
-    else:
-        accelerate_launch(config, WORKER, json.dumps(case), processes=processes, cuda=cuda)
-    return torch.load(case["out"])
+        return torch.load(case["out"])
+    accelerate_launch(config, WORKER, json.dumps(case), processes=processes, cuda=cuda)
+    got = torch.load(case["out"])
+    if processes > 1 or "ddp" not in str(config):  # one process under a DDP config is a plain process
+        assert_wrapped_by(got, config)
+    return got

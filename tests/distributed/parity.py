@@ -22,6 +22,23 @@ LOSS_RTOL = 1e-5
 PARAM_RTOL = 2e-5
 
 
+def assert_wrapped_by(got: dict, config) -> None:
+    """The run's model was wrapped by the engine its accelerate ``config`` names (a name under
+    examples/distributed/, or a config file's path whose name says the engine): a run under an FSDP config that
+    came back wrapped in DDP trained nothing sharded (accelerate does that on CPU ranks unless
+    ``cpu_fsdp/sitecustomize.py`` lets it apply FSDP), and it would pass every parity check."""
+    name = getattr(config, "stem", config)
+    wrapper = got["wrapper"]
+    if "zero" in name:
+        assert wrapper == "DeepSpeedEngine", wrapper
+    elif "fsdp1" in name:
+        assert wrapper == "FullyShardedDataParallel", wrapper
+    elif "fsdp" in name:  # fully_shard's per-class subclass, e.g. FSDPLlamaForCausalLM
+        assert wrapper.startswith("FSDP") and wrapper != "FullyShardedDataParallel", wrapper
+    else:
+        assert name == "ddp" and wrapper == "DistributedDataParallel", (name, wrapper)
+
+
 def update_errors(got: dict, ref: dict, same_start: bool = True) -> dict[str, float]:
     """Per parameter ``‖θ − θ_ref‖ / ‖θ_ref − θ_0,ref‖`` (0 for a tensor neither run moved; inf for one
     that only ``got`` moved). ``same_start``: both runs must have started from the same parameters."""

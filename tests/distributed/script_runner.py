@@ -36,7 +36,8 @@ def record_parameters(out: str) -> None:
         result = train(self, *args, **kwargs)
         params = full_parameters(self.model)
         if self.accelerator.is_main_process:
-            torch.save({"initial": initial, "params": params}, f"{out}.params.pt")
+            torch.save({"initial": initial, "params": params, "wrapper": type(self.model_wrapped).__name__},
+                       f"{out}.params.pt")
         return result
 
     transformers.Trainer.train = recorded

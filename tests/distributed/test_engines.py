@@ -1,5 +1,7 @@
-"""Training under DeepSpeed ZeRO-2/3, DDP and FSDP2, each launched the way users launch it:
-``accelerate launch --config_file examples/distributed/<engine>.yaml`` with 2 CPU processes (gloo).
+"""Training under DeepSpeed ZeRO-2/3, DDP, FSDP1 and FSDP2, each launched the way users launch it:
+``accelerate launch --config_file examples/distributed/<engine>.yaml`` with 2 CPU processes (gloo). On CPU ranks
+accelerate would take an FSDP config for plain DDP; ``cpu_fsdp/sitecustomize.py`` makes it apply FSDP as on GPUs,
+and every run checks which engine wrapped its model (``parity.assert_wrapped_by``).
 
 Each case trains a tiny model for a few optimizer steps through a public entry point
 (``hf_fused.FusedTrainer``, or ``transformers.Trainer`` on a model patched by ``apply_fused_loss``) and is
@@ -83,6 +85,12 @@ CASES = {
     "fsdp2-FusedTrainer-ga2": ("fsdp2", "llama", "FusedTrainer", dict(ga=2)),
     "fsdp2-FusedTrainer-lora-on-lm_head-checkpointing": (
         "fsdp2", "llama", "FusedTrainer", dict(lora="lm_head", grad_ckpt=True)),
+    # FSDP1 (accelerate's default fsdp_version, and what TrainingArguments(fsdp=...) sets up): flat parameters;
+    # lm_head.weight is a view into the root unit's, whole while the root is unsharded around the forward.
+    "fsdp1-FusedTrainer-ga2": ("fsdp1", "llama", "FusedTrainer", dict(ga=2)),
+    "fsdp1-Trainer+apply_fused_loss-tied-ga2-checkpointing": (
+        "fsdp1", "qwen3-tied", "Trainer", dict(fused=True, ga=2, grad_ckpt=True)),
+    "fsdp1-FusedTrainer-lora-on-lm_head": ("fsdp1", "llama", "FusedTrainer", dict(lora="lm_head")),
     # The rest of the engine × feature matrix (docs/distributed.md): every engine with Trainer +
     # apply_fused_loss, tied embeddings, a LoRA adapter on lm_head, GA 2 and gradient checkpointing.
     "zero2-Trainer+apply_fused_loss-tied-ga2-checkpointing": (
@@ -100,6 +108,14 @@ CASES = {
         "zero3", "qwen3-tied-odd-vocab", "Trainer", dict(fused=True, ga=2, ranks=3)),
     "fsdp2-Trainer+apply_fused_loss-tied-odd-vocab-ga2-3-ranks": (
         "fsdp2", "qwen3-tied-odd-vocab", "Trainer", dict(fused=True, ga=2, ranks=3)),
+    "fsdp1-Trainer+apply_fused_loss-tied-odd-vocab-ga2-3-ranks": (
+        "fsdp1", "qwen3-tied-odd-vocab", "Trainer", dict(fused=True, ga=2, ranks=3)),
+    # Context parallelism (``cp`` ranks share each sequence; GPUs only): SDPA attention and unpadded rows, as it
+    # requires; the reference is one process on the data-parallel batch (ranks / cp × the per-rank batch).
+    "fsdp2-context-parallel-2-Trainer+apply_fused_loss-ga2": (
+        "fsdp2_cp2", "llama", "Trainer", dict(fused=True, ga=2, attn="sdpa", no_padding=True, cp=2)),
+    "fsdp2-context-parallel-2-FusedTrainer-tied": (
+        "fsdp2_cp2", "qwen3-tied", "FusedTrainer", dict(attn="sdpa", no_padding=True, cp=2)),
 }
 
 
@@ -109,14 +125,17 @@ def test_engine_training_matches_single_process_reference(name, tmp_path, model_
     if config.startswith("zero"):
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
     options = dict(options)
-    ranks = options.pop("ranks", RANKS)
+    ranks, cp = options.pop("ranks", RANKS), options.pop("cp", 1)
+    if cp > 1 and not CUDA:
+        pytest.skip("accelerate's context parallelism needs GPUs (it refuses a ParallelismConfig on CPU ranks)")
     if CUDA and torch.cuda.device_count() < ranks:
         pytest.skip(f"{ranks} ranks need {ranks} GPUs")
     harness = ("fused", "tile_budget_bytes", "count_head_events", "track_vocab_tensors")
     reference_options = {k: v for k, v in options.items() if k not in harness}
-    ref = references(model, ranks=ranks, **reference_options)  # one process on ranks × the per-rank batch
+    ref = references(model, ranks=ranks // cp, **reference_options)  # one process on the data-parallel batch
     case = dict(model_dir=model_dirs[model], out=str(tmp_path / "run.pt"), trainer=trainer, batch=BATCH, **options)
-    got = train(case, config, processes=ranks)
+    got = train(case, config, processes=ranks)  # checks the engine wrapped the model
+    assert got["head_calls"] > 0, "hf_fused never computed the head"
     if config == "zero3":
         assert got["lm_head_numel"] == 0, "ZeRO-3 should have partitioned lm_head's weight"
     assert_matches_reference(got, ref, ranks=ranks)
@@ -150,7 +169,7 @@ def assert_head_gathered_and_reduced_once_per_micro_batch(got: dict, micro_batch
 #: DeepSpeed (``bf16.enabled``) keeps bf16 weights and fp32 master weights, so its reference is the same
 #: DeepSpeed config in one process; DDP and accelerate's FSDP2 plugin autocast an fp32 model (its
 #: ``mixed_precision: bf16``), as one plain process with ``bf16=True`` does.
-BF16_REFERENCE_ENGINE = {"zero3": "zero3", "zero2": "zero2", "fsdp2": None, "ddp": None}
+BF16_REFERENCE_ENGINE = {"zero3": "zero3", "zero2": "zero2", "fsdp2": None, "fsdp1": None, "ddp": None}
 
 
 @pytest.mark.parametrize("config", list(BF16_REFERENCE_ENGINE))

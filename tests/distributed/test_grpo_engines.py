@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from launch import REPO, accelerate_launch
+from parity import assert_wrapped_by
 
 pytestmark = [
     pytest.mark.distributed,
@@ -34,10 +35,12 @@ def _run(tmp_path, config: str, trainer: str, model_dir: str) -> dict:
 
     out = tmp_path / f"{trainer}.pt"
     accelerate_launch(config, WORKER, json.dumps(dict(trainer=trainer, out=str(out), model_dir=model_dir, steps=2)))
-    return torch.load(out)
+    got = torch.load(out)
+    assert_wrapped_by(got, config)
+    return got
 
 
-@pytest.mark.parametrize("config", ["zero3", "zero2", "fsdp2", "ddp"])
+@pytest.mark.parametrize("config", ["zero3", "zero2", "fsdp2", "fsdp1", "ddp"])
 def test_fused_grpo_matches_stock_grpo_under_the_same_engine(tmp_path, config):
     if config.startswith("zero"):
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")

@@ -42,7 +42,8 @@ import pytest
 import torch
 
 from launch import CONFIGS, HERE, accelerate_launch, run
-from parity import PARAM_RTOL, assert_bf16_twin, assert_bf16_twins, assert_matches_reference, update_errors
+from parity import (PARAM_RTOL, assert_bf16_twin, assert_bf16_twins, assert_matches_reference, assert_wrapped_by,
+                    update_errors)
 from ranks import CUDA
 from test_engines import BF16_REFERENCE_ENGINE
 
@@ -79,7 +80,10 @@ def _launch(script, out_dir, *args: str, engine: str | None = None, processes: i
         run([sys.executable, str(RUNNER), *runner_args], gpus=1)
     else:
         accelerate_launch(engine, RUNNER, *runner_args, processes=processes)
-    return _load(out_dir, 1 if engine is None else processes)
+    got = _load(out_dir, 1 if engine is None else processes)
+    if engine is not None and (processes > 1 or "ddp" not in str(engine)):
+        assert_wrapped_by(got, engine)
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +92,7 @@ def reference(tmp_path_factory) -> dict:
                    "--per_device_train_batch_size", str(BATCH * RANKS))
 
 
-@pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp2", "ddp"])
+@pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp2", "fsdp1", "ddp"])
 def test_trl_sft_script_matches_unpatched_single_process(engine, tmp_path, reference):
     if engine.startswith("zero"):
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
@@ -137,7 +141,7 @@ def _with_bf16(args: list) -> list:
     return _with(args, "--bf16", "True")
 
 
-@pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp2", "ddp"])
+@pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp2", "fsdp1", "ddp"])
 def test_trl_sft_script_under_bf16_matches_unpatched_bf16(engine, tmp_path, reference):
     """TRL's SFT script as users run it, with TRL's default ``bf16=True``, under the engine (2 ranks), against the
     same script unpatched (TRL's own head) in one process under the same bf16 setting (DeepSpeed's own config
@@ -215,7 +219,7 @@ def lora_reference(tmp_path_factory) -> dict:
                    "--per_device_train_batch_size", str(BATCH * RANKS))
 
 
-@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2", "fsdp1"])
 def test_trl_sft_script_with_lora_on_lm_head_matches_single_process(engine, tmp_path, lora_reference):
     if engine.startswith("zero"):
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
