@@ -110,12 +110,6 @@ CASES = {
         "fsdp2", "qwen3-tied-odd-vocab", "Trainer", dict(fused=True, ga=2, ranks=3)),
     "fsdp1-Trainer+apply_fused_loss-tied-odd-vocab-ga2-3-ranks": (
         "fsdp1", "qwen3-tied-odd-vocab", "Trainer", dict(fused=True, ga=2, ranks=3)),
-    # Context parallelism (``cp`` ranks share each sequence; GPUs only): SDPA attention and unpadded rows, as it
-    # requires; the reference is one process on the data-parallel batch (ranks / cp × the per-rank batch).
-    "fsdp2-context-parallel-2-Trainer+apply_fused_loss-ga2": (
-        "fsdp2_cp2", "llama", "Trainer", dict(fused=True, ga=2, attn="sdpa", no_padding=True, cp=2)),
-    "fsdp2-context-parallel-2-FusedTrainer-tied": (
-        "fsdp2_cp2", "qwen3-tied", "FusedTrainer", dict(attn="sdpa", no_padding=True, cp=2)),
 }
 
 
@@ -125,14 +119,12 @@ def test_engine_training_matches_single_process_reference(name, tmp_path, model_
     if config.startswith("zero"):
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
     options = dict(options)
-    ranks, cp = options.pop("ranks", RANKS), options.pop("cp", 1)
-    if cp > 1 and not CUDA:
-        pytest.skip("accelerate's context parallelism needs GPUs (it refuses a ParallelismConfig on CPU ranks)")
+    ranks = options.pop("ranks", RANKS)
     if CUDA and torch.cuda.device_count() < ranks:
         pytest.skip(f"{ranks} ranks need {ranks} GPUs")
     harness = ("fused", "tile_budget_bytes", "count_head_events", "track_vocab_tensors")
     reference_options = {k: v for k, v in options.items() if k not in harness}
-    ref = references(model, ranks=ranks // cp, **reference_options)  # one process on the data-parallel batch
+    ref = references(model, ranks=ranks, **reference_options)  # one process on ranks × the per-rank batch
     case = dict(model_dir=model_dirs[model], out=str(tmp_path / "run.pt"), trainer=trainer, batch=BATCH, **options)
     got = train(case, config, processes=ranks)  # checks the engine wrapped the model
     assert got["head_calls"] > 0, "hf_fused never computed the head"
@@ -165,14 +157,16 @@ def assert_head_gathered_and_reduced_once_per_micro_batch(got: dict, micro_batch
                       "reductions": micro_batches}, counts
 
 
-#: bf16 mixed precision per engine, and the single-process unpatched run under the same bf16 setting:
-#: DeepSpeed (``bf16.enabled``) keeps bf16 weights and fp32 master weights, so its reference is the same
-#: DeepSpeed config in one process; DDP and accelerate's FSDP2 plugin autocast an fp32 model (its
-#: ``mixed_precision: bf16``), as one plain process with ``bf16=True`` does.
-BF16_REFERENCE_ENGINE = {"zero3": "zero3", "zero2": "zero2", "fsdp2": None, "fsdp1": None, "ddp": None}
+#: bf16 mixed precision per engine, and where its unpatched twin runs under the same bf16 setting, as
+#: ``(config, processes)``: DeepSpeed (``bf16.enabled``) keeps bf16 weights and fp32 master weights, so the same
+#: config in one process; DDP autocasts an fp32 model, as one plain process with ``bf16=True`` does; accelerate's
+#: FSDP1 and FSDP2 plugins also hold bf16 parameters and reduce gradients in bf16 (``param_dtype`` and
+#: ``reduce_dtype``, beside autocast), which one process does not reproduce: the same config on as many ranks.
+BF16_STOCK = {"zero3": ("zero3", 1), "zero2": ("zero2", 1), "fsdp2": ("fsdp2", RANKS), "fsdp1": ("fsdp1", RANKS),
+              "ddp": (None, 1)}
 
 
-@pytest.mark.parametrize("config", list(BF16_REFERENCE_ENGINE))
+@pytest.mark.parametrize("config", list(BF16_STOCK))
 def test_bf16_training_matches_single_process_unpatched_bf16(config, tmp_path, model_dirs, references):
     """bf16 twin of the fp32 cases: ``FusedTrainer(bf16=True)`` under the engine (2 ranks) against the
     unpatched ``Trainer(bf16=True)`` in one process under the same bf16 setting, and both against the fp32
@@ -180,7 +174,32 @@ def test_bf16_training_matches_single_process_unpatched_bf16(config, tmp_path, m
     bf16's, every tensor within 0.25 of the update of stock's; why those bounds: there)."""
     if config.startswith("zero"):
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    stock = references("llama", BF16_REFERENCE_ENGINE[config], bf16=True)
+    engine, processes = BF16_STOCK[config]
+    if processes == 1:
+        stock = references("llama", engine, bf16=True)
+    else:
+        stock = train(dict(model_dir=model_dirs["llama"], out=str(tmp_path / "stock.pt"), trainer="Trainer",
+                           batch=BATCH, bf16=True), engine, processes=processes)
     case = dict(model_dir=model_dirs["llama"], out=str(tmp_path / "run.pt"), trainer="FusedTrainer", batch=BATCH,
                 bf16=True)
-    assert_bf16_twin(train(case, config), stock, references("llama"))
+    assert_bf16_twin(train(case, config), stock, references("llama"), stock_ranks=processes)
+
+
+@pytest.mark.skipif(not CUDA, reason="accelerate's context parallelism needs GPUs (it refuses a ParallelismConfig on "
+                                     "CPU ranks); HF_FUSED_TEST_DEVICE=cuda runs it")
+def test_context_parallel_bf16_matches_stock_under_it(tmp_path, model_dirs, references):
+    """Context parallelism (examples/distributed/fsdp2_cp2.yaml: both ranks share each sequence, torch's ring
+    attention, FSDP2 over the same 2 ranks): the Trainer hands the model ``shift_labels`` split like the inputs, and
+    hf_fused computes each rank's share of the loss from its own hidden states. In bf16, as the config trains: torch's
+    ring attention handles the flash and memory-efficient SDPA kernels, not the math kernel fp32 falls back to
+    (pytorch/pytorch#147793). ``apply_fused_loss`` + ``Trainer`` against the unpatched ``Trainer`` under the same
+    config, and both against the fp32 single-process run on the same sequences (``parity.assert_bf16_twin``); SDPA
+    attention and unpadded rows, as context parallelism requires."""
+    common = dict(model_dir=model_dirs["llama"], trainer="Trainer", batch=BATCH, ga=2, bf16=True, attn="sdpa",
+                  no_padding=True)
+    stock = train(dict(common, out=str(tmp_path / "stock.pt")), "fsdp2_cp2")
+    fused = train(dict(common, out=str(tmp_path / "fused.pt"), fused=True), "fsdp2_cp2")
+    assert stock["head_calls"] == 0 and fused["head_calls"] > 0
+    # one data-parallel rank: the fp32 run takes the per-rank batch
+    fp32 = references("llama", ranks=1, ga=2, attn="sdpa", no_padding=True)
+    assert_bf16_twin(fused, stock, fp32, ranks=2, stock_ranks=2)

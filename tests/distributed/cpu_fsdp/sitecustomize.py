@@ -14,17 +14,21 @@ if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
     import torch
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel
 
     _state_init = AcceleratorState.__init__
 
     def _fsdp_state_init(self, *args, fsdp_plugin=None, **kwargs):
         _state_init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-            self.distributed_type = DistributedType.FSDP  # what the device branch of AcceleratorState does
+        # every later AcceleratorState() (accelerate makes many) copies PartialState's MULTI_CPU back in
+        if self.distributed_type != DistributedType.MULTI_CPU:
+            return
+        if fsdp_plugin is not None:  # the Accelerator's own: what the device branch of AcceleratorState does
             if self._mixed_precision != "no":
                 fsdp_plugin.set_mixed_precision(self._mixed_precision)
             self.fsdp_plugin = fsdp_plugin
+        if getattr(self, "fsdp_plugin", None) is not None:
+            self.distributed_type = DistributedType.FSDP
 
     AcceleratorState.__init__ = _fsdp_state_init
 
@@ -38,3 +42,13 @@ if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         _fsdp1_init(self, *args, device_id=device_id, **kwargs)
 
     FullyShardedDataParallel.__init__ = _fsdp1_cpu_init
+
+    # FSDP1's full state dict "offloaded to the CPU" (accelerate's save_model asks for it) clones freed storage
+    # when the ranks are CPU ranks: a segfault in state_dict(). Their parameters are on the CPU already.
+    _full_config_init = FullStateDictConfig.__init__
+
+    def _full_config_on_cpu_init(self, *args, **kwargs):
+        _full_config_init(self, *args, **kwargs)
+        self.offload_to_cpu = False
+
+    FullStateDictConfig.__init__ = _full_config_on_cpu_init
