@@ -1,6 +1,6 @@
 """The end-to-end SFT benchmark under each distributed engine, launched the way users launch training.
 
-``python -m benchmarks.e2e.distributed [--engines ddp,zero2,zero3,fsdp2] [--seq-lens 32768] --out DIR``
+``python -m benchmarks.e2e.distributed [--engines ddp,zero2,zero3,fsdp2,fsdp1] [--seq-lens 32768] --out DIR``
 
 For each engine, one ``accelerate launch --config_file examples/distributed/<engine>.yaml -m benchmarks.e2e
 --parts sft ...`` (the configs shipped for users, 2 processes, one GPU each over NCCL; on CPU, gloo and
@@ -45,7 +45,7 @@ from .sft import ALL_SFT_VARIANTS
 
 REPO = Path(__file__).resolve().parent.parent.parent
 CONFIGS = REPO / "examples" / "distributed"
-ENGINES = ("ddp", "zero2", "zero3", "fsdp2")
+ENGINES = ("ddp", "zero2", "zero3", "fsdp2", "fsdp1")
 #: Without Liger's fused cross-entropy under ZeRO-3 nothing would show whether it runs there: every variant
 #: is tried under every engine and what fails is recorded as it failed.
 DEFAULT_VARIANTS = ("plain", "liger", "hf_fused", "trl_sft", "hf_fused_trl_sft")

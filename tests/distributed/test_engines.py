@@ -29,6 +29,7 @@ pytestmark = [
 
 BATCH = 2  # per device
 RANKS = 2
+SEQ = 12  # positions per sample (train_worker.TinyDataset)
 #: rows_per_tile(128, 6144) = 4 rows per tile: a loss call runs several tiles.
 TILE_BUDGET = 6144
 
@@ -200,6 +201,7 @@ def test_context_parallel_bf16_matches_stock_under_it(tmp_path, model_dirs, refe
     stock = train(dict(common, out=str(tmp_path / "stock.pt")), "fsdp2_cp2")
     fused = train(dict(common, out=str(tmp_path / "fused.pt"), fused=True), "fsdp2_cp2")
     assert stock["head_calls"] == 0 and fused["head_calls"] > 0
+    assert fused["head_positions"] == SEQ // 2, "each rank's head should see half of every sequence"
     # one data-parallel rank: the fp32 run takes the per-rank batch
     fp32 = references("llama", ranks=1, ga=2, attn="sdpa", no_padding=True)
     assert_bf16_twin(fused, stock, fp32, ranks=2, stock_ranks=2)

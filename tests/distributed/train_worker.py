@@ -128,15 +128,17 @@ def count_head_events(counts: dict) -> None:
 
 
 def count_fused_head_calls() -> dict:
-    """Count hf_fused's head computations during training, and how many found lm_head partitioned by
-    ZeRO-3 (so they went through the gather-for-backward node of hf_fused.model.distributed)."""
+    """Count hf_fused's head computations during training, how many found lm_head partitioned by ZeRO-3 (so
+    they went through the gather-for-backward node of hf_fused.model.distributed), and the most sequence positions
+    one call received (context parallelism gives each rank its share)."""
     from hf_fused.model import distributed, forward
 
-    calls = {"all": 0, "partitioned": 0}
+    calls = {"all": 0, "partitioned": 0, "max_positions": 0}
     run_head = forward.run_head
 
     def counted(lm_head, hidden, compute):
         calls["all"] += 1
+        calls["max_positions"] = max(calls["max_positions"], hidden.shape[-2])  # [B, T, H]: this rank's T
         calls["partitioned"] += bool(distributed.partitioned_head_params(lm_head))
         return run_head(lm_head, hidden, compute)
 
@@ -236,7 +238,8 @@ def main(case: dict) -> None:
     if trainer.accelerator.is_main_process:
         torch.save({"losses": losses, "params": params, "initial": initial, "world": trainer.accelerator.num_processes,
                     "head_counts": head_counts, "max_vocab_rows": tracker.max_rows,
-                    "lm_head_numel": lm_head_numel, "head_calls": head_calls["all"], "n_gpu": trainer.args.n_gpu,
+                    "lm_head_numel": lm_head_numel, "head_calls": head_calls["all"],
+                    "head_positions": head_calls["max_positions"], "n_gpu": trainer.args.n_gpu,
                     "wrapper": type(trainer.model_wrapped).__name__},
                    case["out"])
     trainer.accelerator.wait_for_everyone()
