@@ -17,7 +17,7 @@ from ranks import CUDA  # noqa: E402
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "distributed: 2-process runs, CPU over gloo or (HF_FUSED_TEST_DEVICE=cuda) 2 GPUs over NCCL "
-                   "(DeepSpeed ZeRO-2/3, DDP, FSDP2, pipeline)"
+                   "(DeepSpeed ZeRO-2/3, DDP, FSDP1, FSDP2, context parallelism on GPUs, pipeline)"
     )
 
 

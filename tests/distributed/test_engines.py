@@ -92,6 +92,12 @@ CASES = {
     "fsdp1-Trainer+apply_fused_loss-tied-ga2-checkpointing": (
         "fsdp1", "qwen3-tied", "Trainer", dict(fused=True, ga=2, grad_ckpt=True)),
     "fsdp1-FusedTrainer-lora-on-lm_head": ("fsdp1", "llama", "FusedTrainer", dict(lora="lm_head")),
+    # FSDP as transformers sets it up from TrainingArguments(fsdp="full_shard auto_wrap") under a plain
+    # multi-process launch: FSDP2 (transformers 5's default) and FSDP1 (fsdp_config={"version": 1})
+    "trainer-args-fsdp2-Trainer+apply_fused_loss-tied-ga2": (
+        "ddp", "qwen3-tied", "Trainer", dict(fused=True, ga=2, trainer_fsdp=2)),
+    "trainer-args-fsdp1-FusedTrainer-lora-on-lm_head-ga2": (
+        "ddp", "llama", "FusedTrainer", dict(lora="lm_head", ga=2, trainer_fsdp=1)),
     # The rest of the engine × feature matrix (docs/distributed.md): every engine with Trainer +
     # apply_fused_loss, tied embeddings, a LoRA adapter on lm_head, GA 2 and gradient checkpointing.
     "zero2-Trainer+apply_fused_loss-tied-ga2-checkpointing": (
@@ -123,7 +129,7 @@ def test_engine_training_matches_single_process_reference(name, tmp_path, model_
     ranks = options.pop("ranks", RANKS)
     if CUDA and torch.cuda.device_count() < ranks:
         pytest.skip(f"{ranks} ranks need {ranks} GPUs")
-    harness = ("fused", "tile_budget_bytes", "count_head_events", "track_vocab_tensors")
+    harness = ("fused", "tile_budget_bytes", "count_head_events", "track_vocab_tensors", "trainer_fsdp")
     reference_options = {k: v for k, v in options.items() if k not in harness}
     ref = references(model, ranks=ranks, **reference_options)  # one process on ranks × the per-rank batch
     case = dict(model_dir=model_dirs[model], out=str(tmp_path / "run.pt"), trainer=trainer, batch=BATCH, **options)

@@ -15,6 +15,9 @@ Run it under ``accelerate launch --config_file <engine>.yaml`` (the engine's ran
     batch       per-device batch size (the reference uses ranks × batch)
     ga, steps, grad_ckpt, lora ("" | "lm_head": LoRA on attention and lm_head), bf16
     tile_budget_bytes   FusedTrainer's tile bound (small: many tiles per loss call)
+    trainer_fsdp        1 | 2: ``TrainingArguments(fsdp="full_shard auto_wrap")``, FSDP1 (``fsdp_config={"version": 1}``)
+                        or FSDP2 (transformers 5's default) set up by transformers itself
+    attn, no_padding    attention implementation (default "eager"); rows without padding (context parallelism)
     count_head_events   ZeRO-3: count lm_head.weight's gathers and gradient reductions during training
     gpus                GPUs a plain process sees (launch.py; with 2 the Trainer runs ``nn.DataParallel``)
     track_vocab_tensors record the most rows of any vocabulary-wide tensor made in training
@@ -191,6 +194,11 @@ def main(case: dict) -> None:
         data_seed=0,
         gradient_checkpointing=case.get("grad_ckpt", False),
         bf16=case.get("bf16", False),
+        # transformers' own FSDP switch (decoder layers from the model's _no_split_modules), no FSDP launch config:
+        # FSDP2 by default in transformers 5, FSDP1 with fsdp_config={"version": 1} (whose default
+        # sync_module_states broadcasts through a GPU: off on CPU ranks)
+        **(dict(fsdp="full_shard auto_wrap", fsdp_config=None if case["trainer_fsdp"] == 2 else
+                {"version": 1, "sync_module_states": bool(case.get("cuda"))}) if case.get("trainer_fsdp") else {}),
         use_cpu=not case.get("cuda", False),
         dataloader_num_workers=0,
         disable_tqdm=True,

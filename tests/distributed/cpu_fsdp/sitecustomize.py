@@ -5,12 +5,11 @@ accelerate applies its FSDP plugin only on accelerators: under an FSDP config it
 ``MULTI_GPU``, ``MULTI_XPU``, ... and leaves CPU ranks at ``MULTI_CPU``, so ``Trainer`` silently wraps the model in
 DDP (found in the nineteenth session: CI's "FSDP2" cases had been DDP, while the GPU runs were FSDP). FSDP1 and FSDP2
 themselves run on CPU over gloo; this makes accelerate's state on CPU ranks what it is on GPUs, and the engine tests
-check the wrapper every run used. Nothing changes outside FSDP launches.
+check the wrapper every run used. Nothing changes unless accelerate is handed an FSDP plugin (an FSDP config, or
+``TrainingArguments(fsdp=...)``).
 """
 
-import os
-
-if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+if True:  # on CPU ranks only (this folder is on their path alone); inert unless an FSDP plugin reaches accelerate
     import torch
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
