@@ -179,6 +179,5 @@ def train(case: dict, config: str | None, processes: int = 2) -> dict:
         return torch.load(case["out"])
     accelerate_launch(config, WORKER, json.dumps(case), processes=processes, cuda=cuda)
     got = torch.load(case["out"])
-    if processes > 1 or "ddp" not in str(config):  # one process under a DDP config is a plain process
-        assert_wrapped_by(got, f"fsdp{case['trainer_fsdp']}" if case.get("trainer_fsdp") else config)
+    assert_wrapped_by(got, f"fsdp{case['trainer_fsdp']}" if case.get("trainer_fsdp") else config, processes)
     return got

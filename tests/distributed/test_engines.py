@@ -176,7 +176,7 @@ BF16_STOCK = {"zero3": ("zero3", 1), "zero2": ("zero2", 1), "fsdp2": ("fsdp2", R
 @pytest.mark.parametrize("config", list(BF16_STOCK))
 def test_bf16_training_matches_single_process_unpatched_bf16(config, tmp_path, model_dirs, references):
     """bf16 twin of the fp32 cases: ``FusedTrainer(bf16=True)`` under the engine (2 ranks) against the
-    unpatched ``Trainer(bf16=True)`` in one process under the same bf16 setting, and both against the fp32
+    unpatched ``Trainer(bf16=True)`` under the same bf16 setting (``BF16_STOCK``), and both against the fp32
     reference (``parity.assert_bf16_twin``: losses within 2^-8, parameters no further from fp32 than stock
     bf16's, every tensor within 0.25 of the update of stock's; why those bounds: there)."""
     if config.startswith("zero"):

@@ -81,8 +81,8 @@ def _launch(script, out_dir, *args: str, engine: str | None = None, processes: i
     else:
         accelerate_launch(engine, RUNNER, *runner_args, processes=processes)
     got = _load(out_dir, 1 if engine is None else processes)
-    if engine is not None and (processes > 1 or "ddp" not in str(engine)):
-        assert_wrapped_by(got, engine)
+    if engine is not None:
+        assert_wrapped_by(got, engine, processes)
     return got
 
 
