@@ -54,7 +54,17 @@ def main(argv=None) -> int:
     label = "no budget" if budget is None else f"tile_budget_bytes {args.budget_mib} MiB"
     print(f"{torch.cuda.get_device_name(device)}, {n}×{h}×{v}, {label}: peak above the step's start "
           f"{(peak - base) / 2**20:.1f} MiB, minus the gradients {(peak - base - grads) / 2**20:.1f} MiB")
-    # Replay the allocator's trace to find the allocations live at the peak.
+    total, events = live_at_peak(snapshot, device)
+    print(f"live at the peak (allocated during the step): {total / 2**20:.1f} MiB")
+    for event in events[: args.top]:
+        print(f"{event['size'] / 2**20:9.2f} MiB  {where(event, ('hf_fused',), 2)}")
+    return 0
+
+
+def live_at_peak(snapshot: dict, device: torch.device) -> tuple[int, list[dict]]:
+    """Replay the allocator's trace (``torch.cuda.memory._snapshot()`` after ``_record_memory_history``) to the
+    moment the most memory allocated during the recording was live: (those bytes, those allocations, largest
+    first)."""
     live, current, best = {}, 0, (0, {})
     for event in snapshot["device_traces"][device.index or 0]:
         if event["action"] == "alloc":
@@ -64,12 +74,14 @@ def main(argv=None) -> int:
             current -= live.pop(event["addr"])["size"]
         if current > best[0]:
             best = (current, dict(live))
-    print(f"live at the peak (allocated during the step): {best[0] / 2**20:.1f} MiB")
-    for event in sorted(best[1].values(), key=lambda e: -e["size"])[: args.top]:
-        frames = [f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}" for f in event.get("frames", [])
-                  if "hf_fused" in f["filename"]][:2]
-        print(f"{event['size'] / 2**20:9.2f} MiB  {' < '.join(frames)}")
-    return 0
+    return best[0], sorted(best[1].values(), key=lambda e: -e["size"])
+
+
+def where(event: dict, packages: tuple[str, ...], depth: int) -> str:
+    """The innermost ``depth`` Python frames of an allocation that lie in ``packages`` (path fragments)."""
+    frames = [f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}" for f in event.get("frames", [])
+              if any(p in f["filename"] for p in packages)][:depth]
+    return " < ".join(frames) or "(no frame in " + ", ".join(packages) + ": autograd's engine or C++)"
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from .sft import ALL_SFT_VARIANTS
 
 REPO = Path(__file__).resolve().parent.parent.parent
 CONFIGS = REPO / "examples" / "distributed"
-ENGINES = ("ddp", "zero2", "zero3", "fsdp2", "fsdp1")
+ENGINES = ("ddp", "zero2", "zero3", "fsdp2", "fsdp1", "fsdp2_cp2")
 #: Without Liger's fused cross-entropy under ZeRO-3 nothing would show whether it runs there: every variant
 #: is tried under every engine and what fails is recorded as it failed.
 DEFAULT_VARIANTS = ("plain", "liger", "hf_fused", "trl_sft", "hf_fused_trl_sft")
@@ -73,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one launch per engine (default) or per engine and variant (clean memory under ZeRO-3)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one launch may take (default 900)")
     return p
+
+
+def cp_size(engine: str) -> int:
+    """Ranks that share each sequence under ``engine``'s config (its ``parallelism_config_cp_size``; 1 without
+    context parallelism). Each of them reports the whole row length over its step, so tokens/s of all ranks is
+    their sum over this."""
+    import yaml  # accelerate's own dependency
+
+    config = yaml.safe_load((CONFIGS / f"{engine}.yaml").read_text())
+    return int((config.get("parallelism_config") or {}).get("parallelism_config_cp_size", 1))
 
 
 def free_port() -> int:
@@ -142,8 +152,10 @@ def run_engine(engine: str, variants: list[str], args, out: Path) -> dict:
 
 
 def combine(engine_run: dict, variants: list[str]) -> list[dict]:
-    """One row per (variant, sequence length) over the ranks' runs."""
+    """One row per (variant, sequence length) over the ranks' runs: tokens/s of all ranks is the sum of each
+    rank's row length over its median step, divided by the ranks that share a row (context parallelism)."""
     ranks = [d for d in engine_run["ranks"] if d is not None]
+    share = cp_size(engine_run["engine"])
     rows = []
     keys = []
     for d in ranks:
@@ -159,14 +171,19 @@ def combine(engine_run: dict, variants: list[str]) -> list[dict]:
             first = next((r for r in bad if r is not None), None)
             row.update(status=first["status"] if first else "missing",
                        error=(first or {}).get("error") or (first or {}).get("note"))
+        elif share > 1 and not all((r.get("wrapper") or "").endswith(f"cp{share}") for r in per_rank):
+            # the ranks each trained whole rows: counting them as shared would halve the tokens they did
+            row.update(status="not context-parallel",
+                       error=f"{engine_run['engine']} asks for cp {share}, the ranks ran "
+                             f"{sorted({r.get('wrapper') for r in per_rank}, key=str)}")
         else:
             peaks = [r["peak_gib"] for r in per_rank if r["peak_gib"] is not None]  # none on CPU
             row.update(status="ok",
-                       tokens_per_s=sum(r["tokens_per_s"] for r in per_rank),
+                       tokens_per_s=sum(r["tokens_per_s"] for r in per_rank) / share,
                        peak_gib_per_gpu=max(peaks) if peaks else None,
                        allocated_before_gib=max((r.get("allocated_before_gib") or 0.0) for r in per_rank),
                        loss_step1=per_rank[0]["losses"][0] if per_rank[0].get("losses") else None,
-                       forward=per_rank[0].get("forward"))
+                       forward=per_rank[0].get("forward"), wrapper=per_rank[0].get("wrapper"))
         rows.append(row)
     return rows
 
@@ -177,12 +194,12 @@ def table(doc: dict) -> str:
              f"torch {env.get('torch')}, transformers {env.get('transformers')}, trl {env.get('trl')}, "
              f"liger {env.get('liger_kernel')}; {doc['model']}, batch 1 per rank, grad checkpointing, median of "
              f"{doc['steps']} timed steps after {doc['warmup']}",
-             f"  {'engine':7s}{'variant':18s}{'tokens':>8s}{'tok/s (all)':>13s}{'vs plain':>10s}"
-             f"{'peak GiB/GPU':>14s}{'held before':>13s}{'loss@1':>10s}"]
+             f"  {'engine':10s}{'variant':18s}{'tokens':>8s}{'tok/s (all)':>13s}{'vs plain':>10s}"
+             f"{'peak GiB/GPU':>14s}{'held before':>13s}{'loss@1':>10s}  wrapped by"]
     plain = {(r["engine"], r["seq_len"]): r["tokens_per_s"] for r in doc["rows"]
              if r["variant"] == "plain" and r["status"] == "ok"}
     for r in doc["rows"]:
-        head = f"  {r['engine']:7s}{r['variant']:18s}{r['seq_len']:>8d}"
+        head = f"  {r['engine']:10s}{r['variant']:18s}{r['seq_len']:>8d}"
         if r["status"] != "ok":
             lines.append(head + f"  {r['status']}: {(r.get('error') or '')[:110]}")
             continue
@@ -190,7 +207,7 @@ def table(doc: dict) -> str:
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         loss = f"{r['loss_step1']:.4f}" if r["loss_step1"] is not None else "-"
         lines.append(head + f"{r['tokens_per_s']:>13.0f}{ratio:>10s}{fmt_gib(r['peak_gib_per_gpu']):>14s}"
-                            f"{fmt_gib(r['allocated_before_gib']):>13s}{loss:>10s}")
+                            f"{fmt_gib(r['allocated_before_gib']):>13s}{loss:>10s}  {r.get('wrapper') or '-'}")
     for e in doc["engines"]:
         if e["status"] != "ok":
             lines.append(f"  note: {e['engine']} launch of {','.join(e['variants'])} {e['status']} after "

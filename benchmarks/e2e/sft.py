@@ -143,6 +143,7 @@ def _sft_once(variant: str, seq_len: int, args, device: torch.device) -> dict:
     forward = getattr(model.forward, "__func__", model.forward)
     forward = f"{getattr(forward, '__module__', '?')}.{getattr(forward, '__qualname__', '?')}"
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    wrapper = engine_description(trainer)
     trainer.accelerator.free_memory()
     timed = timer.times[args.warmup:]
     if not timed:
@@ -161,7 +162,20 @@ def _sft_once(variant: str, seq_len: int, args, device: torch.device) -> dict:
         "params": n_params(model),
         "checkpointing": checkpointing,
         "forward": forward,  # which forward trained: transformers', Liger's lce_forward or hf_fused's
+        "wrapper": wrapper,
     }
+
+
+def engine_description(trainer) -> str:
+    """What trained the model: the class that wrapped it (``DistributedDataParallel``, ``DeepSpeedEngine``,
+    ``FullyShardedDataParallel``, ``FSDP<Model>`` of FSDP2, the model's own class in one process), and ``cp<N>``
+    when ``N`` ranks shared each sequence. A run is only as good as this: accelerate runs an FSDP config as DDP on
+    CPU ranks without a word, and a context-parallel config whose ranks each trained the whole row would report
+    twice the tokens."""
+    name = type(trainer.model_wrapped).__name__
+    config = getattr(trainer.accelerator, "parallelism_config", None)
+    cp = getattr(config, "cp_size", 1) if config is not None and getattr(config, "cp_enabled", False) else 1
+    return name if cp == 1 else f"{name} cp{cp}"
 
 
 def run_sft(variant: str, seq_len: int, args, device: torch.device) -> dict:

@@ -11,9 +11,11 @@ import json
 
 import pytest
 
-from benchmarks.e2e.distributed import combine, main
+from benchmarks.e2e.distributed import ENGINES, combine, cp_size, main
 
 pytestmark = [pytest.mark.distributed]
+
+WRAPPERS = {"ddp": "DistributedDataParallel", "zero3": "DeepSpeedEngine"}
 
 
 def test_e2e_distributed_tiny_cpu(tmp_path, capsys):
@@ -33,12 +35,13 @@ def test_e2e_distributed_tiny_cpu(tmp_path, capsys):
         assert rows["hf_fused"]["forward"].startswith("hf_fused"), rows["hf_fused"]["forward"]
         assert not rows["plain"]["forward"].startswith("hf_fused")
         assert rows["hf_fused"]["loss_step1"] == pytest.approx(rows["plain"]["loss_step1"], rel=1e-5)
+        assert {r["wrapper"] for r in rows.values()} == {WRAPPERS[engine]}
         # tokens/s of all ranks: the sum of each rank's row length over its median step
         for variant, row in rows.items():
             per_rank = [next(r for r in d["sft"]["runs"] if r["variant"] == variant) for d in ranks]
             assert row["tokens_per_s"] == pytest.approx(sum(64 / r["step_s_median"] for r in per_rank))
     table = (out / "e2e_distributed.txt").read_text()
-    assert table in printed and "zero3  hf_fused" in table and "1.00x" in table
+    assert table in printed and "zero3     hf_fused" in table and "1.00x" in table
 
 
 def test_combine_reports_a_rank_that_wrote_nothing():
@@ -55,3 +58,25 @@ def test_several_ranks_run_only_the_sft_part(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit):
         e2e_main(["--tiny", "--device", "cpu", "--out", str(tmp_path)])
+
+
+def _run(wrapper, tokens_per_s):
+    return {"variant": "plain", "seq_len": 64, "status": "ok", "tokens_per_s": tokens_per_s, "peak_gib": 1.0,
+            "losses": [1.0], "wrapper": wrapper}
+
+
+def test_context_parallel_ranks_share_their_rows():
+    """Under fsdp2_cp2.yaml both ranks report the whole row over their step; together they trained one row."""
+    assert cp_size("fsdp2_cp2") == 2 and {cp_size(e) for e in ENGINES if e != "fsdp2_cp2"} == {1}
+    engine_run = {"engine": "fsdp2_cp2", "ranks": [{"sft": {"runs": [_run("FSDPQwen3ForCausalLM cp2", 10.0)]}},
+                                                   {"sft": {"runs": [_run("FSDPQwen3ForCausalLM cp2", 12.0)]}}]}
+    (row,) = combine(engine_run, ["plain"])
+    assert row["status"] == "ok" and row["tokens_per_s"] == pytest.approx(11.0)
+    engine_run["engine"] = "fsdp2"
+    assert combine(engine_run, ["plain"])[0]["tokens_per_s"] == pytest.approx(22.0)
+
+
+def test_a_context_parallel_config_that_did_not_split_rows_is_no_result():
+    engine_run = {"engine": "fsdp2_cp2", "ranks": [{"sft": {"runs": [_run("FSDPQwen3ForCausalLM", 10.0)]}}] * 2}
+    (row,) = combine(engine_run, ["plain"])
+    assert row["status"] == "not context-parallel" and "tokens_per_s" not in row, row
