@@ -211,3 +211,55 @@ def test_context_parallel_bf16_matches_stock_under_it(tmp_path, model_dirs, refe
     # one data-parallel rank: the fp32 run takes the per-rank batch
     fp32 = references("llama", ranks=1, ga=2, attn="sdpa", no_padding=True)
     assert_bf16_twin(fused, stock, fp32, ranks=2, stock_ranks=2)
+
+
+#: DeepSpeed's Ulysses sequence parallelism (examples/distributed/zero3_sp2.yaml): the 2 ranks share each row (one
+#: data-parallel rank), SDPA attention, unpadded rows with ``position_ids`` (its dataloader adapter requires them).
+SP_ROWS = dict(attn="sdpa", no_padding=True, position_ids=True)
+SP_CASES = {
+    "Trainer+apply_fused_loss": ("llama", "Trainer", dict(fused=True)),
+    "FusedTrainer-tied-checkpointing": ("qwen3-tied", "FusedTrainer", dict(grad_ckpt=True)),
+    "FusedTrainer-lora-on-lm_head": ("llama", "FusedTrainer", dict(lora="lm_head")),
+}
+
+
+@pytest.mark.parametrize("name", list(SP_CASES))
+def test_ulysses_sequence_parallel_matches_single_process_reference(name, tmp_path, model_dirs, references):
+    """Under Ulysses the dataloader adapter hands both ranks their half of the same rows, with ``shift_labels``;
+    transformers' Trainer weights the ranks' losses by their label tokens (``deepspeed_sp_compute_loss``). With
+    one micro-batch per step that is the mean over the whole rows, so the run must equal the single-process
+    unpatched run on those rows (losses and every parameter, fp32 bounds); each rank's head must have seen half
+    of each row (a run where both ranks trained whole rows would fail the reference anyway, but this says why)."""
+    pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
+    model, trainer, options = SP_CASES[name]
+    harness = ("fused",)
+    ref = references(model, ranks=1, **SP_ROWS, **{k: v for k, v in options.items() if k not in harness})
+    case = dict(model_dir=model_dirs[model], out=str(tmp_path / "run.pt"), trainer=trainer, batch=BATCH, **SP_ROWS,
+                **options)
+    got = train(case, "zero3_sp2")
+    assert got["head_calls"] > 0 and got["head_positions"] == SEQ // 2, (got["head_calls"], got["head_positions"])
+    assert_matches_reference(got, ref, ranks=2)
+
+
+def test_ulysses_sequence_parallel_gradient_accumulation_matches_stock_under_it(tmp_path, model_dirs):
+    """With gradient accumulation, transformers' Ulysses path averages the micro-batches' losses (it turns off
+    ``num_items_in_batch``), which no single-process run reproduces: hf_fused against the unpatched model under the
+    same config, fp32 bounds."""
+    pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
+    common = dict(model_dir=model_dirs["llama"], trainer="Trainer", batch=BATCH, ga=2, **SP_ROWS)
+    stock = train(dict(common, out=str(tmp_path / "stock.pt")), "zero3_sp2")
+    fused = train(dict(common, out=str(tmp_path / "fused.pt"), fused=True), "zero3_sp2")
+    assert stock["head_calls"] == 0 and fused["head_positions"] == stock["model_positions"] == SEQ // 2
+    assert_matches_reference(fused, stock, ranks=2)
+
+
+def test_ulysses_sequence_parallel_bf16_matches_stock_under_it(tmp_path, model_dirs, references):
+    """bf16 twin: ``FusedTrainer(bf16=True)`` and the unpatched ``Trainer(bf16=True)`` under the same Ulysses
+    config (DeepSpeed's bf16: bf16 weights, fp32 master weights), both against the fp32 single-process run
+    (``parity.assert_bf16_twin``)."""
+    pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
+    common = dict(model_dir=model_dirs["llama"], batch=BATCH, bf16=True, **SP_ROWS)
+    stock = train(dict(common, out=str(tmp_path / "stock.pt"), trainer="Trainer"), "zero3_sp2")
+    fused = train(dict(common, out=str(tmp_path / "fused.pt"), trainer="FusedTrainer"), "zero3_sp2")
+    assert fused["head_positions"] == stock["model_positions"] == SEQ // 2
+    assert_bf16_twin(fused, stock, references("llama", ranks=1, **SP_ROWS), ranks=2, stock_ranks=2)

@@ -7,9 +7,10 @@ Run it under ``accelerate launch --config_file <engine>.yaml`` (the engine's ran
     model_dir   a tiny model saved with ``save_pretrained`` (loaded with ``from_pretrained`` after
                 TrainingArguments exist, so under ZeRO-3 it is built partitioned inside ``deepspeed.zero.Init``)
     out         where rank 0 writes ``torch.save({"losses", "params", "initial", "world", "lm_head_numel",
-                "head_calls", "n_gpu", ...})``: logged losses, whole parameters after and before training, ranks,
-                lm_head.weight.numel() outside its forward (0 when ZeRO-3 partitioned it), hf_fused's head
-                computations in this process during training, and the Trainer's ``n_gpu`` (2: DataParallel)
+                "head_calls", "model_positions", "n_gpu", ...})``: logged losses, whole parameters after and before
+                training, ranks, lm_head.weight.numel() outside its forward (0 when ZeRO-3 partitioned it), hf_fused's
+                head computations in this process during training, the most positions of a row the model embedded
+                (half the row when two ranks share it), and the Trainer's ``n_gpu`` (2: DataParallel)
     trainer     "Trainer" | "FusedTrainer"
     fused       with "Trainer": patch the model with ``apply_fused_loss`` first
     batch       per-device batch size (the reference uses ranks × batch)
@@ -18,6 +19,7 @@ Run it under ``accelerate launch --config_file <engine>.yaml`` (the engine's ran
     trainer_fsdp        1 | 2: ``TrainingArguments(fsdp="full_shard auto_wrap")``, FSDP1 (``fsdp_config={"version": 1}``)
                         or FSDP2 (transformers 5's default) set up by transformers itself
     attn, no_padding    attention implementation (default "eager"); rows without padding (context parallelism)
+    position_ids        rows carry ``position_ids`` (what DeepSpeed's Ulysses sequence parallelism requires)
     count_head_events   ZeRO-3: count lm_head.weight's gathers and gradient reductions during training
     gpus                GPUs a plain process sees (launch.py; with 2 the Trainer runs ``nn.DataParallel``)
     track_vocab_tensors record the most rows of any vocabulary-wide tensor made in training
@@ -48,13 +50,16 @@ SAMPLES = 64
 class TinyDataset(Dataset):
     """Fixed-length rows from :func:`tiny_models.make_batch` (prompt prefix and padding ignored)."""
 
-    def __init__(self, samples: int = SAMPLES, seq: int = 12, padding: bool = True):
+    def __init__(self, samples: int = SAMPLES, seq: int = 12, padding: bool = True, position_ids: bool = False):
         ids, mask, labels = make_batch(samples, seq, seed=7)
         if padding:
             self.rows = [dict(input_ids=i, attention_mask=m, labels=y) for i, m, y in zip(ids, mask, labels)]
         else:  # context parallelism shards causal sequences only: no attention mask, prompt prefixes still ignored
             labels[mask == 0] = ids[mask == 0]
             self.rows = [dict(input_ids=i, labels=y) for i, y in zip(ids, labels)]
+        if position_ids:  # DeepSpeed's Ulysses dataloader adapter requires them (each shard keeps its positions)
+            for row in self.rows:
+                row["position_ids"] = torch.arange(seq)
 
     def __len__(self):
         return len(self.rows)
@@ -230,10 +235,14 @@ def main(case: dict) -> None:
     extra = {}
     if case["trainer"] == "FusedTrainer" and case.get("tile_budget_bytes"):
         extra["fused_options"] = {"tile_budget_bytes": case["tile_budget_bytes"]}
-    trainer = trainer_cls(model=model, args=args, train_dataset=TinyDataset(padding=not case.get("no_padding")),
+    dataset = TinyDataset(padding=not case.get("no_padding"), position_ids=case.get("position_ids", False))
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset,
                           data_collator=transformers.default_data_collator, **extra)
     counts.clear()  # from here on: training only (not the patch-time probe)
     head_calls = count_fused_head_calls()
+    model_positions = [0]  # the most positions of a row this rank's model embedded (sequence/context parallelism)
+    model.get_input_embeddings().register_forward_hook(
+        lambda module, inputs, output: model_positions.__setitem__(0, max(model_positions[0], inputs[0].shape[-1])))
     tracker = VocabWidthTracker(model.config.vocab_size, model.config.hidden_size)
     if case.get("track_vocab_tensors"):
         with tracker.mode:
@@ -247,7 +256,8 @@ def main(case: dict) -> None:
         torch.save({"losses": losses, "params": params, "initial": initial, "world": trainer.accelerator.num_processes,
                     "head_counts": head_counts, "max_vocab_rows": tracker.max_rows,
                     "lm_head_numel": lm_head_numel, "head_calls": head_calls["all"],
-                    "head_positions": head_calls["max_positions"], "n_gpu": trainer.args.n_gpu,
+                    "head_positions": head_calls["max_positions"], "model_positions": model_positions[0],
+                    "n_gpu": trainer.args.n_gpu,
                     "wrapper": type(trainer.model_wrapped).__name__},
                    case["out"])
     trainer.accelerator.wait_for_everyone()
