@@ -9,7 +9,8 @@ the script:
 
     accelerate launch ... tests/distributed/script_runner.py OUT SCRIPT [script arguments...]
 
-Each rank writes ``{"rank", "head_calls", "partitioned_head_calls"}`` as JSON to ``OUT.<rank>.json``; rank 0
+Each rank writes ``{"rank", "head_calls", "partitioned_head_calls", "head_positions"}`` (the most positions of a
+row its fused head received) as JSON to ``OUT.<rank>.json``; rank 0
 writes ``torch.save({"initial", "params"})`` to ``OUT.params.pt``.
 """
 
@@ -52,7 +53,8 @@ def main() -> None:
     runpy.run_path(script, run_name="__main__")
     rank = int(os.environ.get("RANK", "0"))
     with open(f"{out}.{rank}.json", "w") as f:
-        json.dump({"rank": rank, "head_calls": calls["all"], "partitioned_head_calls": calls["partitioned"]}, f)
+        json.dump({"rank": rank, "head_calls": calls["all"], "partitioned_head_calls": calls["partitioned"],
+                   "head_positions": calls["max_positions"]}, f)
 
 
 if __name__ == "__main__":

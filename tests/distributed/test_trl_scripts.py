@@ -104,6 +104,11 @@ def test_trl_sft_script_matches_unpatched_single_process(engine, tmp_path, refer
         if engine == "zero3":
             assert count["partitioned_head_calls"] == count["head_calls"], count
     assert_matches_reference(got, reference, ranks=RANKS)
+    assert_same_sft_metrics(got, reference)
+
+
+def assert_same_sft_metrics(got: dict, reference: dict) -> None:
+    """Every metric SFTTrainer logs besides the loss, at every step, relative 1e-5 (fp32 sums in another order)."""
     for step, (g, r) in enumerate(zip(got["logs"], reference["logs"])):
         assert g.keys() == r.keys()
         for key in ("grad_norm", "entropy", "mean_token_accuracy", "num_tokens", "learning_rate", "epoch"):
@@ -157,6 +162,26 @@ def test_trl_sft_script_under_bf16_matches_unpatched_bf16(engine, tmp_path, refe
     fused = _launch(SCRIPT, tmp_path / "fused", *args, "--per_device_train_batch_size", str(BATCH), engine=engine)
     assert all(c["head_calls"] == 0 for c in stock["counts"]) and all(c["head_calls"] >= 3 * 2 for c in fused["counts"])
     assert_bf16_twin(fused, stock, reference, ranks=RANKS, stock_ranks=processes)
+
+
+#: Tokens of each ``--tiny`` line: 15 words and the EOS SFTTrainer appends (examples/distributed/trl_sft.py).
+TINY_LINE_TOKENS = 16
+
+
+def test_trl_sft_script_under_ulysses_sequence_parallelism_matches_stock_under_it(tmp_path):
+    """TRL's SFT script under DeepSpeed's Ulysses sequence parallelism (examples/distributed/zero3_sp2.yaml): TRL
+    turns on the collator's ``position_ids`` and calls the model with ``fused_lm_head=True``, transformers' Trainer
+    weights the ranks' losses by their label tokens. Patched against TRL's own head under the same config: every
+    logged metric and every parameter (fp32 bounds), and each rank's fused head saw half of every line."""
+    pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
+    args = [*ARGS, "--per_device_train_batch_size", str(BATCH)]
+    stock = _launch(SCRIPT, tmp_path / "stock", *args, "--no_fused_loss", engine="zero3_sp2")
+    fused = _launch(SCRIPT, tmp_path / "fused", *args, engine="zero3_sp2")
+    assert all(c["head_calls"] == 0 for c in stock["counts"]), stock["counts"]
+    for count in fused["counts"]:
+        assert count["head_calls"] >= 3 * 2 and count["head_positions"] == TINY_LINE_TOKENS // 2, count
+    assert_matches_reference(fused, stock, ranks=RANKS)
+    assert_same_sft_metrics(fused, stock)
 
 
 #: TRL's own accelerate configs (tests/distributed/configs/ says what differs from ours).
