@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpo-completions", type=int, default=None, help="completions per step (default 8; --tiny 4)")
     p.add_argument("--grpo-prompt-len", type=int, default=None, help="prompt tokens (default 512; --tiny 16)")
     p.add_argument("--grpo-completion-len", type=int, default=None, help="completion tokens (default 2048; --tiny 32)")
+    p.add_argument("--position-ids", action="store_true",
+                   help="SFT rows carry position_ids (DeepSpeed's Ulysses sequence parallelism requires them; "
+                        "benchmarks.e2e.distributed passes it under such a config)")
     p.add_argument("--device", default=None, help="cuda or cpu (default cuda if available)")
     p.add_argument("--tiny", action="store_true", help="tiny model and lengths (CPU smoke test)")
     p.add_argument("--time-budget", type=float, default=450.0,

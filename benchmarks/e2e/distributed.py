@@ -10,7 +10,9 @@ writes ``DIR/<engine>/e2e.rank<R>.json``. By default the variants of one engine 
 same processes (one launch per engine: imports and NCCL start-up once) and the memory still allocated when a
 variant starts is recorded beside its peak ("held before"): DDP, ZeRO-2 and FSDP2 free everything between
 variants, DeepSpeed ZeRO-3 does not (each engine it builds keeps its partitions alive, 13 GiB per variant at
-Qwen3-1.7B), so ``--launch per-variant`` gives each variant launches of its own (``DIR/<engine>/<variant>/``).
+Qwen3-1.7B), so ``--launch per-variant`` gives each variant launches of its own (``DIR/<engine>/<variant>/``), as
+the Ulysses config (``zero3_sp2``) always does: DeepSpeed sets its sequence-parallel groups up once per process.
+Under the context- and sequence-parallel configs both ranks share each row.
 
 The table (``DIR/e2e_distributed.txt``, and ``.json``) gives per engine and variant: tokens/s of all ranks
 (the sum over ranks of the row length over that rank's median step), the peak memory of the fullest GPU
@@ -45,7 +47,7 @@ from .sft import ALL_SFT_VARIANTS
 
 REPO = Path(__file__).resolve().parent.parent.parent
 CONFIGS = REPO / "examples" / "distributed"
-ENGINES = ("ddp", "zero2", "zero3", "fsdp2", "fsdp1", "fsdp2_cp2")
+ENGINES = ("ddp", "zero2", "zero3", "fsdp2", "fsdp1", "fsdp2_cp2", "zero3_sp2")
 #: Without Liger's fused cross-entropy under ZeRO-3 nothing would show whether it runs there: every variant
 #: is tried under every engine and what fails is recorded as it failed.
 DEFAULT_VARIANTS = ("plain", "liger", "hf_fused", "trl_sft", "hf_fused_trl_sft")
@@ -75,14 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def cp_size(engine: str) -> int:
-    """Ranks that share each sequence under ``engine``'s config (its ``parallelism_config_cp_size``; 1 without
-    context parallelism). Each of them reports the whole row length over its step, so tokens/s of all ranks is
-    their sum over this."""
+def row_sharing(engine: str) -> tuple[str, int]:
+    """How many ranks share each row under ``engine``'s config, and how: ``("cp", N)`` for torch's context
+    parallelism, ``("sp", N)`` for DeepSpeed's Ulysses sequence parallelism, ``("", 1)`` otherwise. Each sharing
+    rank reports the whole row length over its step, so tokens/s of all ranks is their sum over N."""
     import yaml  # accelerate's own dependency
 
-    config = yaml.safe_load((CONFIGS / f"{engine}.yaml").read_text())
-    return int((config.get("parallelism_config") or {}).get("parallelism_config_cp_size", 1))
+    config = yaml.safe_load((CONFIGS / f"{engine}.yaml").read_text()).get("parallelism_config") or {}
+    for kind in ("cp", "sp"):
+        size = int(config.get(f"parallelism_config_{kind}_size", 1))
+        if size > 1:
+            return kind, size
+    return "", 1
 
 
 def free_port() -> int:
@@ -109,6 +115,8 @@ def launch_command(engine: str, variants: list[str], args, out: Path) -> list[st
         inner += ["--seq-lens", ",".join(map(str, args.seq_lens))]
     if args.tiny:
         inner.append("--tiny")
+    if row_sharing(engine)[0] == "sp":  # DeepSpeed's Ulysses dataloader adapter requires them
+        inner.append("--position-ids")
     if args.device:
         inner += ["--device", args.device]
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{engine}.yaml"),
@@ -153,9 +161,10 @@ def run_engine(engine: str, variants: list[str], args, out: Path) -> dict:
 
 def combine(engine_run: dict, variants: list[str]) -> list[dict]:
     """One row per (variant, sequence length) over the ranks' runs: tokens/s of all ranks is the sum of each
-    rank's row length over its median step, divided by the ranks that share a row (context parallelism)."""
+    rank's row length over its median step, divided by the ranks that share a row (context or sequence
+    parallelism)."""
     ranks = [d for d in engine_run["ranks"] if d is not None]
-    share = cp_size(engine_run["engine"])
+    kind, share = row_sharing(engine_run["engine"])
     rows = []
     keys = []
     for d in ranks:
@@ -171,10 +180,10 @@ def combine(engine_run: dict, variants: list[str]) -> list[dict]:
             first = next((r for r in bad if r is not None), None)
             row.update(status=first["status"] if first else "missing",
                        error=(first or {}).get("error") or (first or {}).get("note"))
-        elif share > 1 and not all((r.get("wrapper") or "").endswith(f"cp{share}") for r in per_rank):
+        elif share > 1 and not all((r.get("wrapper") or "").endswith(f"{kind}{share}") for r in per_rank):
             # the ranks each trained whole rows: counting them as shared would halve the tokens they did
-            row.update(status="not context-parallel",
-                       error=f"{engine_run['engine']} asks for cp {share}, the ranks ran "
+            row.update(status=f"not {kind} {share}",
+                       error=f"{engine_run['engine']} asks for {kind} {share}, the ranks ran "
                              f"{sorted({r.get('wrapper') for r in per_rank}, key=str)}")
         else:
             peaks = [r["peak_gib"] for r in per_rank if r["peak_gib"] is not None]  # none on CPU
@@ -231,7 +240,9 @@ def main(argv: Optional[list[str]] = None) -> int:
            "model": f"{shape}-shaped model", "engines": [], "rows": [], "env": None}
     launches = []
     for engine in args.engines:
-        if args.launch == "per-engine":
+        # DeepSpeed sets its Ulysses process groups up once per process: a second Trainer in it fails ("sequence
+        # parallel group is already initialized"), so each variant gets a launch of its own there.
+        if args.launch == "per-engine" and row_sharing(engine)[0] != "sp":
             launches.append((engine, list(args.sft_variants), args.out / engine))
         else:
             launches += [(engine, [v], args.out / engine / v) for v in args.sft_variants]

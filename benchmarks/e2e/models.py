@@ -125,17 +125,22 @@ def make_step_timer(device: torch.device):
 
 
 class RandomTokens(torch.utils.data.Dataset):
-    """``n`` rows of ``seq_len`` random token ids (labels = input ids; the model shifts them)."""
+    """``n`` rows of ``seq_len`` random token ids (labels = input ids; the model shifts them), with
+    ``position_ids`` when asked (DeepSpeed's Ulysses dataloader adapter requires them)."""
 
-    def __init__(self, n: int, seq_len: int, vocab_size: int, seed: int):
+    def __init__(self, n: int, seq_len: int, vocab_size: int, seed: int, position_ids: bool = False):
         g = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(2, vocab_size, (n, seq_len), generator=g)
+        self.position_ids = position_ids
 
     def __len__(self):
         return self.ids.size(0)
 
     def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+        row = {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+        if self.position_ids:
+            row["position_ids"] = torch.arange(self.ids.size(1))
+        return row
 
     def as_hf_dataset(self):
         """The same rows as a ``datasets.Dataset`` of pre-tokenized ``input_ids`` (what ``SFTTrainer`` takes

@@ -130,7 +130,7 @@ def _sft_once(variant: str, seq_len: int, args, device: torch.device) -> dict:
         build_s = time.perf_counter() - t_build
         weights = allocated_gib(device)
         timer = make_step_timer(device)
-        dataset = RandomTokens(args.warmup + args.steps, seq_len, config.vocab_size, args.seed)
+        dataset = RandomTokens(args.warmup + args.steps, seq_len, config.vocab_size, args.seed, args.position_ids)
         trainer = _make_trainer(variant, model, dataset, training_args, timer)
         trainer.remove_callback(PrinterCallback)  # no per-step log dicts on stdout
         reset_peak(device)
@@ -168,14 +168,16 @@ def _sft_once(variant: str, seq_len: int, args, device: torch.device) -> dict:
 
 def engine_description(trainer) -> str:
     """What trained the model: the class that wrapped it (``DistributedDataParallel``, ``DeepSpeedEngine``,
-    ``FullyShardedDataParallel``, ``FSDP<Model>`` of FSDP2, the model's own class in one process), and ``cp<N>``
-    when ``N`` ranks shared each sequence. A run is only as good as this: accelerate runs an FSDP config as DDP on
+    ``FullyShardedDataParallel``, ``FSDP<Model>`` of FSDP2, the model's own class in one process), and ``cp<N>`` /
+    ``sp<N>`` when ``N`` ranks shared each sequence (context / Ulysses sequence parallelism). A run is only as good as this: accelerate runs an FSDP config as DDP on
     CPU ranks without a word, and a context-parallel config whose ranks each trained the whole row would report
     twice the tokens."""
     name = type(trainer.model_wrapped).__name__
     config = getattr(trainer.accelerator, "parallelism_config", None)
-    cp = getattr(config, "cp_size", 1) if config is not None and getattr(config, "cp_enabled", False) else 1
-    return name if cp == 1 else f"{name} cp{cp}"
+    for kind in ("cp", "sp"):  # torch's context parallelism, DeepSpeed's Ulysses sequence parallelism
+        if config is not None and getattr(config, f"{kind}_enabled", False):
+            return f"{name} {kind}{getattr(config, f'{kind}_size')}"
+    return name
 
 
 def run_sft(variant: str, seq_len: int, args, device: torch.device) -> dict:

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from benchmarks.e2e.distributed import ENGINES, combine, cp_size, main
+from benchmarks.e2e.distributed import ENGINES, combine, main, row_sharing
 
 pytestmark = [pytest.mark.distributed]
 
@@ -67,7 +67,8 @@ def _run(wrapper, tokens_per_s):
 
 def test_context_parallel_ranks_share_their_rows():
     """Under fsdp2_cp2.yaml both ranks report the whole row over their step; together they trained one row."""
-    assert cp_size("fsdp2_cp2") == 2 and {cp_size(e) for e in ENGINES if e != "fsdp2_cp2"} == {1}
+    assert row_sharing("fsdp2_cp2") == ("cp", 2) and row_sharing("zero3_sp2") == ("sp", 2)
+    assert {row_sharing(e) for e in ENGINES if e not in ("fsdp2_cp2", "zero3_sp2")} == {("", 1)}
     engine_run = {"engine": "fsdp2_cp2", "ranks": [{"sft": {"runs": [_run("FSDPQwen3ForCausalLM cp2", 10.0)]}},
                                                    {"sft": {"runs": [_run("FSDPQwen3ForCausalLM cp2", 12.0)]}}]}
     (row,) = combine(engine_run, ["plain"])
@@ -79,4 +80,22 @@ def test_context_parallel_ranks_share_their_rows():
 def test_a_context_parallel_config_that_did_not_split_rows_is_no_result():
     engine_run = {"engine": "fsdp2_cp2", "ranks": [{"sft": {"runs": [_run("FSDPQwen3ForCausalLM", 10.0)]}}] * 2}
     (row,) = combine(engine_run, ["plain"])
-    assert row["status"] == "not context-parallel" and "tokens_per_s" not in row, row
+    assert row["status"] == "not cp 2" and "tokens_per_s" not in row, row
+
+
+def test_e2e_distributed_under_ulysses_sequence_parallelism_tiny_cpu(tmp_path):
+    """The Ulysses config on CPU ranks: both ranks ran one row each step (``sp2``), the patched and unpatched
+    models' step-1 losses agree, and tokens/s counts each shared row once."""
+    pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
+    out = tmp_path / "e2e"
+    rc = main(["--tiny", "--device", "cpu", "--engines", "zero3_sp2", "--sft-variants", "plain,hf_fused",
+               "--seq-lens", "64", "--steps", "2", "--out", str(out)])
+    doc = json.loads((out / "e2e_distributed.json").read_text())
+    assert rc == 0, [e.get("output_tail") for e in doc["engines"]]
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert {r["wrapper"] for r in rows.values()} == {"DeepSpeedEngine sp2"}, rows
+    assert rows["hf_fused"]["loss_step1"] == pytest.approx(rows["plain"]["loss_step1"], rel=1e-5)
+    for variant, row in rows.items():  # one launch per variant (DeepSpeed's Ulysses groups: once per process)
+        ranks = [json.loads((out / "zero3_sp2" / variant / f"e2e.rank{r}.json").read_text()) for r in (0, 1)]
+        per_rank = [next(r for r in d["sft"]["runs"] if r["variant"] == variant) for d in ranks]
+        assert row["tokens_per_s"] == pytest.approx(sum(64 / r["step_s_median"] for r in per_rank) / 2)
