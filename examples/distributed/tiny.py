@@ -1,5 +1,7 @@
-"""What the two TRL scripts here share: ``--tiny`` (an offline model, tokenizer and text, with no Hub access), and
-the setup and ending steps of TRL 1.16's own scripts (:func:`model_kwargs_and_dataset`, :func:`train_and_save`).
+"""What the TRL scripts here share: their two extra options (:class:`FusedArguments`), ``--tiny`` (an offline
+model, tokenizer and text, with no Hub access), loading the model a TRL trainer would load from a name
+(:func:`load_like_trl_trainer`), and the setup and ending steps of TRL 1.16's own scripts
+(:func:`model_kwargs_and_dataset`, :func:`train_and_save`).
 
 A 2-layer Llama built from a config with seeded initial weights and a word-level tokenizer learned from
 Python's own documentation (``pydoc_data.topics``, shipped with CPython), saved with ``save_pretrained`` so
@@ -9,9 +11,40 @@ that TRL's trainers load them by path as they would a Hub model; and fixed-lengt
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 #: The tokenizer's vocabulary (3 special tokens and the most frequent words; the rest are ``[UNK]``).
 VOCAB = 256
+
+
+@dataclass
+class FusedArguments:
+    fused_loss: bool = field(
+        default=True,
+        metadata={"help": "Train with hf_fused's loss (--no_fused_loss: TRL's stock trainer and head, the reference "
+                          "run of the same command)."},
+    )
+    tiny: bool = field(
+        default=False,
+        metadata={"help": "Offline: a tiny model, tokenizer and dataset built locally (ignores "
+                          "--model_name_or_path and --dataset_name)."},
+    )
+
+
+def load_like_trl_trainer(model_id: str, training_args, quantization_config):
+    """The model a TRL 1.16 trainer (``SFTTrainer``, ``DPOTrainer``) would load given ``model=model_id``, with the
+    same helper and keyword arguments. Under ZeRO-3 (``zero3_init_flag``) it is built partitioned: the trainer's
+    config already exists. ``training_args.model_init_kwargs`` is consumed here, as the trainer would."""
+    from trl.trainer.utils import create_model_from_path
+
+    kwargs = dict(training_args.model_init_kwargs or {})
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+    if training_args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED"]:
+        kwargs["device_map"] = None  # distributed training requires device_map=None ("auto" fails)
+    kwargs.setdefault("trust_remote_code", training_args.trust_remote_code)
+    training_args.model_init_kwargs = None  # used: the trainer would warn that an instantiated model ignores them
+    return create_model_from_path(model_id, **kwargs)
 
 
 def _words() -> list[str]:
@@ -55,12 +88,22 @@ def write_model(directory: str) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def model_kwargs_and_dataset(script_args, training_args, model_args, dataset_args, fused_args, column: str,
-                             n_lines: int, words_per_line: int):
-    """What TRL 1.16's own scripts (``trl/scripts/sft.py``, ``grpo.py``) do before building the trainer, shared
-    by both example scripts: ``training_args.model_init_kwargs`` from the model arguments, and the dataset (with
-    ``--tiny``: the local tiny model written to ``<output_dir>/tiny-model`` and ``n_lines`` lines of
-    ``words_per_line`` words in column ``column``). Returns the dataset."""
+def preference_rows(count: int, prompt_words: int, completion_words: int) -> dict[str, list[str]]:
+    """``--tiny``'s preference data (DPO): ``count`` rows whose prompt is the first ``prompt_words`` words of a
+    line, chosen the next ``completion_words`` of the same line, rejected those of the next line. Every row
+    tokenizes to the same lengths."""
+    rows = lines(count + 1, prompt_words + completion_words)
+    split = [(r.split()[:prompt_words], r.split()[prompt_words:]) for r in rows]
+    return {"prompt": [" ".join(p) for p, _ in split[:-1]], "chosen": [" ".join(c) for _, c in split[:-1]],
+            "rejected": [" ".join(c) for _, c in split[1:]]}
+
+
+def model_kwargs_and_dataset(script_args, training_args, model_args, dataset_args, fused_args,
+                             tiny_columns: dict[str, list[str]]):
+    """What TRL 1.16's own scripts (``trl/scripts/sft.py``, ``dpo.py``, ``grpo.py``) do before building the
+    trainer, shared by the example scripts: ``training_args.model_init_kwargs`` from the model arguments, and the
+    dataset (with ``--tiny``: the local tiny model written to ``<output_dir>/tiny-model`` and ``tiny_columns`` as
+    the train split). Returns the dataset."""
     from datasets import Dataset, DatasetDict, load_dataset
     from trl import get_dataset
 
@@ -79,7 +122,7 @@ def model_kwargs_and_dataset(script_args, training_args, model_args, dataset_arg
         # The main process writes the model; the others then find it (same seed, same files either way).
         with training_args.main_process_first(desc="tiny model"):
             write_model(model_args.model_name_or_path)
-        return DatasetDict(train=Dataset.from_dict({column: lines(n_lines, words_per_line)}))
+        return DatasetDict(train=Dataset.from_dict(tiny_columns))
     if dataset_args.datasets and script_args.dataset_name:
         from accelerate.logging import get_logger
 

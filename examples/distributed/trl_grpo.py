@@ -69,19 +69,6 @@ class GRPOScriptArguments(ScriptArguments):
     )
 
 
-@dataclass
-class FusedArguments:
-    fused_loss: bool = field(
-        default=True,
-        metadata={"help": "Train with hf_fused's FusedGRPOTrainer (--no_fused_loss: TRL's GRPOTrainer)."},
-    )
-    tiny: bool = field(
-        default=False,
-        metadata={"help": "Offline: a tiny model, tokenizer and prompts built locally (ignores "
-                          "--model_name_or_path and --dataset_name)."},
-    )
-
-
 def characters(completions, **kwargs):
     """``--tiny``'s reward: the length of each completion in characters (it varies within a group of
     generations, so the advantages are not all zero and the policy gets a gradient)."""
@@ -130,7 +117,7 @@ def main(script_args, training_args, model_args, dataset_args, fused_args):
         reward_funcs.append(characters)
 
     dataset = tiny.model_kwargs_and_dataset(script_args, training_args, model_args, dataset_args, fused_args,
-                                            "prompt", 256, 6)
+                                            {"prompt": tiny.lines(256, 6)})
 
     # Initialize the GRPO trainer (hf_fused: FusedGRPOTrainer in place of GRPOTrainer)
     trainer_cls = FusedGRPOTrainer if fused_args.fused_loss else GRPOTrainer
@@ -148,6 +135,7 @@ def main(script_args, training_args, model_args, dataset_args, fused_args):
 
 
 def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    from tiny import FusedArguments
     from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig, TrlParser
 
     dataclass_types = (GRPOScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig, FusedArguments)

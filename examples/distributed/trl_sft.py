@@ -29,45 +29,13 @@ Run from the repository root (the DeepSpeed configs name their JSON files relati
 ``save_model`` the script writes ``trainer_state.json`` (every logged step) to ``--output_dir``.
 """
 
-from dataclasses import dataclass, field
-
-
-@dataclass
-class FusedArguments:
-    fused_loss: bool = field(
-        default=True,
-        metadata={"help": "Compute SFTTrainer's losses with hf_fused (--no_fused_loss: TRL's own head)."},
-    )
-    tiny: bool = field(
-        default=False,
-        metadata={"help": "Offline: a tiny model, tokenizer and dataset built locally (ignores "
-                          "--model_name_or_path and --dataset_name)."},
-    )
-
-
-def load_like_sft_trainer(model_id: str, training_args, quantization_config):
-    """The model ``SFTTrainer(model=model_id, args=training_args, quantization_config=...)`` would load (TRL
-    1.16's helper and keyword arguments). Under ZeRO-3 (``zero3_init_flag``) it is built partitioned: the
-    ``SFTConfig`` already exists. ``training_args.model_init_kwargs`` is consumed here, as the trainer would."""
-    from trl.trainer.utils import create_model_from_path
-
-    kwargs = dict(training_args.model_init_kwargs or {})
-    if quantization_config is not None:
-        kwargs["quantization_config"] = quantization_config
-    if training_args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED"]:
-        kwargs["device_map"] = None  # distributed training requires device_map=None ("auto" fails)
-    kwargs.setdefault("trust_remote_code", training_args.trust_remote_code)
-    training_args.model_init_kwargs = None  # used: the trainer would warn that an instantiated model ignores them
-    return create_model_from_path(model_id, **kwargs)
-
-
 def main(script_args, training_args, model_args, dataset_args, fused_args):
     import tiny
     from hf_fused import apply_fused_loss
     from trl import SFTTrainer, get_peft_config, get_quantization_config
 
     dataset = tiny.model_kwargs_and_dataset(script_args, training_args, model_args, dataset_args, fused_args,
-                                            "text", 512, 15)
+                                            {"text": tiny.lines(512, 15)})
 
     # hf_fused: the model SFTTrainer would load from the name, patched before the trainer sees it: every
     # fused-head call of the trainer (loss, entropy, token accuracy) then comes from hf_fused's ops, and a
@@ -75,7 +43,7 @@ def main(script_args, training_args, model_args, dataset_args, fused_args):
     quantization_config = get_quantization_config(model_args)
     model = model_args.model_name_or_path
     if fused_args.fused_loss:
-        model = apply_fused_loss(load_like_sft_trainer(model, training_args, quantization_config))
+        model = apply_fused_loss(tiny.load_like_trl_trainer(model, training_args, quantization_config))
 
     # Initialize the SFT trainer
     trainer = SFTTrainer(
@@ -91,6 +59,7 @@ def main(script_args, training_args, model_args, dataset_args, fused_args):
 
 
 def make_parser(prog: str | None = None):
+    from tiny import FusedArguments
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
     dataclass_types = (ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig, FusedArguments)

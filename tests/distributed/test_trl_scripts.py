@@ -53,6 +53,7 @@ pytestmark = [
 ]
 
 SCRIPT = CONFIGS / "trl_sft.py"
+DPO_SCRIPT = CONFIGS / "trl_dpo.py"
 GRPO_SCRIPT = CONFIGS / "trl_grpo.py"
 RUNNER = HERE / "script_runner.py"
 BATCH = 2  # per device
@@ -104,14 +105,18 @@ def test_trl_sft_script_matches_unpatched_single_process(engine, tmp_path, refer
         if engine == "zero3":
             assert count["partitioned_head_calls"] == count["head_calls"], count
     assert_matches_reference(got, reference, ranks=RANKS)
-    assert_same_sft_metrics(got, reference)
+    assert_same_metrics(got, reference)
 
 
-def assert_same_sft_metrics(got: dict, reference: dict) -> None:
-    """Every metric SFTTrainer logs besides the loss, at every step, relative 1e-5 (fp32 sums in another order)."""
+SFT_METRICS = ("grad_norm", "entropy", "mean_token_accuracy", "num_tokens", "learning_rate", "epoch")
+
+
+def assert_same_metrics(got: dict, reference: dict, keys=SFT_METRICS) -> None:
+    """Every metric in ``keys`` (by default those SFTTrainer logs besides the loss) at every step, relative 1e-5
+    (fp32 sums in another order)."""
     for step, (g, r) in enumerate(zip(got["logs"], reference["logs"])):
         assert g.keys() == r.keys()
-        for key in ("grad_norm", "entropy", "mean_token_accuracy", "num_tokens", "learning_rate", "epoch"):
+        for key in keys:
             assert math.isclose(g[key], r[key], rel_tol=1e-5, abs_tol=1e-7), f"step {step} {key}: {g[key]} vs {r[key]}"
 
 
@@ -164,6 +169,34 @@ def test_trl_sft_script_under_bf16_matches_unpatched_bf16(engine, tmp_path, refe
     assert_bf16_twin(fused, stock, reference, ranks=RANKS, stock_ranks=processes)
 
 
+@pytest.fixture(scope="module")
+def dpo_reference(tmp_path_factory) -> dict:
+    return _launch(DPO_SCRIPT, tmp_path_factory.mktemp("trl_dpo_reference"), *ARGS, "--no_fused_loss",
+                   "--per_device_train_batch_size", str(BATCH * RANKS))
+
+
+@pytest.mark.parametrize("engine", ["zero3", "zero2", "fsdp2", "fsdp1", "ddp"])
+def test_trl_dpo_script_matches_unpatched_single_process(engine, tmp_path, dpo_reference):
+    """TRL's DPO script with the policy through ``apply_fused_loss`` (``examples/distributed/trl_dpo.py``) under
+    each engine against the unpatched script in one process on the same global batch, gradient accumulation 2:
+    every logged metric (the DPO rewards, margins and accuracies, the chosen and rejected log-probabilities and
+    mean logits, entropy, token accuracy) and every parameter. The reference model DPOTrainer builds keeps TRL's
+    head in both (under ZeRO-3 a DeepSpeed inference engine of its own); hf_fused computed the policy's head on
+    every rank, under ZeRO-3 from a partitioned lm_head."""
+    if engine.startswith("zero"):
+        pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
+    got = _launch(DPO_SCRIPT, tmp_path, *ARGS, "--per_device_train_batch_size", str(BATCH), engine=engine)
+    assert dpo_reference["counts"][0]["head_calls"] == 0, "the unpatched script reached hf_fused"
+    for count in got["counts"]:
+        assert count["head_calls"] >= 3 * 2, count
+        if engine == "zero3":
+            assert count["partitioned_head_calls"] == count["head_calls"], count
+    assert_matches_reference(got, dpo_reference, ranks=RANKS)
+    keys = {k for k in dpo_reference["logs"][0] if k not in ("loss", "step")}
+    assert {"rewards/margins", "logps/chosen", "logits/rejected"} <= keys, keys
+    assert_same_metrics(got, dpo_reference, keys)
+
+
 #: Tokens of each ``--tiny`` line: 15 words and the EOS SFTTrainer appends (examples/distributed/trl_sft.py).
 TINY_LINE_TOKENS = 16
 
@@ -181,7 +214,7 @@ def test_trl_sft_script_under_ulysses_sequence_parallelism_matches_stock_under_i
     for count in fused["counts"]:
         assert count["head_calls"] >= 3 * 2 and count["head_positions"] == TINY_LINE_TOKENS // 2, count
     assert_matches_reference(fused, stock, ranks=RANKS)
-    assert_same_sft_metrics(fused, stock)
+    assert_same_metrics(fused, stock)
 
 
 #: TRL's own accelerate configs (tests/distributed/configs/ says what differs from ours).
@@ -260,6 +293,28 @@ def test_trl_sft_script_with_lora_on_lm_head_matches_single_process(engine, tmp_
     got = _launch(SCRIPT, tmp_path, *ARGS, *LORA, "--per_device_train_batch_size", str(BATCH), engine=engine)
     assert lora_reference["counts"][0]["head_calls"] >= 3 * 2 and all(c["head_calls"] >= 3 * 2 for c in got["counts"])
     assert_matches_reference(got, lora_reference, ranks=RANKS)
+    adapter = [n for n in got["params"] if "lm_head" in n and "lora_B" in n]
+    assert adapter and all(got["params"][n].abs().max() > 0 for n in adapter), adapter  # B starts at 0
+
+
+@pytest.fixture(scope="module")
+def dpo_lora_reference(tmp_path_factory) -> dict:
+    return _launch(DPO_SCRIPT, tmp_path_factory.mktemp("trl_dpo_lora_reference"), *ARGS, *LORA,
+                   "--per_device_train_batch_size", str(BATCH * RANKS))
+
+
+@pytest.mark.parametrize("engine", ["zero3", "fsdp1"])
+def test_trl_dpo_script_with_lora_on_lm_head_matches_single_process(engine, tmp_path, dpo_lora_reference):
+    """DPO with a LoRA adapter on lm_head (TRL's own head refuses it): the reference model is the policy with its
+    adapter disabled, so hf_fused computes both the policy's and the reference's log-probabilities; under ZeRO-3
+    and FSDP1 (where each LoRA matrix is an FSDP unit of its own) against the same script in one process, every
+    metric and parameter; the adapter of lm_head trains."""
+    if engine.startswith("zero"):
+        pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
+    got = _launch(DPO_SCRIPT, tmp_path, *ARGS, *LORA, "--per_device_train_batch_size", str(BATCH), engine=engine)
+    assert all(c["head_calls"] >= 3 * 2 for c in dpo_lora_reference["counts"] + got["counts"]), got["counts"]
+    assert_matches_reference(got, dpo_lora_reference, ranks=RANKS)
+    assert_same_metrics(got, dpo_lora_reference, {k for k in dpo_lora_reference["logs"][0] if k not in ("loss", "step")})
     adapter = [n for n in got["params"] if "lm_head" in n and "lora_B" in n]
     assert adapter and all(got["params"][n].abs().max() > 0 for n in adapter), adapter  # B starts at 0
 

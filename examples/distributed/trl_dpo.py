@@ -1,0 +1,77 @@
+"""TRL's DPO script (``trl/scripts/dpo.py`` of TRL 1.16) with hf_fused's loss: the policy that ``DPOTrainer``
+would load from ``--model_name_or_path`` is loaded here the same way and passed through ``apply_fused_loss``
+before the trainer sees it, after which the policy's fused-head calls of ``DPOTrainer`` (the chosen and rejected
+log-probabilities, and the mean logits it logs) are computed from the hidden states and lm_head tile by tile,
+never as ``[tokens, vocab]`` logits. The reference model ``DPOTrainer`` builds from the same name (or the
+disabled adapter under ``--use_peft``) keeps TRL's own head: it has no gradient to save. Launch it under any
+engine with the configs beside it:
+
+```bash
+accelerate launch --config_file examples/distributed/zero3.yaml examples/distributed/trl_dpo.py \\
+    --model_name_or_path Qwen/Qwen2-0.5B-Instruct \\
+    --dataset_name trl-lib/ultrafeedback_binarized \\
+    --learning_rate 5.0e-7 \\
+    --per_device_train_batch_size 2 \\
+    --gradient_accumulation_steps 8 \\
+    --output_dir Qwen2-0.5B-DPO
+```
+
+Every option of TRL's script is accepted (``ScriptArguments``, ``DPOConfig``, ``ModelConfig``,
+``DatasetMixtureConfig``), plus ``--no_fused_loss`` (TRL's stock head: the reference for the same command) and
+``--tiny`` (offline, no Hub, ``tiny.py``: the 2-layer Llama and word-level tokenizer written to
+``<output_dir>/tiny-model``, and 256 preference rows from Python's documentation, each a 6-word prompt, its next
+10 words as chosen and the next line's as rejected; any ``--model_name_or_path`` / ``--dataset_name`` is ignored).
+
+Run from the repository root (the DeepSpeed configs name their JSON files relative to it). Besides TRL's
+``save_model`` the script writes ``trainer_state.json`` (every logged step) to ``--output_dir``.
+"""
+
+
+def main(script_args, training_args, model_args, dataset_args, fused_args):
+    import torch
+
+    import tiny
+    from hf_fused import apply_fused_loss
+    from trl import DPOTrainer, get_peft_config, get_quantization_config
+
+    dataset = tiny.model_kwargs_and_dataset(script_args, training_args, model_args, dataset_args, fused_args,
+                                            tiny.preference_rows(256, 6, 10))
+
+    # hf_fused: the policy DPOTrainer would load from the name, patched before the trainer sees it.
+    quantization_config = get_quantization_config(model_args)
+    model = model_args.model_name_or_path
+    if fused_args.fused_loss:
+        model = apply_fused_loss(tiny.load_like_trl_trainer(model, training_args, quantization_config))
+
+    trainer = DPOTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=dataset[script_args.dataset_train_split],
+        eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
+        quantization_config=quantization_config,
+        peft_config=get_peft_config(model_args),
+    )
+
+    if script_args.ignore_bias_buffers:
+        # torch distributed hack (TRL's script)
+        trainer.model._ddp_params_and_buffers_to_ignore = [
+            name for name, buffer in trainer.model.named_buffers() if buffer.dtype == torch.bool
+        ]
+
+    tiny.train_and_save(trainer, training_args, script_args)
+
+
+def make_parser(prog: str | None = None):
+    from tiny import FusedArguments
+    from trl import DatasetMixtureConfig, DPOConfig, ModelConfig, ScriptArguments, TrlParser
+
+    dataclass_types = (ScriptArguments, DPOConfig, ModelConfig, DatasetMixtureConfig, FusedArguments)
+    return TrlParser(dataclass_types, prog=prog)
+
+
+if __name__ == "__main__":
+    parser = make_parser()
+    script_args, training_args, model_args, dataset_args, fused_args = parser.parse_args_and_config(
+        fail_with_unknown_args=False
+    )
+    main(script_args, training_args, model_args, dataset_args, fused_args)
