@@ -88,6 +88,28 @@ def write_model(directory: str) -> None:
     tokenizer.save_pretrained(directory)
 
 
+def patched_trainer(trainer_cls, dataset, script_args, training_args, model_args, fused_args):
+    """What TRL 1.16's SFT, DPO and KTO scripts build, with hf_fused's one change: the model ``trainer_cls`` would
+    load from ``--model_name_or_path`` is loaded the same way (:func:`load_like_trl_trainer`) and passed through
+    ``apply_fused_loss`` before the trainer sees it (unless ``--no_fused_loss``), so that every fused-head call of
+    the trainer comes from hf_fused's ops, and a LoRA adapter on lm_head passes TRL's check (hf_fused trains it)."""
+    from hf_fused import apply_fused_loss
+    from trl import get_peft_config, get_quantization_config
+
+    quantization_config = get_quantization_config(model_args)
+    model = model_args.model_name_or_path
+    if fused_args.fused_loss:
+        model = apply_fused_loss(load_like_trl_trainer(model, training_args, quantization_config))
+    return trainer_cls(
+        model=model,
+        args=training_args,
+        train_dataset=dataset[script_args.dataset_train_split],
+        eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
+        quantization_config=quantization_config,
+        peft_config=get_peft_config(model_args),
+    )
+
+
 def preference_rows(count: int, prompt_words: int, completion_words: int) -> dict[str, list[str]]:
     """``--tiny``'s preference data (DPO): ``count`` rows whose prompt is the first ``prompt_words`` words of a
     line, chosen the next ``completion_words`` of the same line, rejected those of the next line. Every row
@@ -96,6 +118,15 @@ def preference_rows(count: int, prompt_words: int, completion_words: int) -> dic
     split = [(r.split()[:prompt_words], r.split()[prompt_words:]) for r in rows]
     return {"prompt": [" ".join(p) for p, _ in split[:-1]], "chosen": [" ".join(c) for _, c in split[:-1]],
             "rejected": [" ".join(c) for _, c in split[1:]]}
+
+
+def unpaired_rows(count: int, prompt_words: int, completion_words: int) -> dict[str, list[str]]:
+    """``--tiny``'s unpaired preference data (KTO): each row of :func:`preference_rows` twice, its chosen
+    completion labelled desirable and its rejected one undesirable."""
+    rows = preference_rows(count, prompt_words, completion_words)
+    return {"prompt": [p for p in rows["prompt"] for _ in (0, 1)],
+            "completion": [c for pair in zip(rows["chosen"], rows["rejected"]) for c in pair],
+            "label": [True, False] * count}
 
 
 def model_kwargs_and_dataset(script_args, training_args, model_args, dataset_args, fused_args,

@@ -31,26 +31,12 @@ def main(script_args, training_args, model_args, dataset_args, fused_args):
     import torch
 
     import tiny
-    from hf_fused import apply_fused_loss
-    from trl import DPOTrainer, get_peft_config, get_quantization_config
+    from trl import DPOTrainer
 
     dataset = tiny.model_kwargs_and_dataset(script_args, training_args, model_args, dataset_args, fused_args,
                                             tiny.preference_rows(256, 6, 10))
-
-    # hf_fused: the policy DPOTrainer would load from the name, patched before the trainer sees it.
-    quantization_config = get_quantization_config(model_args)
-    model = model_args.model_name_or_path
-    if fused_args.fused_loss:
-        model = apply_fused_loss(tiny.load_like_trl_trainer(model, training_args, quantization_config))
-
-    trainer = DPOTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=dataset[script_args.dataset_train_split],
-        eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
-        quantization_config=quantization_config,
-        peft_config=get_peft_config(model_args),
-    )
+    # hf_fused: the policy DPOTrainer would load from the name, patched before the trainer sees it (tiny.py)
+    trainer = tiny.patched_trainer(DPOTrainer, dataset, script_args, training_args, model_args, fused_args)
 
     if script_args.ignore_bias_buffers:
         # torch distributed hack (TRL's script)

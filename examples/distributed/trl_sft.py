@@ -29,32 +29,15 @@ Run from the repository root (the DeepSpeed configs name their JSON files relati
 ``save_model`` the script writes ``trainer_state.json`` (every logged step) to ``--output_dir``.
 """
 
+
 def main(script_args, training_args, model_args, dataset_args, fused_args):
     import tiny
-    from hf_fused import apply_fused_loss
-    from trl import SFTTrainer, get_peft_config, get_quantization_config
+    from trl import SFTTrainer
 
     dataset = tiny.model_kwargs_and_dataset(script_args, training_args, model_args, dataset_args, fused_args,
                                             {"text": tiny.lines(512, 15)})
-
-    # hf_fused: the model SFTTrainer would load from the name, patched before the trainer sees it: every
-    # fused-head call of the trainer (loss, entropy, token accuracy) then comes from hf_fused's ops, and a
-    # LoRA adapter on lm_head passes TRL's check (hf_fused trains it).
-    quantization_config = get_quantization_config(model_args)
-    model = model_args.model_name_or_path
-    if fused_args.fused_loss:
-        model = apply_fused_loss(tiny.load_like_trl_trainer(model, training_args, quantization_config))
-
-    # Initialize the SFT trainer
-    trainer = SFTTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=dataset[script_args.dataset_train_split],
-        eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
-        quantization_config=quantization_config,
-        peft_config=get_peft_config(model_args),
-    )
-
+    # hf_fused: the model SFTTrainer would load from the name, patched before the trainer sees it (tiny.py)
+    trainer = tiny.patched_trainer(SFTTrainer, dataset, script_args, training_args, model_args, fused_args)
     tiny.train_and_save(trainer, training_args, script_args)
 
 

@@ -53,7 +53,6 @@ pytestmark = [
 ]
 
 SCRIPT = CONFIGS / "trl_sft.py"
-DPO_SCRIPT = CONFIGS / "trl_dpo.py"
 GRPO_SCRIPT = CONFIGS / "trl_grpo.py"
 RUNNER = HERE / "script_runner.py"
 BATCH = 2  # per device
@@ -110,14 +109,25 @@ def test_trl_sft_script_matches_unpatched_single_process(engine, tmp_path, refer
 
 SFT_METRICS = ("grad_norm", "entropy", "mean_token_accuracy", "num_tokens", "learning_rate", "epoch")
 
+#: Metrics of DPO and KTO that are differences of summed log-probabilities (policy − reference): the rewards are
+#: β × (a − b), KTO's KL estimate a − b, with |a|, |b| ≈ 60 nats here and TRL's default β = 0.1. Summed in another
+#: order in fp32, a and b move by ~1e-5 of themselves, so the difference moves by ~1e-5 × factor × (|a| + |b|)
+#: absolute however small it is (0.014 against 60: relative 1e-5 of the difference would ask 4000× more of the
+#: log-probabilities than they are checked to).
+LOGP_DIFFERENCES = {"rewards/chosen": 0.1, "rewards/rejected": 0.1, "rewards/margins": 0.1, "kl": 1.0}
+
 
 def assert_same_metrics(got: dict, reference: dict, keys=SFT_METRICS) -> None:
     """Every metric in ``keys`` (by default those SFTTrainer logs besides the loss) at every step, relative 1e-5
-    (fp32 sums in another order)."""
+    (fp32 sums in another order); differences of log-probabilities (``LOGP_DIFFERENCES``) absolute 1e-5 of the
+    log-probabilities they come from."""
     for step, (g, r) in enumerate(zip(got["logs"], reference["logs"])):
         assert g.keys() == r.keys()
         for key in keys:
-            assert math.isclose(g[key], r[key], rel_tol=1e-5, abs_tol=1e-7), f"step {step} {key}: {g[key]} vs {r[key]}"
+            abs_tol = 1e-7
+            if key in LOGP_DIFFERENCES:
+                abs_tol = 1e-5 * LOGP_DIFFERENCES[key] * (abs(r["logps/chosen"]) + abs(r["logps/rejected"]))
+            assert math.isclose(g[key], r[key], rel_tol=1e-5, abs_tol=abs_tol), f"step {step} {key}: {g[key]} vs {r[key]}"
 
 
 def test_trl_sft_script_as_users_launch_it_under_fsdp2_saves_the_trained_model(tmp_path, reference):
@@ -169,32 +179,53 @@ def test_trl_sft_script_under_bf16_matches_unpatched_bf16(engine, tmp_path, refe
     assert_bf16_twin(fused, stock, reference, ranks=RANKS, stock_ranks=processes)
 
 
+#: TRL's preference scripts with the policy through ``apply_fused_loss`` (examples/distributed/).
+PREFERENCE_SCRIPTS = {"dpo": CONFIGS / "trl_dpo.py", "kto": CONFIGS / "trl_kto.py"}
+
+
 @pytest.fixture(scope="module")
-def dpo_reference(tmp_path_factory) -> dict:
-    return _launch(DPO_SCRIPT, tmp_path_factory.mktemp("trl_dpo_reference"), *ARGS, "--no_fused_loss",
-                   "--per_device_train_batch_size", str(BATCH * RANKS))
+def single_process(tmp_path_factory):
+    """``get(script, *args)``: that script with ``ARGS`` and ``args`` in one process on both ranks' batch,
+    launched once per module."""
+    cache = {}
+
+    def get(script: str, *args: str) -> dict:
+        if (script, args) not in cache:
+            cache[script, args] = _launch(PREFERENCE_SCRIPTS[script], tmp_path_factory.mktemp(f"{script}_reference"),
+                                          *ARGS, *args, "--per_device_train_batch_size", str(BATCH * RANKS))
+        return cache[script, args]
+
+    return get
 
 
 @pytest.mark.parametrize("engine", ["zero3", "zero2", "fsdp2", "fsdp1", "ddp"])
-def test_trl_dpo_script_matches_unpatched_single_process(engine, tmp_path, dpo_reference):
-    """TRL's DPO script with the policy through ``apply_fused_loss`` (``examples/distributed/trl_dpo.py``) under
-    each engine against the unpatched script in one process on the same global batch, gradient accumulation 2:
-    every logged metric (the DPO rewards, margins and accuracies, the chosen and rejected log-probabilities and
-    mean logits, entropy, token accuracy) and every parameter. The reference model DPOTrainer builds keeps TRL's
-    head in both (under ZeRO-3 a DeepSpeed inference engine of its own); hf_fused computed the policy's head on
-    every rank, under ZeRO-3 from a partitioned lm_head."""
+@pytest.mark.parametrize("script", list(PREFERENCE_SCRIPTS))
+def test_trl_preference_script_matches_unpatched(script, engine, tmp_path, single_process):
+    """TRL's DPO and KTO scripts with the policy through ``apply_fused_loss`` under each engine, gradient
+    accumulation 2, against the unpatched script: every logged metric (the rewards, margins, accuracies or KL
+    estimate, the chosen and rejected log-probabilities and mean logits, entropy) and every parameter. DPO against
+    one process on the same global batch; KTO against the unpatched script under the same engine and ranks, since
+    its KL term pairs each completion with another row's prompt within a rank's batch, so another split of the
+    batch pairs other rows (stock KTO on 2 ranks is 1e-3 of the update away from stock KTO in one process). The
+    reference model the trainer builds keeps TRL's head in both (under ZeRO-3 a DeepSpeed inference engine of its
+    own); hf_fused computed the policy's head on every rank, under ZeRO-3 from a partitioned lm_head."""
     if engine.startswith("zero"):
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    got = _launch(DPO_SCRIPT, tmp_path, *ARGS, "--per_device_train_batch_size", str(BATCH), engine=engine)
-    assert dpo_reference["counts"][0]["head_calls"] == 0, "the unpatched script reached hf_fused"
+    args = [*ARGS, "--per_device_train_batch_size", str(BATCH)]
+    if script == "kto":
+        reference = _launch(PREFERENCE_SCRIPTS[script], tmp_path / "stock", *args, "--no_fused_loss", engine=engine)
+    else:
+        reference = single_process(script, "--no_fused_loss")
+    got = _launch(PREFERENCE_SCRIPTS[script], tmp_path / "fused", *args, engine=engine)
+    assert all(c["head_calls"] == 0 for c in reference["counts"]), "the unpatched script reached hf_fused"
     for count in got["counts"]:
         assert count["head_calls"] >= 3 * 2, count
         if engine == "zero3":
             assert count["partitioned_head_calls"] == count["head_calls"], count
-    assert_matches_reference(got, dpo_reference, ranks=RANKS)
-    keys = {k for k in dpo_reference["logs"][0] if k not in ("loss", "step")}
-    assert {"rewards/margins", "logps/chosen", "logits/rejected"} <= keys, keys
-    assert_same_metrics(got, dpo_reference, keys)
+    assert_matches_reference(got, reference, ranks=RANKS)
+    keys = {k for k in reference["logs"][0] if k not in ("loss", "step")}
+    assert {"rewards/chosen", "logps/rejected", "logits/chosen"} <= keys, keys
+    assert_same_metrics(got, reference, keys)
 
 
 #: Tokens of each ``--tiny`` line: 15 words and the EOS SFTTrainer appends (examples/distributed/trl_sft.py).
@@ -297,24 +328,20 @@ def test_trl_sft_script_with_lora_on_lm_head_matches_single_process(engine, tmp_
     assert adapter and all(got["params"][n].abs().max() > 0 for n in adapter), adapter  # B starts at 0
 
 
-@pytest.fixture(scope="module")
-def dpo_lora_reference(tmp_path_factory) -> dict:
-    return _launch(DPO_SCRIPT, tmp_path_factory.mktemp("trl_dpo_lora_reference"), *ARGS, *LORA,
-                   "--per_device_train_batch_size", str(BATCH * RANKS))
-
-
 @pytest.mark.parametrize("engine", ["zero3", "fsdp1"])
-def test_trl_dpo_script_with_lora_on_lm_head_matches_single_process(engine, tmp_path, dpo_lora_reference):
+def test_trl_dpo_script_with_lora_on_lm_head_matches_single_process(engine, tmp_path, single_process):
     """DPO with a LoRA adapter on lm_head (TRL's own head refuses it): the reference model is the policy with its
     adapter disabled, so hf_fused computes both the policy's and the reference's log-probabilities; under ZeRO-3
     and FSDP1 (where each LoRA matrix is an FSDP unit of its own) against the same script in one process, every
     metric and parameter; the adapter of lm_head trains."""
     if engine.startswith("zero"):
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    got = _launch(DPO_SCRIPT, tmp_path, *ARGS, *LORA, "--per_device_train_batch_size", str(BATCH), engine=engine)
-    assert all(c["head_calls"] >= 3 * 2 for c in dpo_lora_reference["counts"] + got["counts"]), got["counts"]
-    assert_matches_reference(got, dpo_lora_reference, ranks=RANKS)
-    assert_same_metrics(got, dpo_lora_reference, {k for k in dpo_lora_reference["logs"][0] if k not in ("loss", "step")})
+    reference = single_process("dpo", *LORA)
+    got = _launch(PREFERENCE_SCRIPTS["dpo"], tmp_path, *ARGS, *LORA, "--per_device_train_batch_size", str(BATCH),
+                  engine=engine)
+    assert all(c["head_calls"] >= 3 * 2 for c in reference["counts"] + got["counts"]), got["counts"]
+    assert_matches_reference(got, reference, ranks=RANKS)
+    assert_same_metrics(got, reference, {k for k in reference["logs"][0] if k not in ("loss", "step")})
     adapter = [n for n in got["params"] if "lm_head" in n and "lora_B" in n]
     assert adapter and all(got["params"][n].abs().max() > 0 for n in adapter), adapter  # B starts at 0
 
