@@ -75,10 +75,11 @@ def characters(completions, **kwargs):
     return [float(len(completion)) for completion in completions]
 
 
-def main(script_args, training_args, model_args, dataset_args, fused_args):
+def prompts_and_rewards(script_args, training_args, model_args, dataset_args, fused_args):
+    """What TRL 1.16's GRPO and RLOO scripts do before building their trainer (the two scripts are the same
+    but for the trainer): the reward functions ``--reward_funcs`` / ``--reward_model_name_or_path`` name
+    (``--tiny``: :func:`characters` unless some are named) and the prompts. Returns ``(dataset, reward_funcs)``."""
     import tiny
-    from hf_fused import FusedGRPOTrainer
-    from trl import GRPOTrainer, get_peft_config, get_quantization_config
     from trl.rewards import (
         accuracy_reward,
         get_soft_overlong_punishment,
@@ -118,6 +119,15 @@ def main(script_args, training_args, model_args, dataset_args, fused_args):
 
     dataset = tiny.model_kwargs_and_dataset(script_args, training_args, model_args, dataset_args, fused_args,
                                             {"prompt": tiny.lines(256, 6)})
+    return dataset, reward_funcs
+
+
+def main(script_args, training_args, model_args, dataset_args, fused_args):
+    import tiny
+    from hf_fused import FusedGRPOTrainer
+    from trl import GRPOTrainer, get_peft_config, get_quantization_config
+
+    dataset, reward_funcs = prompts_and_rewards(script_args, training_args, model_args, dataset_args, fused_args)
 
     # Initialize the GRPO trainer (hf_fused: FusedGRPOTrainer in place of GRPOTrainer)
     trainer_cls = FusedGRPOTrainer if fused_args.fused_loss else GRPOTrainer

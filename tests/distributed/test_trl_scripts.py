@@ -23,12 +23,19 @@ and FSDP2: TRL's own head refuses that adapter, so there is no unpatched script 
 is the same script in one process (the fused SFT loss with an adapter on lm_head is checked against the full
 logits in tests/test_trl_trainers.py). Same tolerances; the adapter of lm_head trains.
 
-GRPO: TRL's GRPO script with ``FusedGRPOTrainer`` in place of ``GRPOTrainer``
-(``examples/distributed/trl_grpo.py --tiny``), against the same script with TRL's ``GRPOTrainer``
-(``--no_fused_loss``) under the same engine: generation samples per rank, so a single process would draw
-other completions; under the same engine, seed and (to fp32 rounding) weights both draw the same ones. Every
-logged metric (loss, grad_norm, rewards, entropy, clip ratios, completion lengths) and every parameter, with
-the same tolerances; hf_fused ran on every rank and not in the stock run.
+SFT under DeepSpeed's Ulysses sequence parallelism (``zero3_sp2.yaml``): against TRL's own head under it.
+
+DPO and KTO: TRL's scripts with the policy through ``apply_fused_loss`` (``trl_dpo.py``, ``trl_kto.py``) under
+every engine, DPO against the unpatched script in one process (also with LoRA on lm_head, whose reference is the
+disabled adapter), KTO against the unpatched script under the same engine (its KL term pairs rows within a rank's
+batch). Every logged metric and every parameter.
+
+GRPO and RLOO: TRL's GRPO script with ``FusedGRPOTrainer`` in place of ``GRPOTrainer``
+(``examples/distributed/trl_grpo.py --tiny``) and its RLOO script with the policy through ``apply_fused_loss``
+(``trl_rloo.py``), against the same script stock (``--no_fused_loss``) under the same engine: generation samples
+per rank, so a single process would draw other completions; under the same engine, seed and (to fp32 rounding)
+weights both draw the same ones. Every logged metric (loss, grad_norm, rewards, entropy, clip ratios, completion
+lengths) and every parameter, with the same tolerances; hf_fused ran on every rank and not in the stock run.
 """
 
 from __future__ import annotations
@@ -346,7 +353,7 @@ def test_trl_dpo_script_with_lora_on_lm_head_matches_single_process(engine, tmp_
     assert adapter and all(got["params"][n].abs().max() > 0 for n in adapter), adapter  # B starts at 0
 
 
-#: 2 steps of on-policy GRPO (β = 0, TRL's default loss): one prompt of 4 generations of 8 tokens per rank.
+#: 2 steps of on-policy GRPO / RLOO (TRL's default β and loss): one prompt of 4 generations of 8 tokens per rank.
 GRPO_ARGS = ["--tiny", "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",
              "--max_completion_length", "8", "--optim", "sgd", "--learning_rate", "0.5", "--lr_scheduler_type",
              "constant", "--weight_decay", "0", "--max_grad_norm", "0", "--bf16", "False", "--logging_steps", "1",
@@ -354,12 +361,19 @@ GRPO_ARGS = ["--tiny", "--max_steps", "2", "--per_device_train_batch_size", "4",
              *([] if CUDA else ["--use_cpu"])]
 
 
-@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
-def test_trl_grpo_script_matches_stock_grpo_under_the_same_engine(engine, tmp_path):
+#: TRL's online scripts: GRPO with ``FusedGRPOTrainer``, RLOO with the policy through ``apply_fused_loss``.
+ONLINE_SCRIPTS = {"grpo": GRPO_SCRIPT, "rloo": CONFIGS / "trl_rloo.py"}
+
+
+@pytest.mark.parametrize("engine,script", [("zero3", "grpo"), ("fsdp2", "grpo"), ("zero3", "rloo"), ("fsdp1", "rloo"),
+                                           ("ddp", "rloo")])
+def test_trl_online_script_matches_stock_under_the_same_engine(engine, script, tmp_path):
+    """TRL's GRPO and RLOO scripts on hf_fused against the same script stock under the same engine (generation
+    samples per rank, so one process would draw other completions): every logged metric and every parameter."""
     if engine.startswith("zero"):
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    stock = _launch(GRPO_SCRIPT, tmp_path / "stock", *GRPO_ARGS, "--no_fused_loss", engine=engine)
-    fused = _launch(GRPO_SCRIPT, tmp_path / "fused", *GRPO_ARGS, engine=engine)
+    stock = _launch(ONLINE_SCRIPTS[script], tmp_path / "stock", *GRPO_ARGS, "--no_fused_loss", engine=engine)
+    fused = _launch(ONLINE_SCRIPTS[script], tmp_path / "fused", *GRPO_ARGS, engine=engine)
 
     assert all(c["head_calls"] == 0 for c in stock["counts"]), stock["counts"]
     assert all(c["head_calls"] >= 2 for c in fused["counts"]), fused["counts"]  # a forward+backward per step
