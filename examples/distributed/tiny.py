@@ -88,11 +88,22 @@ def write_model(directory: str) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def patched_trainer(trainer_cls, dataset, script_args, training_args, model_args, fused_args):
-    """What TRL 1.16's SFT, DPO and KTO scripts build, with hf_fused's one change: the model ``trainer_cls`` would
-    load from ``--model_name_or_path`` is loaded the same way (:func:`load_like_trl_trainer`) and passed through
-    ``apply_fused_loss`` before the trainer sees it (unless ``--no_fused_loss``), so that every fused-head call of
-    the trainer comes from hf_fused's ops, and a LoRA adapter on lm_head passes TRL's check (hf_fused trains it)."""
+def run(main, script_arguments, config) -> None:
+    """Parse the command line as TRL 1.16's scripts do (``TrlParser`` over ``script_arguments``, the trainer's
+    ``config`` class, ``ModelConfig``, ``DatasetMixtureConfig``) plus :class:`FusedArguments`, and call ``main``
+    with the five."""
+    from trl import DatasetMixtureConfig, ModelConfig, TrlParser
+
+    parser = TrlParser((script_arguments, config, ModelConfig, DatasetMixtureConfig, FusedArguments))
+    main(*parser.parse_args_and_config(fail_with_unknown_args=False))
+
+
+def patched_trainer(trainer_cls, dataset, script_args, training_args, model_args, fused_args, **trainer_kwargs):
+    """What TRL 1.16's SFT, DPO, KTO and RLOO scripts build, with hf_fused's one change: the model ``trainer_cls``
+    would load from ``--model_name_or_path`` is loaded the same way (:func:`load_like_trl_trainer`) and passed
+    through ``apply_fused_loss`` before the trainer sees it (unless ``--no_fused_loss``), so that every fused-head
+    call of the trainer comes from hf_fused's ops, and a LoRA adapter on lm_head passes TRL's check (hf_fused trains
+    it). ``trainer_kwargs``: the trainer's other arguments (RLOO's ``reward_funcs``)."""
     from hf_fused import apply_fused_loss
     from trl import get_peft_config, get_quantization_config
 
@@ -107,6 +118,7 @@ def patched_trainer(trainer_cls, dataset, script_args, training_args, model_args
         eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
         quantization_config=quantization_config,
         peft_config=get_peft_config(model_args),
+        **trainer_kwargs,
     )
 
 

@@ -25,7 +25,6 @@ Run from the repository root (the DeepSpeed configs name their JSON files relati
 ``save_model`` the script writes ``trainer_state.json`` (every logged step) to ``--output_dir``.
 """
 
-import argparse
 import importlib
 import os
 import sys
@@ -144,17 +143,8 @@ def main(script_args, training_args, model_args, dataset_args, fused_args):
     tiny.train_and_save(trainer, training_args, script_args)
 
 
-def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    from tiny import FusedArguments
-    from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig, TrlParser
-
-    dataclass_types = (GRPOScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig, FusedArguments)
-    return TrlParser(dataclass_types, prog=prog)
-
-
 if __name__ == "__main__":
-    parser = make_parser()
-    script_args, training_args, model_args, dataset_args, fused_args = parser.parse_args_and_config(
-        fail_with_unknown_args=False
-    )
-    main(script_args, training_args, model_args, dataset_args, fused_args)
+    import tiny
+    from trl import GRPOConfig
+
+    tiny.run(main, GRPOScriptArguments, GRPOConfig)

@@ -24,42 +24,18 @@ from trl_grpo import GRPOScriptArguments as RLOOScriptArguments  # TRL's two dat
 
 def main(script_args, training_args, model_args, dataset_args, fused_args):
     import tiny
-    from hf_fused import apply_fused_loss
-    from trl import RLOOTrainer, get_peft_config, get_quantization_config
+    from trl import RLOOTrainer
     from trl_grpo import prompts_and_rewards
 
     dataset, reward_funcs = prompts_and_rewards(script_args, training_args, model_args, dataset_args, fused_args)
-
-    # hf_fused: the policy RLOOTrainer would load from the name, patched before the trainer sees it
-    quantization_config = get_quantization_config(model_args)
-    model = model_args.model_name_or_path
-    if fused_args.fused_loss:
-        model = apply_fused_loss(tiny.load_like_trl_trainer(model, training_args, quantization_config))
-
-    trainer = RLOOTrainer(
-        model=model,
-        reward_funcs=reward_funcs,
-        args=training_args,
-        train_dataset=dataset[script_args.dataset_train_split],
-        eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
-        quantization_config=quantization_config,
-        peft_config=get_peft_config(model_args),
-    )
-
+    # hf_fused: the policy RLOOTrainer would load from the name, patched before the trainer sees it (tiny.py)
+    trainer = tiny.patched_trainer(RLOOTrainer, dataset, script_args, training_args, model_args, fused_args,
+                                   reward_funcs=reward_funcs)
     tiny.train_and_save(trainer, training_args, script_args)
 
 
-def make_parser(prog: str | None = None):
-    from tiny import FusedArguments
-    from trl import DatasetMixtureConfig, ModelConfig, RLOOConfig, TrlParser
-
-    dataclass_types = (RLOOScriptArguments, RLOOConfig, ModelConfig, DatasetMixtureConfig, FusedArguments)
-    return TrlParser(dataclass_types, prog=prog)
-
-
 if __name__ == "__main__":
-    parser = make_parser()
-    script_args, training_args, model_args, dataset_args, fused_args = parser.parse_args_and_config(
-        fail_with_unknown_args=False
-    )
-    main(script_args, training_args, model_args, dataset_args, fused_args)
+    import tiny
+    from trl import RLOOConfig
+
+    tiny.run(main, RLOOScriptArguments, RLOOConfig)

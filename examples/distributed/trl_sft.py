@@ -41,17 +41,8 @@ def main(script_args, training_args, model_args, dataset_args, fused_args):
     tiny.train_and_save(trainer, training_args, script_args)
 
 
-def make_parser(prog: str | None = None):
-    from tiny import FusedArguments
-    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
-
-    dataclass_types = (ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig, FusedArguments)
-    return TrlParser(dataclass_types, prog=prog)
-
-
 if __name__ == "__main__":
-    parser = make_parser()
-    script_args, training_args, model_args, dataset_args, fused_args = parser.parse_args_and_config(
-        fail_with_unknown_args=False
-    )
-    main(script_args, training_args, model_args, dataset_args, fused_args)
+    import tiny
+    from trl import SFTConfig, ScriptArguments
+
+    tiny.run(main, ScriptArguments, SFTConfig)
