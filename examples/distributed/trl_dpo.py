@@ -2,9 +2,9 @@
 would load from ``--model_name_or_path`` is loaded here the same way and passed through ``apply_fused_loss``
 before the trainer sees it, after which the policy's fused-head calls of ``DPOTrainer`` (the chosen and rejected
 log-probabilities, and the mean logits it logs) are computed from the hidden states and lm_head tile by tile,
-never as ``[tokens, vocab]`` logits. The reference model ``DPOTrainer`` builds from the same name (or the
-disabled adapter under ``--use_peft``) keeps TRL's own head: it has no gradient to save. Launch it under any
-engine with the configs beside it:
+never as ``[tokens, vocab]`` logits. The reference model ``DPOTrainer`` builds from the same name is patched
+alongside (docs/trl.md), and under ``--use_peft`` the reference is the patched policy with its adapter disabled.
+Launch it under any engine with the configs beside it:
 
 ```bash
 accelerate launch --config_file examples/distributed/zero3.yaml examples/distributed/trl_dpo.py \\

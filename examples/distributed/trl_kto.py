@@ -2,8 +2,8 @@
 would load from ``--model_name_or_path`` is loaded here the same way and passed through ``apply_fused_loss``
 before the trainer sees it, after which the policy's fused-head calls of ``KTOTrainer`` (the completions'
 log-probabilities, those of the mismatched pairs it estimates the KL term from, and the mean logits it logs) are
-computed from the hidden states and lm_head tile by tile, never as ``[tokens, vocab]`` logits. The reference model
-keeps TRL's own head. Launch it under any engine with the configs beside it:
+computed from the hidden states and lm_head tile by tile, never as ``[tokens, vocab]`` logits; the reference model
+``KTOTrainer`` builds is patched alongside (docs/trl.md). Launch it under any engine with the configs beside it:
 
 ```bash
 accelerate launch --config_file examples/distributed/zero3.yaml examples/distributed/trl_kto.py \\

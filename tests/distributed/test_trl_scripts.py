@@ -214,8 +214,9 @@ def test_trl_preference_script_matches_unpatched(script, engine, tmp_path, singl
     one process on the same global batch; KTO against the unpatched script under the same engine and ranks, since
     its KL term pairs each completion with another row's prompt within a rank's batch, so another split of the
     batch pairs other rows (stock KTO on 2 ranks is 1e-3 of the update away from stock KTO in one process). The
-    reference model the trainer builds keeps TRL's head in both (under ZeRO-3 a DeepSpeed inference engine of its
-    own); hf_fused computed the policy's head on every rank, under ZeRO-3 from a partitioned lm_head."""
+    reference model the trainer builds (under ZeRO-3 a DeepSpeed inference engine of its own) is patched alongside
+    the policy in the fused run; hf_fused computed the heads on every rank, under ZeRO-3 from partitioned
+    lm_heads."""
     if engine.startswith("zero"):
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
     args = [*ARGS, "--per_device_train_batch_size", str(BATCH)]
