@@ -105,13 +105,26 @@ def test_trl_sft_script_matches_unpatched_single_process(engine, tmp_path, refer
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
     got = _launch(SCRIPT, tmp_path, *ARGS, "--per_device_train_batch_size", str(BATCH), engine=engine)
 
-    assert reference["counts"][0]["head_calls"] == 0, "the unpatched script reached hf_fused"
-    for count in got["counts"]:  # each of a rank's 3 × 2 micro-batches (and apply_fused_loss's probe)
-        assert count["head_calls"] >= 3 * 2, count
-        if engine == "zero3":
-            assert count["partitioned_head_calls"] == count["head_calls"], count
+    assert_hf_fused_ran(got, reference, engine)
     assert_matches_reference(got, reference, ranks=RANKS)
     assert_same_metrics(got, reference)
+
+
+def assert_hf_fused_ran(fused: dict, unpatched: dict, engine: str | None, calls: int = 3 * 2) -> None:
+    """hf_fused computed the head at least ``calls`` times on every rank of ``fused`` (by default each of a rank's
+    3 × 2 micro-batches, and apply_fused_loss's probe), under ZeRO-3 from a partitioned lm_head, and never in the
+    ``unpatched`` run (a script whose patch silently did nothing would match its reference exactly)."""
+    assert all(c["head_calls"] == 0 for c in unpatched["counts"]), ("the unpatched script reached hf_fused",
+                                                                     unpatched["counts"])
+    for count in fused["counts"]:
+        assert count["head_calls"] >= calls, count
+        if engine == "zero3":
+            assert count["partitioned_head_calls"] == count["head_calls"], count
+
+
+def logged_metrics(run: dict) -> set[str]:
+    """The metrics a script logged at its first step, besides the loss (compared on its own) and the step."""
+    return {k for k in run["logs"][0] if k not in ("loss", "step")}
 
 
 SFT_METRICS = ("grad_norm", "entropy", "mean_token_accuracy", "num_tokens", "learning_rate", "epoch")
@@ -182,7 +195,7 @@ def test_trl_sft_script_under_bf16_matches_unpatched_bf16(engine, tmp_path, refe
     stock = _launch(SCRIPT, tmp_path / "stock", *args, "--no_fused_loss", "--per_device_train_batch_size",
                     str(BATCH * RANKS // processes), engine=stock_engine, processes=processes)
     fused = _launch(SCRIPT, tmp_path / "fused", *args, "--per_device_train_batch_size", str(BATCH), engine=engine)
-    assert all(c["head_calls"] == 0 for c in stock["counts"]) and all(c["head_calls"] >= 3 * 2 for c in fused["counts"])
+    assert_hf_fused_ran(fused, stock, engine=None)  # partitioned lm_head under ZeRO-3: the fp32 case checks it
     assert_bf16_twin(fused, stock, reference, ranks=RANKS, stock_ranks=processes)
 
 
@@ -225,13 +238,9 @@ def test_trl_preference_script_matches_unpatched(script, engine, tmp_path, singl
     else:
         reference = single_process(script, "--no_fused_loss")
     got = _launch(PREFERENCE_SCRIPTS[script], tmp_path / "fused", *args, engine=engine)
-    assert all(c["head_calls"] == 0 for c in reference["counts"]), "the unpatched script reached hf_fused"
-    for count in got["counts"]:
-        assert count["head_calls"] >= 3 * 2, count
-        if engine == "zero3":
-            assert count["partitioned_head_calls"] == count["head_calls"], count
+    assert_hf_fused_ran(got, reference, engine)
     assert_matches_reference(got, reference, ranks=RANKS)
-    keys = {k for k in reference["logs"][0] if k not in ("loss", "step")}
+    keys = logged_metrics(reference)
     assert {"rewards/chosen", "logps/rejected", "logits/chosen"} <= keys, keys
     assert_same_metrics(got, reference, keys)
 
@@ -249,9 +258,8 @@ def test_trl_sft_script_under_ulysses_sequence_parallelism_matches_stock_under_i
     args = [*ARGS, "--per_device_train_batch_size", str(BATCH)]
     stock = _launch(SCRIPT, tmp_path / "stock", *args, "--no_fused_loss", engine="zero3_sp2")
     fused = _launch(SCRIPT, tmp_path / "fused", *args, engine="zero3_sp2")
-    assert all(c["head_calls"] == 0 for c in stock["counts"]), stock["counts"]
-    for count in fused["counts"]:
-        assert count["head_calls"] >= 3 * 2 and count["head_positions"] == TINY_LINE_TOKENS // 2, count
+    assert_hf_fused_ran(fused, stock, "zero3_sp2")
+    assert all(c["head_positions"] == TINY_LINE_TOKENS // 2 for c in fused["counts"]), fused["counts"]
     assert_matches_reference(fused, stock, ranks=RANKS)
     assert_same_metrics(fused, stock)
 
@@ -349,7 +357,7 @@ def test_trl_dpo_script_with_lora_on_lm_head_matches_single_process(engine, tmp_
                   engine=engine)
     assert all(c["head_calls"] >= 3 * 2 for c in reference["counts"] + got["counts"]), got["counts"]
     assert_matches_reference(got, reference, ranks=RANKS)
-    assert_same_metrics(got, reference, {k for k in reference["logs"][0] if k not in ("loss", "step")})
+    assert_same_metrics(got, reference, logged_metrics(reference))
     adapter = [n for n in got["params"] if "lm_head" in n and "lora_B" in n]
     assert adapter and all(got["params"][n].abs().max() > 0 for n in adapter), adapter  # B starts at 0
 
@@ -376,10 +384,7 @@ def test_trl_online_script_matches_stock_under_the_same_engine(engine, script, t
     stock = _launch(ONLINE_SCRIPTS[script], tmp_path / "stock", *GRPO_ARGS, "--no_fused_loss", engine=engine)
     fused = _launch(ONLINE_SCRIPTS[script], tmp_path / "fused", *GRPO_ARGS, engine=engine)
 
-    assert all(c["head_calls"] == 0 for c in stock["counts"]), stock["counts"]
-    assert all(c["head_calls"] >= 2 for c in fused["counts"]), fused["counts"]  # a forward+backward per step
-    if engine == "zero3":
-        assert all(c["partitioned_head_calls"] == c["head_calls"] for c in fused["counts"]), fused["counts"]
+    assert_hf_fused_ran(fused, stock, engine, calls=2)  # a forward+backward per step
     assert len(fused["logs"]) == len(stock["logs"]) == 2
     for step, (f, s) in enumerate(zip(fused["logs"], stock["logs"])):
         assert f.keys() == s.keys()
