@@ -13,7 +13,7 @@ import hf_fused.integrations.trl.head as trl_head
 from grpo_helpers import WORDS, make_model, make_tokenizer
 from tiny_models import single_thread  # noqa: F401  (autouse fixture)
 
-DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "trl.md")
+DOC = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "docs", "trl.md")
 _CHAT = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }} [EOS]"
          "{% endgeneration %}{% else %}{{ m['content'] }} {% endif %}{% endfor %}")
 

@@ -15,7 +15,6 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import (  # noqa: E402
     ARCH_NAMES,
     VOCAB,

@@ -15,7 +15,7 @@ from hf_fused.ops.backends import triton_kernels as TK  # noqa: E402
 from hf_fused.ops.backends.triton_cublas import TritonCublasBackend  # noqa: E402
 from hf_fused.ops.logit_transform import LogitTransform  # noqa: E402
 
-from test_ops_triton_backend import TRANSFORMS, _check, _transform  # noqa: E402
+from test_triton_backend import TRANSFORMS, _check, _transform  # noqa: E402
 
 
 def _counted(monkeypatch):

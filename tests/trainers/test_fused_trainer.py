@@ -17,7 +17,6 @@ import torch
 from datasets import Dataset
 from transformers import Trainer, TrainingArguments
 
-sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import VOCAB, assert_close, make_model, rel_err, single_thread  # noqa: E402,F401
 
 from hf_fused import FusedTrainer, is_fused  # noqa: E402

@@ -17,7 +17,6 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import (  # noqa: E402
     assert_close,
     assert_same_grads,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _recipe() -> str:

@@ -17,7 +17,6 @@ import torch.nn as nn
 from transformers import LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import (  # noqa: E402
     VOCAB,
     assert_close,

@@ -17,7 +17,6 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 from grpo_helpers import (  # noqa: E402
     VocabRows,
     train_and_log,

@@ -26,8 +26,7 @@ from transformers import Trainer  # noqa: E402
 
 from benchmarks.e2e.sft import restored_module_globals  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_model_user_paths import TRAIN, _args, _rel, _train, _trained  # noqa: E402
+from model.test_user_paths import TRAIN, _args, _rel, _train, _trained  # noqa: E402
 from tiny_models import make_model  # noqa: E402
 
 from hf_fused import FusedTrainer, apply_fused_loss  # noqa: E402

@@ -19,7 +19,6 @@ import torch.nn as nn
 from datasets import Dataset
 from transformers import Trainer, TrainingArguments
 
-sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import VOCAB, assert_close, make_batch, make_model, single_thread  # noqa: E402,F401
 
 from hf_fused import apply_fused_loss, is_fused  # noqa: E402

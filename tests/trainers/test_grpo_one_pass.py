@@ -18,7 +18,6 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 from grpo_helpers import (  # noqa: E402
     DEVICE, Case, assert_same_step, build_trainer, max_grad_relerr, run_step, train_and_log,
 )

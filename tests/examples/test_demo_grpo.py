@@ -7,7 +7,6 @@ import pytest
 
 from examples import grpo
 
-sys.path.insert(0, os.path.dirname(__file__))
 from grpo_helpers import EOS_ID, make_tokenizer  # noqa: E402
 
 

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)
 
 _SCRIPT = textwrap.dedent("""
@@ -44,7 +44,7 @@ _SCRIPT = textwrap.dedent("""
     from trl import SFTConfig, SFTTrainer
     import pytest
     from grpo_helpers import WORDS, make_tokenizer
-    from test_grpo_parity import _count_heads
+    from trainers.test_grpo_parity import _count_heads
 
     counts = _count_heads(pytest.MonkeyPatch())  # calls of hf_fused's op and of TRL's chunked head
     tokenizer = make_tokenizer()
