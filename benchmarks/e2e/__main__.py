@@ -67,9 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GRPO model precision: bf16 weights (default; fp32 on CPU), or trl-default: what GRPOTrainer "
                         "does with a model it loads itself, float32 weights with every step under bf16 autocast "
                         "(GRPOConfig.bf16=True)")
-    p.add_argument("--grpo-memory-trace", action="store_true",
-                   help="CUDA: record the allocator during the last GRPO step and list what is live at its peak, with "
-                        "the hf_fused / trl / transformers lines that allocated it (benchmarks.memory_trace)")
     p.add_argument("--grpo-completions", type=int, default=None, help="completions per step (default 8; --tiny 4)")
     p.add_argument("--grpo-prompt-len", type=int, default=None, help="prompt tokens (default 512; --tiny 16)")
     p.add_argument("--grpo-completion-len", type=int, default=None, help="completion tokens (default 2048; --tiny 32)")
@@ -117,8 +114,6 @@ def resolve_args(args, parser) -> argparse.Namespace:
     args.grpo_completions = args.grpo_completions or (4 if tiny else 8)
     args.grpo_prompt_len = args.grpo_prompt_len or (16 if tiny else 512)
     args.grpo_completion_len = args.grpo_completion_len or (32 if tiny else 2048)
-    if args.grpo_memory_trace and device.type != "cuda":
-        parser.error("--grpo-memory-trace records CUDA's allocator: it needs --device cuda")
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     return args

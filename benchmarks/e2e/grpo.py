@@ -140,14 +140,9 @@ def _grpo_once(variant: str, args, device: torch.device) -> dict:
     weights = allocated_gib(device)
     times, losses = [], []
     reset_peak(device)
-    trace = None
-    for step in range(args.warmup + args.steps):
+    for _ in range(args.warmup + args.steps):
         model.zero_grad(set_to_none=True)
         synchronize(device)
-        last = step == args.warmup + args.steps - 1
-        if last and args.grpo_memory_trace:
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.memory._record_memory_history(stacks="python", max_entries=500_000)
         t0 = time.perf_counter()
         # Trainer.train() runs the forward under the autocast accelerate wraps the prepared model in; this loop
         # calls _compute_loss on the unprepared model, so it opens the same autocast itself.
@@ -157,8 +152,6 @@ def _grpo_once(variant: str, args, device: torch.device) -> dict:
         synchronize(device)
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
-        if last and args.grpo_memory_trace:
-            trace = traced_peak(device, base)
     peak = peak_gib(device)
     grad_norm = math.sqrt(sum(p.grad.float().pow(2).sum().item() for p in model.parameters() if p.grad is not None))
     model.zero_grad(set_to_none=True)
@@ -179,22 +172,7 @@ def _grpo_once(variant: str, args, device: torch.device) -> dict:
         "checkpointing": checkpointing_on(model),
         "build_s": build_s,
         "params": n_params(model),
-        "memory_trace": trace,
     }
-
-
-def traced_peak(device: torch.device, base: int, top: int = 14) -> dict:
-    """Stop the allocator's recording of one step and say what was live at that step's peak: the bytes allocated
-    during the step at that moment (above ``base``, what the step started with: weights, optimizer-free) and the
-    largest of those allocations with the hf_fused / TRL / transformers lines that made them."""
-    from ..memory_trace import live_at_peak, where
-
-    snapshot = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    total, events = live_at_peak(snapshot, device)
-    packages = ("hf_fused/", "trl/", "transformers/", "torch/nn/functional", "torch/utils/checkpoint")
-    return {"start_gib": base / GIB, "step_peak_above_start_gib": total / GIB,
-            "largest": [{"mib": e["size"] / 2**20, "where": where(e, packages, 3)} for e in events[:top]]}
 
 
 def run_grpo(variant: str, args, device: torch.device) -> dict:
@@ -233,11 +211,5 @@ def grpo_part(args, device: torch.device, doc: dict, save, deadline: float) -> N
             log(f"GRPO {variant:10s} ...")
             res = run_grpo(variant, args, device)
             log(f"    -> {describe_grpo(res)}  ({res['wall_s']:.1f} s)")
-            if res.get("memory_trace"):
-                t = res["memory_trace"]
-                log(f"       step peak {t['step_peak_above_start_gib']:.3f} GiB above its start "
-                    f"({t['start_gib']:.3f} GiB); largest live there:")
-                for a in t["largest"]:
-                    log(f"       {a['mib']:9.1f} MiB  {a['where']}")
         runs.append(res)
         save()

@@ -249,17 +249,6 @@ def test_liger_grpo_peer_is_na_only_where_its_loss_differs():
     assert "bias correction" in peer.unsupported_problem(select_problems("grpo-offpolicy-kl", quick=True)[0])
 
 
-def test_host_time_tool_runs_on_cpu(capsys):
-    """``benchmarks.host_time`` (host time per step at a tiny size, and cProfile's hot functions) runs a GRPO
-    problem's step through hf_fused on CPU and reports it."""
-    from benchmarks import host_time
-
-    assert host_time.main(["--shape", "grpo-16x2k-h2048-v152k-offpolicy-kl", "--peer", "hf_fused_hint",
-                           "--device", "cpu", "--steps", "2", "--hidden", "16", "--vocab", "64", "--rows", "5"]) == 0
-    out = capsys.readouterr().out
-    assert "ms of host time per step" in out and "1×2048×16×64" in out and "function calls" in out
-
-
 def test_autocast_runs_every_step_in_mixed_precision(tmp_path, capsys):
     """``--dtype fp32 --autocast bf16``: fp32 inputs and gradients, each step under bf16 autocast (TRL's
     GRPOTrainer default: a float32 model trained with bf16=True). Autocast reaches every peer: their errors against

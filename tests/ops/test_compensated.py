@@ -378,16 +378,6 @@ def test_empty_k_leaves_the_pair_as_it_was():
     assert torch.equal(hi, torch.tensor([[1.0 + 2.0**-6, 2.0 - 2.0**-7]], dtype=torch.bfloat16))
 
 
-@interpreted
-def test_benchmark_runs_on_cpu(capsys):
-    from benchmarks.compensated_gemm import main
-
-    assert main(["--device", "cpu", "--quick", "--repeats", "1"]) == 0
-    printed = capsys.readouterr().out
-    for label in ("cuBLAS addmm → fp32", "addmm → bf16", "compensated", "best per shape"):
-        assert label in printed
-
-
 # Compiles the kernels for an H100 (sm_90) in a process without TRITON_INTERPRET (the interpreter accepts code
 # that the compiler rejects, such as returns of different types) and prints, per launch shape of the default
 # table, the registers, spilled stack bytes, Hopper tensor-core (wgmma) instructions, TMA bulk-tensor loads

@@ -589,23 +589,6 @@ def test_gpu_backend_takes_forced_plans():
         assert TritonCublasBackend._plan(head) is lean
 
 
-def test_plan_sweep_runs_on_cpu_through_forced_plans(capsys):
-    """The developers' tile sweep forces its plans through tiling.forced_plans (not by replacing the backend's
-    methods) and runs the GPU backend, here under Triton's interpreter."""
-    pytest.importorskip("triton")
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU tensors need TRITON_INTERPRET=1")
-    from benchmarks.plan_sweep import main
-
-    assert main(["--device", "cpu", "--shapes", "ce:40:16:300", "--cols", "128", "--repeats", "1"]) == 0
-    assert main(["--device", "cpu", "--one-pass-shapes", "40:16:304", "--one-pass-rows", "16",
-                 "--one-pass-accumulator", "pair", "--repeats", "1"]) == 0
-    printed = capsys.readouterr().out
-    assert "cols=128" in printed and "one pass M:H:V" in printed
-
-
 def test_two_pass_tile_plan_is_the_default_or_the_lean_plan():
     rows, cols = two_pass_plan(8192, V, BF16, None)
     assert tiling.two_pass_tile_plan(8192, H, V, BF16, None) == tiling.LeanPlan(rows, cols, False, rows * cols * BF16)
