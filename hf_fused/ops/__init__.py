@@ -1,16 +1,22 @@
 """The math: fused lm_head losses on plain tensors (no transformers, no trl imports).
 
 Public: the ops (:func:`linear_cross_entropy`, :func:`linear_logprobs`, :func:`linear_token_loss`,
-:func:`linear_grpo_loss`), their option and result types, :func:`describe_plan` (which schedule a call takes)
-and the backend registry. Other names importable from here (``rows_per_tile``) are internals kept for tests."""
+:func:`linear_grpo_loss`, :func:`linear_token_statistics`), their option and result types, :func:`causal_shift`
+(labels aligned with the positions that predict them), :func:`describe_plan` (which schedule a call takes) and the
+backend registry. Each op is one autograd Function behind one call to :func:`hf_fused.ops.prepare.prepare`.
+Other names importable from here (``rows_per_tile``) are internals kept for tests."""
 
 from .backends import available_backends, get_backend, register_backend
+from .backward import HintMissedWarning
 from .cross_entropy import linear_cross_entropy
+from .hints import TokenLossHint
 from .logit_transform import LogitTransform
-from .logprobs import HintMissedWarning, linear_logprobs
-from .tiling import DEFAULT_TILE_BUDGET_BYTES, describe_plan, rows_per_tile
+from .logprobs import linear_logprobs
+from .prepare import causal_shift
 from .rl_objectives import GRPOLossOutput, GRPOObjective, grpo_token_loss, linear_grpo_loss
-from .token_loss import TokenLossHint, TokenLossOutput, linear_token_loss
+from .tiling import DEFAULT_TILE_BUDGET_BYTES, describe_plan, rows_per_tile
+from .token_loss import TokenLossOutput, linear_token_loss
+from .token_statistics import TOKEN_STATISTICS, linear_token_statistics
 
 __all__ = [
     "DEFAULT_TILE_BUDGET_BYTES",
@@ -18,7 +24,9 @@ __all__ = [
     "GRPOObjective",
     "HintMissedWarning",
     "LogitTransform",
+    "TOKEN_STATISTICS",
     "available_backends",
+    "causal_shift",
     "describe_plan",
     "get_backend",
     "grpo_token_loss",
@@ -26,6 +34,7 @@ __all__ = [
     "linear_grpo_loss",
     "linear_logprobs",
     "linear_token_loss",
+    "linear_token_statistics",
     "register_backend",
     "TokenLossHint",
     "TokenLossOutput",

@@ -2,32 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
-from .backends import Backend, get_backend
-from .head_inputs import HeadInputs, NeededGrads, check_per_token, flatten_head_inputs
+from .head_inputs import HeadInputs, NeededGrads
 from .logit_transform import LogitTransform
-from .logprobs import linear_logprobs
-from .precision import autocast_dtype, autocast_off, refuse_double_backward
-from .tiling import validate_tile_budget
+from .logprobs import logprobs_outputs
+from .precision import autocast_off, refuse_double_backward
+from .prepare import PreparedHead, check_per_token, prepare
 
 _REDUCTIONS = ("mean", "sum", "none")
 
 
 @dataclass(frozen=True, eq=False)
 class _CrossEntropyCall:
-    """Everything :class:`LinearCrossEntropyFunction` takes besides the differentiable hidden, weight and bias
-    (``head``'s own are those tensors as the op passes them; the Function rebuilds ``head`` from its
-    arguments)."""
+    """Everything :class:`LinearCrossEntropyFunction` takes besides the differentiable hidden, weight, bias and
+    row weights. ``prepared``'s rows are the kept rows of non-zero weight."""
 
-    head: HeadInputs
-    backend: Backend
+    prepared: PreparedHead
     grad_scale: Union[float, torch.Tensor]  # 1 / (the loss's normalizer)
-    row_weights: Optional[torch.Tensor]  # [M] fp32 per kept row, or None
-    grad_enabled: bool
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -35,16 +30,18 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     holds the one-pass working set; backward then only scales the stored fp32 gradients by the
     upstream gradient before rounding them once, so gradient accumulation and loss scaling stay exact.
     Otherwise forward keeps per-token statistics and backward runs the gradient pass with the upstream
-    factor folded in (8·N·H·V in all, nothing gradient-sized held between the two)."""
+    factor folded in (8·N·H·V in all, nothing gradient-sized held between the two).
+
+    ``row_weights`` (fp32 ``[M]`` per kept row, or ``None``) multiply each token's loss; when they require grad,
+    backward also returns theirs, ``∂loss/∂w_m = −grad_scale·logp_m`` times the upstream gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, call: _CrossEntropyCall):
-        # as given: the backends cast to the operands F.linear would compute from (HeadInputs.compute_dtype),
-        # and the gradients go to the given tensors
-        given = replace(call.head, hidden=hidden, weight=weight, bias=bias)
-        backend, grad_scale, row_weights, rows = call.backend, call.grad_scale, call.row_weights, given.rows
-        need = NeededGrads.of(ctx, bias, call.grad_enabled)
-        ctx.config = (grad_scale, backend, need)
+    def forward(ctx, hidden, weight, bias, row_weights, call: _CrossEntropyCall):
+        prepared, grad_scale = call.prepared, call.grad_scale
+        given, backend, rows = prepared.given(hidden, weight, bias), prepared.backend, prepared.rows
+        need = NeededGrads.of(ctx, bias, prepared.grad_enabled)
+        need_row_weights = prepared.grad_enabled and row_weights is not None and ctx.needs_input_grad[3]
+        ctx.config = (grad_scale, backend, need, need_row_weights)
         ctx.grads, lse, one_pass = None, None, None
         with autocast_off(hidden.device.type):
             if need.any:
@@ -56,18 +53,22 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             else:
                 statistics = backend.logprobs_forward(given)
                 logp, lse = statistics.logprobs, statistics.lse
-        given.save_for_backward(ctx, lse, row_weights)
+        given.save_for_backward(ctx, lse, row_weights, logp if need_row_weights else None)
         loss_sum = -(logp if row_weights is None else logp * row_weights).sum()
         return loss_sum * grad_scale
 
     @staticmethod
     def backward(ctx, grad_output):
         refuse_double_backward("linear_cross_entropy")
-        given, (lse, row_weights) = HeadInputs.saved(ctx)
-        grad_scale, backend, need = ctx.config
+        given, (lse, row_weights, logp) = HeadInputs.saved(ctx)
+        grad_scale, backend, need, need_row_weights = ctx.config
         # The upstream factor stays an fp32 tensor on the device: no host sync (each one drains the GPU queue),
         # and fp32 arithmetic keeps it unrounded inside bf16 gradients (e.g. 1/3 for gradient accumulation).
         factor = grad_output.detach().to(torch.float32)
+        # loss = −grad_scale·Σ_m w_m·logp_m: each weight's gradient is its token's loss term.
+        d_row_weights = _grad_logprobs(grad_scale, factor, None, given.rows) * logp if need_row_weights else None
+        if not need.any:
+            return None, None, None, d_row_weights, None
         if lse is None:  # one pass: the gradients were computed in the forward
             if ctx.grads is None:
                 raise RuntimeError(
@@ -82,7 +83,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 grads = backend.logprobs_backward(given, lse, None, g_lp, None, need=need)
             factor = 1.0
         d_hidden, d_weight, d_bias = grads.input_grads(given.hidden, given.weight, given.bias, given.rows, factor)
-        return d_hidden, d_weight, d_bias, None
+        return d_hidden, d_weight, d_bias, d_row_weights, None
 
 
 def _grad_logprobs(grad_scale, factor, row_weights, rows) -> torch.Tensor:
@@ -110,6 +111,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     num_items_in_batch: Optional[Union[int, float, torch.Tensor]] = None,
+    transform: Optional[LogitTransform] = None,
     temperature: float = 1.0,
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
@@ -135,7 +137,10 @@ def linear_cross_entropy(
             ``[...]`` fp32, 0 at ignored positions).
         num_items_in_batch: with ``"mean"``/``"sum"``, return ``sum / num_items_in_batch`` instead
             (transformers' gradient-accumulation normalization).
-        temperature, softcap, logit_scale: the logit transform above.
+        transform: the logit transform above as one :class:`~hf_fused.ops.LogitTransform` (a model's, e.g.
+            ``dataclasses.replace(transform, temperature=0.7)``), instead of the three keywords below.
+        temperature, softcap, logit_scale: the logit transform above, field by field (default: the identity); not with
+            ``transform`` (which would win is a guess: a ``ValueError``).
         tile_budget_bytes: ``None`` (default): the planner's rule (:mod:`hf_fused.ops.tiling`): on a CUDA
             device the one pass below when its working set (the ``[V, H]`` weight-gradient accumulator — fp32,
             else for a bf16 weight the compensated pair, an int8 residual beside the gradient — a 2048-row tile and
@@ -160,16 +165,15 @@ def linear_cross_entropy(
     the one-pass working set (always on the torch backend; on the GPU, the planner's rule: room for the ``[V, H]``
     weight-gradient accumulator, fp32 or the compensated pair) they are computed in the forward's single pass
     (6·N·H·V FLOPs), kept in fp32 (or as the pair) and scaled by the upstream gradient in backward before their
-    one rounding to the inputs'
-    dtypes; otherwise forward computes per-token statistics only and backward the gradients, with the
-    upstream factor folded in (8·N·H·V). Either way gradient accumulation and loss scaling stay exact.
+    one rounding to the inputs' dtypes; otherwise forward computes per-token statistics only and backward the
+    gradients, with the upstream factor folded in (8·N·H·V). Either way gradient accumulation and loss scaling stay exact.
     ``"none"`` recomputes in backward so per-token upstream weights are exact. A weight with
     ``requires_grad=False`` skips the weight-gradient matmul.
 
     Raises:
         ValueError: unknown reduction, bad shapes, labels out of range, ``num_items_in_batch`` that is
-            not one finite number > 0, invalid transform values, ``token_weights`` not shaped like labels,
-            on another device or not finite at a non-ignored position.
+            not one finite number > 0, invalid transform values, ``transform`` with a transform keyword,
+            ``token_weights`` not shaped like labels, on another device or not finite at a non-ignored position.
         RuntimeError: in backward, for second-order gradients (``create_graph=True``).
         TypeError: non-tensor or wrongly typed inputs.
 
@@ -180,13 +184,13 @@ def linear_cross_entropy(
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if reduction == "none" and num_items_in_batch is not None:
+        raise ValueError("num_items_in_batch applies to reduction='mean' or 'sum', not 'none'")
+    prepared = prepare(hidden, weight, labels, bias, ignore_index=ignore_index, transform=transform,
+                       temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+                       tile_budget_bytes=tile_budget_bytes, backend=backend, num_items_in_batch=num_items_in_batch)
     if reduction == "none":
-        if num_items_in_batch is not None:
-            raise ValueError("num_items_in_batch applies to reduction='mean' or 'sum', not 'none'")
-        logprobs, _ = linear_logprobs(
-            hidden, weight, labels, bias, ignore_index=ignore_index, temperature=temperature,
-            softcap=softcap, logit_scale=logit_scale, tile_budget_bytes=tile_budget_bytes, backend=backend,
-        )
+        logprobs, _ = logprobs_outputs(prepared)
         if token_weights is None:
             return -logprobs
         weights = check_per_token(token_weights, labels, "token_weights")
@@ -195,30 +199,23 @@ def linear_cross_entropy(
         if bool((~torch.isfinite(weights) & kept).any()):
             _raise_not_finite()
         return -logprobs * torch.where(kept, weights, 0.0)
-    transform = LogitTransform(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
-    flat = flatten_head_inputs(hidden, weight, labels, bias, ignore_index, num_items_in_batch)
-    rows = flat.rows
-    n_valid = rows.numel()
+    n_valid = prepared.rows.numel()
     row_weights = None
     if token_weights is not None:
-        row_weights = check_per_token(token_weights, labels, "token_weights").reshape(-1).index_select(0, rows)
+        row_weights = prepared.per_token_rows(token_weights, "token_weights")
         nonzero = row_weights != 0
         finite, all_nonzero = torch.stack([torch.isfinite(row_weights).all(), nonzero.all()]).tolist()  # one sync
         if not finite:
             _raise_not_finite()
         if not all_nonzero:  # e.g. a GRPO group whose advantages are all 0
             keep = nonzero.nonzero().squeeze(1)
-            rows, row_weights = rows[keep], row_weights[keep]
+            prepared, row_weights = prepared.with_rows(prepared.rows[keep]), row_weights[keep]
     if num_items_in_batch is not None:
-        grad_scale = 1.0 / flat.num_items_in_batch
+        grad_scale = 1.0 / prepared.num_items_in_batch
         if isinstance(grad_scale, torch.Tensor):
             grad_scale = grad_scale.to(device=hidden.device, dtype=torch.float32)
     elif reduction == "mean":
         grad_scale = 1.0 / max(n_valid, 1)
     else:
         grad_scale = 1.0
-    head = HeadInputs(flat.hidden, flat.weight, flat.bias, flat.labels, rows, transform,
-                      validate_tile_budget(tile_budget_bytes), autocast_dtype(flat.hidden.device.type))
-    call = _CrossEntropyCall(head, get_backend(hidden.device, backend), grad_scale, row_weights,
-                             torch.is_grad_enabled())
-    return LinearCrossEntropyFunction.apply(flat.hidden, flat.weight, flat.bias, call)
+    return prepared.apply(LinearCrossEntropyFunction, row_weights, _CrossEntropyCall(prepared, grad_scale))

@@ -26,9 +26,10 @@ import torch
 from .backends import get_backend
 from .distillation_math import DISTILLATION_TILE_BUFFERS, tile_divergence
 from .grads import HeadGrads
-from .head_inputs import NeededGrads, check_num_items
+from .head_inputs import NeededGrads
 from .logit_transform import LogitTransform
 from .precision import autocast_dtype, autocast_off, refuse_double_backward
+from .prepare import check_num_items
 from .tiling import check_tile_budget, validate_tile_budget
 
 _REDUCTIONS = ("mean", "sum", "none")

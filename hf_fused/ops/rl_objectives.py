@@ -30,6 +30,7 @@ from typing import Optional, Union
 
 import torch
 
+from .logit_transform import LogitTransform
 from .token_loss import linear_token_loss
 
 LOSS_FNS = ("dapo", "cispo")
@@ -144,6 +145,7 @@ def linear_grpo_loss(
     objective: GRPOObjective = GRPOObjective(),
     loss_scale: float = 1.0,
     bias: Optional[torch.Tensor] = None,
+    transform: Optional[LogitTransform] = None,
     temperature: float = 1.0,
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
@@ -173,7 +175,7 @@ def linear_grpo_loss(
         objective: :class:`GRPOObjective` (loss_fn, clip range, β, KL estimator).
         loss_scale: multiplies the loss (open-instruct's ``world_size // sequence_parallel_size``).
         temperature: the logits are divided by it (open-instruct's ``logits / temperature``).
-        softcap, logit_scale, need_entropy, tile_budget_bytes, backend: as in
+        transform, softcap, logit_scale, need_entropy, tile_budget_bytes, backend: as in
             :func:`~hf_fused.ops.linear_token_loss`.
 
     Returns:
@@ -182,9 +184,12 @@ def linear_grpo_loss(
     Raises:
         ValueError: a per-token tensor not broadcastable to ``labels``, a bad ``loss_denominator``, a bad
             objective; the errors of :func:`~hf_fused.ops.linear_token_loss`.
+        TypeError: ``objective`` not a :class:`GRPOObjective`, non-tensor ``labels`` or per-token inputs.
     """
     if not isinstance(objective, GRPOObjective):
         raise TypeError(f"objective must be a GRPOObjective, got {type(objective).__name__}")
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor of sampled token ids, got {type(labels).__name__}")
     inv_denominator = float(loss_scale) / _denominator(loss_denominator)
     shape = labels.shape
     mask = _per_token(response_mask, shape, "response_mask").bool()
@@ -196,7 +201,7 @@ def linear_grpo_loss(
     scored = torch.where(mask, labels, torch.full_like(labels, ignore_index))
     token_loss = functools.partial(grpo_token_loss, objective=objective, inv_denominator=inv_denominator)
     out = linear_token_loss(
-        hidden, weight, scored, token_loss, bias, per_token=consts, ignore_index=ignore_index,
+        hidden, weight, scored, token_loss, bias, per_token=consts, ignore_index=ignore_index, transform=transform,
         temperature=temperature, softcap=softcap, logit_scale=logit_scale, need_entropy=need_entropy,
         tile_budget_bytes=tile_budget_bytes, backend=backend,
     )

@@ -1,4 +1,5 @@
-"""Per-token statistics of the next-token distribution that carry no gradient (metrics).
+"""Per-token statistics of the next-token distribution that carry no gradient (metrics), and
+:func:`linear_token_statistics`, the gradient-free op that computes them (one statistics pass, 2·N·H·V FLOPs).
 
 TRL's trainers log them from its fused head (``trl.trainer.utils.FusedCausalLMOutput``): the mean logit
 (DPO/KTO ``logits/*``), whether the label is the arg-max (``mean_token_accuracy``) and ``log Σ_v p_v²``
@@ -10,10 +11,8 @@ TRL's trainers log them from its fused head (``trl.trainer.utils.FusedCausalLMOu
     log_sum_sq_probs = log Σ_v exp(2 z_v − 2 lse) = logsumexp(2z) − 2·logsumexp(z)
 
 None of them can be recovered from ``logsumexp``, the label's log-probability and the entropy, but each is
-an online reduction over the same logits tiles: :func:`~hf_fused.ops.linear_logprobs` computes them in its
-forward's own statistics pass when given ``statistics=`` (both backends, both schedules; see
-:mod:`~hf_fused.ops.backends.protocol`). This module names them, checks requests and places the per-row
-results; :func:`linear_token_statistics` is the gradient-free entry point (one statistics pass, 2·N·H·V FLOPs).
+an online reduction over the same logits tiles, which every backend computes in its forward passes when asked
+(:mod:`~hf_fused.ops.backends.protocol`); :func:`~hf_fused.ops.linear_logprobs` returns them beside the log-probs.
 """
 
 from __future__ import annotations
@@ -21,6 +20,10 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+
+from .logit_transform import LogitTransform
+from .precision import autocast_off
+from .prepare import prepare
 
 #: The token statistics the ops compute, by name (TRL's ``FusedCausalLMOutput`` field names).
 TOKEN_STATISTICS = ("mean_logits", "is_top1", "log_sum_sq_probs")
@@ -55,6 +58,7 @@ def linear_token_statistics(
     *,
     statistics: Sequence[str] = TOKEN_STATISTICS,
     ignore_index: int = -100,
+    transform: Optional[LogitTransform] = None,
     temperature: float = 1.0,
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
@@ -71,7 +75,8 @@ def linear_token_statistics(
         labels: ``[...]`` ids in ``[0, V)`` or ``ignore_index`` (only ``is_top1`` reads them; every statistic is
             computed only on non-ignored positions).
         statistics: names among :data:`TOKEN_STATISTICS`.
-        temperature, softcap, logit_scale, tile_budget_bytes, backend: as in :func:`~hf_fused.ops.linear_logprobs`.
+        transform, temperature, softcap, logit_scale, tile_budget_bytes, backend: as in
+            :func:`~hf_fused.ops.linear_logprobs`.
 
     Returns:
         ``{name: [...] tensor}``: ``mean_logits`` and ``log_sum_sq_probs`` fp32, ``is_top1`` bool; 0 / False at
@@ -80,13 +85,16 @@ def linear_token_statistics(
     Mixed precision: as :func:`~hf_fused.ops.linear_logprobs` (the same logits as its log-probs).
 
     Raises:
-        ValueError: an unknown statistic name; and as :func:`~hf_fused.ops.linear_logprobs` for bad inputs.
+        ValueError / TypeError: an unknown statistic name, a string instead of a sequence of names; and as
+            :func:`~hf_fused.ops.linear_logprobs` for bad inputs.
     """
-    from .logprobs import linear_logprobs  # deferred: logprobs imports this module
-
+    names = check_statistics(statistics)
     with torch.no_grad():
-        _, _, stats = linear_logprobs(
-            hidden, weight, labels, bias, ignore_index=ignore_index, temperature=temperature, softcap=softcap,
-            logit_scale=logit_scale, tile_budget_bytes=tile_budget_bytes, backend=backend, statistics=statistics,
-        )
-    return stats
+        prepared = prepare(hidden, weight, labels, bias, ignore_index=ignore_index, transform=transform,
+                           temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+                           tile_budget_bytes=tile_budget_bytes, backend=backend)
+        head = prepared.head
+        with autocast_off(head.hidden.device.type):
+            row_stats = prepared.backend.logprobs_forward(head, statistics=names).statistics
+        stats = per_token_statistics(row_stats, prepared.rows, prepared.labels.numel())
+    return {name: prepared.shaped(stats[name]) for name in names}

@@ -205,10 +205,10 @@ def test_hint_on_gpu_bf16_matches_the_recompute_path():
 @pytest.mark.parametrize("scale", [0.5, 1.0])
 def test_hint_check_behind_the_queued_gradients_gives_the_same_bits(monkeypatch, scale):
     """On CUDA the backward reads ``c`` and the multiple-of-the-hint check through an event recorded before the
-    gradients' scaling kernels are queued (``logprobs._DEFER_HOST_CHECK``): the same gradients, bit for bit, as
+    gradients' scaling kernels are queued (``backward._DEFER_HOST_CHECK``): the same gradients, bit for bit, as
     reading them first and scaling by the host's ``c`` (one-pass accumulator "fp32", the split one); and an upstream
     that is not a multiple still warns and recomputes, to the recompute path's accuracy."""
-    from hf_fused.ops import logprobs as logprobs_module
+    from hf_fused.ops import backward as backward_module
 
     n, h, v = 2048, 512, 16000
     hid, w, y, gen = _gpu_inputs(n, h, v, seed=1, ignore_every=7)
@@ -217,7 +217,7 @@ def test_hint_check_behind_the_queued_gradients_gives_the_same_bits(monkeypatch,
     budget = _one_pass_budget(h, v)
 
     def grads(upstream, defer, grad_hint=hint):
-        monkeypatch.setattr(logprobs_module, "_DEFER_HOST_CHECK", defer)
+        monkeypatch.setattr(backward_module, "_DEFER_HOST_CHECK", defer)
         hid.grad = w.grad = None
         lp, _ = linear_logprobs(hid, w, y, grad_hint=grad_hint, tile_budget_bytes=budget, return_entropy=True)
         (lp * upstream).sum().backward()

@@ -350,8 +350,7 @@ def test_second_order_and_second_backward_raise():
 
 # -- a token loss as linear_logprobs' gradient hint ----------------------------------------------------------------
 
-from hf_fused.ops import HintMissedWarning, linear_logprobs  # noqa: E402
-from hf_fused.ops.token_loss import TokenLossHint  # noqa: E402
+from hf_fused.ops import HintMissedWarning, TokenLossHint, linear_logprobs  # noqa: E402
 
 
 def _hinted_step(loss_name, *, scale=1.0, perturb=0.0, backend="torch", budget=None, seed=17):
