@@ -153,9 +153,11 @@ def linear_cross_entropy(
         backend: force a backend by name (see :mod:`hf_fused.ops.backends`).
         token_weights: optional ``[...]`` floating tensor shaped like ``labels``: each token's loss is
             multiplied by its weight before the reduction (``"mean"`` still divides by the number of
-            non-ignored tokens, or by ``num_items_in_batch``). Not differentiated. Tokens of weight 0
-            are skipped like ignored ones. With ``weight_t = A_t·mask_t`` this is the on-policy,
-            KL-free policy-gradient objective ``−Σ A_t·logp_t`` (GRPO/DAPO's gradient at ratio 1).
+            non-ignored tokens, or by ``num_items_in_batch``). Tokens of weight 0 are skipped like ignored ones,
+            unless the weights require grad: then they are learned, and their gradient is each token's loss
+            term, ``∂loss/∂w_t = −logp_t`` divided as the loss is (0 at ignored positions). With
+            ``weight_t = A_t·mask_t`` this is the on-policy, KL-free policy-gradient objective ``−Σ A_t·logp_t``
+            (GRPO/DAPO's gradient at ratio 1).
 
     Returns:
         fp32 scalar for ``"mean"``/``"sum"``, fp32 ``[...]`` for ``"none"``. All-ignored input gives 0
@@ -171,11 +173,12 @@ def linear_cross_entropy(
     ``requires_grad=False`` skips the weight-gradient matmul.
 
     Raises:
-        ValueError: unknown reduction, bad shapes, labels out of range, ``num_items_in_batch`` that is
-            not one finite number > 0, invalid transform values, ``transform`` with a transform keyword,
-            ``token_weights`` not shaped like labels, on another device or not finite at a non-ignored position.
+        ValueError: unknown reduction, bad shapes (``H = 0`` included), labels out of range,
+            ``num_items_in_batch`` that is not one finite number > 0, invalid transform values (a tensor of
+            several elements among them), ``transform`` with a transform keyword, ``token_weights`` not shaped like
+            labels, on another device or not finite at a non-ignored position, tensors on the meta device.
         RuntimeError: in backward, for second-order gradients (``create_graph=True``).
-        TypeError: non-tensor or wrongly typed inputs.
+        TypeError: non-tensor, sparse or wrongly typed inputs (``ignore_index`` not an integer).
 
     Mixed precision: under ``torch.autocast`` hidden, weight and bias are cast to the autocast dtype
     exactly as ``F.linear`` (the model's lm_head call) would cast them, and forward and backward both
@@ -193,7 +196,7 @@ def linear_cross_entropy(
         logprobs, _ = logprobs_outputs(prepared)
         if token_weights is None:
             return -logprobs
-        weights = check_per_token(token_weights, labels, "token_weights")
+        weights = check_per_token(token_weights, labels, "token_weights", detach=False)
         # Ignored tokens have loss 0 whatever their weight (a NaN weight there must not poison it).
         kept = labels != ignore_index
         if bool((~torch.isfinite(weights) & kept).any()):
@@ -202,12 +205,14 @@ def linear_cross_entropy(
     n_valid = prepared.rows.numel()
     row_weights = None
     if token_weights is not None:
-        row_weights = prepared.per_token_rows(token_weights, "token_weights")
+        learned = prepared.grad_enabled and getattr(token_weights, "requires_grad", False)
+        row_weights = prepared.per_token_rows(token_weights, "token_weights", differentiable=learned)
         nonzero = row_weights != 0
         finite, all_nonzero = torch.stack([torch.isfinite(row_weights).all(), nonzero.all()]).tolist()  # one sync
         if not finite:
             _raise_not_finite()
-        if not all_nonzero:  # e.g. a GRPO group whose advantages are all 0
+        # e.g. a GRPO group whose advantages are all 0; a learned weight's gradient needs its token's loss
+        if not all_nonzero and not learned:
             keep = nonzero.nonzero().squeeze(1)
             prepared, row_weights = prepared.with_rows(prepared.rows[keep]), row_weights[keep]
     if num_items_in_batch is not None:

@@ -14,6 +14,7 @@ Its derivative is what every backward multiplies the logits-gradient by::
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,11 +23,13 @@ import torch
 
 @dataclass(frozen=True)
 class LogitTransform:
-    """Scale, soft-cap and temperature applied to raw head outputs (see the module docstring).
+    """Scale, soft-cap and temperature applied to raw head outputs (see the module docstring). Each is one number
+    (a one-element tensor is read as its value), the same for every token.
 
     Raises:
-        ValueError: for a non-positive or non-finite ``temperature``/``softcap``, or a non-finite
-            ``logit_scale``.
+        TypeError: a value that is not a number.
+        ValueError: for a non-positive or non-finite ``temperature``/``softcap``, a non-finite or zero
+            ``logit_scale``, a tensor of several elements or one that requires grad.
     """
 
     logit_scale: float = 1.0
@@ -34,6 +37,8 @@ class LogitTransform:
     temperature: float = 1.0
 
     def __post_init__(self) -> None:
+        for name in ("logit_scale", "softcap", "temperature"):
+            _check_number(name, getattr(self, name))
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
         if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
@@ -72,3 +77,26 @@ class LogitTransform:
         if factor != 1.0:
             grad_logits.mul_(factor)
         return grad_logits
+
+
+def _check_number(name: str, value) -> None:
+    """Raise unless ``value`` is one real number the checks in ``__post_init__`` can read (``softcap`` may be
+    ``None``)."""
+    if value is None and name == "softcap":
+        return
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"{name} must be one number, got a tensor of shape {tuple(value.shape)}: the logit transform is the "
+                f"same for every token; pass a float"
+            )
+        if value.requires_grad:
+            raise ValueError(
+                f"{name} requires grad, but the ops do not differentiate the logit transform; pass a float "
+                f"({name}.item()) or a detached tensor"
+            )
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real number, got a tensor of dtype {value.dtype}")
+        return
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r}")

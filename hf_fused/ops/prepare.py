@@ -5,6 +5,7 @@ budget, the autocast dtype and the backend, all in :func:`prepare`; and the caus
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional
 
@@ -165,7 +166,7 @@ def prepare(
     """The prologue of every public op: the head's inputs checked and flattened, with everything the op's
     autograd Function needs to compute from them.
 
-    Checks shapes, dtypes and devices, the label range and ``num_items_in_batch`` (errors say what was
+    Checks shapes, dtypes, layouts and devices, the label range and ``num_items_in_batch`` (errors say what was
     wrong and what to do); flattens ``[..., H]`` hidden states and ``[...]`` labels to ``[N, H]`` and ``[N]``;
     finds the kept rows (labels other than ``ignore_index``, ascending: ignored rows are compacted out before any
     matmul); builds the logit transform (:func:`logit_transform`: ``transform`` whole or the three keywords);
@@ -199,9 +200,9 @@ def prepare(
         :class:`PreparedHead`.
 
     Raises:
-        TypeError: non-tensor inputs, non-floating hidden/weight/bias, non-integer labels, a bad
-            ``num_items_in_batch`` type.
-        ValueError: shape mismatches, tensors on several devices, labels outside
+        TypeError: non-tensor inputs, non-floating hidden/weight/bias, non-integer labels, a sparse tensor, a
+            non-integer ``ignore_index``, a bad ``num_items_in_batch`` type, a bad transform value's type.
+        ValueError: shape mismatches, ``H = 0``, tensors on several devices or on the meta device, labels outside
             ``[0, V)`` other than ``ignore_index``, a bad ``num_items_in_batch``, transform or tile budget, an
             unknown backend.
     """
@@ -225,9 +226,20 @@ def _flatten(hidden, weight, labels, bias, ignore_index, num_items_in_batch):
         raise TypeError(f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"labels must be an integer tensor of token ids, got {labels.dtype}")
+    _check_index(ignore_index)
+    tensors = (("hidden", hidden), ("weight", weight), ("labels", labels), ("bias", bias))
+    for name, t in tensors:
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense tensor, got layout {t.layout}; pass {name}.to_dense()")
     if weight.dim() != 2:
         raise ValueError(f"weight must be [V, H] (lm_head.weight), got shape {tuple(weight.shape)}")
     vocab_size, hidden_size = weight.shape
+    if hidden_size == 0:
+        raise ValueError(
+            f"weight has shape {tuple(weight.shape)}: a head with H = 0 hidden features computes logits that ignore "
+            "hidden; pass lm_head.weight as [V, H] with H > 0 (an empty weight is often a partitioned parameter: "
+            "under DeepSpeed ZeRO-3 gather it, or call the op inside the model's forward)"
+        )
     if hidden.dim() < 1 or hidden.shape[-1] != hidden_size:
         raise ValueError(
             f"hidden must be [..., H] with H = weight.shape[1] = {hidden_size}, got shape {tuple(hidden.shape)}"
@@ -247,6 +259,14 @@ def _flatten(hidden, weight, labels, bias, ignore_index, num_items_in_batch):
     if hidden.device != weight.device or labels.device != hidden.device:
         raise ValueError(
             f"hidden, weight and labels must be on one device, got {hidden.device}, {weight.device}, {labels.device}"
+        )
+    meta = [name for name, t in tensors if isinstance(t, torch.Tensor) and t.is_meta]
+    if meta:
+        names = meta[0] if len(meta) == 1 else f"{', '.join(meta[:-1])} and {meta[-1]}"
+        raise ValueError(
+            f"{names} {'is' if len(meta) == 1 else 'are'} on the meta device, which holds shapes but no "
+            "values, and the op computes values; materialize the model first (e.g. model.to_empty(device=...) and "
+            "load its weights) or call the op on real tensors"
         )
     flat_labels = labels.reshape(-1).long()
     kept = flat_labels != ignore_index
@@ -269,6 +289,15 @@ def _flatten(hidden, weight, labels, bias, ignore_index, num_items_in_batch):
         num_items_in_batch = check_num_items(num_items_in_batch)  # a number, or raises naming the bad value
     rows = torch.nonzero_static(kept, size=int(host[0])).squeeze(1)
     return hidden.reshape(-1, hidden_size), flat_labels, rows, num_items_in_batch
+
+
+def _check_index(ignore_index) -> None:
+    try:
+        operator.index(ignore_index)
+    except TypeError:
+        raise TypeError(
+            f"ignore_index must be an integer label value (e.g. -100, the labels' padding), got {ignore_index!r}"
+        ) from None
 
 
 def check_per_token(values, labels: torch.Tensor, name: str, *, detach: bool = True) -> torch.Tensor:
