@@ -23,14 +23,13 @@ from typing import NamedTuple, Optional, Protocol, Union, runtime_checkable
 
 import torch
 
-from .backends import get_backend
+from .backward import upstream_rows
 from .distillation_math import DISTILLATION_TILE_BUFFERS, tile_divergence
 from .grads import HeadGrads
-from .head_inputs import NeededGrads
-from .logit_transform import LogitTransform
-from .precision import autocast_dtype, autocast_off, refuse_double_backward
-from .prepare import check_num_items
-from .tiling import check_tile_budget, validate_tile_budget
+from .head_inputs import HeadInputs, NeededGrads
+from .precision import autocast_off, refuse_double_backward
+from .prepare import PreparedHead, prepare
+from .tiling import check_tile_budget
 
 _REDUCTIONS = ("mean", "sum", "none")
 _NO_GRADS = NeededGrads(False, False, False)
@@ -51,31 +50,10 @@ class DistillationOutput(NamedTuple):
     entropy: torch.Tensor
 
 
-@dataclass(frozen=True, eq=False)
-class DistillationHead:
-    """One model's flattened head: ``hidden`` ``[N, H]``, ``weight`` ``[V, H]``, ``bias`` ``[V]`` or ``None`` (all on
-    one device), its logit ``transform``, and ``compute_dtype``: the dtype autocast would run this model's
-    ``F.linear`` in on its device at the call (``None`` outside autocast)."""
-
-    hidden: torch.Tensor
-    weight: torch.Tensor
-    bias: Optional[torch.Tensor]
-    transform: LogitTransform
-    compute_dtype: Optional[torch.dtype] = None
-
-    def computed(self) -> "DistillationHead":
-        """This head with hidden, weight and bias cast to :attr:`compute_dtype` as autocast casts ``F.linear``'s
-        operands (itself outside autocast): forward and backward compute the logits from the same operands."""
-        dtype = self.compute_dtype
-        if dtype is None:
-            return self
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return DistillationHead(self.hidden.to(dtype), self.weight.to(dtype), bias, self.transform)
-
-
 class DistillationPass(NamedTuple):
-    """Per kept row (fp32 ``[M]``, in the order of ``rows``): ``divergence`` and student ``entropy``; ``grads``: the
-    student's fp32 :class:`~hf_fused.ops.grads.HeadGrads` (hidden ``[M, H_s]``), or ``None`` when none was asked."""
+    """Per kept row (fp32 ``[M]``, in the order of the heads' ``rows``): ``divergence`` and student ``entropy``;
+    ``grads``: the student's fp32 :class:`~hf_fused.ops.grads.HeadGrads` (hidden ``[M, H_s]``), or ``None`` when none
+    was asked."""
 
     divergence: torch.Tensor
     entropy: torch.Tensor
@@ -87,8 +65,7 @@ class DistillationBackend(Protocol):
     """A backend with its own distillation pass, with the signature and contract of :func:`distillation_pass`
     (the op runs the plain-PyTorch one for backends without it)."""
 
-    def distillation_pass(self, student: DistillationHead, teacher: DistillationHead, rows: torch.Tensor,
-                          beta: float, tile_budget_bytes: Optional[int], *,
+    def distillation_pass(self, student: HeadInputs, teacher: HeadInputs, beta: float, *,
                           row_grads: Union[None, float, torch.Tensor] = None,
                           need: NeededGrads = _NO_GRADS) -> DistillationPass: ...
 
@@ -103,63 +80,70 @@ def distillation_rows_per_tile(vocab_size: int, tile_budget_bytes: Optional[int]
     return max(1, check_tile_budget(tile_budget_bytes) // (DISTILLATION_TILE_BUFFERS * 4 * max(1, vocab_size)))
 
 
-def _fp32_logits(hidden: torch.Tensor, weight32: torch.Tensor, bias32: Optional[torch.Tensor],
-                 idx: torch.Tensor, transform: LogitTransform):
-    """``(h32, z, tanh)`` for the rows ``idx``: fp32 rows, tempered fp32 logits, the soft-cap's tanh or ``None``."""
-    h32 = hidden.index_select(0, idx).float()
-    raw = h32 @ weight32.t()
-    if bias32 is not None:
-        raw += bias32
-    z, tanh = transform.forward(raw)
-    return h32, z, tanh
+class _Fp32Head(NamedTuple):
+    """A :meth:`~hf_fused.ops.head_inputs.HeadInputs.computed` head with fp32 copies of its weight and bias."""
+
+    head: HeadInputs
+    weight: torch.Tensor  # [V, H] fp32
+    bias: Optional[torch.Tensor]  # [V] fp32
+
+    @classmethod
+    def of(cls, head: HeadInputs) -> "_Fp32Head":
+        head = head.computed()  # the operands F.linear would compute from (autocast's casts)
+        return cls(head, head.weight.float(), None if head.bias is None else head.bias.float())
+
+    def logits(self, start: int, stop: int):
+        """``(h32, z, tanh)`` for kept rows ``start:stop``: fp32 rows, tempered fp32 logits (fp32 products of the
+        operands), the soft-cap's tanh or ``None``."""
+        h32 = self.head.hidden.index_select(0, self.head.rows[start:stop]).float()
+        raw = h32 @ self.weight.t()
+        if self.bias is not None:
+            raw += self.bias
+        z, tanh = self.head.transform.forward(raw)
+        return h32, z, tanh
 
 
 def distillation_pass(
-    student: DistillationHead,
-    teacher: DistillationHead,
-    rows: torch.Tensor,
+    student: HeadInputs,
+    teacher: HeadInputs,
     beta: float,
-    tile_budget_bytes: Optional[int],
     *,
     row_grads: Union[None, float, torch.Tensor] = None,
     need: NeededGrads = _NO_GRADS,
 ) -> DistillationPass:
-    """The plain-PyTorch pass over the kept token ``rows`` (int64 ``[M]`` on the student's device, ascending),
-    ``distillation_rows_per_tile`` rows per tile: per row the divergence and student entropy, and, when ``need``
-    asks for any and ``row_grads`` is given, the student's gradients of ``Σ_rows row_grads·divergence``
-    (``row_grads``: a Python float or 0-d fp32 tensor for every row, or fp32 ``[M]``) from the same tiles.
+    """The plain-PyTorch pass over the kept token rows (``student.rows`` on the student's device, ``teacher.rows``
+    the same indices on the teacher's), ``distillation_rows_per_tile(V, student.tile_budget_bytes)`` rows per tile:
+    per row the divergence and student entropy, and, when ``need`` asks for any and ``row_grads`` is given, the
+    student's gradients of ``Σ_rows row_grads·divergence`` (``row_grads``: a Python float or 0-d fp32 tensor for
+    every row, or fp32 ``[M]``) from the same tiles.
 
-    Both heads are taken as given (:meth:`DistillationHead.computed` casts them here); the logits are fp32 products
-    of the operands (upcast, accumulated in fp32), each model's on its own device, the teacher's moved to the
-    student's. Holds fp32 copies of both weights beside the tiles (a GPU backend's pass would not).
+    Both heads are taken as given (cast here as autocast casts ``F.linear``'s operands, each with its own
+    ``compute_dtype``); the logits are fp32 products of the operands, each model's on its own device, the teacher's
+    moved to the student's (the tile travels, never the weight). Holds fp32 copies of both weights beside the tiles
+    (a GPU backend's pass would not).
     """
-    s, t = student.computed(), teacher.computed()
-    device = s.hidden.device
-    w_s32 = s.weight.float()
-    b_s32 = None if s.bias is None else s.bias.float()
-    w_t32 = t.weight.float()
-    b_t32 = None if t.bias is None else t.bias.float()
-    rows_t = rows.to(t.hidden.device)
-    m = rows.numel()
+    s, t = _Fp32Head.of(student), _Fp32Head.of(teacher)
+    device = student.hidden.device
+    m, (vocab_size, hidden_size) = student.rows.numel(), s.weight.shape
     divergence = torch.empty(m, dtype=torch.float32, device=device)
     entropy = torch.empty_like(divergence)
     grads = None
     if row_grads is not None and need.any:
         grads = HeadGrads(
-            hidden=torch.zeros((m, w_s32.shape[1]), dtype=torch.float32, device=device) if need.hidden else None,
-            weight=torch.zeros(w_s32.shape, dtype=torch.float32, device=device) if need.weight else None,
-            bias=torch.zeros(w_s32.shape[0], dtype=torch.float32, device=device) if need.bias else None,
+            hidden=torch.zeros((m, hidden_size), dtype=torch.float32, device=device) if need.hidden else None,
+            weight=torch.zeros((vocab_size, hidden_size), dtype=torch.float32, device=device) if need.weight else None,
+            bias=torch.zeros(vocab_size, dtype=torch.float32, device=device) if need.bias else None,
         )
     per_row = isinstance(row_grads, torch.Tensor) and row_grads.dim() == 1
-    step = distillation_rows_per_tile(w_s32.shape[0], tile_budget_bytes)
+    step = distillation_rows_per_tile(vocab_size, student.tile_budget_bytes)
     for start in range(0, m, step):
         stop = min(start + step, m)
-        h32, zs, tanh = _fp32_logits(s.hidden, w_s32, b_s32, rows[start:stop], s.transform)
+        h32, zs, tanh = s.logits(start, stop)
         if grads is None:
             del tanh  # only the gradient needs it
             tanh = None
         with torch.no_grad():  # the teacher gets no gradient; only its logits' values travel
-            _, zt, _ = _fp32_logits(t.hidden, w_t32, b_t32, rows_t[start:stop], t.transform)
+            _, zt, _ = t.logits(start, stop)
             zt = zt.to(device)
         tile = tile_divergence(zs, zt, beta, with_grad=grads is not None)
         del zs, zt
@@ -167,9 +151,9 @@ def distillation_pass(
         entropy[start:stop] = tile.entropy
         if grads is not None:
             g = row_grads[start:stop].unsqueeze(1) if per_row else row_grads
-            dz = s.transform.backward(tile.grad.mul_(g), tanh)  # × 1/T, × (1 − tanh²), × scale
+            dz = s.head.transform.backward(tile.grad.mul_(g), tanh)  # × 1/T, × (1 − tanh²), × scale
             if grads.hidden is not None:
-                torch.mm(dz, w_s32, out=grads.hidden[start:stop])
+                torch.mm(dz, s.weight, out=grads.hidden[start:stop])
             if grads.weight is not None:
                 grads.weight.addmm_(dz.t(), h32)
             if grads.bias is not None:
@@ -182,22 +166,18 @@ def distillation_pass(
 @dataclass(frozen=True, eq=False)
 class _DistillationCall:
     """Everything :class:`LinearDistillationFunction` takes besides the student's differentiable hidden states,
-    weight and bias (``student`` holds them as the op passes them; the Function rebuilds it from its arguments)."""
+    weight and bias (``student.head`` holds them as the op passes them; the Function rebuilds it from its
+    arguments)."""
 
-    student: DistillationHead
-    teacher: DistillationHead  # detached: no gradient reaches it
-    rows: torch.Tensor  # [M] int64, the kept rows, ascending, on the student's device
+    student: PreparedHead
+    teacher: HeadInputs  # detached: no gradient reaches it
     beta: float
-    tile_budget_bytes: Optional[int]
-    backend: object
     per_token: bool  # reduction="none"
     grad_scale: Union[float, torch.Tensor]  # 1 / the normalizer of "mean"/"sum"
-    grad_enabled: bool
 
-    def run(self, student: DistillationHead, row_grads=None, need: NeededGrads = _NO_GRADS) -> DistillationPass:
-        pass_ = getattr(self.backend, "distillation_pass", None) or distillation_pass
-        return pass_(student, self.teacher, self.rows, self.beta, self.tile_budget_bytes, row_grads=row_grads,
-                     need=need)
+    def run(self, student: HeadInputs, row_grads=None, need: NeededGrads = _NO_GRADS) -> DistillationPass:
+        pass_ = getattr(self.student.backend, "distillation_pass", None) or distillation_pass
+        return pass_(student, self.teacher, self.beta, row_grads=row_grads, need=need)
 
 
 class LinearDistillationFunction(torch.autograd.Function):
@@ -211,9 +191,9 @@ class LinearDistillationFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, call: _DistillationCall):
-        given = DistillationHead(hidden, weight, bias, call.student.transform, call.student.compute_dtype)
-        rows, n = call.rows, hidden.shape[0]
-        need = NeededGrads.of(ctx, bias, call.grad_enabled)
+        prepared = call.student
+        given = prepared.given(hidden, weight, bias)  # the gradients go to the tensors as given
+        need = NeededGrads.of(ctx, bias, prepared.grad_enabled)
         ctx.call, ctx.need, ctx.grads = call, need, None
         one_pass = need.any and not call.per_token
         with autocast_off(hidden.device.type):
@@ -221,13 +201,9 @@ class LinearDistillationFunction(torch.autograd.Function):
         ctx.grads = out.grads
         if not (need.any and call.per_token):
             ctx.call = None  # the teacher is not needed in backward: release it
-        ctx.save_for_backward(hidden, weight, bias, rows)
-        divergence = hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, out.divergence)
-        entropy = hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, out.entropy)
-        if call.per_token:
-            loss = divergence.clone()
-        else:
-            loss = out.divergence.sum() * call.grad_scale
+        ctx.save_for_backward(hidden, weight, bias, given.rows)
+        divergence, entropy = prepared.scatter(out.divergence, hidden), prepared.scatter(out.entropy, hidden)
+        loss = divergence.clone() if call.per_token else out.divergence.sum() * call.grad_scale
         ctx.mark_non_differentiable(divergence, entropy)
         return loss, divergence, entropy
 
@@ -238,8 +214,6 @@ class LinearDistillationFunction(torch.autograd.Function):
         need = ctx.need
         if grad_loss is None or not need.any:
             return None, None, None, None
-        # The upstream factor stays an fp32 tensor on the device: no host sync, and it is never rounded to bf16.
-        factor = grad_loss.detach().to(torch.float32)
         call = ctx.call
         if call is None:  # one pass: the gradients were computed in the forward
             if ctx.grads is None:
@@ -249,10 +223,11 @@ class LinearDistillationFunction(torch.autograd.Function):
                     "which recomputes)."
                 )
             grads, ctx.grads = ctx.grads, None  # freed as soon as they are handed over
+            # an fp32 tensor on the device: no host sync, and the factor is never rounded to bf16
+            factor = grad_loss.detach().to(torch.float32)
         else:  # "none": each token's upstream gradient, folded into a recompute of the tiles
-            given = DistillationHead(hidden, weight, bias, call.student.transform, call.student.compute_dtype)
             with autocast_off(hidden.device.type):
-                grads = call.run(given, factor.reshape(-1).index_select(0, rows), need).grads
+                grads = call.run(call.student.given(hidden, weight, bias), upstream_rows(grad_loss, rows), need).grads
             factor = 1.0
         return grads.input_grads(hidden, weight, bias, rows, factor) + (None,)
 
@@ -260,64 +235,41 @@ class LinearDistillationFunction(torch.autograd.Function):
 # -- validation ----------------------------------------------------------------------------------------------------
 
 
-def _check_head(name: str, hidden, weight, bias) -> None:
-    """Types, shapes and devices of one model's ``hidden [..., H]``, ``weight [V, H]`` and ``bias [V]``.
+def _prepare(model: str, *args, **kwargs) -> PreparedHead:
+    """:func:`~hf_fused.ops.prepare.prepare` for one model, its errors prefixed with the model's name."""
+    try:
+        return prepare(*args, **kwargs)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{model}: {error}") from error
+
+
+def _token_labels(mask, labels, ignore_index: int, student_hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(labels, ignore_index)`` that keep the tokens :func:`linear_distillation_loss` counts, for
+    :func:`~hf_fused.ops.prepare.prepare`: ``labels`` and ``ignore_index`` themselves; for a ``mask``, 0 where it is
+    nonzero and -100 elsewhere; with neither, 0 everywhere (the divergence reads no label values).
 
     Raises:
-        TypeError: a non-tensor, or a non-floating tensor.
-        ValueError: shapes that do not fit or tensors on different devices.
-    """
-    for part, tensor in (("hidden", hidden), ("weight", weight), ("bias", bias)):
-        if tensor is None and part == "bias":
-            continue
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name}_{part} must be a torch.Tensor, got {type(tensor).__name__}")
-        if not tensor.is_floating_point():
-            raise TypeError(f"{name}_{part} must be floating point, got {tensor.dtype}")
-    if weight.dim() != 2:
-        raise ValueError(f"{name}_weight must be [V, H] (the {name}'s lm_head.weight), got shape {tuple(weight.shape)}")
-    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"{name}_hidden must be [..., H] with H = {name}_weight.shape[1] = {weight.shape[1]}, got shape "
-            f"{tuple(hidden.shape)}"
-        )
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"{name}_bias must be [V] = [{weight.shape[0]}], got shape {tuple(bias.shape)}")
-    devices = {t.device for t in (hidden, weight, bias) if t is not None}
-    if len(devices) > 1:
-        raise ValueError(
-            f"{name}_hidden, {name}_weight and {name}_bias must be on one device, got "
-            f"{hidden.device}, {weight.device}{'' if bias is None else ', ' + str(bias.device)}; the student and the "
-            "teacher may each sit on their own device"
-        )
-
-
-def _kept_rows(mask, labels, ignore_index: int, batch_shape: torch.Size, device: torch.device) -> torch.Tensor:
-    """The flat indices of the kept tokens, int64 ascending on ``device``: ``mask != 0``, else
-    ``labels != ignore_index``, else every token.
-
-    Raises:
-        ValueError: both given, a shape other than ``batch_shape``, or another device.
-        TypeError: a non-tensor, or labels that are not integers.
+        ValueError: both given; a mask not shaped like the hidden states' leading dims or on another device.
+        TypeError: a mask that is not a tensor.
     """
     if mask is not None and labels is not None:
         raise ValueError("pass mask or labels (with ignore_index), not both")
-    given = mask if mask is not None else labels
-    if given is None:
-        return torch.arange(math.prod(batch_shape), device=device)
-    name = "mask" if mask is not None else "labels"
-    if not isinstance(given, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor shaped like the hidden states' leading dims, got "
-                        f"{type(given).__name__}")
-    if labels is not None and (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool):
-        raise TypeError(f"labels must be an integer tensor (ignore_index marks ignored tokens), got {labels.dtype}")
-    if given.shape != batch_shape or given.device != device:
+    if labels is not None:
+        return labels, ignore_index
+    if not isinstance(student_hidden, torch.Tensor):  # prepare says so
+        return torch.zeros((), dtype=torch.long), -100
+    batch_shape, device = student_hidden.shape[:-1], student_hidden.device
+    if mask is None:
+        return torch.zeros(batch_shape, dtype=torch.long, device=device), -100
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor shaped like the hidden states' leading dims, got "
+                        f"{type(mask).__name__}")
+    if mask.shape != batch_shape or mask.device != device:
         raise ValueError(
-            f"{name} must have the hidden states' leading shape {tuple(batch_shape)} on the student's device "
-            f"{device}, got {tuple(given.shape)} on {given.device}"
+            f"mask must have student_hidden's leading shape {tuple(batch_shape)} on its device {device}, got "
+            f"{tuple(mask.shape)} on {mask.device}"
         )
-    kept = given.reshape(-1) != 0 if mask is not None else given.reshape(-1) != ignore_index
-    return kept.nonzero().squeeze(1)
+    return torch.where(mask != 0, 0, -100), -100
 
 
 def _check_beta(beta) -> float:
@@ -386,8 +338,9 @@ def linear_distillation_loss(
         student_bias, teacher_bias: optional ``[V]`` lm_head biases on their model's device.
         mask: optional ``[...]`` tensor shaped like the leading dims (TRL's ``completion_mask``): tokens where it is
             nonzero count; values are not weights.
-        labels, ignore_index: instead of ``mask``: tokens whose label is ``ignore_index`` are ignored (the label
-            values themselves are not used). With neither, every token counts.
+        labels, ignore_index: instead of ``mask``: ``[...]`` token ids in ``[0, V)`` or ``ignore_index``, on the
+            student's device; tokens labelled ``ignore_index`` are ignored (the ids themselves are not used). With
+            neither, every token counts.
         beta: in ``[0, 1]``, above (TRL's ``DistillationConfig.beta``, default 1.0).
         temperature: ``> 0``, applied to both models after their scale and soft-cap.
         student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap: each model's logit transform
@@ -417,13 +370,16 @@ def linear_distillation_loss(
     its device exactly as its ``F.linear`` (lm_head call) would cast them, and forward and backward both compute
     from those operands with autocast off, accumulating in fp32; the logits stay fp32 (never rounded to bf16).
 
+    Each model's inputs go through :func:`~hf_fused.ops.prepare.prepare` (one host sync each).
+
     Raises:
         ValueError: different vocabularies, leading shapes (token counts) that differ between the models, ``beta``
-            outside ``[0, 1]``, ``temperature`` not > 0, invalid scale/soft-cap, unknown ``reduction``,
-            ``num_items_in_batch`` with ``"none"`` or not one finite number > 0, ``mask`` and ``labels`` both given
-            or not shaped like the leading dims on the student's device, bad shapes, a model's tensors on several
-            devices, a bad ``tile_budget_bytes`` or ``backend``.
-        TypeError: non-tensor or non-floating inputs, non-integer labels.
+            outside ``[0, 1]``, ``temperature`` not > 0, unknown ``reduction``, ``num_items_in_batch`` with
+            ``"none"``, ``mask`` and ``labels`` both given, a mask not shaped like the leading dims on the student's
+            device; and :func:`~hf_fused.ops.prepare.prepare`'s errors for either model, prefixed ``"student: "`` or
+            ``"teacher: "`` (bad shapes, a model's tensors on several devices or on the meta device, labels out of
+            range, invalid scale/soft-cap, a bad ``num_items_in_batch``, ``tile_budget_bytes`` or ``backend``).
+        TypeError: non-tensor or non-floating inputs, non-integer labels (prefixed likewise).
         RuntimeError: in backward, for second-order gradients (``create_graph=True``), or a second backward of a
             ``"mean"``/``"sum"`` call.
     """
@@ -432,45 +388,43 @@ def linear_distillation_loss(
     if reduction == "none" and num_items_in_batch is not None:
         raise ValueError("num_items_in_batch applies to reduction='mean' or 'sum', not 'none'")
     beta, temperature = _check_beta(beta), _check_temperature(temperature)
-    _check_head("student", student_hidden, student_weight, student_bias)
-    _check_head("teacher", teacher_hidden, teacher_weight, teacher_bias)
-    vocab_size = student_weight.shape[0]
-    if teacher_weight.shape[0] != vocab_size:
-        raise ValueError(
-            f"the student and the teacher must share one vocabulary: student_weight has {vocab_size} rows, "
-            f"teacher_weight {teacher_weight.shape[0]}; if the extra rows of the larger head are padding beyond the "
-            "tokenizer's vocabulary, pass that head's first rows (weight[:V], bias[:V])"
-        )
-    batch_shape = student_hidden.shape[:-1]
-    if teacher_hidden.shape[:-1] != batch_shape:
+    token_labels, ignore_index = _token_labels(mask, labels, ignore_index, student_hidden)
+    student = _prepare("student", student_hidden, student_weight, token_labels, student_bias,
+                       ignore_index=ignore_index, temperature=temperature, softcap=student_softcap,
+                       logit_scale=student_logit_scale, tile_budget_bytes=tile_budget_bytes, backend=backend,
+                       num_items_in_batch=num_items_in_batch)
+    batch_shape = student.batch_shape
+    if isinstance(teacher_hidden, torch.Tensor) and teacher_hidden.shape[:-1] != batch_shape:
         raise ValueError(
             f"teacher_hidden must have student_hidden's leading shape {tuple(batch_shape)} (one row per token of "
             f"both models), got {tuple(teacher_hidden.shape[:-1])}"
         )
-    student_transform = LogitTransform(student_logit_scale, student_softcap, temperature)
-    teacher_transform = LogitTransform(teacher_logit_scale, teacher_softcap, temperature)
-    tile_budget_bytes = validate_tile_budget(tile_budget_bytes)
-    device = student_hidden.device
-    chosen = get_backend(device, backend)
-    rows = _kept_rows(mask, labels, ignore_index, batch_shape, device)
-    n_valid = rows.numel()
+    if isinstance(teacher_weight, torch.Tensor) and teacher_weight.dim() == 2:
+        if teacher_weight.shape[0] != student_weight.shape[0]:
+            raise ValueError(
+                f"the student and the teacher must share one vocabulary: student_weight has "
+                f"{student_weight.shape[0]} rows, teacher_weight {teacher_weight.shape[0]}; if the extra rows of the "
+                "larger head are padding beyond the tokenizer's vocabulary, pass that head's first rows (weight[:V], "
+                "bias[:V])"
+            )
+    detached = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
+    teacher_device = getattr(teacher_hidden, "device", None)
+    # backend "torch": the teacher's head is only read here, whatever backend computes the student's
+    teacher = _prepare("teacher", detached(teacher_hidden), detached(teacher_weight),
+                       token_labels.to(teacher_device) if teacher_device is not None else token_labels,
+                       detached(teacher_bias), ignore_index=ignore_index, temperature=temperature,
+                       softcap=teacher_softcap, logit_scale=teacher_logit_scale,
+                       tile_budget_bytes=tile_budget_bytes, backend="torch")
+    n_valid = student.rows.numel()
     grad_scale: Union[float, torch.Tensor] = 1.0
-    if num_items_in_batch is not None:
-        items = check_num_items(num_items_in_batch)
-        if isinstance(items, torch.Tensor):
-            grad_scale = 1.0 / items.to(device=device, dtype=torch.float32)
-        else:
-            grad_scale = 1.0 / items
+    items = student.num_items_in_batch
+    if items is not None:
+        grad_scale = 1.0 / (items.to(student.head.hidden.device, torch.float32) if isinstance(items, torch.Tensor)
+                            else items)
     elif reduction == "mean":
         grad_scale = 1.0 / max(n_valid, 1)
-    student = DistillationHead(student_hidden.reshape(-1, student_hidden.shape[-1]), student_weight, student_bias,
-                               student_transform, autocast_dtype(device.type))
-    teacher = DistillationHead(teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]), teacher_weight.detach(),
-                               None if teacher_bias is None else teacher_bias.detach(), teacher_transform,
-                               autocast_dtype(teacher_hidden.device.type))
-    call = _DistillationCall(student, teacher, rows, beta, tile_budget_bytes, chosen, reduction == "none", grad_scale,
-                             torch.is_grad_enabled())
-    loss, divergence, entropy = LinearDistillationFunction.apply(student.hidden, student_weight, student_bias, call)
+    call = _DistillationCall(student, teacher.head, beta, reduction == "none", grad_scale)
+    loss, divergence, entropy = student.apply(LinearDistillationFunction, call)
     if reduction == "none":
-        loss = loss.view(batch_shape)
-    return DistillationOutput(loss, divergence.view(batch_shape), entropy.view(batch_shape))
+        loss = student.shaped(loss)
+    return DistillationOutput(loss, student.shaped(divergence), student.shaped(entropy))

@@ -212,6 +212,10 @@ def test_labels_with_ignore_index_and_three_dim_inputs():
     by_mask = linear_distillation_loss(student[0], student[1], teacher[0], teacher[1], student_bias=student[2],
                                        teacher_bias=teacher[2], mask=mask, beta=0.0)
     assert torch.equal(ours.loss, by_mask.loss) and torch.equal(ours.divergence, by_mask.divergence)
+    # a mask keeps its tokens whatever ignore_index says (it applies to labels only)
+    mask_any_index = linear_distillation_loss(student[0], student[1], teacher[0], teacher[1], student_bias=student[2],
+                                              teacher_bias=teacher[2], mask=mask.bool(), ignore_index=0, beta=0.0)
+    assert torch.equal(mask_any_index.divergence, by_mask.divergence)
     flat = linear_distillation_loss(student[0].reshape(10, H_S), student[1], teacher[0].reshape(10, H_T),
                                     teacher[1], student_bias=student[2], teacher_bias=teacher[2],
                                     mask=mask.reshape(10), beta=0.0)
@@ -434,25 +438,28 @@ def _call(**changes):
 @pytest.mark.parametrize("changes,error,match", [
     (dict(teacher_weight=torch.randn(V + 3, H_T)), ValueError, "share one vocabulary"),
     (dict(teacher_hidden=torch.randn(3, 6, H_T)), ValueError, "leading shape"),
-    (dict(teacher_hidden=torch.randn(3, 7, H_T + 1)), ValueError, "teacher_hidden must be"),
-    (dict(student_weight=torch.randn(V, H_S + 1)), ValueError, "student_hidden must be"),
+    (dict(teacher_hidden=torch.randn(3, 7, H_T + 1)), ValueError, "teacher: hidden must be"),
+    (dict(student_weight=torch.randn(V, H_S + 1)), ValueError, "student: hidden must be"),
     (dict(beta=1.5), ValueError, "beta must be"),
     (dict(beta=-0.1), ValueError, "beta must be"),
     (dict(beta=float("nan")), ValueError, "beta must be"),
     (dict(temperature=0.0), ValueError, "temperature"),
     (dict(temperature=-1.0), ValueError, "temperature"),
-    (dict(student_softcap=0.0), ValueError, "softcap"),
+    (dict(student_softcap=0.0), ValueError, "student: softcap"),
+    (dict(teacher_logit_scale=float("inf")), ValueError, "teacher: logit_scale"),
     (dict(reduction="batchmean"), ValueError, "reduction"),
     (dict(reduction="none", num_items_in_batch=4), ValueError, "num_items_in_batch"),
-    (dict(num_items_in_batch=0), ValueError, "num_items_in_batch"),
+    (dict(num_items_in_batch=0), ValueError, "student: num_items_in_batch"),
     (dict(labels=torch.zeros(3, 7, dtype=torch.long)), ValueError, "not both"),
     (dict(mask=torch.ones(3, 6)), ValueError, "mask must have"),
-    (dict(mask=None, labels=torch.zeros(3, 7)), TypeError, "labels must be an integer"),
-    (dict(teacher_hidden=torch.zeros(3, 7, H_T, dtype=torch.long)), TypeError, "floating point"),
-    (dict(student_bias=torch.zeros(V + 1)), ValueError, "student_bias must be"),
-    (dict(teacher_bias=torch.zeros(V, device="meta")), ValueError, "one device"),
-    (dict(tile_budget_bytes=0), ValueError, "tile_budget_bytes"),
-    (dict(backend="no-such-backend"), ValueError, "unknown hf_fused backend"),
+    (dict(mask=None, labels=torch.zeros(3, 7)), TypeError, "student: labels must be an integer"),
+    (dict(mask=None, labels=torch.full((3, 7), V)), ValueError, "student: labels contain"),
+    (dict(teacher_hidden=torch.zeros(3, 7, H_T, dtype=torch.long)), TypeError, "teacher: .*floating point"),
+    (dict(student_hidden="hidden"), TypeError, "student: hidden must be a torch.Tensor"),
+    (dict(student_bias=torch.zeros(V + 1)), ValueError, "student: bias must be"),
+    (dict(teacher_bias=torch.zeros(V, device="meta")), ValueError, "teacher: .*device"),
+    (dict(tile_budget_bytes=0), ValueError, "student: tile_budget_bytes"),
+    (dict(backend="no-such-backend"), ValueError, "student: unknown hf_fused backend"),
 ])
 def test_bad_inputs_raise_clear_errors(changes, error, match):
     with pytest.raises(error, match=match):
