@@ -1,4 +1,4 @@
-"""Command line: ``python -m benchmarks [--device cuda] [--quick] [--shapes ...] [--peers ...] --out DIR``."""
+"""Command line of the ops benchmark: ``python -m benchmarks --help``."""
 
 from __future__ import annotations
 
@@ -10,37 +10,30 @@ from typing import Optional
 import torch
 
 from .peers import ALL_PEERS, DEFAULT_PEERS, select_peers
-from .problems import FULL_PROBLEMS, PROBLEM_GROUPS, QUICK_PROBLEMS, select_problems
+from .problems import KINDS, PROBLEM_GROUPS, all_problems, select_problems
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _all_problems(quick: bool) -> list:
-    extra = [p for full, small in PROBLEM_GROUPS.values() for p in (small if quick else full)]
-    return (QUICK_PROBLEMS if quick else FULL_PROBLEMS) + extra
-
-
 def build_parser() -> argparse.ArgumentParser:
-    groups = ", ".join(PROBLEM_GROUPS)
-    shapes = ", ".join(p.name for p in _all_problems(quick=False))
-    quick = ", ".join(p.name for p in _all_problems(quick=True))
-    peers = ", ".join(f"{p.key} ({p.label})" for p in ALL_PEERS)
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
-        description="Fused lm_head cross-entropy / GRPO losses vs eager PyTorch, Liger, Apple CCE, TRL and torch: "
-        "median fwd+bwd time, peak memory above inputs+grads, TFLOP/s vs the matmul ceiling, and loss/gradient "
-        "error against a float64 reference. Writes DIR/bench.json, bench.txt and bench.png.",
-        epilog=f"shapes: {shapes} (kinds: ce, grpo; groups: {groups}); with --quick: {quick}. peers: {peers}. "
-        f"Default peers: {', '.join(DEFAULT_PEERS)}.",
+        description="hf_fused's lm_head losses side by side with every peer (eager PyTorch, TRL's heads, Liger, "
+        "Apple CCE, QuACK, torch): median forward+backward time, peak memory above inputs+gradients, TFLOP/s "
+        "(and the fraction of a measured matmul ceiling on CUDA) and the loss/gradient error against a float64 "
+        "reference, for cross-entropy, GRPO and distillation problems. Writes DIR/bench.json, bench.txt, bench.png.",
+        epilog=f"shapes: {', '.join(p.name for p in all_problems(quick=False))} (kinds: {', '.join(KINDS)}; groups: "
+        f"{', '.join(PROBLEM_GROUPS)}); --list shows them with --quick's. Default peers: {', '.join(DEFAULT_PEERS)}.",
     )
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory (default: bench_out)")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke test)")
     parser.add_argument("--shapes", default=None,
-                        help="comma-separated shape names, kinds (ce, grpo) or groups (grpo-loss-types, grpo-offpolicy-kl, grpo-loss-types-offpolicy-kl); "
-                        "default ce and grpo")
+                        help=f"comma-separated shape names, kinds ({', '.join(KINDS)}) or groups "
+                             f"({', '.join(PROBLEM_GROUPS)}); default: every kind's shapes")
     parser.add_argument("--peers", default=None,
-                        help="comma-separated peer keys, or 'all' (adds cce_exact and hf_fused_lean_cublas)")
+                        help="comma-separated peer keys, hf_fused_<n>mib / hf_fused_<n>gib (hf_fused at that "
+                             "tile_budget_bytes), or 'all'")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per pair (median; default 5)")
     parser.add_argument("--hf-backend", default=None, help="force an hf_fused backend (e.g. torch, triton)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -56,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--matmul-n", type=int, default=None,
                         help="size of the ceiling matmul (default 8192, 256 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--list", action="store_true", help="list shapes and peers and exit")
     return parser
 
@@ -66,10 +59,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.list:
-        for p in _all_problems(args.quick):
-            print(f"shape {p.name:32s} {p.describe()}")
+        shapes = all_problems(args.quick)
+        width = max(len(p.name) for p in shapes)
+        for p in shapes:
+            print(f"shape {p.name:{width}s}  {p.describe()}")
         for cls in ALL_PEERS:
-            print(f"peer  {cls.key:32s} {cls.label}{'' if cls.key in DEFAULT_PEERS else ' (not default)'}")
+            print(f"peer  {cls.key:{width}s}  {cls.label}{'' if cls.key in DEFAULT_PEERS else ' (on request)'}")
         return 0
     try:
         problems = select_problems(args.shapes, args.quick)
@@ -87,13 +82,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     cfg = RunConfig(
-        device=device, dtype=dtype, problems=problems, peers=peers, repeats=args.repeats,
-        out_dir=args.out, reference=not args.no_reference, resume=args.resume, seed=args.seed,
+        device=device, dtype=dtype, problems=problems, peers=peers, repeats=args.repeats, out_dir=args.out,
+        reference=not args.no_reference, resume=args.resume, seed=args.seed,
         matmul_n=args.matmul_n or (256 if args.quick else 8192), progress=not args.no_progress, argv=argv,
         autocast=DTYPES[args.autocast] if args.autocast else None,
     )
-    doc = run(cfg)
-    publish(doc, args.out)
+    publish(run(cfg), args.out)
     return 0
 
 

@@ -1,16 +1,18 @@
-"""One adapter per peer, all with the same interface.
+"""One adapter per implementation, all with the same interface.
 
-An adapter turns a problem's :class:`~benchmarks.problems.Inputs` into the scalar loss to call
-``backward()`` on, the way that peer is meant to be used:
+An adapter turns a problem's :class:`~benchmarks.problems.Inputs` into the scalar loss to call ``backward()`` on,
+the way that implementation is meant to be used:
 
-* ``ce_loss(inputs)``: mean cross-entropy over the non-ignored tokens;
-* ``grpo(inputs)``: ``(loss, logps [B, T] or None, entropy [B, T] or None)``; by default the peer's
-  per-token log-probs (``logprobs``) feed the shared :func:`~benchmarks.problems.problem_loss` (TRL's loss,
-  on- or off-policy with its KL term, as the problem says).
+* ``ce_loss(inputs)``: mean cross-entropy over the kept tokens;
+* ``grpo(inputs)``: ``(loss, logps [B, T] or None, entropy [B, T] or None)``; by default the peer's per-token
+  log-probs (``logprobs``) feed the shared :func:`~benchmarks.losses.grpo_loss` (TRL's loss, on- or off-policy
+  with its KL term, as the problem says);
+* ``distill(inputs)``: the mean divergence over the kept tokens (TRL's ``DistillationTrainer`` loss).
 
-``load()`` imports the peer (``ImportError`` → the run records it as skipped); ``unsupported(kind,
-device)`` returns why a problem kind or device is out of the peer's reach and ``unsupported_problem(problem)``
-why one problem variant is (e.g. off-policy for a loss that assumes ratio 1), both recorded as ``n/a``.
+``load()`` imports the peer (any exception: the run records it as ``skipped``); ``unavailable(kind)`` says why an
+installed peer lacks a kind's entry point in this version (also ``skipped``); ``unsupported(kind, device)`` and
+``unsupported_problem(problem)`` why a kind, device or problem variant is out of the peer's reach (``n/a``).
+Every hf_fused name used here is public (``hf_fused.ops``).
 """
 
 from __future__ import annotations
@@ -18,18 +20,30 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.metadata
+import os
+import re
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .problems import (
-    CISPO_EPSILON_HIGH, EPSILON_HIGH, EPSILON_LOW, IGNORE_INDEX, Inputs, Problem, loss_value_at_ratio_one,
-    normalizer_weights, problem_loss, token_weights_at_ratio_one, trl_per_token_loss,
+from .losses import (
+    CISPO_EPSILON_HIGH, EPSILON_HIGH, EPSILON_LOW, IGNORE_INDEX, distillation_divergence, grpo_loss,
+    normalizer_weights, token_weights_at_ratio_one, trl_per_token_loss,
 )
+from .problems import Inputs, Problem
 
-#: ``hf_fused (32 MiB tiles)``: the smaller tile budget variant.
-SMALL_TILE_BUDGET = 32 * 1024**2
+
+def problem_loss(logps: torch.Tensor, inp: Inputs) -> torch.Tensor:
+    """The GRPO problem's loss on ``[B, T]`` log-probs (:func:`~benchmarks.losses.grpo_loss` with its constants)."""
+    return grpo_loss(logps, inp.mask, inp.advantages, inp.loss_type, inp.old_logps, inp.ref_logps, inp.beta)
+
+
+def _triton_reason(device: torch.device) -> Optional[str]:
+    """Why a Triton-only peer cannot run on ``device`` (``None``: it can; on CPU under Triton's interpreter)."""
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return "needs a CUDA device (or TRITON_INTERPRET=1 on CPU)"
 
 
 class Peer:
@@ -46,16 +60,18 @@ class Peer:
         """Import what the peer needs. Raises ImportError when it is not installed."""
 
     def version(self) -> Optional[str]:
-        if self.dist is None:
-            return None
         try:
-            return importlib.metadata.version(self.dist)
+            return importlib.metadata.version(self.dist) if self.dist else None
         except importlib.metadata.PackageNotFoundError:
             return None
 
     def describe(self) -> str:
         """The exact call benchmarked (goes into the JSON)."""
         return ""
+
+    def unavailable(self, kind: str) -> Optional[str]:
+        """Why this installed peer has no entry point for ``kind`` in its version (recorded as ``skipped``)."""
+        return None
 
     def unsupported(self, kind: str, device: torch.device) -> Optional[str]:
         if self.needs_cuda and device.type != "cuda":
@@ -64,6 +80,8 @@ class Peer:
             return "no cross-entropy entry point"
         if kind == "grpo" and type(self).grpo is Peer.grpo and type(self).logprobs is Peer.logprobs:
             return "no per-token log-probs"
+        if kind == "distill" and type(self).distill is Peer.distill:
+            return "no distillation entry point"
         return None
 
     def unsupported_problem(self, problem: Problem) -> Optional[str]:
@@ -84,9 +102,16 @@ class Peer:
         logps, entropy = self.logprobs(inp)
         return problem_loss(logps, inp), logps, entropy
 
+    def distill(self, inp: Inputs) -> torch.Tensor:
+        raise NotImplementedError
+
 
 def _flat(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     return inp.hidden.reshape(-1, inp.hidden.shape[-1]), inp.labels.reshape(-1)
+
+
+def _mean_over(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return per_token.sum() / mask.sum().clamp(min=1)
 
 
 class EagerPeer(Peer):
@@ -95,7 +120,8 @@ class EagerPeer(Peer):
 
     def describe(self):
         return ("ce: F.cross_entropy((hidden @ weight.T).float(), labels); grpo: (hidden @ weight.T).float() "
-                "→ log_softmax → gather, entropy under no_grad in 128-row chunks (TRL entropy_from_logits)")
+                "→ log_softmax → gather, entropy under no_grad in 128-row chunks (TRL entropy_from_logits); distill: "
+                "both models' (hidden @ weight.T).float() → benchmarks.losses.distillation_divergence, masked mean")
 
     def ce_loss(self, inp):
         hidden, labels = _flat(inp)
@@ -108,13 +134,19 @@ class EagerPeer(Peer):
         entropy = None
         if self.with_entropy:
             with torch.no_grad():
-                flat = logits.view(-1, logits.shape[-1])
                 chunks = []
-                for chunk in flat.split(128):
+                for chunk in logits.view(-1, logits.shape[-1]).split(128):
                     lse = torch.logsumexp(chunk, dim=-1)
                     chunks.append(lse - (torch.softmax(chunk, dim=-1) * chunk).sum(-1))
                 entropy = torch.cat(chunks).view(logps.shape)
         return logps, entropy
+
+    def distill(self, inp):
+        with torch.no_grad():
+            teacher = (inp.teacher_hidden @ inp.teacher_weight.t()).float()
+        student = (inp.hidden @ inp.weight.t()).float()
+        per_token = distillation_divergence(student, teacher, inp.divergence_beta, inp.temperature)
+        return _mean_over(per_token * inp.mask, inp.mask)
 
 
 class LigerPeer(Peer):
@@ -141,10 +173,10 @@ class LigerPeer(Peer):
 
 
 class LigerGRPOPeer(Peer):
-    """Liger's whole GRPO loss in one call. Checked against :func:`~benchmarks.problems.grpo_loss` with
-    liger-kernel 0.8.5 on CPU (uncompiled, fp32, the ``--quick`` GRPO shape): loss and head gradients within 2e-6
-    of the float64 reference for dapo, grpo, bnpo, dr_grpo, cispo and sapo, on-policy and off-policy with the KL
-    term (``use_bias_correction_kl=True``); its luspo differs (:meth:`unsupported_problem`)."""
+    """Liger's whole GRPO loss in one call. Checked against :func:`~benchmarks.losses.grpo_loss` with liger-kernel
+    0.8.5 on CPU (uncompiled, fp32, the ``--quick`` GRPO shape): loss and head gradients within 2e-6 of the float64
+    reference for dapo, grpo, bnpo, dr_grpo, cispo and sapo, on-policy and off-policy with the KL term
+    (``use_bias_correction_kl=True``); its luspo differs (:meth:`unsupported_problem`)."""
 
     key, label, dist = "liger_grpo", "Liger GRPO loss", "liger-kernel"
     needs_cuda = True
@@ -161,9 +193,8 @@ class LigerGRPOPeer(Peer):
         return ("liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss(beta=0, use_ref_model=False, loss_type=<the "
                 "problem's>, max_completion_length=T, epsilon_low=0.2, epsilon_high=0.28 (5.0 for cispo), "
                 "compiled=True, chunk_size=1)(hidden[B,T,H], weight, ids, mask, advantages): the whole loss in one "
-                "call (TRL's use_liger_kernel path before TRL 1.16); no log-probs out. Off-policy KL problems: "
-                "beta=0.04, use_ref_model=True, use_bias_correction_kl=True, old_per_token_logps= / "
-                "ref_per_token_logps= the problem's")
+                "call; no log-probs out. Off-policy KL problems: beta=0.04, use_ref_model=True, "
+                "use_bias_correction_kl=True, old_per_token_logps= / ref_per_token_logps= the problem's")
 
     def unsupported_problem(self, problem):
         options = getattr(self, "_options", frozenset())  # load() runs first in the runner
@@ -205,6 +236,33 @@ class LigerGRPOPeer(Peer):
         return loss, None, None
 
 
+class LigerJSDPeer(Peer):
+    """Liger's fused linear generalized JSD: the student's gradients in the forward, in torch elementwise code over
+    fp32 ``[chunk, V]`` buffers. Its β is TRL's (0 forward KL, 1 reverse KL, mixture ``β·p_t + (1 − β)·p_s``) and it
+    takes the mean over the tokens whose label is not ``ignore_index``: the masked tokens get -100, the others any
+    id. Checked against :func:`~benchmarks.losses.distillation_divergence` in float64 on CPU under Triton's
+    interpreter (``tests/benchmarks``)."""
+
+    key, label, dist = "liger_jsd", "Liger FusedLinearJSD", "liger-kernel"
+
+    def load(self):
+        from liger_kernel.transformers import LigerFusedLinearJSD
+
+        self._cls = LigerFusedLinearJSD
+
+    def describe(self):
+        return ("liger_kernel.transformers.LigerFusedLinearJSD(jsd_beta=β, temperature=T)(hidden, weight, "
+                "teacher_hidden, teacher_weight, where(mask, 0, -100)); default accum_dtype (weight grad in bf16)")
+
+    def unsupported(self, kind, device):
+        return _triton_reason(device) or super().unsupported(kind, device)
+
+    def distill(self, inp):
+        labels = torch.where(inp.mask, 0, IGNORE_INDEX)
+        fn = self._cls(jsd_beta=inp.divergence_beta, ignore_index=IGNORE_INDEX, temperature=inp.temperature)
+        return fn(inp.hidden, inp.weight, inp.teacher_hidden, inp.teacher_weight, labels)
+
+
 class CCEPeer(Peer):
     key, label, dist = "cce", "Apple CCE", "cut-cross-entropy"
     needs_cuda = True
@@ -223,17 +281,20 @@ class CCEPeer(Peer):
         return self._fn(inp.hidden, inp.weight, inp.labels, ignore_index=IGNORE_INDEX, filter_eps=self.filter_eps)
 
     def logprobs(self, inp):
-        per_token = self._fn(
-            inp.hidden, inp.weight, inp.labels, ignore_index=IGNORE_INDEX, reduction="none",
-            filter_eps=self.filter_eps,
-        )
+        per_token = self._fn(inp.hidden, inp.weight, inp.labels, ignore_index=IGNORE_INDEX, reduction="none",
+                             filter_eps=self.filter_eps)
         return -per_token.float(), None
 
 
+class CCEExactPeer(CCEPeer):
+    """CCE without its gradient filter (which skips vocabulary blocks of small probability in backward)."""
+
+    key, label = "cce_exact", "Apple CCE (no grad filter)"
+    filter_eps = None
+
+
 class QuackPeer(Peer):
-    """QuACK's chunked linear cross-entropy (cross-entropy only: it has no per-token log-prob entry point).
-    One pass with an fp32 weight-gradient accumulator; on Hopper in bf16 its scaled-exp pipeline computes the
-    softmax exponent in the logits GEMM's epilogue."""
+    """QuACK's chunked linear cross-entropy (cross-entropy only: it has no per-token log-prob entry point)."""
 
     key, label, dist = "quack", "QuACK", "quack-kernels"
     needs_cuda = True
@@ -258,11 +319,6 @@ class QuackPeer(Peer):
                         ignore_index=IGNORE_INDEX, reduction="mean")
 
 
-class CCEExactPeer(CCEPeer):
-    key, label = "cce_exact", "Apple CCE (no grad filter)"
-    filter_eps = None
-
-
 class TRLPeer(Peer):
     key, label, dist = "trl", "TRL ChunkedLogProb", "trl"
     has_entropy = True
@@ -278,14 +334,13 @@ class TRLPeer(Peer):
 
     def describe(self):
         return (f"trl.kernels.chunked_logprob.ChunkedLogProbFunction.apply(hidden[mask], weight, None, labels[mask], "
-                f"1.0, {getattr(self, '_chunk', 32768)}, None, 1.0, outputs) on the non-ignored rows, as TRL does on "
+                f"1.0, {getattr(self, '_chunk', 32768)}, None, 1.0, outputs) on the kept rows, as TRL does on "
                 "CUDA; ce loss = -mean(logp); grpo outputs=('entropy',)")
 
     def _apply(self, inp, outputs):
         mask = inp.labels != IGNORE_INDEX
-        return mask, self._fn.apply(
-            inp.hidden[mask], inp.weight, None, inp.labels[mask], 1.0, self._chunk, None, 1.0, outputs
-        )
+        return mask, self._fn.apply(inp.hidden[mask], inp.weight, None, inp.labels[mask], 1.0, self._chunk, None, 1.0,
+                                    outputs)
 
     def ce_loss(self, inp):
         mask, (logps, *_) = self._apply(inp, ())
@@ -297,6 +352,31 @@ class TRLPeer(Peer):
         if entropy is not None:
             entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
         return full, entropy
+
+
+class TRLDivergencePeer(Peer):
+    """TRL 1.16's distillation head: what ``DistillationTrainer._chunked_divergence_loss`` calls on CUDA, the kept
+    rows of both models through ``ChunkedDivergenceFunction`` (two passes over the vocabulary for the JSD, both
+    models' logits recomputed in backward), then the sum of the per-token divergence over the kept count."""
+
+    key, label, dist = "trl_divergence", "TRL ChunkedDivergence", "trl"
+
+    def load(self):
+        from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+        self._fn = ChunkedDivergenceFunction
+
+    def describe(self):
+        return ("trl.kernels.chunked_divergence.ChunkedDivergenceFunction.apply(hidden[mask], weight, None, "
+                "teacher_hidden[mask], teacher_weight, None, β, T, 1.0, None, 1.0, None); loss = divergence.sum() / "
+                "n_kept (DistillationTrainer._chunked_divergence_loss)")
+
+    def distill(self, inp):
+        mask = inp.mask
+        divergence, _entropy = self._fn.apply(inp.hidden[mask], inp.weight, None, inp.teacher_hidden[mask],
+                                              inp.teacher_weight, None, inp.divergence_beta, inp.temperature, 1.0,
+                                              None, 1.0, None)
+        return divergence.sum() / mask.sum().clamp(min=1)
 
 
 class TorchPeer(Peer):
@@ -314,10 +394,8 @@ class TorchPeer(Peer):
 
     def _call(self, inp, reduction):
         hidden, labels = _flat(inp)
-        return F.linear_cross_entropy(
-            hidden, inp.weight, labels, reduction=reduction, ignore_index=IGNORE_INDEX,
-            options=torch.nn.LinearCrossEntropyOptions(),
-        )
+        return F.linear_cross_entropy(hidden, inp.weight, labels, reduction=reduction, ignore_index=IGNORE_INDEX,
+                                      options=torch.nn.LinearCrossEntropyOptions())
 
     def ce_loss(self, inp):
         return self._call(inp, "mean")
@@ -327,6 +405,12 @@ class TorchPeer(Peer):
 
 
 class HFFusedPeer(Peer):
+    """hf_fused's ops with their defaults (``tile_budget_bytes`` the class's, ``None`` here: the planner's rule).
+
+    Distillation goes through ``hf_fused.ops.linear_distillation_loss(hidden, weight, teacher_hidden,
+    teacher_weight, mask=mask, beta=β, temperature=T)`` where this hf_fused exports it (else the problem is recorded
+    as skipped with that reason)."""
+
     key, label, dist = "hf_fused", "hf_fused", "hf_fused"
     has_entropy = True
     tile_budget_bytes: Optional[int] = None
@@ -336,177 +420,72 @@ class HFFusedPeer(Peer):
         self.backend = backend
 
     def load(self):
-        from hf_fused.ops import linear_cross_entropy, linear_logprobs
+        import hf_fused.ops as ops
 
-        self._ce, self._lp = linear_cross_entropy, linear_logprobs
+        self._ce, self._lp = ops.linear_cross_entropy, ops.linear_logprobs
+        self._distill = getattr(ops, "linear_distillation_loss", None)
 
     def backend_name(self, device: torch.device) -> str:
         from hf_fused.ops import get_backend
 
-        return getattr(get_backend(device, self.backend), "name", type(get_backend(device, self.backend)).__name__)
+        backend = get_backend(device, self.backend)
+        return getattr(backend, "name", type(backend).__name__)
 
     def describe(self):
-        return (f"hf_fused.ops.linear_cross_entropy / linear_logprobs(return_entropy=True)(hidden, weight, labels, "
-                f"tile_budget_bytes={self.tile_budget_bytes}, backend={self.backend!r})")
+        return (f"hf_fused.ops.linear_cross_entropy / linear_logprobs(return_entropy=True) / linear_distillation_loss"
+                f"(..., tile_budget_bytes={self.tile_budget_bytes}, backend={self.backend!r})")
 
-    def budget(self, inp) -> Optional[int]:
-        """The ``tile_budget_bytes`` of a call on ``inp`` (the class's, unless a subclass sizes it to the shape)."""
-        return self.tile_budget_bytes
+    def unavailable(self, kind):
+        if kind == "distill" and getattr(self, "_distill", None) is None:
+            return "this hf_fused has no hf_fused.ops.linear_distillation_loss (no fused distillation op yet)"
+        return None
 
     def ce_loss(self, inp):
-        return self._ce(inp.hidden, inp.weight, inp.labels, tile_budget_bytes=self.budget(inp), backend=self.backend)
+        return self._ce(inp.hidden, inp.weight, inp.labels, tile_budget_bytes=self.tile_budget_bytes,
+                        backend=self.backend)
 
     def logprobs(self, inp):
-        return self._lp(
-            inp.hidden, inp.weight, inp.labels, return_entropy=self.with_entropy,
-            tile_budget_bytes=self.budget(inp), backend=self.backend,
-        )
+        return self._lp(inp.hidden, inp.weight, inp.labels, return_entropy=self.with_entropy,
+                        tile_budget_bytes=self.tile_budget_bytes, backend=self.backend)
 
-
-class HFFusedSmallTilesPeer(HFFusedPeer):
-    key, label = "hf_fused_32mib", "hf_fused (32 MiB tiles)"
-    tile_budget_bytes = SMALL_TILE_BUDGET
+    def distill(self, inp):
+        return self._distill(inp.hidden, inp.weight, inp.teacher_hidden, inp.teacher_weight, mask=inp.mask,
+                             beta=inp.divergence_beta, temperature=inp.temperature,
+                             tile_budget_bytes=self.tile_budget_bytes, backend=self.backend).loss
 
 
 class HFFusedLeanPeer(HFFusedPeer):
-    """The memory-lean two passes at a 256 MiB tile: what ``tile_budget_bytes=None`` chooses when the one pass
-    does not fit a quarter of free memory (and the default before the planner's rule)."""
+    """The memory-lean two passes at a 256 MiB tile: ``tile_budget_bytes`` bounds everything the op holds."""
 
     key, label = "hf_fused_lean", "hf_fused (lean, 256 MiB)"
     tile_budget_bytes = 256 * 2**20
 
 
-class HFFusedLeanCublasPeer(HFFusedLeanPeer):
-    """The lean two passes with cuBLAS's logits tiles and the Triton statistics and gradient kernels reading them
-    (``logits_epilogues.forced(False)``): what the lean path ran before the fused epilogues, for A/B runs."""
-
-    key, label = "hf_fused_lean_cublas", "hf_fused (lean, 256 MiB, cuBLAS tiles)"
-
-    def describe(self):
-        return super().describe() + " inside hf_fused.ops.backends.logits_epilogues.forced(False)"
-
-    def step_context(self):
-        from hf_fused.ops.backends import logits_epilogues
-
-        return logits_epilogues.forced(False)
-
-
 class HFFusedLargeBudgetPeer(HFFusedPeer):
-    """A 4 GiB budget holds the fp32 [V, H] weight-gradient accumulator (1.2–2.1 GB at these shapes) and
-    a tile of thousands of full-vocabulary rows, so cross-entropy takes the one-pass (6·N·H·V) path;
-    log-probs are unaffected but for wider tiles."""
+    """A 4 GiB budget holds the fp32 ``[V, H]`` weight-gradient accumulator (1.2–2.1 GB at these shapes) and a tile of
+    thousands of full-vocabulary rows, so cross-entropy takes the one pass (6·N·H·V) in wide tiles. Any other budget:
+    ``--peers hf_fused_<n>mib`` or ``hf_fused_<n>gib`` (:func:`select_peers`)."""
 
-    key, label = "hf_fused_4gib", "hf_fused (4 GiB, one pass)"
+    key, label = "hf_fused_4gib", "hf_fused (4 GiB)"
     tile_budget_bytes = 4 * 2**30
 
 
-class HFFused8GiBPeer(HFFusedLargeBudgetPeer):
-    """An 8 GiB budget: the one pass in two tiles at 32768×2048×151936 (25,080 and 4,411 of the 29,491 kept rows,
-    against three of up to 11,136 at 4 GiB: fewer passes over the fp32 accumulator), the budget at which it reached 91 % of the H100's bf16 GEMM ceiling on 6·N·H·V
-    over all tokens with QuACK installed (issue 13's measure; docs/gpu_results.md, fourteenth session). On request
-    only (``--peers hf_fused_8gib``)."""
-
-    key, label = "hf_fused_8gib", "hf_fused (8 GiB, one pass)"
-    tile_budget_bytes = 8 * 2**30
-
-
-def _pair_one_pass_budget(inp: Inputs, rows: int = 2048) -> int:
-    """``tile_budget_bytes`` holding the one pass with the compensated pair as its weight-gradient accumulator
-    (an int8 ``[V, H]`` residual beside the bf16 gradient) and ``rows`` full-vocabulary rows of logits with their
-    gathered hidden rows, plus the kept rows' fp32 hidden gradient (counted for every token: no host sync for the
-    kept count, so a few more rows where tokens are ignored), but not the fp32 accumulator with as many rows
-    (V·H bytes more: it would leave about H/2 rows fewer):
-    the planner's choice when only the pair fits."""
-    vocab_size, hidden_size = inp.weight.shape
-    elem, tokens = inp.weight.element_size(), inp.labels.numel()
-    return vocab_size * hidden_size + rows * (vocab_size + hidden_size) * elem + tokens * hidden_size * 4
-
-
-class HFFusedPairPeer(HFFusedPeer):
-    """The one pass with the compensated pair (bf16 gradient + int8 residual, V·H bytes) instead of the fp32
-    ``[V, H]`` accumulator (2·V·H beside the gradient): what the default rule takes when only the pair fits a quarter
-    of free memory, forced here by a budget sized to the shape (:func:`_pair_one_pass_budget`). Cross-entropy only: log-probs
-    without a hint take two passes whatever the budget."""
-
-    key, label = "hf_fused_pair", "hf_fused (one pass, pair accumulator)"
-
-    def describe(self):
-        return ("hf_fused.ops.linear_cross_entropy(hidden, weight, labels, tile_budget_bytes=V·H + 2048·(V + H)·2 + "
-                "N·H·4): the one pass with the int8-residual pair as its weight-gradient accumulator")
-
-    def unsupported(self, kind, device):
-        return "cross-entropy only (see hf_fused_hint_pair for GRPO)" if kind != "ce" else None
-
-    def budget(self, inp):
-        return _pair_one_pass_budget(inp)
-
-
-def _one_pass_budget(weight: torch.Tensor, rows: int) -> int:
-    """``tile_budget_bytes`` holding the fp32 ``[V, H]`` weight-gradient accumulator (``2·V·H`` beside a bf16
-    gradient, :data:`hf_fused.ops.tiling.ACCUMULATOR_BYTES`) and ``rows`` full-vocabulary rows of logits (the GPU
-    backend's one-pass condition)."""
-    from hf_fused.ops.tiling import ACCUMULATOR_BYTES
-
-    vocab_size, hidden_size = weight.shape
-    return vocab_size * hidden_size * ACCUMULATOR_BYTES["fp32"] + rows * vocab_size * weight.element_size()
-
-
-class HFFusedOnePassGRPOPeer(HFFusedPeer):
-    """The GRPO problem's loss, on-policy and KL-free, as token-weighted cross-entropy. At ratio 1 every loss
-    type's gradient is ``−Σ A·mask·∇logp / normalizer`` = that of ``Σ w·CE`` with ``w = A·mask / normalizer``
-    (:func:`~benchmarks.problems.token_weights_at_ratio_one`), which ``linear_cross_entropy(token_weights=w)``
-    computes in its forward (one pass, 6·N·H·V) with a budget holding the fp32 ``[V, H]`` weight-gradient
-    accumulator plus 2048 full-vocabulary rows. The loss value is the loss at ratio 1
-    (:func:`~benchmarks.problems.loss_value_at_ratio_one`: a constant, ``−Σ w`` for the clipped-ratio types; for
-    cispo ``Σ w·CE`` itself), with that gradient attached. No log-probs or entropy come out (like Liger's fused
-    GRPO loss)."""
-
-    key, label = "hf_fused_1pass", "hf_fused (one pass, token weights)"
-    has_entropy = False
-    rows_per_tile = 2048
-
-    def describe(self):
-        return ("hf_fused.ops.linear_cross_entropy(hidden, weight, labels, token_weights=A·mask/normalizer, "
-                "reduction='sum', tile_budget_bytes=2·V·H + 2048·V·2): the on-policy KL-free gradient of the "
-                "problem's loss type in one pass; loss value the loss at ratio 1 (a constant, −Σ token_weights for "
-                "the clipped-ratio types; the weighted sum itself for cispo)")
-
-    def unsupported(self, kind, device):
-        return "GRPO problem only (its cross-entropy is the hf_fused rows)" if kind != "grpo" else None
-
-    def unsupported_problem(self, problem):
-        if problem.off_policy_kl:
-            return "on-policy, KL-free only (its token weights are the gradient at ratio 1); see hf_fused_token_loss"
-        return None
-
-    def grpo(self, inp):
-        budget = _one_pass_budget(inp.weight, self.rows_per_tile)
-        token_weights = token_weights_at_ratio_one(inp.mask, inp.advantages, inp.loss_type)
-        surrogate = self._ce(
-            inp.hidden, inp.weight, inp.labels, token_weights=token_weights, reduction="sum",
-            tile_budget_bytes=budget, backend=self.backend,
-        )
-        at_ratio_one = loss_value_at_ratio_one(surrogate.detach(), inp.mask, inp.advantages, inp.loss_type)
-        return surrogate + (at_ratio_one - surrogate).detach(), None, None
-
-
 class HFFusedHintGRPOPeer(HFFusedPeer):
-    """What ``FusedGRPOTrainer`` runs on-policy with default options: ``linear_logprobs(grad_hint=A·mask/normalizer,
-    return_entropy=True)``; by the planner's default rule (room for the fp32 ``[V, H]`` accumulator plus 2048
-    full-vocabulary rows in a quarter of free memory) the head's gradients come out of the forward's single
-    pass (6·N·H·V); then the problem's own loss on those log-probs, whose backward sends a multiple of the
-    hint and so recomputes nothing. Unlike the token-weights row it returns log-probs and entropy and runs the
-    unchanged loss code."""
+    """What ``FusedGRPOTrainer`` runs: ``linear_logprobs(grad_hint=..., return_entropy=True)``, on-policy the token
+    weights ``A·mask/normalizer`` (:func:`~benchmarks.losses.token_weights_at_ratio_one`), off-policy a
+    ``TokenLossHint`` of TRL's per-token loss; where the planner's default budget holds the one pass, the head's
+    gradients come out of the forward (6·N·H·V) and the problem's own loss, whose backward sends what the hint said,
+    recomputes nothing."""
 
-    key, label = "hf_fused_hint", "hf_fused (grad_hint, default)"
+    key, label = "hf_fused_hint", "hf_fused (grad_hint, as FusedGRPOTrainer)"
 
     def describe(self):
         return ("hf_fused.ops.linear_logprobs(hidden, weight, labels, return_entropy=True, grad_hint=A·mask/normalizer "
-                "(on-policy) | TokenLossHint(TRL's per-token loss, advantages/old/ref/normalizer) (off-policy KL), "
-                "tile_budget_bytes=None), then the problem's GRPO loss")
+                "(on-policy) | TokenLossHint(TRL's per-token loss, advantages/old/ref/normalizer) (off-policy KL)), "
+                "then the problem's GRPO loss")
 
     def unsupported(self, kind, device):
-        return "GRPO problem only (its cross-entropy is the hf_fused rows)" if kind != "grpo" else None
+        return "GRPO problems only" if kind != "grpo" else None
 
     def logprobs(self, inp):
         if inp.old_logps is None and inp.ref_logps is None:
@@ -515,24 +494,8 @@ class HFFusedHintGRPOPeer(HFFusedPeer):
             from hf_fused.ops import TokenLossHint
 
             hint = TokenLossHint(_trl_token_loss_of(inp), _trl_per_token(inp))
-        return self._lp(
-            inp.hidden, inp.weight, inp.labels, return_entropy=self.with_entropy, tile_budget_bytes=self.budget(inp),
-            backend=self.backend, grad_hint=hint,
-        )
-
-
-class HFFusedHintPairGRPOPeer(HFFusedHintGRPOPeer):
-    """:class:`HFFusedHintGRPOPeer` with the compensated pair as the one pass's weight-gradient accumulator (int8
-    residual beside the bf16 gradient) instead of the fp32 ``[V, H]`` buffer: a budget sized to the shape
-    (:func:`_pair_one_pass_budget`) that holds the pair's one pass but not the fp32 one."""
-
-    key, label = "hf_fused_hint_pair", "hf_fused (grad_hint, pair accumulator)"
-
-    def describe(self):
-        return super().describe().replace("tile_budget_bytes=None", "tile_budget_bytes=V·H + 2048·(V + H)·2 + N·H·4")
-
-    def budget(self, inp):
-        return _pair_one_pass_budget(inp)
+        return self._lp(inp.hidden, inp.weight, inp.labels, return_entropy=self.with_entropy,
+                        tile_budget_bytes=self.tile_budget_bytes, backend=self.backend, grad_hint=hint)
 
 
 def _trl_per_token(inp: Inputs) -> dict:
@@ -548,9 +511,8 @@ def _trl_per_token(inp: Inputs) -> dict:
 
 def _trl_token_loss(logprobs, entropy, *, advantages, scale, old_logps=None, ref_logps=None, beta=0.0,
                     loss_type="dapo"):
-    """TRL's per-token loss of ``loss_type`` (:func:`~benchmarks.problems.trl_per_token_loss`, the same code the
-    other peers' log-probs go through) times the reduction's per-token weight: summed over tokens, the problem's
-    loss (every TRL reduction is linear in the per-token loss, :func:`~benchmarks.problems.normalizer_weights`)."""
+    """TRL's per-token loss of ``loss_type`` (:func:`~benchmarks.losses.trl_per_token_loss`, the code the other
+    peers' log-probs go through) times the reduction's per-token weight: summed over tokens, the problem's loss."""
     return trl_per_token_loss(logprobs, advantages, old_logps, ref_logps, beta, loss_type) * scale
 
 
@@ -560,11 +522,9 @@ def _trl_token_loss_of(inp: Inputs):
 
 
 class HFFusedTokenLossPeer(HFFusedPeer):
-    """The problem's whole GRPO objective, on- or off-policy with its KL term, through
-    ``hf_fused.ops.linear_token_loss`` with default options: TRL's per-token loss times the reduction's
-    per-token weight (``mask / normalizer``), summed, with the head gradients computed in the forward's single
-    pass (6·N·H·V) when the planner's default budget holds it. Returns the log-probs (and the entropy when asked
-    for, not used by the loss)."""
+    """The problem's whole GRPO objective through ``hf_fused.ops.linear_token_loss`` with default options: TRL's
+    per-token loss times the reduction's per-token weight, summed, with the head gradients computed in the forward's
+    single pass (6·N·H·V) where the planner's default budget holds it."""
 
     key, label = "hf_fused_token_loss", "hf_fused (linear_token_loss)"
 
@@ -577,30 +537,47 @@ class HFFusedTokenLossPeer(HFFusedPeer):
     def describe(self):
         return ("hf_fused.ops.linear_token_loss(hidden, weight, labels, token_loss=TRL 1.16's per-token GRPO loss "
                 "of the problem's loss type (vs old log-probs, + β·k3·ratio KL vs reference) × mask/normalizer, "
-                "per_token={advantages, scale, old_logps, ref_logps}, need_entropy=True, tile_budget_bytes=None)")
+                "per_token={advantages, scale, old_logps, ref_logps}, need_entropy=True)")
 
     def unsupported(self, kind, device):
-        return "GRPO problem only (its cross-entropy is the hf_fused rows)" if kind != "grpo" else None
+        return "GRPO problems only" if kind != "grpo" else None
 
     def grpo(self, inp):
-        out = self._tl(
-            inp.hidden, inp.weight, inp.labels, _trl_token_loss_of(inp),
-            per_token=_trl_per_token(inp), need_entropy=self.with_entropy, backend=self.backend,
-        )
+        out = self._tl(inp.hidden, inp.weight, inp.labels, _trl_token_loss_of(inp), per_token=_trl_per_token(inp),
+                       need_entropy=self.with_entropy, backend=self.backend)
         return out.loss, out.logprobs, out.entropy
 
 
 #: Every adapter, in table order.
-ALL_PEERS = [EagerPeer, LigerPeer, LigerGRPOPeer, CCEPeer, CCEExactPeer, QuackPeer, TRLPeer, TorchPeer, HFFusedPeer,
-             HFFusedLeanPeer, HFFusedLeanCublasPeer, HFFusedSmallTilesPeer, HFFusedLargeBudgetPeer, HFFused8GiBPeer, HFFusedPairPeer, HFFusedOnePassGRPOPeer,
-             HFFusedHintGRPOPeer, HFFusedHintPairGRPOPeer, HFFusedTokenLossPeer]
-#: Run when ``--peers`` is not given (``cce_exact``, the A/B peer ``hf_fused_lean_cublas`` and ``hf_fused_8gib`` only
-#: on request).
-DEFAULT_PEERS = [p.key for p in ALL_PEERS if p.key not in ("cce_exact", "hf_fused_lean_cublas", "hf_fused_8gib")]
+ALL_PEERS = [EagerPeer, LigerPeer, LigerGRPOPeer, LigerJSDPeer, CCEPeer, CCEExactPeer, QuackPeer, TRLPeer,
+             TRLDivergencePeer, TorchPeer, HFFusedPeer, HFFusedLeanPeer, HFFusedLargeBudgetPeer, HFFusedHintGRPOPeer,
+             HFFusedTokenLossPeer]
+#: Run when ``--peers`` is not given (``cce_exact`` only on request).
+DEFAULT_PEERS = [p.key for p in ALL_PEERS if p.key != "cce_exact"]
+#: ``hf_fused_<n>mib`` / ``hf_fused_<n>gib``: hf_fused's defaults with that ``tile_budget_bytes``.
+_BUDGET_KEY = re.compile(r"hf_fused_(\d+)(mib|gib)")
+
+
+def budget_peer(key: str) -> Optional[type]:
+    """The :class:`HFFusedPeer` subclass of a ``hf_fused_<n>mib`` / ``hf_fused_<n>gib`` key (``None`` for another)."""
+    match = _BUDGET_KEY.fullmatch(key)
+    if not match:
+        return None
+    n, unit = int(match[1]), match[2]
+    label = f"hf_fused ({n} {'MiB' if unit == 'mib' else 'GiB'})"
+    return type("HFFusedBudgetPeer", (HFFusedPeer,), {"key": key, "label": label,
+                                                      "tile_budget_bytes": n * 2 ** (20 if unit == "mib" else 30)})
+
+
+def peer_order(key: str) -> int:
+    """A peer's row in the tables: its place in :data:`ALL_PEERS`, a budget variant after the hf_fused rows."""
+    keys = [p.key for p in ALL_PEERS]
+    return keys.index(key) if key in keys else len(keys)
 
 
 def select_peers(spec: Optional[str], with_entropy: bool = True, hf_backend: Optional[str] = None) -> list[Peer]:
-    """Adapters named by ``spec`` (comma-separated keys, or ``all``), in table order.
+    """Adapters named by ``spec`` (comma-separated keys, ``hf_fused_<n>mib``/``hf_fused_<n>gib`` for another budget,
+    or ``all``), in table order.
 
     Raises:
         ValueError: an unknown key (the message lists them).
@@ -612,11 +589,9 @@ def select_peers(spec: Optional[str], with_entropy: bool = True, hf_backend: Opt
         keys = list(by_key)
     else:
         keys = [k.strip() for k in spec.split(",") if k.strip()]
-        unknown = [k for k in keys if k not in by_key]
+        unknown = [k for k in keys if k not in by_key and budget_peer(k) is None]
         if unknown:
-            raise ValueError(f"unknown peer(s) {unknown}; choose from: {', '.join(by_key)}")
-    peers = []
-    for cls in ALL_PEERS:
-        if cls.key in keys:
-            peers.append(cls(with_entropy, hf_backend) if issubclass(cls, HFFusedPeer) else cls(with_entropy))
-    return peers
+            raise ValueError(f"unknown peer(s) {unknown}; choose from: {', '.join(by_key)}, or hf_fused_<n>mib / "
+                             "hf_fused_<n>gib for another tile budget")
+    classes = sorted((by_key.get(k) or budget_peer(k) for k in dict.fromkeys(keys)), key=lambda c: peer_order(c.key))
+    return [cls(with_entropy, hf_backend) if issubclass(cls, HFFusedPeer) else cls(with_entropy) for cls in classes]

@@ -1,20 +1,16 @@
 """Run every (problem, peer) pair on one device and collect one record per pair.
 
-For each problem: make the inputs, compute the float64 reference once, then for each peer:
-import it (ImportError → ``skipped``), check it supports the problem (→ ``n/a``), pre-allocate and zero
-the ``.grad`` buffers, run one warm-up forward+backward, measure the peak memory of a second one and
-compare its loss / gradients (/ log-probs, entropy) with the reference, then time it. Out of memory →
-``OOM``; any other exception → ``error`` with its text. Everything the peer allocated is freed before
-the next one. Results are written to the JSON after every pair, so a run cut short keeps what it did
-(and ``--resume`` continues it).
+For each problem: make the inputs, compute the float64 reference once, then for each peer: import it (failure →
+``skipped``), check it supports the problem (``n/a``) and has it in its installed version (``skipped``), run one
+warm-up forward+backward, measure the peak memory of a second one and compare its loss / gradients (/ log-probs,
+entropy) with the reference, then time it. Out of memory → ``OOM``; any other exception → ``error`` with its text.
+Everything the peer allocated is freed before the next one. Results are written to the JSON after every pair, so a
+run cut short keeps what it did (and ``--resume`` continues it).
 """
 
 from __future__ import annotations
 
 import datetime
-import json
-import os
-import platform
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,13 +20,23 @@ import torch
 
 from . import measure
 from .peers import HFFusedPeer, Peer
-from .problems import IGNORE_INDEX, Inputs, Problem, make_inputs
-from .reference import Reference, compute_reference, relative_error
+from .problems import Inputs, Problem, make_inputs
+from .reference import Reference, compute_reference
 
 FLOP_CONVENTION = (
-    "useful FLOPs = 6·N·H·V for cross-entropy (logits, dX, dW) and 8·N·H·V for GRPO (logits in forward, "
-    "recomputed logits, dX, dW), N = the NON-IGNORED tokens only (the same count for every peer, so "
-    "TFLOP/s is proportional to 1/time; peers that also compute ignored rows get no credit for them)"
+    "useful FLOPs = 6·N·H·V for cross-entropy (logits, dX, dW), 8·N·H·V for GRPO (logits in forward, recomputed "
+    "logits, dX, dW) and (6·H + 2·H_t)·N·V for distillation (student logits, dX, dW; teacher logits), N = the KEPT "
+    "tokens only (the same count for every peer, so TFLOP/s is proportional to 1/time; peers that also compute "
+    "ignored rows get no credit for them)"
+)
+MEMORY_BASELINE = (
+    "peak memory above inputs and gradients = the peak allocated during one forward+backward minus what was "
+    "allocated just before it (CUDA: max_memory_allocated after reset_peak_memory_stats; CPU: the peak of the bytes "
+    "held by tensors created during the call, counted op by op), minus the bytes of the gradients that end up in "
+    "hidden.grad and weight.grad (which start as None, so the step's own gradients become them). The baseline holds "
+    "the problem's inputs and the CUDA caching allocator's persistent blocks from the warm-up call (e.g. the cuBLAS "
+    "workspace), so the figure counts the peer's own buffers: logits/tiles, saved tensors, fp32 accumulators, and "
+    "any gradient copy beyond the final .grad. The float64 reference lives on the host."
 )
 
 OK, SKIPPED, NA, OOM, ERROR = "ok", "skipped", "n/a", "OOM", "error"
@@ -56,59 +62,22 @@ class RunConfig:
     autocast: Optional[torch.dtype] = None
 
 
-def versions() -> dict:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for dist in ("triton", "transformers", "trl", "liger-kernel", "cut-cross-entropy", "hf_fused"):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            out[dist] = None
-    return out
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
-    return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
-
-
-def load_doc(path: Path) -> dict:
-    with open(path) as f:
-        return json.load(f)
-
-
-def save_doc(doc: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
-
-
-def _zero_grads(inp: Inputs) -> None:
-    for t in (inp.hidden, inp.weight):
-        if t.grad is None or t.grad.shape != t.shape:
-            t.grad = torch.zeros_like(t)
-        else:
-            t.grad.zero_()
-
-
 def matmul_dtype(cfg: RunConfig) -> torch.dtype:
     """The dtype the problems' matmuls run in, so the ceiling is measured in it: the autocast dtype when one is
-    given (fp32 inputs under bf16 autocast multiply in bf16; an fp32 ceiling made fractions of 800-1500 %)."""
+    given (fp32 inputs under bf16 autocast multiply in bf16; an fp32 ceiling would make fractions above 100 %)."""
     return cfg.autocast if cfg.autocast is not None else cfg.dtype
 
 
 def _step(peer: Peer, problem: Problem, inp: Inputs, autocast: Optional[torch.dtype] = None):
-    """One forward+backward (under ``torch.autocast(dtype=autocast)`` when given, as ``Trainer(bf16=True)`` runs
-    a step); returns detached (loss, logps, entropy)."""
+    """One forward+backward (under ``torch.autocast(dtype=autocast)`` when given, as ``Trainer(bf16=True)`` runs a
+    step); returns detached (loss, logps, entropy)."""
     device_type = inp.weight.device.type
+    logps = entropy = None
     with peer.step_context(), torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
         if problem.kind == "ce":
-            loss, logps, entropy = peer.ce_loss(inp), None, None
+            loss = peer.ce_loss(inp)
+        elif problem.kind == "distill":
+            loss = peer.distill(inp)
         else:
             loss, logps, entropy = peer.grpo(inp)
         loss.backward()
@@ -116,25 +85,24 @@ def _step(peer: Peer, problem: Problem, inp: Inputs, autocast: Optional[torch.dt
     return detach(loss), detach(logps), detach(entropy)
 
 
-def _errors(problem: Problem, inp: Inputs, ref: Reference, loss, logps, entropy) -> dict:
+def _errors(inp: Inputs, ref: Reference, loss, logps, entropy) -> dict:
     out = {
         "loss": float(loss),
         "loss_ref": ref.loss,
         "loss_rel_err": abs(float(loss) - ref.loss) / max(abs(ref.loss), 1e-300),
-        "grad_hidden_rel_err": relative_error(inp.hidden.grad, ref.grad_hidden),
-        "grad_weight_rel_err": relative_error(inp.weight.grad, ref.grad_weight),
+        "grad_hidden_rel_err": measure.relative_error(inp.hidden.grad, ref.grad_hidden),
+        "grad_weight_rel_err": measure.relative_error(inp.weight.grad, ref.grad_weight),
     }
-    valid = (inp.labels != IGNORE_INDEX).reshape(-1)
+    valid = inp.valid.reshape(-1)
     if logps is not None and ref.logps is not None:
-        out["logp_rel_err"] = relative_error(logps.reshape(-1).float() * valid, ref.logps)
+        out["logp_rel_err"] = measure.relative_error(logps.reshape(-1).float() * valid, ref.logps)
     if entropy is not None and ref.entropy is not None:
-        out["entropy_rel_err"] = relative_error(entropy.reshape(-1).float() * valid, ref.entropy)
+        out["entropy_rel_err"] = measure.relative_error(entropy.reshape(-1).float() * valid, ref.entropy)
     return out
 
 
-def run_pair(
-    peer: Peer, problem: Problem, inp: Inputs, ref: Optional[Reference], cfg: RunConfig, ceiling: Optional[float]
-) -> dict:
+def run_pair(peer: Peer, problem: Problem, inp: Inputs, ref: Optional[Reference], cfg: RunConfig,
+             ceiling: Optional[float]) -> dict:
     """Measure one peer on one problem; never raises (failures become the record's status)."""
     rec = {"problem": problem.name, "peer": peer.key, "label": peer.label, "status": OK, "note": ""}
     try:
@@ -148,6 +116,10 @@ def run_pair(
     if reason:
         rec.update(status=NA, note=reason)
         return rec
+    missing = peer.unavailable(problem.kind)
+    if missing:
+        rec.update(status=SKIPPED, note=missing)
+        return rec
     if isinstance(peer, HFFusedPeer):
         try:
             rec["backend"] = peer.backend_name(cfg.device)
@@ -156,23 +128,24 @@ def run_pair(
             return rec
     rec["has_entropy"] = problem.kind == "grpo" and peer.has_entropy and peer.with_entropy
     phase = "warm-up"
+    step = lambda: _step(peer, problem, inp, cfg.autocast)  # noqa: E731
     try:
-        _zero_grads(inp)
-        _step(peer, problem, inp, cfg.autocast)  # compile / autotune / allocator warm-up
+        for t in (inp.hidden, inp.weight):  # the warm-up accumulates into .grad buffers, as the timed steps do
+            t.grad = torch.zeros_like(t)
+        step()  # compile / autotune / allocator warm-up
         inp.hidden.grad = inp.weight.grad = None  # the gradients this step produces become .grad
         phase = "memory"
-        (loss, logps, entropy), peak = measure.peak_memory(lambda: _step(peer, problem, inp, cfg.autocast), cfg.device)
+        (loss, logps, entropy), peak = measure.peak_memory(step, cfg.device)
         peak -= sum(t.grad.numel() * t.grad.element_size() for t in (inp.hidden, inp.weight) if t.grad is not None)
         rec["peak_mem_bytes"] = peak
         rec["loss"] = float(loss)
         if ref is not None:
             phase = "errors"
-            rec.update(_errors(problem, inp, ref, loss, logps, entropy))
+            rec.update(_errors(inp, ref, loss, logps, entropy))
         del loss, logps, entropy
-        phase = "timing"
-        ms, timer = measure.median_ms(lambda: _step(peer, problem, inp, cfg.autocast), cfg.device, cfg.repeats)
-        n_valid = int((inp.labels != IGNORE_INDEX).sum())
-        tflops = problem.flops_per_token_hv * n_valid * problem.H * problem.V / (ms * 1e-3) / 1e12
+        phase = "timing"  # gradients accumulate into the .grad buffers the memory step left, as in training
+        ms, timer = measure.median_ms(step, cfg.device, cfg.repeats)
+        tflops = problem.flops(inp.n_valid) / (ms * 1e-3) / 1e12
         rec.update(time_ms=ms, timer=timer, tflops=tflops, ceiling_tflops=ceiling,
                    frac_of_ceiling=tflops / ceiling if ceiling else None)  # no ceiling on CPU: no fraction
     except torch.cuda.OutOfMemoryError as e:
@@ -185,40 +158,46 @@ def run_pair(
     return rec
 
 
+def _problem_info(problem: Problem) -> dict:
+    return {"kind": problem.kind, "N": problem.N, "H": problem.H, "V": problem.V, "B": problem.B, "T": problem.T,
+            "H_t": problem.H_t, "beta": problem.beta, "description": problem.describe()}
+
+
 def run(cfg: RunConfig) -> dict:
     """Run the benchmark; returns the results document (also written to ``out_dir/bench.json``)."""
     path = cfg.out_dir / "bench.json"
-    doc = load_doc(path) if cfg.resume and path.exists() else {"runs": [], "problems": {}, "results": []}
+    doc = (measure.load_json(path) if cfg.resume and path.exists()
+           else {"runs": [], "problems": {}, "results": []})
     done = {(r["problem"], r["peer"]) for r in doc["results"]}
     todo = [(p, peer) for p in cfg.problems for peer in cfg.peers if (p.name, peer.key) not in done]
 
     # A matmul ceiling is a GPU's (tensor-core peak); on CPU a small probe matmul is no ceiling for a tiled loss
-    # whose tiles are larger, so fractions of it (4,000-7,000% in practice) would mislead: none is measured.
+    # whose tiles are larger, so fractions of it would mislead: none is measured.
     ceiling = (measure.matmul_tflops(cfg.device, matmul_dtype(cfg), cfg.matmul_n, cfg.repeats)
                if cfg.device.type == "cuda" else None)
-    run_meta = {
+    doc["runs"].append({
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "argv": cfg.argv if cfg.argv is not None else sys.argv[1:],
-        "device": device_name(cfg.device),
+        "device": measure.device_name(cfg.device),
         "dtype": str(cfg.dtype).replace("torch.", ""),
         "autocast": None if cfg.autocast is None else str(cfg.autocast).replace("torch.", ""),
-        "versions": versions(),
+        "versions": measure.versions(),
         "matmul_ceiling": ceiling,
         "timer": measure.timer_name(cfg.device),
         "repeats": cfg.repeats,
         "flop_convention": FLOP_CONVENTION,
-        "memory_baseline": measure.MEMORY_BASELINE,
-    }
-    doc["runs"].append(run_meta)
+        "memory_baseline": MEMORY_BASELINE,
+    })
     run_index = len(doc["runs"]) - 1
-    save_doc(doc, path)
+    measure.save_json(doc, path)
 
-    bar = _progress(len(todo), cfg.progress)
+    bar = measure.progress(len(todo), "bench", cfg.progress, unit="pair")
     for problem in cfg.problems:
         peers = [peer for peer in cfg.peers if (problem.name, peer.key) not in done]
         if not peers:
             continue
         bar.set_postfix_str(f"{problem.name}: inputs + float64 reference")
+        info = _problem_info(problem)
         try:
             inp = make_inputs(problem, cfg.device, cfg.dtype, cfg.seed)
         except Exception as e:  # e.g. out of memory: every pair of this problem fails the same way
@@ -227,15 +206,11 @@ def run(cfg: RunConfig) -> dict:
                 doc["results"].append({"problem": problem.name, "peer": peer.key, "label": peer.label, "status": status,
                                        "note": f"inputs: {measure.short_error(e)}", "run": run_index})
                 bar.update(1)
-            doc["problems"][problem.name] = {"kind": problem.kind, "N": problem.N, "H": problem.H, "V": problem.V,
-                                             "B": problem.B, "T": problem.T, "n_valid": None,
-                                             "description": problem.describe(), "reference": "no inputs"}
-            save_doc(doc, path)
+            doc["problems"][problem.name] = {**info, "n_valid": None, "reference": "no inputs"}
+            measure.save_json(doc, path)
             measure.free_memory(cfg.device)
             continue
-        info = {"kind": problem.kind, "N": problem.N, "H": problem.H, "V": problem.V, "B": problem.B,
-                "T": problem.T, "n_valid": inp.n_valid, "description": problem.describe(), "seed": cfg.seed,
-                "dtype": str(cfg.dtype).replace("torch.", "")}
+        info.update(n_valid=inp.n_valid, seed=cfg.seed, dtype=str(cfg.dtype).replace("torch.", ""))
         ref = None
         if cfg.reference:
             try:
@@ -254,30 +229,9 @@ def run(cfg: RunConfig) -> dict:
             rec = run_pair(peer, problem, inp, ref, cfg, ceiling["tflops"] if ceiling else None)
             rec["run"] = run_index
             doc["results"].append(rec)
-            save_doc(doc, path)
+            measure.save_json(doc, path)
             bar.update(1)
         del inp, ref
         measure.free_memory(cfg.device)
     bar.close()
     return doc
-
-
-class _NoBar:
-    def update(self, n=1):
-        pass
-
-    def set_postfix_str(self, s):
-        pass
-
-    def close(self):
-        pass
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return _NoBar()
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, desc="bench", unit="pair", dynamic_ncols=True)

@@ -3,8 +3,9 @@
 ``python -m benchmarks.e2e [--parts sft,grpo] [--seq-lens 4096,16384,32768] [--steps 3] --out DIR``
 
 Modules: :mod:`.models` (shapes, model and data), :mod:`.sft` (part A), :mod:`.grpo` (part B),
-:mod:`.report` (the table), :mod:`.__main__` (command line); timing and memory come from
-:mod:`benchmarks.measure`, shared with the kernel benchmark.
+:mod:`.report` (the table and plot), :mod:`.__main__` (command line), :mod:`.distributed` (part A under each
+distributed engine); timing, memory, environment and output come from :mod:`benchmarks.measure`, shared with the ops
+benchmark.
 
 Part A, SFT: a Qwen3-1.7B-shaped model (random init from ``transformers.Qwen3Config``, bf16 weights,
 tied embeddings, SDPA attention, gradient checkpointing, batch size 1, random token ids) trained by
@@ -29,16 +30,16 @@ vocabulary, hidden 2304, 26 layers, 8 heads, 4 KV heads, head_dim 256, intermedi
 soft-capping 30, attention soft-capping 50, sliding window 4096) under ``eager`` attention, since transformers
 refuses SDPA for Gemma-2; Liger's patches then go to ``modeling_gemma2``.
 
-Each run records tokens/s as the row length over the median timed step (a ``TrainerCallback``
-synchronizes the GPU at step begin/end; the median, as in part B and the kernel benchmark, because a step
-that hosts one of Python's full garbage collections — 0.3–0.5 s with transformers, TRL and QuACK imported,
-on 0.25 s steps at 4k tokens, docs/gpu_results.md, sixteenth session — says nothing about the variant), ``torch.cuda.max_memory_allocated()`` over the whole ``train()`` (weights, gradients,
-optimizer states, activations and loss; the counter is reset after the model is built) and the logged
-losses (step 1 is the same model and batch for every variant, so the first losses should agree to bf16
-precision). ``torch.cuda.OutOfMemoryError`` is recorded as ``OOM`` (any other exception as ``error``,
-with its traceback in the JSON); a variant that failed at one length is not run at longer ones. Runs go variant by variant, shortest length first, and
-everything is freed between runs. Liger patches ``transformers.models.qwen3.modeling_qwen3`` globals
-(RoPE function, RMSNorm and MLP classes); they are restored after each Liger run.
+Each run records tokens/s as the row length over the median timed step (a ``TrainerCallback`` synchronizes the
+GPU at step begin/end; the median, as in part B and the ops benchmark, because a step that hosts one of Python's full
+garbage collections, 0.3–0.5 s with transformers, TRL and QuACK imported, says nothing about the variant),
+``torch.cuda.max_memory_allocated()`` over the whole ``train()`` (weights, gradients, optimizer states, activations
+and loss; the counter is reset after the model is built) and the logged losses (step 1 is the same model and batch
+for every variant, so the first losses should agree to bf16 precision). ``torch.cuda.OutOfMemoryError`` is recorded
+as ``OOM`` (any other exception as ``error``, with its traceback in the JSON); a variant that failed at one length is
+not run at longer ones. Runs go variant by variant, shortest length first, and everything is freed between runs.
+Liger patches ``transformers.models.qwen3.modeling_qwen3`` globals (RoPE function, RMSNorm and MLP classes); they
+are restored after each Liger run.
 
 Optimizer: ``adamw_torch`` by default (``--optim``). With bf16 weights its two states are bf16, so
 weights + gradients + states take 4 × 2 bytes × 1.72 G params ≈ 13.8 GB for the 1.7B shape, the same
@@ -59,8 +60,8 @@ Variants: ``trl``, ``hf_fused`` (default budget) and ``hf_fused_one_pass`` (``fu
 in float32 and runs each step under bf16 autocast, as ``GRPOTrainer`` trains a model it loads itself
 (``GRPOConfig.bf16=True``); the default is bf16 weights.
 
-Writes ``DIR/e2e.json`` after every run (a command cut short keeps what it measured) and
-``DIR/e2e.txt`` (the table printed last). ``--time-budget`` (seconds since start) skips the runs that
+Writes ``DIR/e2e.json`` after every run (a command cut short keeps what it measured), ``DIR/e2e.txt`` (the table
+printed last) and ``DIR/e2e.png`` (SFT tokens/s and peak memory by sequence length). ``--time-budget`` (seconds since start) skips the runs that
 would start after it. ``--tiny`` shrinks everything for a CPU smoke test:
 ``python -m benchmarks.e2e --tiny --device cpu --out /tmp/e2e``.
 """

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -12,11 +11,11 @@ from typing import Optional
 
 import torch
 
-from ..runner import device_name, versions
+from ..measure import device_name, progress, save_json, versions
 from . import __doc__ as PACKAGE_DOC
 from .grpo import GRPO_MODELS, GRPO_VARIANTS, grpo_part, grpo_setting
 from .models import SFT_MODELS, SHAPES, attn_implementation, is_gemma2
-from .report import log, table
+from .report import plot, table
 from .sft import ALL_SFT_VARIANTS, SFT_VARIANTS, sft_part
 
 def environment(device: torch.device) -> dict:
@@ -78,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, default=450.0,
                    help="seconds after start past which no new run starts (default 450)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -160,21 +160,27 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def save():
         doc["total_s"] = time.perf_counter() - start
-        (args.out / name).write_text(json.dumps(doc, indent=1, default=str))
+        save_json(doc, args.out / name)
 
-    log(f"e2e: {doc['env']}")
+    runs = (len(args.sft_variants) * len(args.seq_lens) if "sft" in args.parts else 0) + (
+        len(args.grpo_variants) if "grpo" in args.parts else 0)
+    # Under a launcher every rank's output goes to one log: no bars there, the per-run lines say enough.
+    bar = progress(runs, "e2e", not args.no_progress and args.world_size == 1)
+    bar.write(f"e2e: {doc['env']}")
     threads = torch.get_num_threads()
     if args.tiny and args.device.type == "cpu":
         torch.set_num_threads(1)  # tiny matmuls: extra threads only add contention on a shared CPU
     try:
         for part in args.parts:
-            (sft_part if part == "sft" else grpo_part)(args, args.device, doc, save, deadline)
+            (sft_part if part == "sft" else grpo_part)(args, args.device, doc, save, deadline, bar)
     finally:
         torch.set_num_threads(threads)
+        bar.close()
     save()
     if args.rank == 0:  # one table per launch; the other ranks' numbers are in their JSON files
         text = table(doc)
         (args.out / "e2e.txt").write_text(text + "\n")
+        plot(doc, args.out / "e2e.png")
         print("\n" + text, flush=True)
     return 0
 

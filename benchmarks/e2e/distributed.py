@@ -14,11 +14,11 @@ Qwen3-1.7B), so ``--launch per-variant`` gives each variant launches of its own 
 the Ulysses config (``zero3_sp2``) always does: DeepSpeed sets its sequence-parallel groups up once per process.
 Under the context- and sequence-parallel configs both ranks share each row.
 
-The table (``DIR/e2e_distributed.txt``, and ``.json``) gives per engine and variant: tokens/s of all ranks
-(the sum over ranks of the row length over that rank's median step), the peak memory of the fullest GPU
-(``torch.cuda.max_memory_allocated`` over ``train()`` on each rank; the largest), the ratio to the unpatched
-model's tokens/s under the same engine, and the step-1 loss (``Trainer`` logs the mean over ranks, so it is
-comparable across engines and variants). A launch that fails or overruns ``--timeout`` is recorded with the
+The table (``DIR/e2e_distributed.txt``, and ``.json``; ``.png`` plots the first two columns) gives per engine and
+variant: tokens/s of all ranks (the sum over ranks of the row length over that rank's median step), the peak memory
+of the fullest GPU (``torch.cuda.max_memory_allocated`` over ``train()`` on each rank; the largest), the ratio to
+the unpatched model's tokens/s under the same engine, and the step-1 loss (``Trainer`` logs the mean over ranks, so
+it is comparable across engines and variants). A launch that fails or overruns ``--timeout`` is recorded with the
 tail of its output and the next engine runs.
 
 NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
@@ -42,7 +42,8 @@ from typing import Optional
 
 from .__main__ import parse_ints, parse_list
 from .models import SFT_MODELS
-from .report import fmt_gib, log
+from ..measure import plot_panels, progress, save_json
+from .report import fmt_gib
 from .sft import ALL_SFT_VARIANTS
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launch", choices=("per-engine", "per-variant"), default="per-engine",
                    help="one launch per engine (default) or per engine and variant (clean memory under ZeRO-3)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one launch may take (default 900)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -124,14 +126,14 @@ def launch_command(engine: str, variants: list[str], args, out: Path) -> list[st
             "-m", "benchmarks.e2e", *inner]
 
 
-def run_engine(engine: str, variants: list[str], args, out: Path) -> dict:
+def run_engine(engine: str, variants: list[str], args, out: Path, bar) -> dict:
     """One launch of ``variants`` under ``engine``; returns {"engine", "variants", "status", "wall_s", "ranks":
     [each rank's document, None where a rank wrote none], "output_tail"}."""
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("e2e.rank*.json"):
         old.unlink()
     cmd = launch_command(engine, variants, args, out)
-    log(f"[{engine}] {' '.join(cmd[1:])}")
+    bar.write(f"[{engine}] {' '.join(cmd[1:])}")
     t0 = time.perf_counter()
     with open(out / "launch.log", "w+") as logf:
         proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(args.device == "cpu"), stdout=logf,
@@ -154,7 +156,7 @@ def run_engine(engine: str, variants: list[str], args, out: Path) -> dict:
         path = out / f"e2e.rank{r}.json"
         ranks.append(json.loads(path.read_text()) if path.exists() else None)
     status = "ok" if rc == 0 else ("timeout" if rc is None else f"exit {rc}")
-    log(f"[{engine}] {status} in {time.perf_counter() - t0:.0f} s")
+    bar.write(f"[{engine}] {status} in {time.perf_counter() - t0:.0f} s")
     return {"engine": engine, "variants": variants, "status": status, "wall_s": time.perf_counter() - t0, "ranks": ranks,
             "output_tail": None if rc == 0 else tail}
 
@@ -224,6 +226,25 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(doc: dict, path: Path) -> Optional[Path]:
+    """Tokens/s of all ranks and the fullest GPU's peak memory per engine, one line per variant (and length)."""
+    engines = list(dict.fromkeys(r["engine"] for r in doc["rows"]))
+    lens = {r["seq_len"] for r in doc["rows"]}
+    speed, memory = {}, {}
+    for r in doc["rows"]:
+        if r["status"] != "ok":
+            continue
+        label = r["variant"] + (f" @ {r['seq_len']}" if len(lens) > 1 else "")
+        speed.setdefault(label, []).append((engines.index(r["engine"]), r["tokens_per_s"]))
+        if r.get("peak_gib_per_gpu") is not None:
+            memory.setdefault(label, []).append((engines.index(r["engine"]), r["peak_gib_per_gpu"]))
+    common = dict(xticks=engines, xlabel="engine (accelerate config)", log=False)
+    return plot_panels(path, [dict(common, title="training speed", ylabel="tokens/s, all ranks", series=speed),
+                              dict(common, title="peak memory", ylabel="peak GiB of the fullest GPU", series=memory,
+                                   empty="memory not measured on this device")],
+                       f"{doc['processes']} ranks, {doc['model']}") if engines else None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -246,16 +267,20 @@ def main(argv: Optional[list[str]] = None) -> int:
             launches.append((engine, list(args.sft_variants), args.out / engine))
         else:
             launches += [(engine, [v], args.out / engine / v) for v in args.sft_variants]
+    bar = progress(len(launches), "launches", not args.no_progress, unit="launch")
     for engine, variants, out in launches:
-        e = run_engine(engine, variants, args, out)
+        e = run_engine(engine, variants, args, out, bar)
+        bar.update(1)
         doc["engines"].append({k: v for k, v in e.items() if k != "ranks"})
         doc["rows"] += combine(e, args.sft_variants)
         first = next((d for d in e["ranks"] if d is not None), None)
         if first and doc["env"] is None:
             doc["env"] = {k: v for k, v in first["env"].items() if k not in ("rank", "device")}
-        (args.out / "e2e_distributed.json").write_text(json.dumps(doc, indent=1, default=str))
+        save_json(doc, args.out / "e2e_distributed.json")
+    bar.close()
     text = table(doc)
     (args.out / "e2e_distributed.txt").write_text(text + "\n")
+    plot(doc, args.out / "e2e_distributed.png")
     print("\n" + text, flush=True)
     return 0 if all(e["status"] == "ok" for e in doc["engines"]) else 1
 

@@ -18,7 +18,7 @@ import torch
 from ..measure import GIB, allocated_gib, free_memory, is_oom, peak_gib, reset_peak, short_error, synchronize
 from ..problems import BETA, OLD_LOGP_NOISE, REF_LOGP_NOISE
 from .models import build_model, checkpointing_on, enable_checkpointing, n_params, quiet_run_kwargs, qwen3_config
-from .report import describe_grpo, log
+from .report import describe_grpo
 
 GRPO_VARIANTS = ("trl", "hf_fused", "hf_fused_one_pass")
 GRPO_MODELS = ("qwen3-0.6b", "qwen3-1.7b")
@@ -199,7 +199,8 @@ def grpo_unavailable() -> Optional[str]:
     return None
 
 
-def grpo_part(args, device: torch.device, doc: dict, save, deadline: float) -> None:
+def grpo_part(args, device: torch.device, doc: dict, save, deadline: float, bar) -> None:
+    """Run part B's runs into ``doc``, saving after each and advancing ``bar`` (:func:`benchmarks.measure.progress`)."""
     runs = doc["grpo"]["runs"]
     reason = grpo_unavailable()
     for variant in args.grpo_variants:
@@ -208,8 +209,9 @@ def grpo_part(args, device: torch.device, doc: dict, save, deadline: float) -> N
         elif time.perf_counter() > deadline:
             res = {"status": "skipped", "note": "time budget", "variant": variant}
         else:
-            log(f"GRPO {variant:10s} ...")
+            bar.write(f"GRPO {variant:10s} ...")
             res = run_grpo(variant, args, device)
-            log(f"    -> {describe_grpo(res)}  ({res['wall_s']:.1f} s)")
+            bar.write(f"    -> {describe_grpo(res)}  ({res['wall_s']:.1f} s)")
         runs.append(res)
         save()
+        bar.update(1)

@@ -1,8 +1,11 @@
-"""The end-to-end benchmark's text table (printed and written to ``DIR/e2e.txt``)."""
+"""The end-to-end benchmark's text table (printed and written to ``DIR/e2e.txt``) and plot (``DIR/e2e.png``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
+
+from ..measure import plot_panels
 
 def fmt_gib(x) -> str:
     return "-" if x is None else f"{x:.1f}"
@@ -91,6 +94,24 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
+def plot(doc: dict, path: Path) -> Optional[Path]:
+    """SFT tokens/s and peak memory by sequence length, one line per variant (``None``: no SFT run, or no
+    matplotlib)."""
+    runs = doc["sft"]["runs"]
+    lens = sorted({r["seq_len"] for r in runs})
+    if not lens:
+        return None
+    x = {n: i for i, n in enumerate(lens)}
+    speed, memory, marks = {}, {}, []
+    for r in runs:
+        if r["status"] == "ok":
+            speed.setdefault(r["variant"], []).append((x[r["seq_len"]], r["tokens_per_s"]))
+            if r.get("peak_gib") is not None:
+                memory.setdefault(r["variant"], []).append((x[r["seq_len"]], r["peak_gib"]))
+        elif r["status"] == "OOM":
+            marks.append((x[r["seq_len"]], f"OOM: {r['variant']}"))
+    common = dict(xticks=[str(n) for n in lens], xlabel="tokens per row", marks=marks)
+    panels = [dict(common, title="SFT training speed", ylabel="tokens/s (median step)", series=speed, log=False),
+              dict(common, title="SFT peak memory", ylabel="max_memory_allocated over train() [GiB]", series=memory,
+                   log=False, empty="memory not measured on this device")]
+    return plot_panels(path, panels, f"{doc['sft']['model']} on {doc['env']['device_name']}")

@@ -18,7 +18,7 @@ from .models import (
     RandomTokens, attn_implementation, build_model, checkpointing_on, is_gemma2, make_step_timer, model_config, n_params,
     quiet_run_kwargs,
 )
-from .report import describe_sft, log
+from .report import describe_sft
 
 #: ``Trainer`` variants, then ``SFTTrainer`` ones: ``trl_sft`` (TRL 1.16's own chunked fused LM head, installed by
 #: ``SFTTrainer``) and ``hf_fused_trl_sft`` (``apply_fused_loss(model)`` first: hf_fused answers TRL's fused call).
@@ -200,7 +200,8 @@ def run_sft(variant: str, seq_len: int, args, device: torch.device) -> dict:
     return result
 
 
-def sft_part(args, device: torch.device, doc: dict, save, deadline: float) -> None:
+def sft_part(args, device: torch.device, doc: dict, save, deadline: float, bar) -> None:
+    """Run part A's runs into ``doc``, saving after each and advancing ``bar`` (:func:`benchmarks.measure.progress`)."""
     runs = doc["sft"]["runs"]
     for variant in args.sft_variants:
         skip_reason = liger_unavailable(device) if variant in LIGER_VARIANTS else None
@@ -213,12 +214,13 @@ def sft_part(args, device: torch.device, doc: dict, save, deadline: float) -> No
             elif time.perf_counter() > deadline:
                 res = {"status": "skipped", "note": "time budget"}
             else:
-                log(f"SFT {variant:10s} seq {seq_len:6d} ...")
+                bar.write(f"SFT {variant:10s} seq {seq_len:6d} ...")
                 res = run_sft(variant, seq_len, args, device)
-                log(f"    -> {describe_sft(res)}  ({res['wall_s']:.1f} s)")
+                bar.write(f"    -> {describe_sft(res)}  ({res['wall_s']:.1f} s)")
                 if res["status"] in ("OOM", "error"):  # longer sequences would fail the same way
                     failed_at = (res["status"], seq_len)
             res.setdefault("variant", variant)
             res.setdefault("seq_len", seq_len)
             runs.append(res)
             save()
+            bar.update(1)

@@ -18,6 +18,7 @@ def test_e2e_tiny_cpu(tmp_path, capsys):
     doc = json.loads((out / "e2e.json").read_text())
     table = (out / "e2e.txt").read_text()
     assert "longest fit" in table and table.strip() in printed
+    assert (out / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     sft = {(r["variant"], r["seq_len"]): r for r in doc["sft"]["runs"]}
     assert set(sft) == {(v, n) for v in ("plain", "liger", "hf_fused", "trl_sft", "hf_fused_trl_sft") for n in (32, 48)}

@@ -63,8 +63,9 @@ def test_bench_quick_cpu(tmp_path, capsys):
                  "--repeats", "1", "--out", str(out), "--no-progress", "--resume"]) == 0
     doc2 = json.loads((out / "bench.json").read_text())
     assert len(doc2["results"]) == 9 and len(doc2["runs"]) == 2
-    assert _records(doc2)[("ce-128-h64-v1k", "hf_fused_32mib")]["status"] == "ok"
-    assert "hf_fused (32 MiB tiles)" in (out / "bench.txt").read_text()
+    r = _records(doc2)[("ce-128-h64-v1k", "hf_fused_32mib")]
+    assert r["status"] == "ok" and r["loss_rel_err"] < 1e-4 and "tile_budget_bytes=33554432" in r["call"]
+    assert "hf_fused (32 MiB)" in (out / "bench.txt").read_text()
 
 
 def test_bench_selection_errors():
@@ -75,47 +76,51 @@ def test_bench_selection_errors():
     assert [p.kind for p in select_problems("grpo", quick=False)] == ["grpo", "grpo"]
 
 
-def test_the_8_gib_one_pass_peer_runs_on_request_only():
+def test_any_tile_budget_is_a_peer_on_request():
+    """``hf_fused_<n>mib`` / ``hf_fused_<n>gib``: hf_fused at that ``tile_budget_bytes``, in table order after the
+    named hf_fused rows; the default run has the 4 GiB one only."""
     from benchmarks.peers import DEFAULT_PEERS
 
-    (peer,) = select_peers("hf_fused_8gib")
-    assert peer.tile_budget_bytes == 8 * 2**30 and "8 GiB" in peer.label
+    peers = select_peers("hf_fused_8gib,eager,hf_fused_512mib,hf_fused")
+    assert [p.key for p in peers] == ["eager", "hf_fused", "hf_fused_8gib", "hf_fused_512mib"]
+    assert peers[2].tile_budget_bytes == 8 * 2**30 and peers[2].label == "hf_fused (8 GiB)"
+    assert peers[3].tile_budget_bytes == 512 * 2**20 and peers[3].label == "hf_fused (512 MiB)"
     assert "hf_fused_8gib" not in DEFAULT_PEERS and "hf_fused_4gib" in DEFAULT_PEERS
+    with pytest.raises(ValueError, match="hf_fused_<n>mib"):
+        select_peers("hf_fused_8tb")
 
 
-@pytest.mark.parametrize("peer", ["hf_fused_1pass", "hf_fused_hint"])
-def test_one_pass_grpo_peers_match_float64_and_skip_cross_entropy(tmp_path, peer):
+def test_hint_peer_matches_float64_and_skips_cross_entropy(tmp_path):
     out = tmp_path / "bench"
-    assert main(["--device", "cpu", "--quick", "--shapes", SHAPES, "--peers", peer,
+    assert main(["--device", "cpu", "--quick", "--shapes", SHAPES, "--peers", "hf_fused_hint",
                  "--repeats", "1", "--out", str(out), "--no-progress"]) == 0
     recs = _records(json.loads((out / "bench.json").read_text()))
-    assert recs[("ce-128-h64-v1k", peer)]["status"] == "n/a"
-    r = recs[("grpo-2x64-h64-v1k", peer)]
+    assert recs[("ce-128-h64-v1k", "hf_fused_hint")]["status"] == "n/a"
+    r = recs[("grpo-2x64-h64-v1k", "hf_fused_hint")]
     assert r["status"] == "ok", r
-    # the DAPO loss value at ratio 1 and its gradients, against the float64 logps → dapo_loss → backward
-    keys = ("loss_rel_err", "grad_hidden_rel_err", "grad_weight_rel_err")
-    keys += ("logp_rel_err", "entropy_rel_err") if peer == "hf_fused_hint" else ()
-    for key in keys:
+    # the DAPO loss and its gradients, against the float64 logps → dapo_loss → backward
+    for key in ("loss_rel_err", "grad_hidden_rel_err", "grad_weight_rel_err", "logp_rel_err", "entropy_rel_err"):
         assert r[key] < 1e-5, (key, r[key])
 
 
 def test_grpo_loss_types_run_against_their_own_float64_reference(tmp_path):
-    """``--shapes grpo-loss-types``: every TRL loss type but dapo, on-policy; the one-pass peers (token weights,
-    gradient hint: taken, not recomputed) get each one's loss and gradients."""
+    """``--shapes grpo-loss-types``: every TRL loss type but dapo, on-policy; the gradient-hint peer (its hint taken,
+    not recomputed) gets each one's loss and gradients."""
     import warnings
 
-    from benchmarks.problems import SAPO_TEMPERATURE_NEG, SAPO_TEMPERATURE_POS, make_inputs
-    from hf_fused.ops.logprobs import HintMissedWarning
+    from benchmarks.losses import SAPO_TEMPERATURE_NEG, SAPO_TEMPERATURE_POS
+    from benchmarks.problems import make_inputs
+    from hf_fused.ops import HintMissedWarning
 
     out = tmp_path / "bench"
     with warnings.catch_warnings():
         warnings.simplefilter("error", HintMissedWarning)  # at ratio 1 every type's gradient is a multiple of the hint
         assert main(["--device", "cpu", "--quick", "--shapes", "grpo-loss-types", "--peers",
-                     "hf_fused,hf_fused_1pass,hf_fused_hint", "--repeats", "1", "--out", str(out), "--no-progress"]) == 0
+                     "hf_fused,hf_fused_hint", "--repeats", "1", "--out", str(out), "--no-progress"]) == 0
     doc = json.loads((out / "bench.json").read_text())
     assert list(doc["problems"]) == [f"grpo-2x64-h64-v1k-{lt}" for lt in ("grpo", "bnpo", "dr_grpo", "luspo", "cispo",
                                                                           "sapo")]
-    assert len(doc["results"]) == 18
+    assert len(doc["results"]) == 12
     ref = {}
     for r in doc["results"]:
         assert r["status"] == "ok", r
@@ -157,15 +162,16 @@ def test_torch_peer_matches_float64_where_torch_has_linear_cross_entropy(tmp_pat
 def test_offpolicy_kl_problem_matches_float64_for_every_logprob_peer_and_token_loss(tmp_path):
     """``--shapes grpo-offpolicy-kl``: old log-probs ≠ current (both DAPO clips active), a β·k3 KL term against
     reference log-probs; every log-prob peer through the shared loss code and ``hf_fused_token_loss`` (the whole
-    objective in ``linear_token_loss``) against the float64 reference; the ratio-1 token-weights peer is n/a."""
+    objective in ``linear_token_loss``) against the float64 reference."""
     import warnings
 
-    from benchmarks.problems import EPSILON_HIGH, EPSILON_LOW, make_inputs
+    from benchmarks.losses import EPSILON_HIGH, EPSILON_LOW
+    from benchmarks.problems import make_inputs
     from benchmarks.reference import float64_logprobs
-    from hf_fused.ops.logprobs import HintMissedWarning
+    from hf_fused.ops import HintMissedWarning
 
     out = tmp_path / "bench"
-    peers = "eager,trl,hf_fused,hf_fused_hint,hf_fused_token_loss,hf_fused_1pass"
+    peers = "eager,trl,hf_fused,hf_fused_hint,hf_fused_token_loss"
     with warnings.catch_warnings():
         warnings.simplefilter("error", HintMissedWarning)  # the off-policy TokenLossHint must be taken, not recomputed
         assert main(["--device", "cpu", "--quick", "--shapes", "grpo-offpolicy-kl,grpo-2x64-h64-v1k", "--peers", peers,
@@ -174,8 +180,7 @@ def test_offpolicy_kl_problem_matches_float64_for_every_logprob_peer_and_token_l
     recs = _records(doc)
     name = "grpo-2x64-h64-v1k-offpolicy-kl"
     assert doc["problems"][name]["reference"] == "float64"
-    assert recs[(name, "hf_fused_1pass")]["status"] == "n/a"
-    for peer in peers.split(",")[:-1]:
+    for peer in peers.split(","):
         r = recs[(name, peer)]
         assert r["status"] == "ok", r
         # fp32 inputs on CPU: fp32 accumulation, errors at fp32 rounding level
@@ -210,7 +215,7 @@ def test_loss_types_offpolicy_kl_match_float64_for_every_logprob_peer_and_token_
     off-policy ``TokenLossHint`` (taken, not recomputed) and ``linear_token_loss`` against the float64 reference."""
     import warnings
 
-    from hf_fused.ops.logprobs import HintMissedWarning
+    from hf_fused.ops import HintMissedWarning
 
     out = tmp_path / "bench"
     peers = ["eager", "trl", "hf_fused", "hf_fused_hint", "hf_fused_token_loss"]
@@ -279,8 +284,8 @@ def test_autocast_runs_every_step_in_mixed_precision(tmp_path, capsys):
 
 
 def test_the_matmul_ceiling_is_measured_in_the_dtype_the_matmuls_run_in():
-    """Under ``--autocast bf16`` the fp32 problems multiply in bf16: a ceiling measured in fp32 (TF32) made the
-    H200 run of the seventeenth session print 836-1462 % of it."""
+    """Under ``--autocast bf16`` the fp32 problems multiply in bf16: a ceiling measured in fp32 (TF32) would make
+    fractions of 800-1500 % of it on an H200."""
     from benchmarks.runner import RunConfig, matmul_dtype
 
     base = dict(device=torch.device("cpu"), problems=[], peers=[], repeats=1, out_dir=None)
