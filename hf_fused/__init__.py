@@ -6,7 +6,8 @@ What users call, all importable from here:
 * the model switch: :func:`apply_fused_loss` (patch one model instance), :func:`remove_fused_loss`,
   :func:`original_forward_only` (a block with the original forward, logits and all), :func:`is_fused`;
 * the ops on plain tensors: :func:`linear_cross_entropy`, :func:`linear_logprobs`, :func:`linear_token_loss`
-  (a token-separable loss in one pass) and :func:`linear_grpo_loss` (open-instruct's GRPO objective on it);
+  (a token-separable loss in one pass), :func:`linear_grpo_loss` (open-instruct's GRPO objective on it) and
+  :func:`linear_distillation_loss` (a student's divergence from a teacher, TRL's conventions);
 * a loss module that owns the output layer (pipeline schedules, custom loops): :class:`LinearCrossEntropyLoss`;
 * the trainers: :class:`FusedTrainer` (``transformers.Trainer``) and :class:`FusedGRPOTrainer`
   (``trl.GRPOTrainer``), imported on first use so ``import hf_fused`` needs neither trl nor a Trainer;
@@ -30,6 +31,7 @@ from .model import (
 )
 from .model.head_loss import LinearCrossEntropyLoss
 from .ops import HintMissedWarning, linear_cross_entropy, linear_grpo_loss, linear_logprobs, linear_token_loss
+from .ops import linear_distillation_loss
 
 __version__ = "0.1.0"
 
@@ -54,6 +56,7 @@ __all__ = [
     "apply_fused_loss",
     "is_fused",
     "linear_cross_entropy",
+    "linear_distillation_loss",
     "linear_grpo_loss",
     "linear_logprobs",
     "linear_token_loss",

@@ -1,7 +1,8 @@
 """The math: fused lm_head losses on plain tensors (no transformers, no trl imports).
 
 Public: the ops (:func:`linear_cross_entropy`, :func:`linear_logprobs`, :func:`linear_token_loss`,
-:func:`linear_grpo_loss`, :func:`linear_token_statistics`), their option and result types, :func:`causal_shift`
+:func:`linear_grpo_loss`, :func:`linear_token_statistics`, :func:`linear_distillation_loss`), their option and
+result types, :func:`causal_shift`
 (labels aligned with the positions that predict them), :func:`describe_plan` (which schedule a call takes) and the
 backend registry. Each op is one autograd Function behind one call to :func:`hf_fused.ops.prepare.prepare`.
 Other names importable from here (``rows_per_tile``) are internals kept for tests."""
@@ -9,6 +10,7 @@ Other names importable from here (``rows_per_tile``) are internals kept for test
 from .backends import available_backends, get_backend, register_backend
 from .backward import HintMissedWarning
 from .cross_entropy import linear_cross_entropy
+from .distillation import DistillationOutput, linear_distillation_loss
 from .hints import TokenLossHint
 from .logit_transform import LogitTransform
 from .logprobs import linear_logprobs
@@ -20,6 +22,7 @@ from .token_statistics import TOKEN_STATISTICS, linear_token_statistics
 
 __all__ = [
     "DEFAULT_TILE_BUDGET_BYTES",
+    "DistillationOutput",
     "GRPOLossOutput",
     "GRPOObjective",
     "HintMissedWarning",
@@ -31,6 +34,7 @@ __all__ = [
     "get_backend",
     "grpo_token_loss",
     "linear_cross_entropy",
+    "linear_distillation_loss",
     "linear_grpo_loss",
     "linear_logprobs",
     "linear_token_loss",
