@@ -1,5 +1,5 @@
 """``python -m benchmarks.e2e.distributed``: the end-to-end SFT benchmark launched under the shipped accelerate
-configs (2 CPU ranks over gloo here; 2 GPUs over NCCL on a machine that has them, docs/gpu_results.md).
+configs (2 CPU ranks over gloo here; 2 GPUs over NCCL on a machine that has them, docs/performance.md).
 
 Checked: every rank of every engine wrote its runs, the table combines them, and under one engine the patched
 model's step-1 loss equals the unpatched model's (same seed, same rows, same engine; fp32 on CPU, so the two
