@@ -1,15 +1,5 @@
-"""The architecture-specific map from raw head outputs to the logits a model samples from.
-
-Order (the one transformers' models use, then sampling temperature last)::
-
-    z = (h · Wᵀ + b) · logit_scale          # Cohere `logit_scale`, Granite `1 / logits_scaling`
-    z = softcap · tanh(z / softcap)         # Gemma 2/3 `final_logit_softcapping`
-    z = z / temperature                     # sampling temperature (TRL divides logits by it)
-
-Its derivative is what every backward multiplies the logits-gradient by::
-
-    ∂z_out/∂z_raw = logit_scale · (1 − tanh²(z_scaled / softcap)) / temperature
-"""
+"""The architecture-specific map from raw head outputs to the logits a model samples from
+(:class:`LogitTransform`: scale, soft-cap, temperature) and its derivative."""
 
 from __future__ import annotations
 
@@ -23,8 +13,18 @@ import torch
 
 @dataclass(frozen=True)
 class LogitTransform:
-    """Scale, soft-cap and temperature applied to raw head outputs (see the module docstring). Each is one number
-    (a one-element tensor is read as its value), the same for every token.
+    """Scale, soft-cap and temperature applied to raw head outputs, in the order transformers' models use, then
+    sampling temperature last::
+
+        z = (h · Wᵀ + b) · logit_scale          # Cohere `logit_scale`, Granite `1 / logits_scaling`
+        z = softcap · tanh(z / softcap)         # Gemma 2/3 `final_logit_softcapping`
+        z = z / temperature                     # sampling temperature (TRL divides logits by it)
+
+    Its derivative is what every backward multiplies the logits-gradient by::
+
+        ∂z_out/∂z_raw = logit_scale · (1 − tanh²(z_scaled / softcap)) / temperature
+
+    Each value is one number (a one-element tensor is read as its value), the same for every token.
 
     Raises:
         TypeError: a value that is not a number.

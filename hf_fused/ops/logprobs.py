@@ -141,7 +141,7 @@ def linear_logprobs(
             differentiates it tile by tile in the one pass and backward checks it the same way.
         statistics: optional names among :data:`~hf_fused.ops.token_statistics.TOKEN_STATISTICS`
             (``"mean_logits"``, ``"is_top1"``, ``"log_sum_sq_probs"``; TRL's fused-head metrics, formulas in
-            :mod:`hf_fused.ops.token_statistics`): computed from the forward's own logits tiles, on either
+            :func:`~hf_fused.ops.linear_token_statistics`): computed from the forward's own logits tiles, on either
             schedule, at a few operations per logit and no extra matmul. Not with a ``TokenLossHint``.
 
     Returns:

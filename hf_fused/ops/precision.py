@@ -1,16 +1,5 @@
-"""Mixed precision at the ops' boundary: compute the head in the dtype the model's own lm_head call would use.
-
-Under ``torch.autocast`` (what ``Trainer(bf16=True)`` does to an fp32 model) ``lm_head(h)`` is an
-``F.linear`` that autocast runs with ``h``, ``W`` and ``b`` cast to the autocast dtype. The ops do the
-same cast once, at their boundary (:meth:`~hf_fused.ops.head_inputs.HeadInputs.computed`, inside their autograd
-Functions), and then run forward AND backward with autocast off: an autograd
-Function's backward runs outside the forward's autocast region, so a backward that recomputed logits
-under different casting rules than its forward would normalize them with a log-sum-exp they did not come
-from (probabilities that do not sum to 1, gradients 2.5× further from float64 than eager's). With the
-cast at the boundary both passes see the same bf16/fp16 operands. The Functions take the tensors as given, so an
-fp32 parameter's gradient is the fp32 accumulator itself, rounded once to fp32 — not to bf16 first, as eager's
-``F.linear`` under autocast rounds it — and no half-precision copy of the weight lives from forward to backward.
-"""
+"""Mixed precision at the ops' boundary: the dtype the model's own lm_head call would compute in under autocast,
+a block with autocast off for the tiled math, and the refusal of second-order gradients."""
 
 from __future__ import annotations
 
@@ -29,7 +18,16 @@ def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
 
 @contextmanager
 def autocast_off(device_type: str):
-    """Run the tiled math with autocast disabled: its dtypes are chosen at the boundary."""
+    """Run the tiled math with autocast disabled: its dtypes are chosen at the boundary.
+
+    Under ``torch.autocast`` (what ``Trainer(bf16=True)`` does to an fp32 model) ``lm_head(h)`` is an ``F.linear``
+    that autocast runs with ``h``, ``W`` and ``b`` cast to the autocast dtype. The ops make the same cast once
+    (:meth:`~hf_fused.ops.head_inputs.HeadInputs.computed`, inside their autograd Functions) and run forward AND
+    backward with autocast off: a Function's backward runs outside the forward's autocast region, so a backward
+    that recomputed logits under other casting rules than its forward would normalize them with a log-sum-exp they
+    did not come from (probabilities that do not sum to 1). The Functions take the tensors as given, so an fp32
+    parameter's gradient is the fp32 accumulator rounded once to fp32 (not to bf16 first, as eager ``F.linear``
+    under autocast rounds it), and no half-precision copy of the weight lives from forward to backward."""
     if autocast_dtype(device_type) is None:
         yield
         return

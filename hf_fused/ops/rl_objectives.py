@@ -1,26 +1,6 @@
-"""open-instruct's GRPO objective (DAPO / CISPO, truncated importance sampling, four KL estimators), fused.
-
-Source: allenai/open-instruct at e6c3044 (2026-08-20): ``grpo_utils.compute_grpo_loss`` (the policy term and
-the clip fraction), ``model_utils.estimate_kl`` (the KL estimators), ``rl_utils.masked_mean`` and the loss
-assembly in ``grpo_fast.py`` / ``olmo_core_train_modules.py``. Per response token, with ``logp`` the current
-log-prob of the sampled token under logits divided by ``temperature``, ``old`` the log-prob that sampled
-batch had under the policy at the start of the step, ``A`` the advantage and ``ρ`` the truncated
-importance-sampling weight (open-instruct's ``compute_rho_correction``)::
-
-    r   = exp(logp − old)
-    pg  = max(−A·r, −A·clip(r, 1 − clip_lower, 1 + clip_higher))          # "dapo"
-    pg  = −A · min(r, 1 + clip_higher).detach() · logp                     # "cispo"
-    pg  = pg · ρ
-    d   = clamp(logp − ref, −40, 40)
-    kl  = [d,  d²/2,  expm1(−d) + d,  r·d][kl_estimator]                   # 0 without a reference
-    loss = Σ_t (pg_t + β·kl_t)·mask_t / loss_denominator · loss_scale
-
-and the clip fraction ``clipfrac_t = 1[pg2 > pg1]`` ("dapo": the clipped term is the larger) or
-``1[r > 1 + clip_higher]`` ("cispo"), zeroed where ``ρ = 0``; open-instruct logs its masked mean.
-
-Every term is a function of the token's own ``logp`` and per-token constants, so :func:`linear_grpo_loss`
-computes it with :func:`~hf_fused.ops.linear_token_loss`: loss and head gradients in one pass (6·N·H·V).
-"""
+"""open-instruct's GRPO objective (DAPO / CISPO, truncated importance sampling, four KL estimators) fused:
+:func:`linear_grpo_loss` on :func:`~hf_fused.ops.linear_token_loss`, its per-token terms (:func:`grpo_terms`,
+:func:`grpo_token_loss`) and its options (:class:`GRPOObjective`)."""
 
 from __future__ import annotations
 
@@ -153,8 +133,29 @@ def linear_grpo_loss(
     tile_budget_bytes: Optional[int] = None,
     backend: Optional[str] = None,
 ) -> GRPOLossOutput:
-    """open-instruct's GRPO loss for one micro-batch (module docstring), from hidden states and lm_head: the
-    loss and its gradients for hidden, weight and bias in one pass over the tiles (6·N·H·V FLOPs).
+    """open-instruct's GRPO loss for one micro-batch, from hidden states and lm_head: the loss and its gradients
+    for hidden, weight and bias in one pass over the tiles (6·N·H·V FLOPs).
+
+    Source: allenai/open-instruct at e6c3044 (2026-08-20): ``grpo_utils.compute_grpo_loss`` (the policy term and
+    the clip fraction), ``model_utils.estimate_kl`` (the KL estimators), ``rl_utils.masked_mean`` and the loss
+    assembly in ``grpo_fast.py`` / ``olmo_core_train_modules.py``. Per response token, with ``logp`` the current
+    log-prob of the sampled token under logits divided by ``temperature``, ``old`` the log-prob that sampled
+    batch had under the policy at the start of the step, ``A`` the advantage and ``ρ`` the truncated
+    importance-sampling weight (open-instruct's ``compute_rho_correction``)::
+
+        r   = exp(logp − old)
+        pg  = max(−A·r, −A·clip(r, 1 − clip_lower, 1 + clip_higher))          # "dapo"
+        pg  = −A · min(r, 1 + clip_higher).detach() · logp                     # "cispo"
+        pg  = pg · ρ
+        d   = clamp(logp − ref, −40, 40)
+        kl  = [d,  d²/2,  expm1(−d) + d,  r·d][kl_estimator]                   # 0 without a reference
+        loss = Σ_t (pg_t + β·kl_t)·mask_t / loss_denominator · loss_scale
+
+    and the clip fraction ``clipfrac_t = 1[pg2 > pg1]`` ("dapo": the clipped term is the larger) or
+    ``1[r > 1 + clip_higher]`` ("cispo"), zeroed where ``ρ = 0``; open-instruct logs its masked mean.
+
+    Every term is a function of the token's own ``logp`` and per-token constants, so the op is
+    :func:`~hf_fused.ops.linear_token_loss` with :func:`grpo_token_loss`.
 
     Args:
         hidden: ``[B, T, H]`` (or ``[..., H]``) hidden states aligned with ``labels`` (position ``t`` scores

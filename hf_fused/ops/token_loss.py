@@ -1,30 +1,5 @@
-"""Fused token-separable losses: ``Σ_t token_loss(logp_t, H_t; c_t)`` and its head gradients in one pass.
-
-For GRPO-family objectives the gradient reaching a token's log-prob (and entropy) is an elementwise function
-of that token's log-prob and entropy and of per-token constants known before the forward (advantages, old
-and reference log-probs, masks, importance weights, normalizers). So once a tile's full-vocabulary logits
-are resident and its log-sum-exp (and entropy) are known, the op evaluates the user's ``token_loss`` on the
-tile's rows, differentiates it there with ordinary autograd on ``[rows]`` tensors (``g_lp = ∂L/∂logp_t``,
-``g_H = ∂L/∂H_t``), and forms the logits gradient in the same pass (DESIGN.md, "The math")::
-
-    dz_j = g_lp·(1[j = y_t] − p_j) − g_H·p_j·(log p_j + H_t)
-
-then ``dh = dz·W``, ``dW += dzᵀ·h``: 6·N·H·V FLOPs in all instead of the 8 of log-probs + a recompute
-backward. Backward only scales the stored fp32 gradients by the upstream factor before their one rounding,
-so gradient accumulation and loss scaling stay exact.
-
-**Token-separable** means: the loss is a sum over tokens of terms each depending on that token's ``logp``
-and ``H`` only (plus constants). Not separable, so not for this op (use :func:`~hf_fused.ops.linear_logprobs`
-and autograd on ``[B, T]`` tensors instead):
-
-- a sequence-level ratio ``exp(mean_t(logp_t − old_t))`` (GSPO, TRL's ``importance_sampling_level=
-  "sequence"``): every token's gradient depends on the whole sequence's log-probs;
-- a quantile of the batch's entropies (TRL's ``top_entropy_quantile < 1``): the mask depends on all rows;
-- anything normalized by a statistic of the current log-probs themselves.
-
-Per-batch constants computed beforehand (token counts, ``num_items_in_batch``, sequence lengths,
-advantages) are fine: pass them per token in ``per_token`` or close over them in ``token_loss``.
-"""
+"""Fused token-separable losses (:func:`linear_token_loss`): ``Σ_t token_loss(logp_t, H_t; c_t)`` and its head
+gradients in one pass over the tiles, for GRPO-family objectives written as a per-token function."""
 
 from __future__ import annotations
 
@@ -155,6 +130,27 @@ def linear_token_loss(
     ``softcap·tanh(z/softcap)``, then ``/temperature``; ``logp_t = z[y_t] − logsumexp(z)``,
     ``H_t = −Σ_j p_j log p_j``.
 
+    For GRPO-family objectives the gradient reaching a token's log-prob (and entropy) is an elementwise function
+    of that token's log-prob and entropy and of per-token constants known before the forward (advantages, old
+    and reference log-probs, masks, importance weights, normalizers). So once a tile's full-vocabulary logits
+    are resident and its log-sum-exp (and entropy) are known, the op evaluates ``token_loss`` on the tile's rows,
+    differentiates it there with ordinary autograd on ``[rows]`` tensors (``g_lp = ∂L/∂logp_t``,
+    ``g_H = ∂L/∂H_t``), and forms the logits gradient in the same pass (DESIGN.md, "The math")::
+
+        dz_j = g_lp·(1[j = y_t] − p_j) − g_H·p_j·(log p_j + H_t)
+
+    then ``dh = dz·W``, ``dW += dzᵀ·h``: 6·N·H·V FLOPs in all instead of the 8 of log-probs + a recompute
+    backward.
+
+    **Token-separable** means: the loss is a sum over tokens of terms each depending on that token's ``logp``
+    and ``H`` only (plus constants). Not separable, so not for this op (use :func:`~hf_fused.ops.linear_logprobs`
+    and autograd on ``[B, T]`` tensors instead): a sequence-level ratio ``exp(mean_t(logp_t − old_t))`` (GSPO,
+    TRL's ``importance_sampling_level="sequence"``: every token's gradient depends on the whole sequence's
+    log-probs); a quantile of the batch's entropies (TRL's ``top_entropy_quantile < 1``: the mask depends on all
+    rows); anything normalized by a statistic of the current log-probs themselves. Per-batch constants computed
+    beforehand (token counts, ``num_items_in_batch``, sequence lengths, advantages) are fine: pass them per token
+    in ``per_token`` or close over them in ``token_loss``.
+
     Args:
         hidden: ``[..., H]`` hidden states aligned with ``labels`` (no shift here).
         weight: ``[V, H]`` lm_head weight.  bias: optional ``[V]``.
@@ -164,7 +160,7 @@ def linear_token_loss(
             written in plain PyTorch. ``logprobs`` is fp32 ``[r]`` for a tile's ``r`` kept tokens,
             ``entropy`` fp32 ``[r]`` (``None`` unless ``need_entropy``), ``rows`` the ``per_token`` tensors
             sliced to the same tokens (dtypes kept). It must return ``[r]`` floating losses in which token
-            ``t``'s entry depends on token ``t``'s inputs only (module docstring: what is not separable); the
+            ``t``'s entry depends on token ``t``'s inputs only (above: what is not separable); the
             op differentiates it per tile with autograd. It may be called several times (once per tile).
         per_token: optional dict of tensors shaped like ``labels`` (advantages, old/reference log-probs, masks,
             importance weights, per-token normalizers …), constants (not differentiated).

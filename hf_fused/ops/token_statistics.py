@@ -1,19 +1,5 @@
-"""Per-token statistics of the next-token distribution that carry no gradient (metrics), and
-:func:`linear_token_statistics`, the gradient-free op that computes them (one statistics pass, 2·N·H·V FLOPs).
-
-TRL's trainers log them from its fused head (``trl.trainer.utils.FusedCausalLMOutput``): the mean logit
-(DPO/KTO ``logits/*``), whether the label is the arg-max (``mean_token_accuracy``) and ``log Σ_v p_v²``
-(DPO's WPO weighting). Per token with logits ``z`` (after the logit transform, see
-:class:`~hf_fused.ops.LogitTransform`) over a vocabulary of size ``V`` and label ``y``::
-
-    mean_logits      = (1/V) Σ_v z_v
-    is_top1          = z_y ≥ max_v z_v  and  z_y > max_{v<y} z_v     # arg-max returns the first maximum
-    log_sum_sq_probs = log Σ_v exp(2 z_v − 2 lse) = logsumexp(2z) − 2·logsumexp(z)
-
-None of them can be recovered from ``logsumexp``, the label's log-probability and the entropy, but each is
-an online reduction over the same logits tiles, which every backend computes in its forward passes when asked
-(:mod:`~hf_fused.ops.backends.protocol`); :func:`~hf_fused.ops.linear_logprobs` returns them beside the log-probs.
-"""
+"""Per-token statistics of the next-token distribution that carry no gradient (TRL's fused-head metrics): their
+names, the checks of a request, and :func:`linear_token_statistics`, the gradient-free op that computes them."""
 
 from __future__ import annotations
 
@@ -65,10 +51,23 @@ def linear_token_statistics(
     tile_budget_bytes: Optional[int] = None,
     backend: Optional[str] = None,
 ) -> dict[str, torch.Tensor]:
-    """The requested per-token statistics (module docstring) under the logits of ``hidden @ weight.T + bias``,
-    never materializing the ``[N, V]`` logits, for metrics only: the statistics forward of
-    :func:`~hf_fused.ops.linear_logprobs` without gradients. When the log-probs are needed too, call
+    """The requested per-token statistics under the logits of ``hidden @ weight.T + bias``, never materializing
+    the ``[N, V]`` logits, for metrics only: the statistics forward of :func:`~hf_fused.ops.linear_logprobs`
+    without gradients (one pass, 2·N·H·V FLOPs). When the log-probs are needed too, call
     ``linear_logprobs(..., statistics=...)`` instead: one pass gives both.
+
+    TRL's trainers log them from its fused head (``trl.trainer.utils.FusedCausalLMOutput``): the mean logit
+    (DPO/KTO ``logits/*``), whether the label is the arg-max (``mean_token_accuracy``) and ``log Σ_v p_v²``
+    (DPO's WPO weighting). Per token with logits ``z`` (after the logit transform, see
+    :class:`~hf_fused.ops.LogitTransform`) over a vocabulary of size ``V`` and label ``y``::
+
+        mean_logits      = (1/V) Σ_v z_v
+        is_top1          = z_y ≥ max_v z_v  and  z_y > max_{v<y} z_v     # arg-max returns the first maximum
+        log_sum_sq_probs = log Σ_v exp(2 z_v − 2 lse) = logsumexp(2z) − 2·logsumexp(z)
+
+    None of them can be recovered from ``logsumexp``, the label's log-probability and the entropy, but each is
+    an online reduction over the same logits tiles, which every backend computes in its forward passes when asked
+    (:mod:`~hf_fused.ops.backends.protocol`).
 
     Args:
         hidden: ``[..., H]`` hidden states aligned with ``labels``.  weight: ``[V, H]``.  bias: optional ``[V]``.
