@@ -21,7 +21,8 @@ import griffe
 #: The modules whose ``__all__`` is the public API, in the order a bare name is looked up.
 PUBLIC_MODULES = ("hf_fused", "hf_fused.ops")
 
-_GROUPED_PARAMS = re.compile(r"^(\s+)([A-Za-z_]\w*(?:,\s*[A-Za-z_]\w*)+):(\s.*)$", re.M)
+#: ``a, b: text`` and the lines indented deeper that continue it.
+_GROUPED_PARAMS = re.compile(r"^([ \t]+)([A-Za-z_]\w*(?:,[ \t]*[A-Za-z_]\w*)+):([ \t].*(?:\n\1[ \t]+\S.*)*)$", re.M)
 _ROLE = re.compile(r":(?:py:)?(?:func|class|meth|mod|attr|data|exc|obj|const):`~?([^`]+)`")
 
 
@@ -50,7 +51,8 @@ def markdown_docstring(text: str, public: dict[str, str]) -> str:
 
 
 def _split_grouped_params(match: re.Match) -> str:
-    """``a, b: text`` (one entry for several parameters) as one entry per parameter, as Google style wants."""
+    """``a, b: text`` (one entry for several parameters, its continuation lines included) as one entry per
+    parameter, as Google style wants."""
     indent, names, text = match.groups()
     return "\n".join(f"{indent}{name.strip()}:{text}" for name in names.split(","))
 
