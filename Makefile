@@ -29,7 +29,7 @@ demo-grpo: venv
 test: venv
 	$(PY) -m pytest -q
 
-# Execute every notebook in place, saving outputs and plots (what CI re-runs in tests/test_notebooks.py).
+# Execute every notebook in place, saving outputs and plots (what CI re-runs in tests/examples/test_notebooks.py).
 notebooks: venv
 	$(PY) notebooks/run.py
 
