@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 def pytest_collection_modifyitems(config, items):
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine; see docs/gpu_results.md)")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (python -m pytest -m gpu on a GPU machine)")
     skip_multigpu = pytest.mark.skip(reason=f"needs 2 CUDA GPUs, found {gpus} (docs/distributed.md)")
     for item in items:
         if "multigpu" in item.keywords and gpus < 2:

@@ -274,7 +274,7 @@ def test_triton_token_statistics_on_gpu_fp32_match_float64(path, kw):
 @pytest.mark.parametrize("budget", [None, 8 * 2**20])
 def test_triton_token_statistics_on_gpu_bf16_match_stock_trl(budget):
     """bf16: the logits tile is bf16 (rounded by cuBLAS as TRL's tiles and eager transformers' logits are), so the
-    statistics are TRL's up to how cuBLAS rounds a logit in another tile shape (docs/gpu_results.md): values no
+    statistics are TRL's up to how cuBLAS rounds a logit in another tile shape: values no
     further from float64 than TRL's (1.1×, summation order), is_top1 equal to TRL's except where such a rounding
     decides a near-tie at the top (at most 0.2% of rows)."""
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction

@@ -43,6 +43,7 @@ def register_backend(name: str, factory: Callable[[], Backend]) -> None:
 
 
 def available_backends() -> list[str]:
+    """The names :func:`get_backend` accepts (``"torch"``, ``"triton"`` and any registered later), sorted."""
     return sorted(_REGISTRY)
 
 
