@@ -263,14 +263,16 @@ def sparse_distillation_loss(
     if transform is None:
         _check_temperature(temperature)
     teacher = _teacher_logprobs(teacher_logprobs, support_ids)
+    # The teacher's distribution on the support, once for all rows (a per-token constant of the loss). A support_mask
+    # that linear_support_loss will refuse leaves it None: the op raises before the loss runs.
     valid = support_mask
-    if valid is None and isinstance(support_ids, torch.Tensor):
-        valid = torch.ones(support_ids.shape, dtype=torch.bool, device=support_ids.device)
-    elif isinstance(valid, torch.Tensor) and valid.shape == teacher.shape and not valid.is_floating_point():
-        valid = valid != 0
-    teacher_dist, teacher_valid = (None, None)
-    if isinstance(valid, torch.Tensor) and valid.shape == teacher.shape and valid.device == teacher.device:
-        teacher_dist, teacher_valid = support_distribution(teacher, valid, bool(add_tail_bucket))
+    if valid is None:
+        valid = torch.ones(teacher.shape, dtype=torch.bool, device=teacher.device)
+    teacher_dist, teacher_valid = None, None
+    usable = (isinstance(valid, torch.Tensor) and valid.shape == teacher.shape and valid.device == teacher.device
+              and not (valid.is_floating_point() or valid.is_complex()))
+    if usable:
+        teacher_dist, teacher_valid = support_distribution(teacher, valid != 0, bool(add_tail_bucket))
     divergence_fn = functools.partial(sparse_divergence, beta=beta, add_tail=bool(add_tail_bucket))
     per_token = None if teacher_dist is None else {"teacher": teacher_dist, "teacher_valid": teacher_valid}
     out, prepared = support_loss_call(

@@ -160,11 +160,12 @@ def support_loss_pass(
     ``TILE_BUFFERS`` fp32 ``[rows, V]`` arrays of the reference backend: logits turned log-probs in place, the
     probabilities, the soft-cap's tanh). Per tile, with ``z`` the transformed logits::
 
-        lse = logsumexp(z)       s_k = z[id_k] − lse  (−inf at invalid slots)       H = −Σ_j p_j log p_j
+        log p = log_softmax(z)       s_k = log p[id_k]  (−inf at invalid slots)       H = −Σ_j p_j log p_j
 
-    then the per-row gradients ``g_k = ∂L/∂s_k`` and ``g_H = ∂L/∂H`` from ``tile_loss`` (or from ``row_grads``,
-    given: the recompute of ``reduction="none"``), and, when ``need`` asks for any, the logits gradient from the
-    same tile (``∂s_k/∂z_j = 1[j = id_k] − p_j``, ``∂H/∂z_j = −p_j (log p_j + H)``)::
+    (``log p`` from ``z − max z``, as ``log_softmax`` computes it), then the per-row gradients ``g_k = ∂L/∂s_k`` and
+    ``g_H = ∂L/∂H`` from ``tile_loss`` (or from ``row_grads``, given: the recompute of ``reduction="none"``), and,
+    when ``need`` asks for any, the logits gradient from the same tile (``∂s_k/∂z_j = 1[j = id_k] − p_j``,
+    ``∂H/∂z_j = −p_j (log p_j + H)``)::
 
         dz_j = Σ_k g_k·1[j = id_k] − p_j·Σ_k g_k − g_H·p_j·(log p_j + H)
 
@@ -204,11 +205,20 @@ def support_loss_pass(
         if grads is None:
             del tanh  # only the gradient needs it
             tanh = None
-        logp = z.sub_(torch.logsumexp(z, dim=1, keepdim=True))  # log p_j, in place of z
+        # log p = (z − max) − log Σ exp(z − max), as log_softmax computes it: a log-prob near 0 (a likely candidate)
+        # keeps its fp32 digits, which z − logsumexp(z) would cancel, and a tail bucket log(1 − Σ_k p_k) amplifies.
+        shifted = z.sub_(z.amax(dim=1, keepdim=True))
+        p = shifted.exp()
+        sum_exp = p.sum(dim=1, keepdim=True)
+        logp = shifted.sub_(sum_exp.log())  # log p_j, in place of z
         ids, valid = support.ids[start:stop], support.valid[start:stop]
         s = logp.gather(1, ids).masked_fill_(~valid, float("-inf"))
         support_logprobs[start:stop] = s
-        p = logp.exp() if want_entropy or grads is not None else None
+        if want_entropy or grads is not None:
+            p.div_(sum_exp)
+        else:
+            del p
+            p = None
         ent = None
         if entropy is not None:
             entropy[start:stop] = -torch.mul(p, logp).sum(1)
@@ -220,13 +230,13 @@ def support_loss_pass(
             g_s = row_grads.logprobs[start:stop]
             g_ent = None if row_grads.entropy is None else row_grads.entropy[start:stop]
         if grads is not None:
-            total = g_s.sum(1, keepdim=True)
+            g_total = g_s.sum(1, keepdim=True)
             # dz in the two tile arrays already alive (logp, p): the working set stays TILE_BUFFERS arrays.
             if g_ent is not None:
                 dz = logp.add_(ent.unsqueeze(1)).mul_(p).mul_(-g_ent.unsqueeze(1))  # −g_H·p_j(log p_j + H)
-                dz.sub_(p.mul_(total))
+                dz.sub_(p.mul_(g_total))
             else:
-                dz = p.mul_(-total)
+                dz = p.mul_(-g_total)
             dz.scatter_add_(1, ids, g_s)  # + Σ_k g_k·1[j = id_k] (g_k = 0 at invalid slots)
             dz = transform.backward(dz, tanh)  # × 1/T, × (1 − tanh²), × scale
             if grads.hidden is not None:

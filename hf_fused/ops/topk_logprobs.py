@@ -63,8 +63,9 @@ def linear_topk_logprobs(
 
     Logits as in :func:`~hf_fused.ops.linear_logprobs`: ``z = (h·Wᵀ + b)·logit_scale``, then
     ``softcap·tanh(z/softcap)``, then ``/temperature``, in fp32 from the operands ``F.linear`` would use (autocast's
-    casts apply); ``logprobs = topk(z) − logsumexp(z)``. Ties between logits are ordered as ``torch.topk`` orders
-    them. No gradient (a teacher's output).
+    casts apply); ``logprobs = topk(z) − logsumexp(z)``, from ``z − max z`` as ``log_softmax`` computes them (a
+    log-prob near 0 keeps its fp32 digits). Ties between logits are ordered as ``torch.topk`` orders them. No
+    gradient (a teacher's output).
 
     Args:
         hidden: ``[..., H]`` hidden states (fp32/bf16/fp16).  weight: ``[V, H]``.  bias: optional ``[V]``.
@@ -109,16 +110,18 @@ def linear_topk_logprobs(
             if bias32 is not None:
                 raw += bias32
             z, _ = head.transform.forward(raw)
-            lse = torch.logsumexp(z, dim=1, keepdim=True)
-            top = torch.topk(z, k, dim=1)  # sorted, most likely first
+            # (z − max) − log Σ exp(z − max), as log_softmax: the likely tokens' log-probs near 0 keep their digits
+            shifted = z.sub_(z.amax(dim=1, keepdim=True))
+            log_sum = shifted.exp().sum(dim=1, keepdim=True).log_()
+            top = torch.topk(shifted, k, dim=1)  # sorted, most likely first
             ids[start:stop] = top.indices
-            logprobs[start:stop] = top.values - lse
+            logprobs[start:stop] = top.values - log_sum
             if label_logprobs is not None:
                 y = head.labels[start:stop]
                 kept = y != ignore_index
-                picked = z.gather(1, torch.where(kept, y, 0).unsqueeze(1)).squeeze(1) - lse.squeeze(1)
+                picked = shifted.gather(1, torch.where(kept, y, 0).unsqueeze(1)).squeeze(1) - log_sum.squeeze(1)
                 label_logprobs[start:stop] = torch.where(kept, picked, 0.0)
-            del raw, z, lse, top
+            del raw, z, shifted, log_sum, top
     batch_shape = prepared.batch_shape
     return TopKLogprobs(
         ids.view(*batch_shape, k),
