@@ -16,9 +16,11 @@ What users call, all importable from here:
   ran without the fused loss), :class:`HintMissedWarning` (a ``grad_hint`` did not match the upstream
   gradient: exact but slower).
 
-Layers, each importing only the ones above it: :mod:`hf_fused.ops` (the math) → :mod:`hf_fused.model`
-(patch a transformers model) → :mod:`hf_fused.trainers`; :mod:`hf_fused.integrations` serves TRL's and
-transformers' own calls on a patched model. Names not listed in ``__all__`` are internals.
+Layers, each importing only the ones below it (a checked contract: ``.importlinter``): :mod:`hf_fused.ops` (the
+math) ← :mod:`hf_fused.model` (patch a transformers model) ← :mod:`hf_fused.integrations` (serve TRL's and
+transformers' own calls on a patched model; every process-wide patch they make is listed there, with its undo)
+← :mod:`hf_fused.trainers`. The integrations plug into the model layer's extension point
+(:mod:`hf_fused.model.extensions`) when this package is imported. Names not listed in ``__all__`` are internals.
 """
 
 from .model import (
@@ -30,6 +32,7 @@ from .model import (
     remove_fused_loss,
 )
 from .model.head_loss import LinearCrossEntropyLoss
+from . import integrations  # noqa: F401  (registers TRL's and transformers' integrations with the model layer)
 from .ops import HintMissedWarning, linear_cross_entropy, linear_grpo_loss, linear_logprobs, linear_token_loss
 from .ops import linear_distillation_loss
 

@@ -1,6 +1,62 @@
-"""Integrations with training libraries that call a model in their own ways.
+"""Integrations with the libraries that call a model in their own ways: transformers' ``Trainer`` and TRL.
 
-:mod:`hf_fused.integrations.trl`: TRL's trainers call ``model(..., fused_lm_head=True)`` (their own fused LM
-head); on a model patched by :func:`hf_fused.apply_fused_loss` hf_fused's ops answer that call. It adjusts TRL's
-modules when they are imported (:mod:`hf_fused.integrations.import_hooks`), so patching never imports TRL.
+* :mod:`hf_fused.integrations.transformers_trainer`: ``Trainer`` gathers real logits as predictions from a patched
+  model; ``use_liger_kernel=True`` applies Liger's layer kernels, not its loss.
+* :mod:`hf_fused.integrations.trl`: TRL's trainers call ``model(..., fused_lm_head=True)`` (their own fused LM head);
+  on a model patched by :func:`hf_fused.apply_fused_loss` hf_fused's ops answer that call.
+
+They plug into the model layer through its extension point (:mod:`hf_fused.model.extensions`; registered when
+``hf_fused`` is imported): the fused-head keyword is answered by :func:`~hf_fused.integrations.trl.trl_fused_forward`,
+each patch installs the process-wide patches below, each removal undoes what was done for that model (a TRL trainer's
+head options; TRL's own head where hf_fused withheld it) and the removal of the last patched model uninstalls the
+patches. The model layer never imports this package.
+
+Process-wide patches: one inventory (:data:`~hf_fused.integrations.inventory.PATCHES`), each entry a
+:class:`~hf_fused.integrations.patching.ThirdPartyPatch` with ``install()`` and ``uninstall()``;
+:func:`uninstall_all` puts every original back.
+
+Trigger, for every entry: the first :func:`~hf_fused.apply_fused_loss` of the process (:func:`install_all`),
+applied when the module in the second column is imported (at once if it is).
+
+| Entry | Module (trigger) | Target | Why | Versions | How every other call passes through |
+|---|---|---|---|---|---|
+| ``PREDICTION_STEP`` | ``transformers.trainer`` | ``Trainer.prediction_step`` | Trainer gathers ``outputs.logits`` for metrics and ``predict()``: a patched model runs its original forward there | transformers >= 5.0 | loss-only steps and unpatched models: Trainer's own method |
+| ``LIGER_KERNEL`` | ``transformers.trainer`` | ``apply_liger_kernel`` (the name ``Trainer.train`` calls) | Liger's fused cross-entropy replaces the instance's forward and would drop hf_fused's | transformers >= 5.0, Liger >= 0.8 | unpatched models: Liger's call; patched ones get Liger's layer kernels without its loss |
+| ``TRL_FUSED_HEAD`` | ``trl.trainer.utils`` | ``add_fused_lm_head``, there and in each TRL module that imported it | TRL's trainers install a chunked head that reads ``lm_head.weight``, bypassing the patched forward | TRL 1.16 (checked at install; another shape: nothing wrapped, a warning) | unpatched models, except a patched policy's reference model: TRL's head |
+| ``TRL_HEAD_ADAPTER_CHECKS`` (5) | ``trl.trainer.{sft,dpo,kto,rloo,grpo}_trainer`` | ``__init__`` of ``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer``, ``RLOOTrainer``, ``GRPOTrainer`` | TRL refuses a PEFT adapter on lm_head, which hf_fused computes with; names the trainer being built (its reference model is patched like its policy) | TRL 1.16 | unpatched models: TRL's ``__init__`` and check |
+| ``TRL_DISTILLATION`` | ``trl.trainer.distillation_trainer`` | ``DistillationTrainer.__init__`` | say once that its divergence loss stays on TRL's kernel (no hf_fused op) | TRL 1.16 | every call: TRL's ``__init__``, then the warning (patched models, once) |
+| the import hook | any watched module above | a finder first on ``sys.meta_path`` (:mod:`~hf_fused.integrations.import_hooks`) | apply the entries above when their module is imported, without importing it | Python's ``importlib.abc`` | other imports: it answers for the watched names only; modules keep their loader; gone once none is pending |
+
+A wrapper that someone else has wrapped since cannot be taken out of their chain on uninstall: it then
+passes every call straight through.
+
+Per model, not process-wide (undone by :func:`~hf_fused.remove_fused_loss` or at the end of the call):
+the model's ``forward`` and ``_replicate_for_data_parallel`` (the model layer); ``lm_head.forward`` during one
+call (the intercept); ``get_output_embeddings`` during a TRL trainer's ``__init__``; the TRL head options of a
+trainer (``_hf_fused_trl_head``), removed with the patch, TRL's own head then installed where hf_fused withheld it.
 """
+
+from ..model import ModelExtension, patched_models, register_extension
+from .inventory import PATCHES, install_all, rebinds, uninstall_all
+from .trl.head import trl_fused_forward
+from .trl.hooks import forget_trl_head, serve_trl_fused_head
+
+
+def _install_patches(causal_lm) -> None:
+    install_all()
+
+
+def _uninstall_patches_after_the_last_model(causal_lm) -> None:
+    if not patched_models():
+        uninstall_all()
+
+
+register_extension(ModelExtension(
+    "third_party_patches", on_patch=_install_patches, on_remove=_uninstall_patches_after_the_last_model,
+))
+register_extension(ModelExtension(
+    "trl_fused_head", call_keyword="fused_lm_head", forward=trl_fused_forward, on_patch=serve_trl_fused_head,
+    on_remove=forget_trl_head,
+))
+
+__all__ = ["PATCHES", "install_all", "rebinds", "uninstall_all"]

@@ -4,12 +4,13 @@ An integration with an optional library (TRL) must adjust that library's classes
 anything with them, but importing the library to do so costs seconds in processes that never use it.
 :func:`when_imported` runs the adjustment at once if the module is loaded, and otherwise right after the module
 finishes executing, before the ``import`` statement that loaded it returns (so a module that imports a name from
-it gets the adjusted object).
+it gets the adjusted object). :func:`cancel` withdraws a hook that has not run yet.
 
 How: a finder first on ``sys.meta_path`` answers only for the watched names; it asks the other finders for the
-module's spec and wraps the loader's ``exec_module`` (as ``wrapt``'s import hooks do). The module's
-``__loader__`` and ``__spec__.loader`` stay the original loader. A hook that raises is reported as a warning:
-importing the library never fails because of it.
+module's spec and wraps the loader's ``exec_module`` (as ``wrapt``'s import hooks do). The finder is on
+``sys.meta_path`` only while some hook is pending (:func:`finder_installed`). The module's ``__loader__`` and
+``__spec__.loader`` stay the original loader. A hook that raises is reported as a warning: importing the library
+never fails because of it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,24 @@ def when_imported(name: str, hook: Hook) -> None:
                 sys.meta_path.insert(0, _FINDER)
             return
     _run(hook, module)
+
+
+def cancel(name: str, hook: Hook) -> None:
+    """Withdraw ``hook`` from module ``name`` if it has not run yet; the finder leaves ``sys.meta_path`` once no
+    hook is pending."""
+    with _LOCK:
+        hooks = _PENDING.get(name)
+        if hooks is not None and hook in hooks:
+            hooks.remove(hook)
+            if not hooks:
+                del _PENDING[name]
+        if not _PENDING and _FINDER in sys.meta_path:
+            sys.meta_path.remove(_FINDER)
+
+
+def finder_installed() -> bool:
+    """Whether hf_fused's import finder is on ``sys.meta_path`` (some hook is waiting for its module)."""
+    return _FINDER in sys.meta_path
 
 
 def _run(hook: Hook, module: ModuleType) -> None:

@@ -6,12 +6,16 @@ with the lm_head call intercepted: inside lm_head's own call (where DeepSpeed Ze
 weight) the intercept computes the fused loss / log-probs from the hidden states it receives and hands
 back an empty ``[..., 0]`` tensor in place of the logits. The original forward's logit transform then
 runs on that empty tensor for nothing; the fused ops apply the same transform, read from the config.
+
+A library's own call (TRL's ``fused_lm_head=True``) is answered by the extension registered for its keyword
+(:mod:`hf_fused.model.extensions`), with the same intercept (:func:`intercept_lm_head`, :class:`FusedRequest`).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import types
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 
 from ..ops import LogitTransform, linear_cross_entropy, linear_logprobs
 from .distributed import run_head
+from .extensions import call_handler, track_patched
 from .lm_head import head_tensors
 from .outputs import fused_output_type, to_tuple_with_logits_slot
 
@@ -62,7 +67,12 @@ class FusedLossState:
 
 @dataclass
 class FusedRequest:
-    """One call's instructions for the lm_head intercept, and where it leaves its result."""
+    """One call's instructions for the lm_head intercept (:func:`intercept_lm_head`), and where it leaves its result.
+
+    ``mode`` is one of :data:`FUSED_OUTPUTS`; ``labels`` are aligned with the positions that reach lm_head. An
+    extension (:mod:`hf_fused.model.extensions`) sets ``head`` to compute the head its own way: inside lm_head's
+    call (ZeRO-3 parameters gathered), ``head(lm_head, hidden)`` returns tensors (or tuples / dicts of them), which
+    become ``result``."""
 
     mode: str
     state: FusedLossState
@@ -74,7 +84,7 @@ class FusedRequest:
     grad_hint: Optional[torch.Tensor] = None  # aligned with labels, see linear_logprobs
     result: Any = None
     called: bool = False
-    head: Any = None  # ``head(lm_head, hidden) -> result`` in place of the modes' math (hf_fused.integrations.trl)
+    head: Any = None  # ``head(lm_head, hidden) -> result`` in place of the modes' math (an extension's own head)
 
 
 class PatchedForward:
@@ -88,6 +98,7 @@ class PatchedForward:
 
     def __init__(self, model: nn.Module):
         self.__self__ = model
+        track_patched(model)
 
     def __call__(self, *args, **kwargs):
         return fused_forward(self.__self__, *args, **kwargs)
@@ -132,10 +143,9 @@ def fused_forward(model: nn.Module, *args, **kwargs):
         ValueError: unknown ``fused_output``; ``"loss"``/``"logprobs"`` without labels.
     """
     state: FusedLossState = model._hf_fused
-    if kwargs.get("fused_lm_head"):  # TRL's fused-head call (trl.trainer.utils.add_fused_lm_head), served by hf_fused
-        from ..integrations.trl import trl_fused_forward
-
-        return trl_fused_forward(model, *args, **kwargs)
+    handler = call_handler(kwargs)  # a library's own call (TRL's fused_lm_head=True): its extension answers it
+    if handler is not None:
+        return handler(model, *args, **kwargs)
     original = state.original_forward_callable(model)
     if not state.enabled:
         return original(*args, **kwargs)
@@ -143,7 +153,7 @@ def fused_forward(model: nn.Module, *args, **kwargs):
         signature = inspect.signature(original)
         if "fused_output" not in kwargs and not _labels_in(signature, args, kwargs):
             return _without_labels(model, state, original, args, kwargs)
-        kwargs = _as_kwargs(signature, args, kwargs)
+        kwargs = as_kwargs(signature, args, kwargs)
     mode = kwargs.pop("fused_output", None)
     labels = kwargs.get("labels")
     shift_labels = kwargs.get("shift_labels")
@@ -167,7 +177,7 @@ def fused_forward(model: nn.Module, *args, **kwargs):
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)
 
-    with _intercept_lm_head(model.get_output_embeddings(), request):
+    with intercept_lm_head(model.get_output_embeddings(), request):
         out = original(**kwargs, return_dict=True)
     if not request.called:
         raise RuntimeError(
@@ -234,8 +244,10 @@ def _router_aux_loss_coef(model: nn.Module) -> float:
 
 
 @contextmanager
-def _intercept_lm_head(lm_head: nn.Module, request: FusedRequest):
-    """Route this call's ``lm_head(hidden)`` to :func:`_head_forward`; restore the head afterwards."""
+def intercept_lm_head(lm_head: nn.Module, request: FusedRequest):
+    """Within the block, ``lm_head(hidden)`` computes ``request`` from ``hidden`` (its mode's op, or
+    ``request.head``), stores it in ``request.result``, sets ``request.called`` and returns an empty ``[..., 0]``
+    placeholder for the logits; the head is restored afterwards. Run the model's original forward inside."""
     with lm_head_answering(lm_head, lambda hidden: _head_forward(lm_head, request, hidden)):
         yield
 
@@ -314,11 +326,16 @@ def op_options(state: FusedLossState, *, ignore_index: int = -100) -> dict:
 
 def _labels_in(signature: inspect.Signature, args, kwargs) -> bool:
     return any(kwargs.get(k) is not None for k in ("labels", "shift_labels")) or (
-        _as_kwargs(signature, args, kwargs).get("labels") is not None
+        as_kwargs(signature, args, kwargs).get("labels") is not None
     )
 
 
-def _as_kwargs(signature: inspect.Signature, args, kwargs) -> dict:
+def as_kwargs(signature: inspect.Signature, args, kwargs) -> dict:
+    """A call's ``args`` and ``kwargs`` as keywords of ``signature`` (a ``**kwargs`` parameter's contents spread).
+
+    Raises:
+        TypeError: extra positional arguments (a ``*args`` parameter): the patched forward passes keywords only.
+    """
     bound = signature.bind_partial(*args, **kwargs)
     out = {}
     for name, value in bound.arguments.items():

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from .extensions import notify_patched, notify_removed
 from .forward import FusedLossState, PatchedForward
 from .lm_head import check_head_supported
 from .transform_probe import FusedLossVerificationError, config_logit_transform, probe_inputs, probe_logit_transform
@@ -39,7 +40,9 @@ def apply_fused_loss(
     ``compute_metrics``, ``predict()``), the patched model runs its original forward so predictions are real
     logits (hf_fused wraps ``Trainer.prediction_step`` once, for patched models only). With
     ``use_liger_kernel=True`` Trainer applies Liger's layer kernels but not its fused cross-entropy, which would
-    replace this forward (:mod:`hf_fused.integrations.transformers_trainer`).
+    replace this forward. TRL's trainers' own fused-head calls are answered by hf_fused's ops. Those adjustments
+    of transformers and TRL are made by :mod:`hf_fused.integrations` (registered with the model layer through
+    :mod:`hf_fused.model.extensions` on ``import hf_fused``), listed with how each is undone.
 
     Saving: ``torch.save(model)`` / ``torch.load`` keep the patch; ``save_pretrained`` writes the weights
     only, so ``from_pretrained`` gives an unpatched model: call ``apply_fused_loss`` on it again.
@@ -77,11 +80,8 @@ def apply_fused_loss(
         causal_lm._replicate_for_data_parallel = ReplicatePatched(causal_lm)
     state.tile_budget_bytes = tile_budget_bytes
     state.backend = backend
-    _install_trainer_integration()
-    # TRL's trainers call their own fused head: answer it (hooks on TRL's modules; this does not import TRL).
-    from ..integrations.trl import serve_trl_fused_head
-
-    serve_trl_fused_head(causal_lm)
+    # The integrations (hf_fused.integrations: transformers' Trainer hooks, TRL's fused head; never importing TRL).
+    notify_patched(causal_lm)
     if verify:
         try:
             verify_patch(causal_lm)
@@ -92,7 +92,10 @@ def apply_fused_loss(
 
 
 def remove_fused_loss(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply_fused_loss`: the model's forward is the original again. No-op if not patched."""
+    """Undo :func:`apply_fused_loss`: the model's forward is the original again, and the integrations undo what
+    they did for it (:mod:`hf_fused.integrations`: a TRL trainer's head options leave the model and TRL's own head
+    takes the fused calls; once no patched model is left, transformers' and TRL's attributes are the originals
+    again). No-op if not patched. Returns ``model``."""
     causal_lm = find_causal_lm(model)
     state = causal_lm.__dict__.pop("_hf_fused", None)
     if state is None:
@@ -102,6 +105,7 @@ def remove_fused_loss(model: nn.Module) -> nn.Module:
     else:
         del causal_lm.forward
     causal_lm.__dict__.pop("_replicate_for_data_parallel", None)
+    notify_removed(causal_lm)
     return model
 
 
@@ -132,13 +136,6 @@ class ReplicatePatched:
 
     def __reduce__(self):
         return (ReplicatePatched, (self.__self__,))
-
-
-def _install_trainer_integration() -> None:
-    from ..integrations.transformers_trainer import install_liger_kernel_hook, install_prediction_step_hook
-
-    install_prediction_step_hook()
-    install_liger_kernel_hook()
 
 
 @contextmanager

@@ -13,12 +13,12 @@ answered by hf_fused's ops), plus what only a subclass can add:
    ``−A·mask`` times a per-sequence or global constant, known before the forward. ``_compute_loss`` then
    passes that as ``grad_hint`` (:func:`hf_fused.ops.linear_logprobs`) with the fused-head call: with a
    ``tile_budget_bytes`` that holds the ``[V, H]`` weight-gradient accumulator (fp32, or the compensated pair
-   for a bf16 weight: :func:`hf_fused.ops.tiling.one_pass_plan`) the head's gradients
+   for a bf16 weight; :func:`hf_fused.ops.describe_plan` says which schedule a call takes) the head's gradients
    come out of the forward's single pass (6·N·H·V FLOPs instead of 8). Backward checks that the gradient
    TRL's loss really sends matches and recomputes if not, so this can cost time, never exactness.
    Otherwise, for every loss type and option that is token-separable (off-policy ratios, β > 0, entropy
    bonus, vLLM importance sampling; :mod:`hf_fused.trainers.grpo_objective` lists what is not), the hint is
-   TRL's loss as a per-token function (:class:`hf_fused.ops.token_loss.TokenLossHint`): the op
+   TRL's loss as a per-token function (:class:`hf_fused.ops.TokenLossHint`): the op
    differentiates it tile by tile in the same single pass, and backward checks it the same way.
 
 Everything else (batch chunking, ratios, clipping, KL, entropy masks and bonus, importance sampling,
@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 from trl import GRPOTrainer
 
-from ..ops.token_loss import pad_hint
+from ..integrations.trl.head import pad_grad_hint
 from .grpo_objective import trl_token_loss_hint
 
 __all__ = ["FusedGRPOTrainer"]
@@ -124,7 +124,7 @@ class _HintedCall:
         rows = slice(self.row, self.row + labels.size(0))
         self.row = rows.stop
         hint = self.grad_hint[rows].to(labels.device)
-        hint = pad_hint(hint, labels.size(1) - 1 - hint.size(1), 0)
+        hint = pad_grad_hint(hint, labels.size(1) - 1 - hint.size(1), 0)
         return self.model(*args, labels=labels, fused_lm_head=fused_lm_head, grad_hint=hint, **model_inputs)
 
 

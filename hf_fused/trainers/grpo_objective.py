@@ -4,7 +4,7 @@
 For the options below every token's contribution depends only on that token's ``logp`` / ``H`` and on constants
 known before the policy forward (advantages, old / reference / sampling log-probs, masks, normalizers, the
 entropy coefficient), so ``∂loss/∂logp_t`` and ``∂loss/∂H_t`` can be formed tile by tile in the forward's single
-pass over the head (:class:`hf_fused.ops.token_loss.TokenLossHint`): 6·N·H·V FLOPs instead of 8, on- and
+pass over the head (:class:`hf_fused.ops.TokenLossHint`): 6·N·H·V FLOPs instead of 8, on- and
 off-policy, with and without KL and entropy bonus.
 
 The loss TRL returns is still computed by TRL's own code from the returned tensors: :func:`trl_token_loss` only
@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from ..ops.token_loss import TokenLossHint
+from ..ops import TokenLossHint
 
 _CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 SEPARABLE_LOSS_TYPES = _CLIPPED + ("cispo", "sapo")

@@ -1,6 +1,7 @@
 """``hf_fused.integrations.import_hooks.when_imported``: a hook runs on a module once, right after its first import
 (before the importing statement gets the module) or at once if it is loaded; the module keeps its own loader; a hook
-that raises warns and the import still succeeds."""
+that raises warns and the import still succeeds; a cancelled hook never runs, and the finder leaves ``sys.meta_path``
+with the last pending hook."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import sys
 
 import pytest
 
-from hf_fused.integrations.import_hooks import when_imported
+from hf_fused.integrations import import_hooks
+from hf_fused.integrations.import_hooks import cancel, finder_installed, when_imported
 
 
 @pytest.fixture
@@ -66,3 +68,14 @@ def test_hook_that_raises_warns_and_the_import_succeeds(make_module):
     with pytest.warns(UserWarning, match="hook on _hf_fused_hooked_c failed"):
         module = __import__(name)
     assert module.VALUE == 1
+
+
+def test_cancelled_hook_does_not_run_and_the_finder_leaves(make_module):
+    name = make_module("_hf_fused_hooked_d")
+    seen = []
+    when_imported(name, seen.append)
+    assert finder_installed()
+    cancel(name, seen.append)
+    assert finder_installed() == bool(import_hooks._PENDING)  # only while another hook waits (the inventory's)
+    __import__(name)
+    assert seen == [] and name not in import_hooks._PENDING

@@ -374,14 +374,17 @@ def test_changed_trl_protocol_is_refused_loudly(monkeypatch):
     def add_fused_lm_head(model, temperature=1.0, outputs=("log_probs",), chunk_size=4096):
         raise AssertionError("not called here")
 
+    hf_fused.integrations.uninstall_all()  # installed afresh below, on the changed TRL
     monkeypatch.setattr(trl_utils, "add_fused_lm_head", add_fused_lm_head)
-    monkeypatch.setattr(trl_hooks, "_HOOK", {})
-    with pytest.warns(UserWarning, match="TRL's trainers will use TRL's own fused head"):
-        model = hf_fused.apply_fused_loss(make_model())
-    assert trl_utils.add_fused_lm_head is add_fused_lm_head
-    ids = torch.randint(3, 20, (2, 6))
-    with pytest.raises(TrlProtocolError, match="add_fused_lm_head takes"):
-        model(input_ids=ids, labels=ids, fused_lm_head=True)
+    try:
+        with pytest.warns(UserWarning, match="TRL's trainers will use TRL's own fused head"):
+            model = hf_fused.apply_fused_loss(make_model())
+        assert trl_utils.add_fused_lm_head is add_fused_lm_head
+        ids = torch.randint(3, 20, (2, 6))
+        with pytest.raises(TrlProtocolError, match="add_fused_lm_head takes"):
+            model(input_ids=ids, labels=ids, fused_lm_head=True)
+    finally:
+        hf_fused.integrations.uninstall_all()  # the next patch installs on TRL's own head again
 
 
 def test_changed_trl_head_closure_is_refused_loudly():

@@ -8,20 +8,25 @@ then call ``model(..., labels=labels, fused_lm_head=True)``, which returns a ``F
 bypassed. The one switch, :func:`hf_fused.apply_fused_loss`, makes hf_fused answer that call instead, whatever
 the order:
 
-* **patched before the trainer is built**: :func:`serve_trl_fused_head` has ``add_fused_lm_head`` wrapped (in
-  ``trl.trainer.utils`` and in every loaded TRL module that imported it) when TRL's trainers are imported, at once
-  if they already are: patching itself never imports TRL (:mod:`.hooks`). For a patched model the wrapper only
+* **patched before the trainer is built**: ``add_fused_lm_head`` is wrapped (in ``trl.trainer.utils`` and in every
+  loaded TRL module that imported it; :data:`.hooks.TRL_FUSED_HEAD`, one entry of the inventory in
+  :mod:`hf_fused.integrations`) when TRL's trainers are imported, at once if they already are: patching itself
+  never imports TRL (:mod:`.hooks`). For a patched model the wrapper only
   records the trainer's head options; hf_fused's forward answers ``fused_lm_head=True``. A model that is not
   patched gets TRL's head, except a reference model added while a trainer whose policy is patched is being
   built: it is patched too (same ``tile_budget_bytes`` / ``backend``), so reference log-probs come from
   hf_fused's ops as well.
 * **patched after**: TRL's head is already the model's forward (possibly wrapped by accelerate's autocast);
-  its options are read from it and the patched forward, which sits outside it, answers ``fused_lm_head=True``.
-  Without ``fused_lm_head`` the call passes through TRL's head unchanged, so generation is the original.
+  its options are read from it (:func:`serve_trl_fused_head`) and the patched forward, which sits outside it,
+  answers ``fused_lm_head=True``. Without ``fused_lm_head`` the call passes through TRL's head unchanged, so
+  generation is the original.
+
+:func:`hf_fused.remove_fused_loss` takes the options off the model again and, where hf_fused had withheld TRL's
+head (patched before the trainer was built), installs TRL's own head with them (:func:`forget_trl_head`).
 
 The answer (:func:`trl_fused_forward`) runs the model's original forward with ``labels=None`` and the lm_head
-call intercepted (:mod:`hf_fused.model.forward`), and computes every field TRL's head would return from the
-states lm_head receives: log-probs, entropy and the gradient-free statistics (``is_top1``, ``mean_logits``,
+call intercepted (:func:`hf_fused.model.intercept_lm_head`), and computes every field TRL's head would return from
+the states lm_head receives: log-probs, entropy and the gradient-free statistics (``is_top1``, ``mean_logits``,
 ``log_sum_sq_probs``) in one pass with :func:`hf_fused.ops.linear_logprobs` (``statistics=``), ``loss`` and
 ``label_mask`` as TRL defines them. A PEFT adapter on lm_head is part of the head (TRL's head would read the bare weight).
 
@@ -40,12 +45,13 @@ models, the lm_head-adapter check, the distillation warning), :mod:`.head` (the 
 """
 
 from .head import trl_fused_forward
-from .hooks import lm_head_adapter_hidden_from_trl, serve_trl_fused_head, trl_head_options
+from .hooks import forget_trl_head, lm_head_adapter_hidden_from_trl, serve_trl_fused_head, trl_head_options
 from .protocol import TrlHeadOptions, TrlProtocolError
 
 __all__ = [
     "TrlHeadOptions",
     "TrlProtocolError",
+    "forget_trl_head",
     "lm_head_adapter_hidden_from_trl",
     "serve_trl_fused_head",
     "trl_fused_forward",

@@ -10,12 +10,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...model.forward import FusedRequest, _as_kwargs, _intercept_lm_head, head_operands, op_options
-from ...ops import linear_logprobs
-from ...ops.token_loss import TokenLossHint, pad_hint
-from ...ops.token_statistics import TOKEN_STATISTICS
-from . import hooks
-from .protocol import OPTIONS_ATTR, TrlHeadOptions, TrlProtocolError
+from ...model import FusedRequest, as_kwargs, head_operands, intercept_lm_head, op_options
+from ...ops import TokenLossHint, linear_logprobs
+from .hooks import refused_reason
+from .protocol import OPTIONS_ATTR, STATISTICS_FIELDS, TrlHeadOptions, TrlProtocolError
 
 
 def trl_fused_forward(model: nn.Module, *args, **kwargs):
@@ -43,12 +41,12 @@ def trl_fused_forward(model: nn.Module, *args, **kwargs):
         raise TrlProtocolError(
             "model(..., fused_lm_head=True) on a model patched by hf_fused, but no TRL trainer added a fused head to "
             "it through trl.trainer.utils.add_fused_lm_head"
-            + (f" ({hooks._HOOK['refused']})" if "refused" in hooks._HOOK else "")
+            + (f" ({refused_reason()})" if refused_reason() is not None else "")
             + ". Build the TRL trainer with this model, or call apply_fused_loss after building it."
         )
     original = state.original_forward(model)
     if args:
-        kwargs = _as_kwargs(inspect.signature(original), args, kwargs)
+        kwargs = as_kwargs(inspect.signature(original), args, kwargs)
     kwargs.pop("fused_lm_head")
     labels = kwargs.pop("labels", None)
     shift_labels = kwargs.pop("shift_labels", None)
@@ -67,11 +65,11 @@ def trl_fused_forward(model: nn.Module, *args, **kwargs):
     else:
         raise ValueError("model(..., fused_lm_head=True) needs `labels` or `shift_labels` (TRL's fused-head protocol)")
     if grad_hint is not None and trim:
-        grad_hint = pad_hint(grad_hint, 0, 1)  # a tensor or a TokenLossHint
+        grad_hint = pad_grad_hint(grad_hint, 0, 1)
 
     request = FusedRequest(mode="logprobs", state=state, labels=aligned)
     request.head = functools.partial(_head, labels=aligned, options=options, state=state, grad_hint=grad_hint)
-    with _intercept_lm_head(model.get_output_embeddings(), request):
+    with intercept_lm_head(model.get_output_embeddings(), request):
         out = original(**kwargs, labels=None, return_dict=True)
     if not request.called:
         raise RuntimeError(f"{type(model).__name__}.forward did not call its lm_head; hf_fused cannot serve TRL's head")
@@ -93,7 +91,7 @@ def _head(lm_head: nn.Module, hidden: torch.Tensor, *, labels, options: TrlHeadO
     head_hidden, weight, bias, labels, precision = head_operands(
         lm_head, hidden, labels, fp32=options.cast_lm_head_to_fp32  # TRL: the projection in fp32, outside autocast
     )
-    statistics = [name for name in TOKEN_STATISTICS if name in options.outputs]
+    statistics = [name for name in STATISTICS_FIELDS if name in options.outputs]
     if statistics and isinstance(grad_hint, TokenLossHint):
         # No TRL trainer asks for both (GRPO/RLOO log no such metric); the statistics forward + recompute backward
         # costs the 8·N·H·V FLOPs of the hint's one pass plus a statistics pass, and the gradients are the same.
@@ -104,4 +102,10 @@ def _head(lm_head: nn.Module, hidden: torch.Tensor, *, labels, options: TrlHeadO
             grad_hint=None if grad_hint is None else grad_hint.to(weight.device), statistics=statistics,
             **op_options(state), temperature=options.temperature,
         )
-    return {"log_probs": log_probs, "entropy": entropy, **{name: stats.get(name) for name in TOKEN_STATISTICS}}
+    return {"log_probs": log_probs, "entropy": entropy, **{name: stats.get(name) for name in STATISTICS_FIELDS}}
+
+
+def pad_grad_hint(hint, left: int, right: int):
+    """A ``grad_hint`` (a tensor or a :class:`~hf_fused.ops.TokenLossHint`) padded with zeros on its last dimension,
+    to the positions of a fused call (those it pads are ignored by the call: their values are never used)."""
+    return hint.pad(left, right) if isinstance(hint, TokenLossHint) else F.pad(hint, (left, right))

@@ -12,6 +12,9 @@ from typing import Any, Optional
 #: ``add_fused_lm_head``'s parameters and ``FusedCausalLMOutput``'s fields in TRL 1.16: the protocol served here.
 ADD_HEAD_PARAMETERS = ("model", "temperature", "cast_lm_head_to_fp32", "outputs")
 OUTPUT_FIELDS = ("loss", "log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask", "aux_loss")
+#: ``FusedCausalLMOutput``'s gradient-free per-token statistics: computed by ``linear_logprobs(statistics=...)``
+#: under the same names.
+STATISTICS_FIELDS = ("mean_logits", "is_top1", "log_sum_sq_probs")
 #: Names TRL's installed ``_fused_forward`` closes over that hold its options.
 CLOSURE_OPTIONS = ("temperature", "cast_lm_head_to_fp32", "outputs")
 #: Where hf_fused keeps a patched model's TRL head options.
