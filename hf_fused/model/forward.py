@@ -204,18 +204,47 @@ def fused_forward(model: nn.Module, *args, **kwargs):
 
 def _without_labels(model, state: FusedLossState, original, args, kwargs):
     """Generation and inference: exactly the original forward. In training with gradients this builds the full
-    logits (e.g. ``Trainer`` pops the labels for ``label_smoothing_factor > 0`` or ``compute_loss_func`` and
-    computes the loss itself): say so once per model instead of quietly losing the memory saving."""
+    logits (``Trainer`` pops the labels for ``label_smoothing_factor > 0`` or ``compute_loss_func``; a distillation
+    trainer such as TRL's GKD computes its loss from the logits): say once per model who called it so, instead of
+    quietly losing the memory saving."""
     if model.training and torch.is_grad_enabled() and not state.warned_without_labels:
         state.warned_without_labels = True
+        caller, stacklevel = _caller_outside_wrappers()
+        if caller.startswith("transformers.trainer.") and caller.split(" ")[0].endswith(".compute_loss"):
+            cause = (f"{caller} popped them to compute the loss from the logits itself, which Trainer does when "
+                     "label_smoothing_factor > 0 or compute_loss_func is set")
+        else:
+            cause = (f"{caller} called it so, to compute its loss from the logits itself (a distillation divergence "
+                     "such as TRL's GKD, or a custom loss), which apply_fused_loss does not fuse")
         warnings.warn(
             f"hf_fused: {type(model).__name__} was called without labels while training, so its original forward "
-            "built the full [tokens, vocab] logits and the fused loss was not used. Trainer does this when "
-            "label_smoothing_factor > 0 or compute_loss_func is set (it pops the labels and computes the loss "
-            "from logits); pass labels to the model to use the fused loss.",
-            FusedLossBypassedWarning, stacklevel=4,
+            f"built the full [tokens, vocab] logits and the fused loss was not used: {cause}. Pass labels to the "
+            "model to use the fused loss.",
+            FusedLossBypassedWarning, stacklevel=stacklevel,
         )
     return original(*args, **kwargs)
+
+
+#: Packages whose frames sit between a model call and its caller (module call machinery, wrappers of the model).
+_WRAPPER_PACKAGES = frozenset({"hf_fused", "torch", "accelerate", "peft", "deepspeed", "functools", "contextlib"})
+
+
+def _caller_outside_wrappers() -> tuple[str, int]:
+    """``("module.qualname (line n)", stacklevel)`` of the first frame up the stack outside
+    :data:`_WRAPPER_PACKAGES`: the code that called the model. Reads code objects and module names only, never a
+    frame's locals (on Python < 3.13 reading ``f_locals`` snapshots them onto the frame, keeping them alive)."""
+    frame = sys._getframe(2)  # the caller of _without_labels: warnings' stacklevel 2
+    level = 2
+    try:
+        while frame is not None:
+            module = frame.f_globals.get("__name__", "?")
+            if module.split(".")[0] not in _WRAPPER_PACKAGES:
+                code = frame.f_code
+                return f"{module}.{getattr(code, 'co_qualname', code.co_name)} (line {frame.f_lineno})", level
+            frame, level = frame.f_back, level + 1
+        return "the caller", 2
+    finally:
+        del frame
 
 
 class FusedLossBypassedWarning(UserWarning):
