@@ -32,12 +32,12 @@ class TopKLogprobs(NamedTuple):
 
 def _check_k(k, vocab_size: int) -> int:
     try:
-        k = operator.index(k)
+        index = operator.index(k)
     except TypeError:
         raise TypeError(f"k must be an int (candidates per token), got {k!r}") from None
-    if isinstance(k, bool) or not 1 <= k <= vocab_size:
+    if isinstance(k, bool) or not 1 <= index <= vocab_size:
         raise ValueError(f"k must be in [1, V = {vocab_size}] (candidates per token), got {k!r}")
-    return k
+    return index
 
 
 @torch.no_grad()
