@@ -7,7 +7,9 @@ What users call, all importable from here:
   :func:`original_forward_only` (a block with the original forward, logits and all), :func:`is_fused`;
 * the ops on plain tensors: :func:`linear_cross_entropy`, :func:`linear_logprobs`, :func:`linear_token_loss`
   (a token-separable loss in one pass), :func:`linear_grpo_loss` (open-instruct's GRPO objective on it) and
-  :func:`linear_distillation_loss` (a student's divergence from a teacher, TRL's conventions);
+  :func:`linear_distillation_loss` (a student's divergence from a teacher, TRL's conventions),
+  :func:`sparse_distillation_loss` (from a teacher's top-k log-probs) on :func:`linear_support_loss` (any loss of
+  the log-probs at K candidate ids), and :func:`linear_topk_logprobs` (a teacher's top-k);
 * a loss module that owns the output layer (pipeline schedules, custom loops): :class:`LinearCrossEntropyLoss`;
 * the trainers: :class:`FusedTrainer` (``transformers.Trainer``) and :class:`FusedGRPOTrainer`
   (``trl.GRPOTrainer``), imported on first use so ``import hf_fused`` needs neither trl nor a Trainer;
@@ -34,7 +36,7 @@ from .model import (
 from .model.head_loss import LinearCrossEntropyLoss
 from . import integrations  # noqa: F401  (registers TRL's and transformers' integrations with the model layer)
 from .ops import HintMissedWarning, linear_cross_entropy, linear_grpo_loss, linear_logprobs, linear_token_loss
-from .ops import linear_distillation_loss
+from .ops import linear_distillation_loss, linear_support_loss, linear_topk_logprobs, sparse_distillation_loss
 
 __version__ = "0.1.0"
 
@@ -62,7 +64,10 @@ __all__ = [
     "linear_distillation_loss",
     "linear_grpo_loss",
     "linear_logprobs",
+    "linear_support_loss",
     "linear_token_loss",
+    "linear_topk_logprobs",
     "original_forward_only",
     "remove_fused_loss",
+    "sparse_distillation_loss",
 ]

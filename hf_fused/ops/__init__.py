@@ -1,7 +1,8 @@
 """The math: fused lm_head losses on plain tensors (no transformers, no trl imports).
 
 Public: the ops (:func:`linear_cross_entropy`, :func:`linear_logprobs`, :func:`linear_token_loss`,
-:func:`linear_grpo_loss`, :func:`linear_token_statistics`, :func:`linear_distillation_loss`), their option and
+:func:`linear_grpo_loss`, :func:`linear_token_statistics`, :func:`linear_distillation_loss`,
+:func:`linear_support_loss`, :func:`sparse_distillation_loss`, :func:`linear_topk_logprobs`), their option and
 result types, :func:`causal_shift`
 (labels aligned with the positions that predict them), :func:`describe_plan` (which schedule a call takes) and the
 backend registry. Each op is one autograd Function behind one call to :func:`hf_fused.ops.prepare.prepare`.
@@ -16,9 +17,12 @@ from .logit_transform import LogitTransform
 from .logprobs import linear_logprobs
 from .prepare import causal_shift
 from .rl_objectives import GRPOLossOutput, GRPOObjective, grpo_token_loss, linear_grpo_loss
+from .sparse_distillation import SparseDistillationOutput, sparse_distillation_loss
+from .support_loss import SupportLossOutput, linear_support_loss
 from .tiling import DEFAULT_TILE_BUDGET_BYTES, describe_plan, rows_per_tile
 from .token_loss import TokenLossOutput, linear_token_loss
 from .token_statistics import TOKEN_STATISTICS, linear_token_statistics
+from .topk_logprobs import TopKLogprobs, linear_topk_logprobs
 
 __all__ = [
     "DEFAULT_TILE_BUDGET_BYTES",
@@ -27,6 +31,8 @@ __all__ = [
     "GRPOObjective",
     "HintMissedWarning",
     "LogitTransform",
+    "SparseDistillationOutput",
+    "SupportLossOutput",
     "TOKEN_STATISTICS",
     "available_backends",
     "causal_shift",
@@ -37,9 +43,13 @@ __all__ = [
     "linear_distillation_loss",
     "linear_grpo_loss",
     "linear_logprobs",
+    "linear_support_loss",
     "linear_token_loss",
     "linear_token_statistics",
+    "linear_topk_logprobs",
     "register_backend",
+    "sparse_distillation_loss",
     "TokenLossHint",
     "TokenLossOutput",
+    "TopKLogprobs",
 ]
