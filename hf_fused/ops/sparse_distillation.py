@@ -242,6 +242,8 @@ def sparse_distillation_loss(
     computes them (one pass for ``"mean"``/``"sum"``, scaled in backward by the upstream gradient; a recompute for
     ``"none"``).
 
+    Host syncs: :func:`~hf_fused.ops.linear_support_loss`'s two, and one more for a ``teacher_index``'s range.
+
     Raises:
         ValueError: ``beta`` outside ``[0, 1]``, ``temperature`` not > 0, an unknown ``reduction``,
             ``num_items_in_batch`` with ``"none"``, ``teacher_logprobs`` not shaped like ``support_ids`` (a different

@@ -562,6 +562,8 @@ def linear_support_loss(
     Mixed precision: as :func:`~hf_fused.ops.linear_cross_entropy` (operands cast as ``F.linear`` would be under
     autocast, fp32 logits; ``support_loss`` runs in fp32 with autocast off).
 
+    Two host syncs: :func:`~hf_fused.ops.prepare.prepare`'s checks, and the candidate ids' range.
+
     Raises:
         ValueError / TypeError: as :func:`~hf_fused.ops.linear_cross_entropy`; ``support_ids`` not an integer
             ``[..., K]`` tensor with hidden's leading dims on its device, or with an id outside ``[0, V)`` at a valid

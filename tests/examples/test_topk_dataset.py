@@ -215,3 +215,21 @@ def test_recipe_trains_a_student_through_the_support_op(teacher_and_data, tmp_pa
     assert trainer.state.global_step == 3 and len(calls) >= 1 + 3
     assert losses and all(np.isfinite(losses)) and all(x > 0 for x in losses)
     assert re.search(r"remove_unused_columns=False", code)
+
+
+def test_guides_reverse_kl_block_matches_float64():
+    """The guide's sampled-token reverse-KL block, as written: its loss and gradients against float64."""
+    from references import dense_logits, leaf64
+
+    text = GUIDE.read_text()
+    code = re.findall(r"^```python\n(.*?)^```", text[text.index("## Other objectives"):], flags=re.S | re.M)[0]
+    namespace: dict = {}
+    torch.manual_seed(0)
+    exec(compile(code, str(GUIDE), "exec"), namespace)
+    hidden, weight, sampled, teacher = (namespace[k] for k in ("hidden", "weight", "sampled", "teacher"))
+    ref = [leaf64(hidden), leaf64(weight)]
+    s = dense_logits(*ref).log_softmax(-1).gather(-1, sampled)
+    loss = ((s - teacher.double()).detach() * s).sum()
+    loss.backward()
+    assert rel_err(namespace["out"].loss, loss) <= RTOL
+    assert rel_err(hidden.grad, ref[0].grad) <= RTOL and rel_err(weight.grad, ref[1].grad) <= RTOL
