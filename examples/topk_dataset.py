@@ -61,7 +61,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         prog="python -m examples.topk_dataset",
         description="Write a teacher's top-k next-token log-probs for a tokenized dataset (offline distillation).",
     )
-    p.add_argument("--teacher", required=True, metavar="PATH", help="local transformers causal LM (save_pretrained dir)")
+    p.add_argument("--teacher", required=True, metavar="PATH",
+                   help="local transformers causal LM (a save_pretrained folder)")
     p.add_argument("--dataset", required=True, metavar="PATH",
                    help="tokenized dataset: a save_to_disk folder or a .parquet/.json/.jsonl/.arrow file")
     p.add_argument("--output", required=True, metavar="DIR", help="output folder (created; must be empty if it exists)")

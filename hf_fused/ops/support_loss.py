@@ -6,7 +6,7 @@ materializing the ``[N, V]`` logits. The K-column generalisation of :func:`~hf_f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, NamedTuple, Optional, Protocol, Union, runtime_checkable
+from typing import Callable, Mapping, NamedTuple, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -522,10 +522,10 @@ def linear_support_loss(
         dz_j = Σ_k g_k·1[j = id_k] − p_j·Σ_k g_k − g_H·p_j·(log p_j + H)
 
     then ``dh = dz·W``, ``dW += dzᵀ·h`` (:func:`support_loss_pass`). So any objective on a sparse support is one
-    ``support_loss`` away: distillation from a teacher's top-k log-probs (:func:`~hf_fused.ops.sparse_distillation_loss`,
-    TRL's semantics), the sampled token's reverse KL of on-policy distillation (``K = 1``), importance-weighted
-    sampled targets ("random sampling KD", Anshumann et al., ACL 2025, whose estimator is unbiased where top-k
-    truncation is not).
+    ``support_loss`` away: distillation from a teacher's top-k log-probs
+    (:func:`~hf_fused.ops.sparse_distillation_loss`, TRL's semantics), the sampled token's reverse KL of on-policy
+    distillation (``K = 1``), importance-weighted sampled targets ("random sampling KD", Anshumann et al., ACL 2025,
+    whose estimator is unbiased where top-k truncation is not).
 
     Args:
         hidden: ``[..., H]`` hidden states (fp32/bf16/fp16), aligned with the tokens whose next-token distributions

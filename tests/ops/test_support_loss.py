@@ -5,10 +5,11 @@ student entropy, teacher entropy, per-teacher statistics, and the gradients of h
 Tolerances: ``RTOL = 1e-5`` for fp32 against float64 and against TRL's fp32 function (fp32 logits, an fp32
 log-softmax over V = 97 columns and fp32 gradient sums: a few fp32 roundings of O(1) terms; measured at most 5.7e-6
 against float64, where a tail bucket ``log(1 − Σ_k p_k)`` of a peaked row amplifies rounding by ``1/(1 − Σ_k p_k)``,
-2.5e-6 elsewhere, and 1.1e-6 against TRL; a row whose support holds all but ~1e-4 of the mass is its own test). In bf16 and under autocast, two bounds, as ``test_distillation`` bounds the
-dense op: the error of the eager computation in the same precision (``F.linear`` in bf16, then the same divergence
-in fp32 autograd) times ``RATIO``; and the op's own claim, fp32 outputs within ``RTOL`` of float64 on the same
-operands and gradients float64's rounded once to the leaf dtype (``BF16_ROUNDING`` for bf16 leaves).
+2.5e-6 elsewhere, and 1.1e-6 against TRL; a row whose support holds all but ~1e-4 of the mass is its own test). In
+bf16 and under autocast, two bounds, as ``test_distillation`` bounds the dense op: the error of the eager computation
+in the same precision (``F.linear`` in bf16, then the same divergence in fp32 autograd) times ``RATIO``; and the op's
+own claim, fp32 outputs within ``RTOL`` of float64 on the same operands and gradients float64's rounded once to the
+leaf dtype (``BF16_ROUNDING`` for bf16 leaves).
 """
 
 from __future__ import annotations
