@@ -1,21 +1,73 @@
-"""Shared pytest setup: GPU tests are skipped without CUDA (multigpu ones without 2 GPUs); CPU threads kept to the CI machine's cores."""
+"""Shared pytest setup for the whole suite.
+
+* CPU threads: every test runs on one intra-op thread (:func:`single_thread`).
+* GPU tests (``gpu`` marker) are skipped without CUDA, ``multigpu`` ones without 2 GPUs; under
+  ``HF_FUSED_TEST_DEVICE=cuda`` the multi-process tests of tests/distributed (one GPU per rank) without 2 GPUs.
+* On CPU, Triton's kernels run in its interpreter.
+
+Shared helpers live in modules beside this file, on pytest's ``pythonpath`` (setup.cfg): ``references`` (float64
+references, relative errors, tolerances), ``models`` (tiny models and tokenizers), ``grpo_harness`` (the GRPO
+parity harness); the multi-process launcher and its workers in ``distributed/``.
+"""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+#: The repository's root and this folder.
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
 
 if not torch.cuda.is_available():
     # Triton kernels run in its interpreter on CPU tensors; must be set before triton_kernels is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def single_thread():
+    """One intra-op thread for every test: the tests' tensors are tiny (V ≤ 300, H ≤ 32) and gain nothing from
+    intra-op parallelism, while on a shared 2-core machine OpenMP's workers spin-wait for busy cores (the op tests
+    ran ~5× slower, tiny models ~10×, with the default thread count under load; ``pytest -n 2`` runs two workers)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def saved_models(tmp_path_factory):
+    """``saved_models(name)``: the directory where ``models.SAVED_MODELS[name]`` is saved, once per test session
+    (per pytest-xdist worker), for processes that load it with ``from_pretrained``."""
+    from models import SAVED_MODELS
+
+    root = tmp_path_factory.mktemp("saved_models")
+    saved = {}
+
+    def get(name: str) -> str:
+        if name not in saved:
+            SAVED_MODELS[name]().save_pretrained(root / name)
+            saved[name] = str(root / name)
+        return saved[name]
+
+    return get
+
+
 def pytest_collection_modifyitems(config, items):
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (python -m pytest -m gpu on a GPU machine)")
     skip_multigpu = pytest.mark.skip(reason=f"needs 2 CUDA GPUs, found {gpus} (docs/distributed.md)")
+    # HF_FUSED_TEST_DEVICE=cuda runs each rank of tests/distributed on its own GPU (distributed/ranks.py)
+    ranks_on_gpus = os.environ.get("HF_FUSED_TEST_DEVICE", "cpu") == "cuda"
+    skip_ranks = pytest.mark.skip(reason=f"HF_FUSED_TEST_DEVICE=cuda runs each rank on its own GPU: needs 2, found "
+                                         f"{gpus}")
+    distributed = TESTS / "distributed"
     for item in items:
         if "multigpu" in item.keywords and gpus < 2:
             item.add_marker(skip_multigpu)
         elif "gpu" in item.keywords and gpus < 1:
             item.add_marker(skip_gpu)
+        elif (ranks_on_gpus and gpus < 2 and item.path.is_relative_to(distributed)
+              and item.path.name != "test_zero3_single_gpu.py"):
+            item.add_marker(skip_ranks)

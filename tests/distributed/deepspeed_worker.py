@@ -5,7 +5,10 @@ applied to the *engine* (the patch finds the model inside it; its probe runs thr
 and the engine trains ``STEPS`` SGD steps, each rank on its own batch. Every rank also trains an unpatched
 copy without DeepSpeed on the concatenation of all ranks' batches (the mean of the per-rank mean losses,
 which is what the engine's averaged gradients follow). Rank 0 writes the losses and the relative error of
-every parameter after training, ``‖θ − θ_ref‖ / ‖θ_ref − θ_0‖``, to the JSON file named on the command line.
+every parameter after training, ``‖θ − θ_ref‖ / ‖θ_ref − θ_0‖``, to ``<dir>/result.json``.
+
+The JSON file named on the command line lists the runs of this launch, ``[{"case": {"stage"}, "dir"}, ...]``, run
+one after the other (a run that raised writes its traceback to ``<dir>/error.txt``, and the next one runs).
 """
 
 from __future__ import annotations
@@ -14,25 +17,21 @@ import copy
 import json
 import os
 import sys
+import traceback
 
 import deepspeed
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ranks import CUDA, exit_rank, rank_device  # noqa: E402
-from tiny_models import make_batch, make_model  # noqa: E402
-
-from hf_fused import apply_fused_loss, is_fused  # noqa: E402
+from hf_fused import apply_fused_loss, is_fused
+from models import make_batch, make_model
+from ranks import CUDA, exit_rank, rank_device
 
 STEPS = 3
 LR = 0.5
 
 
-def main(out_path: str, stage: int) -> None:
-    torch.set_num_threads(1)
-    device = rank_device()
-    deepspeed.init_distributed("nccl" if CUDA else "gloo")
+def train(device, out_path: str, stage: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model("llama", tie_word_embeddings=False).to(device)
     reference = copy.deepcopy(model)
@@ -79,6 +78,21 @@ def main(out_path: str, stage: int) -> None:
     dist.barrier()
 
 
+def main(batch_file: str) -> None:
+    torch.set_num_threads(1)
+    device = rank_device()
+    deepspeed.init_distributed("nccl" if CUDA else "gloo")
+    with open(batch_file) as f:
+        runs = json.load(f)
+    for entry in runs:
+        try:
+            train(device, os.path.join(entry["dir"], "result.json"), entry["case"]["stage"])
+        except Exception:
+            with open(os.path.join(entry["dir"], "error.txt"), "a") as f:
+                f.write(f"rank {dist.get_rank()}:\n{traceback.format_exc()}\n")
+        dist.barrier()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1])
     exit_rank()

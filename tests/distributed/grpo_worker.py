@@ -1,38 +1,38 @@
-"""One GRPO run for tests/distributed/test_grpo_engines.py: ``trl.GRPOTrainer`` or ``hf_fused.FusedGRPOTrainer``
-on the tiny model and scripted rollouts of tests/grpo_helpers.py (TRL's ``rollout_func``: no sampling, the
+"""GRPO runs for tests/distributed/test_grpo_engines.py: ``trl.GRPOTrainer`` or ``hf_fused.FusedGRPOTrainer``
+on the tiny model and scripted rollouts of tests/grpo_harness.py (TRL's ``rollout_func``: no sampling, the
 same completions for both trainers), a few optimizer steps, under whatever ``accelerate launch`` set up.
 
-Argument: one JSON object ``{"trainer", "out", "model_dir", "steps"}``. Rank 0 writes
-``torch.save({"losses", "logs", "fused_calls", "params", "initial", "world", "lm_head_numel"})``: as in
-train_worker.py, plus every logged metric per step and the count of hf_fused head computations.
-SGD at a constant learning rate, β = 0 (no reference model), on-policy: the update is −lr·gradient.
+Argument: a JSON file listing the runs of this launch, ``[{"case": {"trainer", "model_dir", "steps"}, "dir"}, ...]``,
+run one after the other (a run that raised writes its traceback to ``<dir>/error.txt``, and the next one runs).
+Rank 0 writes ``torch.save({"losses", "logs", "fused_calls", "params", "initial", "world", "lm_head_numel"})`` to
+``<dir>/result.pt``: as in train_worker.py, plus every logged metric per step and the count of hf_fused head
+computations. SGD at a constant learning rate, β = 0 (no reference model), on-policy: the update is −lr·gradient.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch
 import transformers
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import grpo_helpers  # noqa: E402
-from train_worker import count_fused_head_calls, full_parameters  # noqa: E402
-from ranks import exit_rank  # noqa: E402
+import grpo_harness
+from ranks import exit_rank
+from train_worker import count_fused_head_calls, full_parameters
 
 
-def main(case: dict) -> None:
-    torch.set_num_threads(1)
-    out = Path(case["out"])
+def train(case: dict, out: Path) -> None:
     overrides = dict(max_steps=case.get("steps", 2), per_device_train_batch_size=4, num_generations=4,
                      optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, beta=0.0)
     # GRPOConfig first: under ZeRO-3 it activates DeepSpeed's config, so from_pretrained builds the model
     # partitioned (deepspeed.zero.Init), as it would for a user.
     # (Kept referenced: transformers holds DeepSpeed's config through a weak reference to it.)
-    args = grpo_helpers.make_config(out.parent, **overrides)  # noqa: F841
+    args = grpo_harness.grpo_config(out.parent, **overrides)  # noqa: F841
     model = transformers.AutoModelForCausalLM.from_pretrained(case["model_dir"], attn_implementation="eager",
                                                               dtype=torch.float32)
     lm_head_numel = model.get_output_embeddings().weight.numel()
@@ -41,19 +41,37 @@ def main(case: dict) -> None:
         from hf_fused import FusedGRPOTrainer as trainer_cls
     else:
         from trl import GRPOTrainer as trainer_cls
-    trainer = grpo_helpers.build_trainer(trainer_cls, grpo_helpers.Case(config=overrides), out.parent, model=model)
+    trainer = grpo_harness.build_trainer(trainer_cls, grpo_harness.Case(config=overrides), out.parent, model=model)
     fused_calls = count_fused_head_calls()
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     losses = [entry["loss"] for entry in logs]
     params = full_parameters(trainer.model)
     if trainer.accelerator.is_main_process:
-        torch.save({"losses": losses, "logs": logs, "fused_calls": fused_calls, "params": params, "initial": initial, "lm_head_numel": lm_head_numel,
-                    "world": trainer.accelerator.num_processes, "wrapper": type(trainer.model_wrapped).__name__},
-                   case["out"])
+        torch.save({"losses": losses, "logs": logs, "fused_calls": dict(fused_calls), "params": params,
+                    "initial": initial, "lm_head_numel": lm_head_numel, "world": trainer.accelerator.num_processes,
+                    "wrapper": type(trainer.model_wrapped).__name__},
+                   out)
     trainer.accelerator.wait_for_everyone()
 
 
+def main(batch_file: str) -> None:
+    torch.set_num_threads(1)
+    with open(batch_file) as f:
+        runs = json.load(f)
+    for entry in runs:
+        environ = dict(os.environ)
+        try:
+            train(entry["case"], Path(entry["dir"]) / "result.pt")
+        except Exception:
+            with open(os.path.join(entry["dir"], "error.txt"), "a") as f:
+                f.write(f"rank {os.environ.get('RANK', '0')}:\n{traceback.format_exc()}\n")
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+            gc.collect()
+
+
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    main(sys.argv[1])
     exit_rank()

@@ -1,18 +1,31 @@
 """Run tests/distributed workers the way users launch training: ``accelerate launch --config_file`` with the
 ready configs under ``examples/distributed/``, 2 CPU processes over gloo (DeepSpeed's CPU accelerator
 falls back to gloo without oneCCL) or, with ``HF_FUSED_TEST_DEVICE=cuda``, 2 GPUs over NCCL (ranks.py), or as
-one plain process for the single-process reference."""
+one plain process for the single-process reference.
+
+A launch costs far more than the few training steps it runs (each rank imports torch, transformers, TRL and
+DeepSpeed: 10-20 s on 2 loaded cores), so the tests share launches: :class:`SharedLaunches` runs, in one launch
+per engine, every run of that engine that the selected tests of a module will ask for, and hands each test its
+own runs' results (or their own failure).
+
+Robust under load: every launch gets a generous timeout that grows with the runs it holds, a rendezvous port
+outside the kernel's ephemeral range (:func:`free_port`), and is run again only when that port was taken
+(``EADDRINUSE``, before any rank started); on timeout every process it started is stopped.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 
@@ -22,9 +35,11 @@ HERE = Path(__file__).parent
 REPO = HERE.parent.parent
 CONFIGS = REPO / "examples" / "distributed"
 WORKER = HERE / "train_worker.py"
-#: One launch (2 ranks: imports, DeepSpeed's first shm-op build, a few steps) takes 15-60 s on 2 cores, 20-70 s
-#: on 2 GPUs with 8 launches at once (CUDA and NCCL start-up). ``HF_FUSED_LAUNCH_TIMEOUT_S`` overrides it.
-TIMEOUT_S = int(os.environ.get("HF_FUSED_LAUNCH_TIMEOUT_S", "400"))
+#: One launch (2 ranks: imports, a few steps) takes 15-60 s on 2 cores, 20-70 s on 2 GPUs with 8 launches at once
+#: (CUDA and NCCL start-up); 140 s on 2 cores under a load of 7. ``HF_FUSED_LAUNCH_TIMEOUT_S`` overrides it.
+TIMEOUT_S = int(os.environ.get("HF_FUSED_LAUNCH_TIMEOUT_S", "600"))
+#: What each further run sharing a launch adds to its timeout (a few training steps, a model load).
+RUN_TIMEOUT_S = int(os.environ.get("HF_FUSED_RUN_TIMEOUT_S", "240"))
 #: Launches of one command before an "address already in use" on the rendezvous port fails a test.
 PORT_ATTEMPTS = 3
 
@@ -35,7 +50,8 @@ def worker_env(cuda: bool = CUDA, gpus: int | None = None) -> dict:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",  # 2 ranks on 2 cores: intra-op threads only oversubscribe
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+        # the repository (benchmarks, examples), the shared test modules, the launcher's workers
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]),
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONFAULTHANDLER": "1",  # a rank killed on timeout (SIGABRT, run()) prints every thread's stack
     }
@@ -50,25 +66,49 @@ def worker_env(cuda: bool = CUDA, gpus: int | None = None) -> dict:
     return env
 
 
+def _ephemeral_ports() -> range:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, below the kernel's ephemeral range. Between this choice and the moment rank 0's store binds
+    it, the launcher imports torch (seconds, a minute under load); a port from the ephemeral range could meanwhile
+    be handed to any outgoing connection on the machine (other launches' gloo and store connections), which is how
+    an example launch once failed on a busy machine. Ports below that range are only ever taken by explicit binds."""
+    low = _ephemeral_ports().start
+    candidates = range(max(1024, low - 12000), low) if low > 2048 else range(20000, 30000)
+    for _ in range(100):
+        port = random.choice(candidates)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every candidate busy: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def run(cmd: list, cwd: Path = REPO, cuda: bool = CUDA, gpus: int | None = None,
-        rank_logs: Path | None = None) -> None:
-    """Run ``cmd`` in its own process group (seeing ``gpus`` GPUs: :func:`worker_env`), its output into a file; on
-    timeout abort, then kill, it and every process it started. torchrun starts its ranks in sessions of their own,
-    out of reach of the launcher's process group: a rank left running holds a pipe's write end open (a
-    ``communicate()`` on it never returns) and outlives the test. ``rank_logs``: torchrun's ``--log_dir``, whose
-    per-rank ``stderr.log`` tails the failure message adds (in the launch's own output two ranks' stacks at
-    SIGABRT interleave line by line)."""
+        rank_logs: Path | None = None, timeout_s: int | None = None) -> str:
+    """Run ``cmd`` in its own process group (seeing ``gpus`` GPUs: :func:`worker_env`), its output into a file, and
+    return that output; on timeout (``timeout_s``, default :data:`TIMEOUT_S`) abort, then kill, it and every process
+    it started. torchrun starts its ranks in sessions of their own, out of reach of the launcher's process group: a
+    rank left running holds a pipe's write end open (a ``communicate()`` on it never returns) and outlives the test.
+    ``rank_logs``: torchrun's ``--log_dir``, whose per-rank ``stderr.log`` tails the failure message adds (in the
+    launch's own output two ranks' stacks at SIGABRT interleave line by line)."""
+    timeout_s = TIMEOUT_S if timeout_s is None else timeout_s
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(cmd, cwd=cwd, env=worker_env(cuda, gpus), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
-            proc.wait(timeout=TIMEOUT_S)
+            proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             # found before the signal: once the launcher dies its ranks hang from init, out of _descendants' reach
             tree = [proc.pid] + _descendants(proc.pid)
@@ -79,11 +119,13 @@ def run(cmd: list, cwd: Path = REPO, cuda: bool = CUDA, gpus: int | None = None,
                 pass
             _signal(tree + _descendants(proc.pid), signal.SIGKILL)
             proc.wait()
-            raise AssertionError(f"{_shown(cmd)} still running after {TIMEOUT_S} s, stacks at SIGABRT:\n"
+            raise AssertionError(f"{_shown(cmd)} still running after {timeout_s} s, stacks at SIGABRT:\n"
                                  f"{_tail(log, 12000)}{_rank_tails(rank_logs)}") from None
         if proc.returncode != 0:
             raise AssertionError(f"{_shown(cmd)} exited with {proc.returncode}:\n{_tail(log, 6000)}"
                                  f"{_rank_tails(rank_logs)}")
+        log.seek(0)
+        return log.read()
 
 
 def _shown(cmd: list) -> str:
@@ -146,10 +188,11 @@ def _signal(pids: list[int], sig: int) -> None:
             pass
 
 
-def accelerate_launch(config: str | Path, script: Path, *args: str, processes: int = 2, cuda: bool = CUDA) -> None:
+def accelerate_launch(config: str | Path, script: Path, *args: str, processes: int = 2, cuda: bool = CUDA,
+                      timeout_s: int | None = None) -> str:
     """``accelerate launch --config_file examples/distributed/<config>.yaml script args`` (``config`` a name
     there, or a config file's path); each rank's stderr also goes to a file of its own (torchrun's ``--log_dir`` /
-    ``--tee``), shown when the launch fails."""
+    ``--tee``), shown when the launch fails. Returns the launch's output."""
     config_file = config if isinstance(config, Path) else CONFIGS / f"{config}.yaml"
     for attempt in range(PORT_ATTEMPTS):
         with tempfile.TemporaryDirectory() as logs:
@@ -157,27 +200,167 @@ def accelerate_launch(config: str | Path, script: Path, *args: str, processes: i
                 return run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                             str(config_file), "--num_processes", str(processes), "--main_process_port",
                             str(free_port()), "--log_dir", logs, "--tee", "3", str(script), *args],
-                           cuda=cuda, rank_logs=Path(logs))
+                           cuda=cuda, rank_logs=Path(logs), timeout_s=timeout_s)
             except AssertionError as e:
-                # The port was free when chosen, then taken (by another launch's sockets under pytest -n)
-                # before rank 0's store bound it: the launch never started, so it is run again on another port.
+                # The port was free when chosen, then taken before rank 0's store bound it: the launch never
+                # started, so it is run again on another port.
                 if "EADDRINUSE" not in str(e) or attempt == PORT_ATTEMPTS - 1:
                     raise
 
 
+def launch_timeout(runs: int) -> int:
+    """The timeout of a launch that holds ``runs`` runs."""
+    return TIMEOUT_S + RUN_TIMEOUT_S * max(0, runs - 1)
+
+
+# -- runs shared between the tests of a module, one launch per engine ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of a worker: ``case`` (its JSON text) under the accelerate ``config`` (a name under
+    examples/distributed/ or a config file's path; None: one plain process) on ``processes`` ranks."""
+
+    config: str | Path | None
+    processes: int
+    case: str
+
+    @staticmethod
+    def of(config: str | Path | None, processes: int, case) -> "Run":
+        return Run(config, processes, json.dumps(case, sort_keys=True))
+
+    @property
+    def engine(self) -> tuple:
+        return (str(self.config), self.processes)
+
+    def unpatched_first(self) -> tuple:
+        """Sort key: in a shared launch, runs that never touch hf_fused come first, so that an unpatched reference
+        runs in a process in the state a launch of its own would give it."""
+        case = json.loads(self.case)
+        patched = str(case.get("trainer", "")).startswith("Fused") or case.get("fused", False)
+        return (bool(patched), self.case)
+
+
+class SharedLaunches:
+    """The results of :class:`Run` s, each launch holding every planned run of one engine.
+
+    ``planned``: every run the selected tests will ask for. The first request for a run of an engine launches,
+    at once, all of that engine's planned runs not yet done (``launch(runs, dirs)``: each run writes into its own
+    directory; a run that raised writes its traceback to ``error.txt`` there); ``load(run, directory)`` reads
+    a run's result. A test gets its own run's result (also when the launch failed after writing it), or an
+    AssertionError with that run's traceback, or with the launch's failure when the run wrote nothing."""
+
+    def __init__(self, root: Path, planned: Iterable[Run], launch: Callable[[list[Run], list[Path]], None],
+                 load: Callable[[Run, Path], dict]):
+        self.root, self.launch, self.load = root, launch, load
+        self.planned = list(dict.fromkeys(planned))
+        self.dirs: dict[Run, Path] = {}
+        self.launch_errors: dict[Run, str] = {}
+        self.results: dict[Run, dict] = {}
+
+    def __call__(self, run: Run) -> dict:
+        if run not in self.dirs:
+            self._launch_engine_of(run)
+        if run not in self.results:
+            directory = self.dirs[run]
+            error = directory / "error.txt"
+            if error.exists():
+                raise AssertionError(f"run {run.case} under {run.config} raised:\n{error.read_text()}")
+            try:
+                self.results[run] = self.load(run, directory)
+            except FileNotFoundError:
+                if run in self.launch_errors:
+                    raise AssertionError(f"the launch holding run {run.case} under {run.config} failed before the run "
+                                         f"finished:\n{self.launch_errors[run]}") from None
+                raise
+        return self.results[run]
+
+    def _launch_engine_of(self, run: Run) -> None:
+        runs = [r for r in self.planned if r.engine == run.engine and r not in self.dirs]
+        if run not in runs:
+            runs.append(run)  # asked for without being planned: launched with the rest of its engine
+        runs.sort(key=Run.unpatched_first)
+        dirs = []
+        for r in runs:
+            self.dirs[r] = self.root / f"run{len(self.dirs)}"
+            self.dirs[r].mkdir(parents=True)
+            dirs.append(self.dirs[r])
+        try:
+            self.launch(runs, dirs)
+        except AssertionError as e:
+            for r in runs:
+                self.launch_errors[r] = str(e)
+
+
+def planned_runs(request, plans: dict[str, Callable[..., list[Run]]]) -> list[Run]:
+    """The runs the selected tests of ``request``'s module will ask for: ``plans[test function name](**params)``
+    for each of them (a test function not in ``plans`` plans nothing)."""
+    runs = []
+    for item in request.session.items:
+        if getattr(item, "module", None) is request.module and item.originalname in plans:
+            params = getattr(item, "callspec", None)
+            runs += plans[item.originalname](**(params.params if params else {}))
+    return runs
+
+
+def run_cases(runs: list[Run], dirs: list[Path], worker: Path = WORKER,
+              model_dirs: Callable[[str], str] | None = None) -> None:
+    """Launch ``worker`` once for ``runs`` (one engine): it reads ``[{"case", "dir"}, ...]`` from the JSON file
+    named on its command line (train_worker.py, script_runner.py). ``model_dirs``: where the tiny model a case
+    names (``"model"``) was saved, given to the worker as the case's ``"model_dir"``."""
+    config, processes = runs[0].config, runs[0].processes
+    entries = []
+    for r, d in zip(runs, dirs):
+        case = {"cuda": CUDA, **json.loads(r.case)}
+        if model_dirs is not None and "model" in case:
+            case["model_dir"] = model_dirs(case["model"])
+        entries.append({"case": case, "dir": str(d)})
+    batch = dirs[0] / "batch.json"
+    batch.write_text(json.dumps(entries))
+    cuda = any(entry["case"]["cuda"] for entry in entries)
+    timeout_s = launch_timeout(len(runs))
+    if config is None:
+        gpus = json.loads(runs[0].case).get("gpus", 1)
+        run([sys.executable, str(worker), str(batch)], cuda=cuda, gpus=gpus, timeout_s=timeout_s)
+    else:
+        accelerate_launch(config, worker, str(batch), processes=processes, cuda=cuda, timeout_s=timeout_s)
+
+
+def torchrun_cases(worker: Path) -> Callable[[list[Run], list[Path]], None]:
+    """Launches of ``worker`` under ``torch.distributed.run --standalone`` (its own rendezvous port, bound by the
+    agent itself), ``processes`` ranks, every run's case in one launch (``[{"case", "dir"}, ...]``, as
+    :func:`run_cases` writes it)."""
+    def launch(runs: list[Run], dirs: list[Path]) -> None:
+        batch = dirs[0] / "batch.json"
+        batch.write_text(json.dumps([{"case": json.loads(r.case), "dir": str(d)} for r, d in zip(runs, dirs)]))
+        run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(runs[0].processes),
+             str(worker), str(batch)], timeout_s=launch_timeout(len(runs)))
+
+    return launch
+
+
+def load_json_result(run: Run, directory: Path) -> dict:
+    """What a torchrun worker's rank 0 wrote for ``run``."""
+    return json.loads((directory / "result.json").read_text())
+
+
 def train(case: dict, config: str | None, processes: int = 2) -> dict:
-    """Run :mod:`train_worker` for ``case`` under the engine ``config`` (None: one plain process) and load
+    """Run :mod:`train_worker` for ``case`` alone under the engine ``config`` (None: one plain process) and load
     what rank 0 saved, after checking that the engine wrapped the model (``parity.assert_wrapped_by``).
     ``case["cuda"]``: on the GPU (DeepSpeed's CUDA accelerator) instead of CPU ranks; ``case["gpus"]``: GPUs a
     plain process sees (default 1: with more, the Trainer uses ``nn.DataParallel``)."""
+    with tempfile.TemporaryDirectory() as root:
+        launches = SharedLaunches(Path(root), [], run_cases, load_train_result)
+        return launches(Run.of(config, processes, case))
+
+
+def load_train_result(run: Run, directory: Path) -> dict:
+    """What train_worker.py's rank 0 saved for ``run``, after checking that the engine wrapped the model."""
     from parity import assert_wrapped_by
 
-    case = {"cuda": CUDA, **case}
-    cuda = bool(case["cuda"])
-    if config is None:
-        run([sys.executable, str(WORKER), json.dumps(case)], cuda=cuda, gpus=case.get("gpus", 1))
-        return torch.load(case["out"])
-    accelerate_launch(config, WORKER, json.dumps(case), processes=processes, cuda=cuda)
-    got = torch.load(case["out"])
-    assert_wrapped_by(got, f"fsdp{case['trainer_fsdp']}" if case.get("trainer_fsdp") else config, processes)
+    got = torch.load(directory / "result.pt")
+    if run.config is not None:
+        case = json.loads(run.case)
+        assert_wrapped_by(got, f"fsdp{case['trainer_fsdp']}" if case.get("trainer_fsdp") else run.config,
+                          run.processes)
     return got

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_fused.ops.tiling import rows_per_tile
+
 LOSS_RTOL = 1e-5
 PARAM_RTOL = 2e-5
 
@@ -127,3 +129,28 @@ def assert_bf16_twins(runs: list[tuple[dict, dict, dict]], ranks: int = 2, stock
     assert 0 < stock_err, "bf16 changed nothing: mixed precision was not on"
     assert fused_err <= BF16_NO_FURTHER * stock_err, (
         f"parameters: fused bf16 {fused_err:.3g} vs stock bf16 {stock_err:.3g} of the fp32 update")
+
+
+#: bf16 mixed precision per engine, and where its unpatched twin runs under the same bf16 setting, as
+#: ``(config, processes)``: DeepSpeed (``bf16.enabled``) keeps bf16 weights and fp32 master weights, so the same
+#: config in one process; DDP autocasts an fp32 model, as one plain process with ``bf16=True`` does; accelerate's
+#: FSDP1 and FSDP2 plugins also hold bf16 parameters and reduce gradients in bf16 (``param_dtype`` and
+#: ``reduce_dtype``, beside autocast), which one process does not reproduce: the same config on as many ranks (2).
+BF16_STOCK = {"zero3": ("zero3", 1), "zero2": ("zero2", 1), "fsdp2": ("fsdp2", 2), "fsdp1": ("fsdp1", 2),
+              "ddp": (None, 1)}
+
+#: A tile budget of 4 rows of a 128-token vocabulary (``rows_per_tile(128, 6144)``): a loss call over a micro-batch
+#: of 2 rows of 12 tokens runs several tiles.
+SMALL_TILES = 6144
+
+
+def assert_head_gathered_and_reduced_once_per_micro_batch(got: dict, micro_batches: int, tokens_per_micro_batch: int,
+                                                          vocab: int) -> None:
+    """Under ZeRO-3, per forward+backward of one micro-batch (trained with ``tile_budget_bytes=SMALL_TILES``):
+    DeepSpeed gathers lm_head.weight once for lm_head's call (the fused loss is computed inside it), hf_fused
+    gathers it once for the backward (however many tiles the op runs), and its gradient reaches DeepSpeed's reduce
+    hook exactly once."""
+    assert rows_per_tile(vocab, SMALL_TILES) < tokens_per_micro_batch // 2, "the op should run several tiles"
+    counts = got["head_counts"]
+    assert counts == {"deepspeed_forward_fetches": micro_batches, "hf_fused_gathers": micro_batches,
+                      "reductions": micro_batches}, counts

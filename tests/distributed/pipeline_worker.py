@@ -13,7 +13,6 @@ reference's; rank 0 writes every relative error (and the loss's) to the JSON fil
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
@@ -22,11 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ranks import exit_rank, init_process_group  # noqa: E402
-from tiny_models import make_batch, make_model, rel_err  # noqa: E402
-
-from hf_fused import LinearCrossEntropyLoss  # noqa: E402
+from hf_fused import LinearCrossEntropyLoss
+from models import make_batch, make_model
+from ranks import exit_rank, init_process_group
+from references import rel_err
 
 MICROBATCHES = 2
 

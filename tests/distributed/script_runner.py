@@ -1,4 +1,4 @@
-"""Run an example script exactly as ``python SCRIPT`` / ``accelerate launch SCRIPT`` would (``runpy``, as
+"""Run example scripts exactly as ``python SCRIPT`` / ``accelerate launch SCRIPT`` would (``runpy``, as
 ``__main__``, the script's folder first on ``sys.path``), recording what a parity test needs from outside
 the script:
 
@@ -7,26 +7,33 @@ the script:
 * every parameter, whole, when ``Trainer.train`` starts and when it returns (gathered from ZeRO-3 partitions
   or FSDP2 DTensors, PEFT adapters included), as ``train_worker.full_parameters`` reads them.
 
-    accelerate launch ... tests/distributed/script_runner.py OUT SCRIPT [script arguments...]
+    accelerate launch ... tests/distributed/script_runner.py RUNS.json
 
-Each rank writes ``{"rank", "head_calls", "partitioned_head_calls", "head_positions"}`` (the most positions of a
-row its fused head received) as JSON to ``OUT.<rank>.json``; rank 0
-writes ``torch.save({"initial", "params"})`` to ``OUT.params.pt``.
+``RUNS.json`` lists the runs of this launch, ``[{"case": {"script", "args"}, "dir"}, ...]``; each runs ``script``
+with ``args`` and ``--output_dir <dir>``, one after the other in this process (a launch costs far more than a tiny
+script's run; the environment is restored after each). For each run, each rank writes ``{"rank", "head_calls",
+"partitioned_head_calls", "head_positions"}`` (the most positions of a row its fused head received) as JSON to
+``<dir>/run.<rank>.json``; rank 0 writes ``torch.save({"initial", "params", "wrapper"})`` to ``<dir>/run.params.pt``.
+A run that raised writes its traceback to ``<dir>/error.txt``, and the next one runs.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import runpy
 import sys
+import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ranks import exit_rank  # noqa: E402
-from train_worker import count_fused_head_calls, full_parameters  # noqa: E402
+from ranks import exit_rank
+from train_worker import count_fused_head_calls, full_parameters
+
+#: Where the run in progress records its parameters (``<dir>/run``).
+_current = {"out": None}
 
 
-def record_parameters(out: str) -> None:
+def record_parameters() -> None:
     import torch
     import transformers
 
@@ -38,17 +45,27 @@ def record_parameters(out: str) -> None:
         params = full_parameters(self.model)
         if self.accelerator.is_main_process:
             torch.save({"initial": initial, "params": params, "wrapper": type(self.model_wrapped).__name__},
-                       f"{out}.params.pt")
+                       f"{_current['out']}.params.pt")
         return result
 
     transformers.Trainer.train = recorded
 
 
-def main() -> None:
-    out, script, *args = sys.argv[1:]
+def keep_the_process_group() -> None:
+    """The scripts end as TRL's do, ``trainer.end()`` destroying the process group; the next run of this launch would
+    build a new one while DeepSpeed keeps its groups from the first (``Group ... is not registered``). One process
+    group serves every run, and is left by ``ranks.exit_rank`` after a barrier. (The script launched as users
+    launch it, without this runner, ends as it does for them: test_trl_scripts.py.)"""
+    from accelerate.state import PartialState
+
+    PartialState.destroy_process_group = lambda self, group=None: None
+
+
+def run_script(script: str, args: list[str], directory: str) -> None:
+    out = os.path.join(directory, "run")
+    _current["out"] = out
     calls = count_fused_head_calls()
-    record_parameters(out)
-    sys.argv = [script, *args]
+    sys.argv = [script, *args, "--output_dir", directory]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as ``python SCRIPT`` sets it: the script's imports
     runpy.run_path(script, run_name="__main__")
     rank = int(os.environ.get("RANK", "0"))
@@ -57,6 +74,25 @@ def main() -> None:
                    "head_positions": calls["max_positions"]}, f)
 
 
+def main(batch_file: str) -> None:
+    with open(batch_file) as f:
+        runs = json.load(f)
+    record_parameters()
+    keep_the_process_group()
+    for entry in runs:
+        environ, path = dict(os.environ), list(sys.path)
+        try:
+            run_script(entry["case"]["script"], entry["case"]["args"], entry["dir"])
+        except (Exception, SystemExit):
+            with open(os.path.join(entry["dir"], "error.txt"), "a") as f:
+                f.write(f"rank {os.environ.get('RANK', '0')}:\n{traceback.format_exc()}\n")
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+            sys.path[:] = path
+            gc.collect()
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1])
     exit_rank()

@@ -14,8 +14,6 @@ import pytest
 
 from launch import train
 from parity import assert_matches_reference
-from test_engines import MODELS
-from tiny_models import make_model
 
 pytestmark = [pytest.mark.multigpu, pytest.mark.distributed]
 
@@ -29,15 +27,12 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_dataparallel_training_matches_unpatched_dataparallel(name, tmp_path):
+def test_dataparallel_training_matches_unpatched_dataparallel(name, saved_models):
     model, trainer, options = CASES[name]
-    arch, tied, overrides = MODELS[model]
-    model_dir = tmp_path / model
-    make_model(arch, tie_word_embeddings=tied, **overrides).save_pretrained(model_dir)
-    common = dict(model_dir=str(model_dir), batch=BATCH, steps=STEPS, cuda=True, gpus=2)
+    common = dict(model_dir=saved_models(model), batch=BATCH, steps=STEPS, cuda=True, gpus=2)
     reference_options = {k: v for k, v in options.items() if k != "fused"}
-    ref = train(dict(common, out=str(tmp_path / "ref.pt"), trainer="Trainer", **reference_options), None)
-    got = train(dict(common, out=str(tmp_path / "got.pt"), trainer=trainer, **options), None)
+    ref = train(dict(common, trainer="Trainer", **reference_options), None)
+    got = train(dict(common, trainer=trainer, **options), None)
     assert ref["n_gpu"] == got["n_gpu"] == 2, "the Trainer should have wrapped the model in nn.DataParallel"
     assert ref["head_calls"] == 0
     micro_batches = STEPS * options.get("ga", 1)

@@ -3,17 +3,14 @@
 The patch finds the model inside the engine (which forwards unknown attributes to it) and its probe runs
 through DeepSpeed's hooks; 3 SGD steps against an unpatched copy trained without DeepSpeed on all ranks'
 batches: losses relative 1e-5, parameters ``‖θ − θ_ref‖ / ‖θ_ref − θ_0‖ ≤ 2e-5`` (reasons in
-test_engines.py)."""
+parity.py). Both stages run in one launch of deepspeed_worker.py (``launch.SharedLaunches``)."""
 
 from __future__ import annotations
-
-import json
-import sys
 
 import pytest
 import torch
 
-from launch import HERE, run
+from launch import HERE, Run, SharedLaunches, load_json_result, planned_runs, torchrun_cases
 
 pytestmark = [
     pytest.mark.distributed,
@@ -21,13 +18,22 @@ pytestmark = [
 ]
 
 
+def stage_run(stage: int) -> list[Run]:
+    return [Run.of("torchrun", 2, dict(stage=stage))]
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> SharedLaunches:
+    plans = {"test_patched_deepspeed_engine_matches_reference": stage_run}
+    return SharedLaunches(tmp_path_factory.mktemp("deepspeed"), planned_runs(request, plans),
+                          torchrun_cases(HERE / "deepspeed_worker.py"), load_json_result)
+
+
 @pytest.mark.parametrize("stage", [3, 2])
-def test_patched_deepspeed_engine_matches_reference(tmp_path, stage):
+def test_patched_deepspeed_engine_matches_reference(stage, runs):
     pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    out = tmp_path / "result.json"
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(HERE / "deepspeed_worker.py"), str(out), str(stage)])
-    doc = json.loads(out.read_text())
+    (run,) = stage_run(stage)
+    doc = runs(run)
     assert doc["world"] == 2
     if stage == 3:
         assert doc["lm_head_numel"] == 0, "ZeRO-3 should have partitioned lm_head's weight"

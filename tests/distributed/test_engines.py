@@ -8,7 +8,9 @@ Each case trains a tiny model for a few optimizer steps through a public entry p
 compared with the single-process, unpatched ``transformers.Trainer`` on the same global batch
 (``ranks × per-device batch``, same sample order): every logged loss, and every updated parameter.
 
-Tolerances (fp32, bf16 twins): tests/distributed/parity.py.
+Tolerances (fp32, bf16 twins): tests/distributed/parity.py. The runs of one engine share one launch
+(``launch.SharedLaunches``): each test names its runs (the ``*_runs`` functions below), the first test to need an
+engine launches all of that engine's runs, and each test checks its own.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_fused.ops.tiling import rows_per_tile
-from launch import train
-from parity import assert_bf16_twin, assert_matches_reference
+from launch import Run, SharedLaunches, load_train_result, planned_runs, run_cases
+from models import VOCAB
+from parity import (BF16_STOCK, SMALL_TILES, assert_bf16_twin, assert_head_gathered_and_reduced_once_per_micro_batch,
+                    assert_matches_reference)
 from ranks import CUDA
-from tiny_models import VOCAB, make_model
 
 pytestmark = [
     pytest.mark.distributed,
@@ -30,54 +32,13 @@ pytestmark = [
 BATCH = 2  # per device
 RANKS = 2
 SEQ = 12  # positions per sample (train_worker.TinyDataset)
-#: rows_per_tile(128, 6144) = 4 rows per tile: a loss call runs several tiles.
-TILE_BUDGET = 6144
-
-#: Tiny models by name: (architecture, tied embeddings, config overrides). A prime vocabulary (131) splits
-#: unevenly over 2 ranks: FSDP2 shards the tied lm_head / embedding's rows 66 + 65, the last shard padded (the
-#: 128k-256k vocabularies divide by 2 but not always by the world size, and GPT-2's 50,257 by none). ZeRO-3 splits
-#: each parameter's flat numel instead, 131 × 32 here: even.
-MODELS = {"llama": ("llama", False, {}), "qwen3-tied": ("qwen3", True, {}),
-          "qwen3-tied-odd-vocab": ("qwen3", True, dict(vocab_size=131))}
-
-
-@pytest.fixture(scope="session")
-def model_dirs(tmp_path_factory):
-    """Each tiny model saved once (workers load it with ``from_pretrained``, so ZeRO-3 builds it partitioned)."""
-    root = tmp_path_factory.mktemp("models")
-    paths = {}
-    for name, (arch, tied, overrides) in MODELS.items():
-        make_model(arch, tie_word_embeddings=tied, **overrides).save_pretrained(root / name)
-        paths[name] = str(root / name)
-    return paths
-
-
-@pytest.fixture(scope="session")
-def references(tmp_path_factory, model_dirs):
-    """Single-process unpatched Trainer runs, one per (model, engine, options), computed on first use.
-    ``engine``: None for a plain process, or an engine config launched with one process (DeepSpeed's bf16
-    keeps bf16 weights, so its single-process bf16 reference is DeepSpeed's too)."""
-    root = tmp_path_factory.mktemp("references")
-    cache = {}
-
-    def get(model: str, engine: str | None = None, ranks: int = RANKS, **options) -> dict:
-        """The reference for a run on ``ranks`` ranks: one process on ``ranks`` times the per-rank batch."""
-        key = (model, engine, ranks, tuple(sorted(options.items())))
-        if key not in cache:
-            case = dict(model_dir=model_dirs[model], out=str(root / f"ref{len(cache)}.pt"), trainer="Trainer",
-                        batch=BATCH * ranks, **options)
-            cache[key] = train(case, engine, processes=1)
-        return cache[key]
-
-    return get
-
 
 CASES = {
     # name: (accelerate config, model, trainer, options)
     # Small tiles (4 rows of the 128-token vocabulary) and lm_head's gathers and reductions counted.
     "zero3-FusedTrainer-ga2-small-tiles": (
         "zero3", "llama", "FusedTrainer",
-        dict(ga=2, tile_budget_bytes=TILE_BUDGET, count_head_events=True, track_vocab_tensors=True)),
+        dict(ga=2, tile_budget_bytes=SMALL_TILES, count_head_events=True, track_vocab_tensors=True)),
     "zero3-Trainer+apply_fused_loss-tied-ga2-checkpointing": (
         "zero3", "qwen3-tied", "Trainer", dict(fused=True, ga=2, grad_ckpt=True)),
     "zero3-FusedTrainer-lora-on-lm_head": ("zero3", "llama", "FusedTrainer", dict(lora="lm_head")),
@@ -120,97 +81,48 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_engine_training_matches_single_process_reference(name, tmp_path, model_dirs, references):
+#: Options of a run that its single-process reference does not take (hf_fused's, or the test's instruments).
+HARNESS = ("fused", "tile_budget_bytes", "count_head_events", "track_vocab_tensors", "trainer_fsdp")
+
+
+def reference_run(model: str, engine: str | None = None, ranks: int = RANKS, **options) -> Run:
+    """The single-process unpatched Trainer run for a run on ``ranks`` ranks: one process on ``ranks`` times the
+    per-rank batch. ``engine``: None for a plain process, or an engine config launched with one process (DeepSpeed's
+    bf16 keeps bf16 weights, so its single-process bf16 reference is DeepSpeed's too)."""
+    return Run.of(engine, 1, dict(model=model, trainer="Trainer", batch=BATCH * ranks, **options))
+
+
+def engine_runs(name: str) -> list[Run]:
+    """``[reference, run]`` of ``CASES[name]`` (none where the test skips)."""
     config, model, trainer, options = CASES[name]
-    if config.startswith("zero"):
-        pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
     options = dict(options)
     ranks = options.pop("ranks", RANKS)
     if CUDA and torch.cuda.device_count() < ranks:
-        pytest.skip(f"{ranks} ranks need {ranks} GPUs")
-    harness = ("fused", "tile_budget_bytes", "count_head_events", "track_vocab_tensors", "trainer_fsdp")
-    reference_options = {k: v for k, v in options.items() if k not in harness}
-    ref = references(model, ranks=ranks, **reference_options)  # one process on ranks × the per-rank batch
-    case = dict(model_dir=model_dirs[model], out=str(tmp_path / "run.pt"), trainer=trainer, batch=BATCH, **options)
-    got = train(case, config, processes=ranks)  # checks the engine wrapped the model
-    assert got["head_calls"] > 0, "hf_fused never computed the head"
-    if config == "zero3":
-        assert got["lm_head_numel"] == 0, "ZeRO-3 should have partitioned lm_head's weight"
-    assert_matches_reference(got, ref, ranks=ranks)
-    if options.get("count_head_events"):
-        assert_head_gathered_and_reduced_once_per_micro_batch(got, micro_batches=len(ref["losses"]) * options["ga"])
-    if options.get("track_vocab_tensors"):
-        assert_no_full_vocabulary_logits(got)
+        return []
+    reference = reference_run(model, ranks=ranks, **{k: v for k, v in options.items() if k not in HARNESS})
+    return [reference, Run.of(config, ranks, dict(model=model, trainer=trainer, batch=BATCH, **options))]
 
 
-def assert_no_full_vocabulary_logits(got: dict) -> None:
-    """No op in training produced a vocabulary-wide fp32 tensor larger than the tile budget (a micro-batch has
-    BATCH·12 token rows; stock training makes ``[BATCH, 12, V]`` logits and their gradient, twice the budget).
-    Bytes, not rows: each backend plans its own tile within the budget (the torch reference 4 rows beside its
-    fp32 working copies, the Triton backend 11 rows of one buffer its gradient kernel overwrites in place)."""
-    tile_bytes = got["max_vocab_rows"] * VOCAB * 4
-    assert 0 < tile_bytes <= TILE_BUDGET < BATCH * 12 * VOCAB * 4, got["max_vocab_rows"]
-
-
-def assert_head_gathered_and_reduced_once_per_micro_batch(got: dict, micro_batches: int) -> None:
-    """Under ZeRO-3, per forward+backward of one micro-batch: DeepSpeed gathers lm_head.weight once for
-    lm_head's call (the fused loss is computed inside it), hf_fused gathers it once for the backward
-    (however many tiles the op runs), and its gradient reaches DeepSpeed's reduce hook exactly once."""
-    tokens_per_micro_batch = BATCH * 12
-    assert rows_per_tile(VOCAB, TILE_BUDGET) < tokens_per_micro_batch // 2, "the op should run several tiles"
-    counts = got["head_counts"]
-    assert counts == {"deepspeed_forward_fetches": micro_batches, "hf_fused_gathers": micro_batches,
-                      "reductions": micro_batches}, counts
-
-
-#: bf16 mixed precision per engine, and where its unpatched twin runs under the same bf16 setting, as
-#: ``(config, processes)``: DeepSpeed (``bf16.enabled``) keeps bf16 weights and fp32 master weights, so the same
-#: config in one process; DDP autocasts an fp32 model, as one plain process with ``bf16=True`` does; accelerate's
-#: FSDP1 and FSDP2 plugins also hold bf16 parameters and reduce gradients in bf16 (``param_dtype`` and
-#: ``reduce_dtype``, beside autocast), which one process does not reproduce: the same config on as many ranks.
-BF16_STOCK = {"zero3": ("zero3", 1), "zero2": ("zero2", 1), "fsdp2": ("fsdp2", RANKS), "fsdp1": ("fsdp1", RANKS),
-              "ddp": (None, 1)}
-
-
-@pytest.mark.parametrize("config", list(BF16_STOCK))
-def test_bf16_training_matches_single_process_unpatched_bf16(config, tmp_path, model_dirs, references):
-    """bf16 twin of the fp32 cases: ``FusedTrainer(bf16=True)`` under the engine (2 ranks) against the
-    unpatched ``Trainer(bf16=True)`` under the same bf16 setting (``BF16_STOCK``), and both against the fp32
-    reference (``parity.assert_bf16_twin``: losses within 2^-8, parameters no further from fp32 than stock
-    bf16's, every tensor within 0.25 of the update of stock's; why those bounds: there)."""
-    if config.startswith("zero"):
-        pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
+def bf16_runs(config: str) -> list[Run]:
+    """``[fused, stock, fp32]``: ``FusedTrainer(bf16=True)`` under ``config``, its unpatched twin (``BF16_STOCK``),
+    the fp32 reference."""
     engine, processes = BF16_STOCK[config]
     if processes == 1:
-        stock = references("llama", engine, bf16=True)
+        stock = reference_run("llama", engine, bf16=True)
     else:
-        stock = train(dict(model_dir=model_dirs["llama"], out=str(tmp_path / "stock.pt"), trainer="Trainer",
-                           batch=BATCH, bf16=True), engine, processes=processes)
-    case = dict(model_dir=model_dirs["llama"], out=str(tmp_path / "run.pt"), trainer="FusedTrainer", batch=BATCH,
-                bf16=True)
-    assert_bf16_twin(train(case, config), stock, references("llama"), stock_ranks=processes)
+        stock = Run.of(engine, processes, dict(model="llama", trainer="Trainer", batch=BATCH, bf16=True))
+    fused = Run.of(config, RANKS, dict(model="llama", trainer="FusedTrainer", batch=BATCH, bf16=True))
+    return [fused, stock, reference_run("llama")]
 
 
-@pytest.mark.skipif(not CUDA, reason="accelerate's context parallelism needs GPUs (it refuses a ParallelismConfig on "
-                                     "CPU ranks); HF_FUSED_TEST_DEVICE=cuda runs it")
-def test_context_parallel_bf16_matches_stock_under_it(tmp_path, model_dirs, references):
-    """Context parallelism (examples/distributed/fsdp2_cp2.yaml: both ranks share each sequence, torch's ring
-    attention, FSDP2 over the same 2 ranks): the Trainer hands the model ``shift_labels`` split like the inputs, and
-    hf_fused computes each rank's share of the loss from its own hidden states. In bf16, as the config trains: torch's
-    ring attention handles the flash and memory-efficient SDPA kernels, not the math kernel fp32 falls back to
-    (pytorch/pytorch#147793). ``apply_fused_loss`` + ``Trainer`` against the unpatched ``Trainer`` under the same
-    config, and both against the fp32 single-process run on the same sequences (``parity.assert_bf16_twin``); SDPA
-    attention and unpadded rows, as context parallelism requires."""
-    common = dict(model_dir=model_dirs["llama"], trainer="Trainer", batch=BATCH, ga=2, bf16=True, attn="sdpa",
-                  no_padding=True)
-    stock = train(dict(common, out=str(tmp_path / "stock.pt")), "fsdp2_cp2")
-    fused = train(dict(common, out=str(tmp_path / "fused.pt"), fused=True), "fsdp2_cp2")
-    assert stock["head_calls"] == 0 and fused["head_calls"] > 0
-    assert fused["head_positions"] == SEQ // 2, "each rank's head should see half of every sequence"
+def context_parallel_runs() -> list[Run]:
+    """``[stock, fused, fp32]`` under fsdp2_cp2.yaml (GPUs only)."""
+    if not CUDA:
+        return []
+    common = dict(model="llama", trainer="Trainer", batch=BATCH, ga=2, bf16=True, attn="sdpa", no_padding=True)
     # one data-parallel rank: the fp32 run takes the per-rank batch
-    fp32 = references("llama", ranks=1, ga=2, attn="sdpa", no_padding=True)
-    assert_bf16_twin(fused, stock, fp32, ranks=2, stock_ranks=2)
+    return [Run.of("fsdp2_cp2", RANKS, common), Run.of("fsdp2_cp2", RANKS, dict(common, fused=True)),
+            reference_run("llama", ranks=1, ga=2, attn="sdpa", no_padding=True)]
 
 
 #: DeepSpeed's Ulysses sequence parallelism (examples/distributed/zero3_sp2.yaml): the 2 ranks share each row (one
@@ -223,43 +135,135 @@ SP_CASES = {
 }
 
 
+
+
+def ulysses_runs(name: str) -> list[Run]:
+    """``[reference, run]`` of ``SP_CASES[name]``."""
+    model, trainer, options = SP_CASES[name]
+    reference = reference_run(model, ranks=1, **SP_ROWS, **{k: v for k, v in options.items() if k != "fused"})
+    return [reference, Run.of("zero3_sp2", RANKS, dict(model=model, trainer=trainer, batch=BATCH, **SP_ROWS,
+                                                       **options))]
+
+
+def ulysses_ga_runs() -> list[Run]:
+    """``[stock, fused]`` under zero3_sp2.yaml with gradient accumulation 2."""
+    common = dict(model="llama", trainer="Trainer", batch=BATCH, ga=2, **SP_ROWS)
+    return [Run.of("zero3_sp2", RANKS, common), Run.of("zero3_sp2", RANKS, dict(common, fused=True))]
+
+
+def ulysses_bf16_runs() -> list[Run]:
+    """``[stock, fused, fp32]``: the unpatched and the fused bf16 run under zero3_sp2.yaml, the fp32 reference."""
+    common = dict(model="llama", batch=BATCH, bf16=True, **SP_ROWS)
+    return [Run.of("zero3_sp2", RANKS, dict(common, trainer="Trainer")),
+            Run.of("zero3_sp2", RANKS, dict(common, trainer="FusedTrainer")),
+            reference_run("llama", ranks=1, **SP_ROWS)]
+
+
+PLANS = {
+    "test_engine_training_matches_single_process_reference": engine_runs,
+    "test_bf16_training_matches_single_process_unpatched_bf16": bf16_runs,
+    "test_context_parallel_bf16_matches_stock_under_it": context_parallel_runs,
+    "test_ulysses_sequence_parallel_matches_single_process_reference": ulysses_runs,
+    "test_ulysses_sequence_parallel_gradient_accumulation_matches_stock_under_it": ulysses_ga_runs,
+    "test_ulysses_sequence_parallel_bf16_matches_stock_under_it": ulysses_bf16_runs,
+}
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, saved_models) -> SharedLaunches:
+    """Every run of this module's selected tests, one launch per engine (the tiny models saved once)."""
+    return SharedLaunches(tmp_path_factory.mktemp("engine_runs"), planned_runs(request, PLANS),
+                          lambda runs, dirs: run_cases(runs, dirs, model_dirs=saved_models), load_train_result)
+
+
+def _needs_deepspeed(config: str) -> None:
+    if config.startswith("zero"):
+        pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_engine_training_matches_single_process_reference(name, runs):
+    config, _, _, options = CASES[name]
+    _needs_deepspeed(config)
+    ranks = options.get("ranks", RANKS)
+    if CUDA and torch.cuda.device_count() < ranks:
+        pytest.skip(f"{ranks} ranks need {ranks} GPUs")
+    ref, got = (runs(run) for run in engine_runs(name))  # the engine's run checks the engine wrapped the model
+    assert got["head_calls"] > 0, "hf_fused never computed the head"
+    if config == "zero3":
+        assert got["lm_head_numel"] == 0, "ZeRO-3 should have partitioned lm_head's weight"
+    assert_matches_reference(got, ref, ranks=ranks)
+    if options.get("count_head_events"):
+        assert_head_gathered_and_reduced_once_per_micro_batch(got, micro_batches=len(ref["losses"]) * options["ga"],
+                                                              tokens_per_micro_batch=BATCH * SEQ, vocab=VOCAB)
+    if options.get("track_vocab_tensors"):
+        assert_no_full_vocabulary_logits(got)
+
+
+def assert_no_full_vocabulary_logits(got: dict) -> None:
+    """No op in training produced a vocabulary-wide fp32 tensor larger than the tile budget (a micro-batch has
+    BATCH·12 token rows; stock training makes ``[BATCH, 12, V]`` logits and their gradient, twice the budget).
+    Bytes, not rows: each backend plans its own tile within the budget (the torch reference 4 rows beside its
+    fp32 working copies, the Triton backend 11 rows of one buffer its gradient kernel overwrites in place)."""
+    tile_bytes = got["max_vocab_rows"] * VOCAB * 4
+    assert 0 < tile_bytes <= SMALL_TILES < BATCH * SEQ * VOCAB * 4, got["max_vocab_rows"]
+
+
+@pytest.mark.parametrize("config", list(BF16_STOCK))
+def test_bf16_training_matches_single_process_unpatched_bf16(config, runs):
+    """bf16 twin of the fp32 cases: ``FusedTrainer(bf16=True)`` under the engine (2 ranks) against the
+    unpatched ``Trainer(bf16=True)`` under the same bf16 setting (``BF16_STOCK``), and both against the fp32
+    reference (``parity.assert_bf16_twin``: losses within 2^-8, parameters no further from fp32 than stock
+    bf16's, every tensor within 0.25 of the update of stock's; why those bounds: there)."""
+    _needs_deepspeed(config)
+    fused, stock, fp32 = (runs(run) for run in bf16_runs(config))
+    assert_bf16_twin(fused, stock, fp32, stock_ranks=BF16_STOCK[config][1])
+
+
+@pytest.mark.skipif(not CUDA, reason="accelerate's context parallelism needs GPUs (it refuses a ParallelismConfig on "
+                                     "CPU ranks); HF_FUSED_TEST_DEVICE=cuda runs it")
+def test_context_parallel_bf16_matches_stock_under_it(runs):
+    """Context parallelism (examples/distributed/fsdp2_cp2.yaml: both ranks share each sequence, torch's ring
+    attention, FSDP2 over the same 2 ranks): the Trainer hands the model ``shift_labels`` split like the inputs, and
+    hf_fused computes each rank's share of the loss from its own hidden states. In bf16, as the config trains: torch's
+    ring attention handles the flash and memory-efficient SDPA kernels, not the math kernel fp32 falls back to
+    (pytorch/pytorch#147793). ``apply_fused_loss`` + ``Trainer`` against the unpatched ``Trainer`` under the same
+    config, and both against the fp32 single-process run on the same sequences (``parity.assert_bf16_twin``); SDPA
+    attention and unpadded rows, as context parallelism requires."""
+    stock, fused, fp32 = (runs(run) for run in context_parallel_runs())
+    assert stock["head_calls"] == 0 and fused["head_calls"] > 0
+    assert fused["head_positions"] == SEQ // 2, "each rank's head should see half of every sequence"
+    assert_bf16_twin(fused, stock, fp32, ranks=2, stock_ranks=2)
+
+
 @pytest.mark.parametrize("name", list(SP_CASES))
-def test_ulysses_sequence_parallel_matches_single_process_reference(name, tmp_path, model_dirs, references):
+def test_ulysses_sequence_parallel_matches_single_process_reference(name, runs):
     """Under Ulysses the dataloader adapter hands both ranks their half of the same rows, with ``shift_labels``;
     transformers' Trainer weights the ranks' losses by their label tokens (``deepspeed_sp_compute_loss``). With
     one micro-batch per step that is the mean over the whole rows, so the run must equal the single-process
     unpatched run on those rows (losses and every parameter, fp32 bounds); each rank's head must have seen half
     of each row (a run where both ranks trained whole rows would fail the reference anyway, but this says why)."""
-    pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    model, trainer, options = SP_CASES[name]
-    harness = ("fused",)
-    ref = references(model, ranks=1, **SP_ROWS, **{k: v for k, v in options.items() if k not in harness})
-    case = dict(model_dir=model_dirs[model], out=str(tmp_path / "run.pt"), trainer=trainer, batch=BATCH, **SP_ROWS,
-                **options)
-    got = train(case, "zero3_sp2")
+    _needs_deepspeed("zero3_sp2")
+    ref, got = (runs(run) for run in ulysses_runs(name))
     assert got["head_calls"] > 0 and got["head_positions"] == SEQ // 2, (got["head_calls"], got["head_positions"])
     assert_matches_reference(got, ref, ranks=2)
 
 
-def test_ulysses_sequence_parallel_gradient_accumulation_matches_stock_under_it(tmp_path, model_dirs):
+def test_ulysses_sequence_parallel_gradient_accumulation_matches_stock_under_it(runs):
     """With gradient accumulation, transformers' Ulysses path averages the micro-batches' losses (it turns off
     ``num_items_in_batch``), which no single-process run reproduces: hf_fused against the unpatched model under the
     same config, fp32 bounds."""
-    pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    common = dict(model_dir=model_dirs["llama"], trainer="Trainer", batch=BATCH, ga=2, **SP_ROWS)
-    stock = train(dict(common, out=str(tmp_path / "stock.pt")), "zero3_sp2")
-    fused = train(dict(common, out=str(tmp_path / "fused.pt"), fused=True), "zero3_sp2")
+    _needs_deepspeed("zero3_sp2")
+    stock, fused = (runs(run) for run in ulysses_ga_runs())
     assert stock["head_calls"] == 0 and fused["head_positions"] == stock["model_positions"] == SEQ // 2
     assert_matches_reference(fused, stock, ranks=2)
 
 
-def test_ulysses_sequence_parallel_bf16_matches_stock_under_it(tmp_path, model_dirs, references):
+def test_ulysses_sequence_parallel_bf16_matches_stock_under_it(runs):
     """bf16 twin: ``FusedTrainer(bf16=True)`` and the unpatched ``Trainer(bf16=True)`` under the same Ulysses
     config (DeepSpeed's bf16: bf16 weights, fp32 master weights), both against the fp32 single-process run
     (``parity.assert_bf16_twin``)."""
-    pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    common = dict(model_dir=model_dirs["llama"], batch=BATCH, bf16=True, **SP_ROWS)
-    stock = train(dict(common, out=str(tmp_path / "stock.pt"), trainer="Trainer"), "zero3_sp2")
-    fused = train(dict(common, out=str(tmp_path / "fused.pt"), trainer="FusedTrainer"), "zero3_sp2")
+    _needs_deepspeed("zero3_sp2")
+    stock, fused, fp32 = (runs(run) for run in ulysses_bf16_runs())
     assert fused["head_positions"] == stock["model_positions"] == SEQ // 2
-    assert_bf16_twin(fused, stock, references("llama", ranks=1, **SP_ROWS), ranks=2, stock_ranks=2)
+    assert_bf16_twin(fused, stock, fp32, ranks=2, stock_ranks=2)

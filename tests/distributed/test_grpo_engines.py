@@ -1,6 +1,6 @@
-"""``hf_fused.FusedGRPOTrainer`` under DeepSpeed ZeRO-3 and ZeRO-2, FSDP2 and DDP (``accelerate launch
---config_file examples/distributed/{zero3,zero2,fsdp2,ddp}.yaml``, 2 CPU processes over gloo) against
-``trl.GRPOTrainer`` under the same engine, on the scripted rollouts of tests/grpo_helpers.py (the same
+"""``hf_fused.FusedGRPOTrainer`` under DeepSpeed ZeRO-3 and ZeRO-2, FSDP2, FSDP1 and DDP (``accelerate launch
+--config_file examples/distributed/{zero3,zero2,fsdp2,fsdp1,ddp}.yaml``, 2 CPU processes over gloo) against
+``trl.GRPOTrainer`` under the same engine, on the scripted rollouts of tests/grpo_harness.py (the same
 completions for both), 2 optimizer steps of SGD with β = 0 (on-policy).
 
 Compared: every logged metric of every step (loss, grad_norm, entropy, rewards, clip ratios; relative
@@ -9,7 +9,8 @@ Compared: every logged metric of every step (loss, grad_norm, entropy, rewards, 
 measured ≤ 7e-6, from the reduce-scatter's fp32 order). The GRPO loss value at ratio 1 does not depend on
 the log-probs (DESIGN.md): the parameters carry the parity claim. Also checked: hf_fused computed the head (the
 stock trainer never reached it); under ZeRO-3 lm_head was partitioned (numel 0 outside its forward) and
-every head computation went through the gather path.
+every head computation went through the gather path. The stock and the fused run of an engine share one launch
+(grpo_worker.py, ``launch.SharedLaunches``).
 """
 
 from __future__ import annotations
@@ -19,37 +20,33 @@ import math
 import pytest
 import torch
 
-from launch import REPO, accelerate_launch
-from parity import assert_wrapped_by
+from launch import HERE, Run, SharedLaunches, load_train_result, planned_runs, run_cases
 
 pytestmark = [
     pytest.mark.distributed,
     pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo"),
 ]
 
-WORKER = REPO / "tests" / "distributed" / "grpo_worker.py"
+
+def engine_runs(config: str) -> list[Run]:
+    """``[stock, fused]`` under ``config``."""
+    return [Run.of(config, 2, dict(trainer=trainer, model="word-llama", steps=2))
+            for trainer in ("GRPOTrainer", "FusedGRPOTrainer")]
 
 
-def _run(tmp_path, config: str, trainer: str, model_dir: str) -> dict:
-    import json
-
-    out = tmp_path / f"{trainer}.pt"
-    accelerate_launch(config, WORKER, json.dumps(dict(trainer=trainer, out=str(out), model_dir=model_dir, steps=2)))
-    got = torch.load(out)
-    assert_wrapped_by(got, config)
-    return got
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, saved_models) -> SharedLaunches:
+    plans = {"test_fused_grpo_matches_stock_grpo_under_the_same_engine": engine_runs}
+    return SharedLaunches(tmp_path_factory.mktemp("grpo"), planned_runs(request, plans),
+                          lambda runs, dirs: run_cases(runs, dirs, HERE / "grpo_worker.py", model_dirs=saved_models),
+                          load_train_result)
 
 
 @pytest.mark.parametrize("config", ["zero3", "zero2", "fsdp2", "fsdp1", "ddp"])
-def test_fused_grpo_matches_stock_grpo_under_the_same_engine(tmp_path, config):
+def test_fused_grpo_matches_stock_grpo_under_the_same_engine(config, runs):
     if config.startswith("zero"):
         pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    import grpo_helpers
-
-    model_dir = tmp_path / "model"
-    grpo_helpers.make_model("llama").save_pretrained(model_dir)
-    stock = _run(tmp_path, config, "GRPOTrainer", str(model_dir))
-    fused = _run(tmp_path, config, "FusedGRPOTrainer", str(model_dir))
+    stock, fused = (runs(run) for run in engine_runs(config))  # each checks the engine wrapped the model
 
     assert fused["world"] == 2 and fused["fused_calls"]["all"] > 0
     if config == "zero3":  # partitioned: every head computation went through the gather path

@@ -1,9 +1,12 @@
-"""The launcher of the multi-process tests (launch.run) on a command that hangs: it fails the test in bounded time
+"""The launcher of the multi-process tests (launch.py): on a command that hangs it fails the test in bounded time
 and leaves no process behind, also one the command started in a session of its own (as torchrun starts its ranks),
-whose open output would otherwise keep the test waiting forever."""
+whose open output would otherwise keep the test waiting forever; a failed launch shows each rank's stderr; a
+launch whose rendezvous port was taken runs again, on a port outside the ephemeral range; runs sharing a launch
+each get their own result or their own failure."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -21,6 +24,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def plain_python(monkeypatch) -> None:
+    """Commands run without the CPU ranks' start-up shim (cpu_fsdp/sitecustomize.py imports torch and accelerate in
+    every process: seconds, more under load, which would eat this test's 5 s timeout before the command printed)."""
+    monkeypatch.setattr(launch, "worker_env", lambda cuda, gpus: dict(os.environ))
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the processes through /proc")
 def test_run_kills_a_hung_command_and_the_ranks_in_their_own_sessions(monkeypatch, tmp_path):
     script, pid_file = tmp_path / "hang.py", tmp_path / "rank.pid"
@@ -32,6 +41,7 @@ def test_run_kills_a_hung_command_and_the_ranks_in_their_own_sessions(monkeypatc
         "time.sleep(600)\n"
     )
     monkeypatch.setattr(launch, "TIMEOUT_S", 5)
+    plain_python(monkeypatch)
     start = time.monotonic()
     with pytest.raises(AssertionError, match=r"still running after 5 s(.|\n)*launched"):
         launch.run([sys.executable, str(script)], cuda=False)
@@ -43,7 +53,8 @@ def test_run_kills_a_hung_command_and_the_ranks_in_their_own_sessions(monkeypatc
     assert not _alive(rank)
 
 
-def test_run_reports_a_failing_command(tmp_path):
+def test_run_reports_a_failing_command(monkeypatch):
+    plain_python(monkeypatch)
     with pytest.raises(AssertionError, match=r"exited with 3:(.|\n)*boom"):
         launch.run([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], cuda=False)
 
@@ -96,3 +107,64 @@ def test_a_launch_whose_port_was_taken_is_run_again(monkeypatch, tmp_path):
     with pytest.raises(AssertionError, match="EADDRINUSE"):
         launch.accelerate_launch("ddp", tmp_path / "script.py", cuda=False)
     assert len(calls) == launch.PORT_ATTEMPTS
+
+
+def test_a_rendezvous_port_is_free_and_outside_the_ephemeral_range():
+    """The port a launch's rank 0 binds later is never one the kernel may meanwhile hand to an outgoing connection."""
+    ephemeral = launch._ephemeral_ports()
+    for _ in range(20):
+        port = launch.free_port()
+        assert 1024 <= port < ephemeral.start, (port, ephemeral)
+
+
+def _fake_launch(launches: list, fail: dict | None = None):
+    """A launch that records its runs and writes each run's result (for the runs in ``fail``, an error file, or nothing
+for None); ``fail["launch"]``: the launch itself then fails."""
+    def launch_runs(runs, dirs):
+        launches.append([json.loads(r.case)["name"] for r in runs])
+        for run, directory in zip(runs, dirs):
+            name = json.loads(run.case)["name"]
+            if fail and name in fail:
+                if fail[name] is not None:
+                    (directory / "error.txt").write_text(fail[name])
+            else:
+                (directory / "result.json").write_text(json.dumps({"name": name}))
+        if fail and "launch" in fail:
+            raise AssertionError(fail["launch"])
+    return launch_runs
+
+
+def test_runs_of_one_engine_share_one_launch_and_each_gets_its_own_result(tmp_path):
+    """The first run asked for launches every planned run of its engine, unpatched runs first; other engines wait
+    for their own first request; a run asked for without being planned gets a launch of its own."""
+    launches = []
+    planned = [launch.Run.of("zero3", 2, dict(name="fused", trainer="FusedTrainer")),
+               launch.Run.of("zero3", 2, dict(name="stock", trainer="Trainer")),
+               launch.Run.of("zero3", 3, dict(name="three ranks", trainer="Trainer")),
+               launch.Run.of(None, 1, dict(name="reference", trainer="Trainer"))]
+    runs = launch.SharedLaunches(tmp_path, planned, _fake_launch(launches), launch.load_json_result)
+    assert runs(planned[0]) == {"name": "fused"}
+    assert launches == [["stock", "fused"]]
+    assert runs(planned[1]) == {"name": "stock"} and len(launches) == 1
+    assert runs(planned[3]) == {"name": "reference"}
+    assert launches == [["stock", "fused"], ["reference"]]
+    assert runs(launch.Run.of("zero3", 2, dict(name="unplanned"))) == {"name": "unplanned"}
+    assert launches[-1] == ["unplanned"]
+
+
+def test_a_run_that_raised_fails_alone_and_a_failed_launch_fails_the_runs_it_left(tmp_path):
+    launches = []
+    planned = [launch.Run.of("ddp", 2, dict(name=name)) for name in ("a", "b", "c")]
+    runs = launch.SharedLaunches(tmp_path, planned, _fake_launch(launches, fail={"b": "Traceback: b broke"}),
+                                 launch.load_json_result)
+    assert runs(planned[0]) == {"name": "a"} and runs(planned[2]) == {"name": "c"}
+    with pytest.raises(AssertionError, match="b broke"):
+        runs(planned[1])
+
+    planned = [launch.Run.of("fsdp2", 2, dict(name=name)) for name in ("d", "e")]
+    runs = launch.SharedLaunches(tmp_path / "second", planned,
+                                 _fake_launch(launches, fail={"e": None, "launch": "exited with -9: killed"}),
+                                 launch.load_json_result)
+    assert runs(planned[0]) == {"name": "d"}  # written before the launch failed
+    with pytest.raises(AssertionError, match="killed"):
+        runs(planned[1])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from launch import HERE, run
-from tiny_models import RTOL
+from references import RTOL
 
 pytestmark = [
     pytest.mark.distributed,

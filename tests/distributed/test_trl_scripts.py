@@ -36,23 +36,25 @@ GRPO and RLOO: TRL's GRPO script with ``FusedGRPOTrainer`` in place of ``GRPOTra
 per rank, so a single process would draw other completions; under the same engine, seed and (to fp32 rounding)
 weights both draw the same ones. Every logged metric (loss, grad_norm, rewards, entropy, clip ratios, completion
 lengths) and every parameter, with the same tolerances; hf_fused ran on every rank and not in the stock run.
+
+Each test names the script runs it compares (the ``*_runs`` functions at the end); the runs of one engine share
+one launch of the runner (``launch.SharedLaunches``, stock runs first), and a reference several tests compare with
+runs once.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from launch import CONFIGS, HERE, accelerate_launch, run
-from parity import (PARAM_RTOL, assert_bf16_twin, assert_bf16_twins, assert_matches_reference, assert_wrapped_by,
-                    update_errors)
+from launch import CONFIGS, HERE, Run, SharedLaunches, accelerate_launch, planned_runs, run_cases
+from parity import (BF16_STOCK, PARAM_RTOL, assert_bf16_twin, assert_bf16_twins, assert_matches_reference,
+                    assert_wrapped_by, update_errors)
 from ranks import CUDA
-from test_engines import BF16_STOCK
 
 pytestmark = [
     pytest.mark.distributed,
@@ -71,39 +73,34 @@ ARGS = ["--tiny", "--max_steps", "3", "--gradient_accumulation_steps", "2", "--o
         "--disable_tqdm", "True", *([] if CUDA else ["--use_cpu"])]
 
 
-def _load(out_dir, ranks: int) -> dict:
-    """What the script and tests/distributed/script_runner.py (prefix ``out_dir/run``) wrote."""
+def script_run(script: Path, *args: str, engine: str | Path | None = None, processes: int = RANKS) -> Run:
+    """``script`` with ``args`` through the runner: under ``accelerate launch --config_file <engine>.yaml``
+    (``processes`` ranks), or as one plain process when ``engine`` is None."""
+    case = dict(script=str(script), args=list(args), fused="--no_fused_loss" not in args)
+    return Run.of(engine, 1 if engine is None else processes, case)
+
+
+def load_script_run(run: Run, out_dir: Path) -> dict:
+    """What the script and tests/distributed/script_runner.py wrote in ``out_dir``, after checking that the engine
+    wrapped the model."""
     logs = [e for e in json.loads((out_dir / "trainer_state.json").read_text())["log_history"] if "loss" in e]
-    counts = [json.loads((out_dir / f"run.{rank}.json").read_text()) for rank in range(ranks)]
-    return {"logs": logs, "losses": [e["loss"] for e in logs], "counts": counts, "world": ranks,
-            **torch.load(out_dir / "run.params.pt")}
-
-
-def _launch(script, out_dir, *args: str, engine: str | None = None, processes: int = RANKS) -> dict:
-    """``script`` through the runner: under ``accelerate launch --config_file <engine>.yaml`` (``processes``
-    ranks), or as one plain process when ``engine`` is None."""
-    runner_args = [str(out_dir / "run"), str(script), *args, "--output_dir", str(out_dir)]
-    if engine is None:  # on one GPU: a plain process seeing two would run nn.DataParallel
-        run([sys.executable, str(RUNNER), *runner_args], gpus=1)
-    else:
-        accelerate_launch(engine, RUNNER, *runner_args, processes=processes)
-    got = _load(out_dir, 1 if engine is None else processes)
-    if engine is not None:
-        assert_wrapped_by(got, engine, processes)
+    counts = [json.loads((out_dir / f"run.{rank}.json").read_text()) for rank in range(run.processes)]
+    got = {"logs": logs, "losses": [e["loss"] for e in logs], "counts": counts, "world": run.processes,
+           "dir": out_dir, **torch.load(out_dir / "run.params.pt")}
+    if run.config is not None:
+        assert_wrapped_by(got, run.config, run.processes)
     return got
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    return _launch(SCRIPT, tmp_path_factory.mktemp("trl_sft_reference"), *ARGS, "--no_fused_loss",
-                   "--per_device_train_batch_size", str(BATCH * RANKS))
+def reference_run() -> Run:
+    """The SFT script unpatched in one process on both ranks' batch."""
+    return script_run(SCRIPT, *ARGS, "--no_fused_loss", "--per_device_train_batch_size", str(BATCH * RANKS))
 
 
 @pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp2", "fsdp1", "ddp"])
-def test_trl_sft_script_matches_unpatched_single_process(engine, tmp_path, reference):
-    if engine.startswith("zero"):
-        pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    got = _launch(SCRIPT, tmp_path, *ARGS, "--per_device_train_batch_size", str(BATCH), engine=engine)
+def test_trl_sft_script_matches_unpatched_single_process(engine, runs):
+    _needs_deepspeed(engine)
+    reference, got = (runs(run) for run in sft_runs(engine))
 
     assert_hf_fused_ran(got, reference, engine)
     assert_matches_reference(got, reference, ranks=RANKS)
@@ -150,7 +147,7 @@ def assert_same_metrics(got: dict, reference: dict, keys=SFT_METRICS) -> None:
             assert math.isclose(g[key], r[key], rel_tol=1e-5, abs_tol=abs_tol), f"step {step} {key}: {g[key]} vs {r[key]}"
 
 
-def test_trl_sft_script_as_users_launch_it_under_fsdp2_saves_the_trained_model(tmp_path, reference):
+def test_trl_sft_script_as_users_launch_it_under_fsdp2_saves_the_trained_model(tmp_path, runs):
     """The SFT script launched exactly as users launch it, without the runner (each rank leaves through Python's own
     exit), under FSDP2: it ends, and the model ``save_model`` wrote (rank 0's full state dict, gathered from the
     shards) is the single-process reference's trained model within the parity tolerance. (The runner's ranks once
@@ -158,6 +155,7 @@ def test_trl_sft_script_as_users_launch_it_under_fsdp2_saves_the_trained_model(t
     ``ranks.exit_rank``.)"""
     from safetensors.torch import load_file
 
+    reference = runs(reference_run())
     accelerate_launch("fsdp2", SCRIPT, *ARGS, "--per_device_train_batch_size", str(BATCH), "--output_dir",
                       str(tmp_path))
     saved = load_file(tmp_path / "model.safetensors")
@@ -182,19 +180,15 @@ def _with_bf16(args: list) -> list:
 
 
 @pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp2", "fsdp1", "ddp"])
-def test_trl_sft_script_under_bf16_matches_unpatched_bf16(engine, tmp_path, reference):
+def test_trl_sft_script_under_bf16_matches_unpatched_bf16(engine, runs):
     """TRL's SFT script as users run it, with TRL's default ``bf16=True``, under the engine (2 ranks), against the
     same script unpatched (TRL's own head) under the same bf16 setting (DeepSpeed's config in one process, one plain
     process for DDP, the FSDP config on the same ranks: ``test_engines.BF16_STOCK``), and both against the fp32
     reference: ``parity.assert_bf16_twin`` (losses within 2^-8 of stock's, the parameters no further from fp32's
     than stock's within 1.25×, every tensor within 0.25 of stock's update; why those bounds: there)."""
-    if engine.startswith("zero"):
-        pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    args = _with_bf16(ARGS)
-    stock_engine, processes = BF16_STOCK[engine]
-    stock = _launch(SCRIPT, tmp_path / "stock", *args, "--no_fused_loss", "--per_device_train_batch_size",
-                    str(BATCH * RANKS // processes), engine=stock_engine, processes=processes)
-    fused = _launch(SCRIPT, tmp_path / "fused", *args, "--per_device_train_batch_size", str(BATCH), engine=engine)
+    _needs_deepspeed(engine)
+    stock, fused, reference = (runs(run) for run in sft_bf16_runs(engine))
+    processes = BF16_STOCK[engine][1]
     assert_hf_fused_ran(fused, stock, engine=None)  # partitioned lm_head under ZeRO-3: the fp32 case checks it
     assert_bf16_twin(fused, stock, reference, ranks=RANKS, stock_ranks=processes)
 
@@ -203,24 +197,14 @@ def test_trl_sft_script_under_bf16_matches_unpatched_bf16(engine, tmp_path, refe
 PREFERENCE_SCRIPTS = {"dpo": CONFIGS / "trl_dpo.py", "kto": CONFIGS / "trl_kto.py"}
 
 
-@pytest.fixture(scope="module")
-def single_process(tmp_path_factory):
-    """``get(script, *args)``: that script with ``ARGS`` and ``args`` in one process on both ranks' batch,
-    launched once per module."""
-    cache = {}
-
-    def get(script: str, *args: str) -> dict:
-        if (script, args) not in cache:
-            cache[script, args] = _launch(PREFERENCE_SCRIPTS[script], tmp_path_factory.mktemp(f"{script}_reference"),
-                                          *ARGS, *args, "--per_device_train_batch_size", str(BATCH * RANKS))
-        return cache[script, args]
-
-    return get
+def single_process_run(script: str, *args: str) -> Run:
+    """``script`` with ``ARGS`` and ``args`` in one process on both ranks' batch."""
+    return script_run(PREFERENCE_SCRIPTS[script], *ARGS, *args, "--per_device_train_batch_size", str(BATCH * RANKS))
 
 
 @pytest.mark.parametrize("engine", ["zero3", "zero2", "fsdp2", "fsdp1", "ddp"])
 @pytest.mark.parametrize("script", list(PREFERENCE_SCRIPTS))
-def test_trl_preference_script_matches_unpatched(script, engine, tmp_path, single_process):
+def test_trl_preference_script_matches_unpatched(script, engine, runs):
     """TRL's DPO and KTO scripts with the policy through ``apply_fused_loss`` under each engine, gradient
     accumulation 2, against the unpatched script: every logged metric (the rewards, margins, accuracies or KL
     estimate, the chosen and rejected log-probabilities and mean logits, entropy) and every parameter. DPO against
@@ -230,14 +214,8 @@ def test_trl_preference_script_matches_unpatched(script, engine, tmp_path, singl
     reference model the trainer builds (under ZeRO-3 a DeepSpeed inference engine of its own) is patched alongside
     the policy in the fused run; hf_fused computed the heads on every rank, under ZeRO-3 from partitioned
     lm_heads."""
-    if engine.startswith("zero"):
-        pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    args = [*ARGS, "--per_device_train_batch_size", str(BATCH)]
-    if script == "kto":
-        reference = _launch(PREFERENCE_SCRIPTS[script], tmp_path / "stock", *args, "--no_fused_loss", engine=engine)
-    else:
-        reference = single_process(script, "--no_fused_loss")
-    got = _launch(PREFERENCE_SCRIPTS[script], tmp_path / "fused", *args, engine=engine)
+    _needs_deepspeed(engine)
+    reference, got = (runs(run) for run in preference_runs(script, engine))
     assert_hf_fused_ran(got, reference, engine)
     assert_matches_reference(got, reference, ranks=RANKS)
     keys = logged_metrics(reference)
@@ -249,15 +227,13 @@ def test_trl_preference_script_matches_unpatched(script, engine, tmp_path, singl
 TINY_LINE_TOKENS = 16
 
 
-def test_trl_sft_script_under_ulysses_sequence_parallelism_matches_stock_under_it(tmp_path):
+def test_trl_sft_script_under_ulysses_sequence_parallelism_matches_stock_under_it(runs):
     """TRL's SFT script under DeepSpeed's Ulysses sequence parallelism (examples/distributed/zero3_sp2.yaml): TRL
     turns on the collator's ``position_ids`` and calls the model with ``fused_lm_head=True``, transformers' Trainer
     weights the ranks' losses by their label tokens. Patched against TRL's own head under the same config: every
     logged metric and every parameter (fp32 bounds), and each rank's fused head saw half of every line."""
-    pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    args = [*ARGS, "--per_device_train_batch_size", str(BATCH)]
-    stock = _launch(SCRIPT, tmp_path / "stock", *args, "--no_fused_loss", engine="zero3_sp2")
-    fused = _launch(SCRIPT, tmp_path / "fused", *args, engine="zero3_sp2")
+    _needs_deepspeed("zero3_sp2")
+    stock, fused = (runs(run) for run in ulysses_runs())
     assert_hf_fused_ran(fused, stock, "zero3_sp2")
     assert all(c["head_positions"] == TINY_LINE_TOKENS // 2 for c in fused["counts"]), fused["counts"]
     assert_matches_reference(fused, stock, ranks=RANKS)
@@ -274,70 +250,71 @@ TRL_ZERO3 = HERE / "configs" / "trl_zero3.yaml"
 TWIN_SEEDS = (0, 1, 2)
 
 
-def _twins_under(config: Path, tmp_path, ga: int) -> list[tuple[dict, dict, dict]]:
+def twin_runs(config: Path, ga: int) -> list[Run]:
     """For each of ``TWIN_SEEDS``: TRL's SFT script under ``config`` with TRL's default ``bf16=True``, patched and
     unpatched on 2 ranks, and the unpatched fp32 run in one process on the same samples; gradient accumulation
-    ``ga``. Checks that hf_fused ran on every rank of the patched runs and in none of the others."""
+    ``ga``: ``[fused, stock, fp32]`` per seed, one seed after the other."""
     runs = []
     for seed in TWIN_SEEDS:
         args = _with(_with(ARGS, "--gradient_accumulation_steps", ga), "--seed", seed)
-        out = tmp_path / f"seed{seed}"
-        fp32 = _launch(SCRIPT, out / "fp32", *args, "--no_fused_loss", "--per_device_train_batch_size",
-                       str(BATCH * RANKS))
+        fp32 = script_run(SCRIPT, *args, "--no_fused_loss", "--per_device_train_batch_size", str(BATCH * RANKS))
         args = _with_bf16(args)
-        stock = _launch(SCRIPT, out / "stock", *args, "--no_fused_loss", "--per_device_train_batch_size", str(BATCH),
-                        engine=config)
-        fused = _launch(SCRIPT, out / "fused", *args, "--per_device_train_batch_size", str(BATCH), engine=config)
+        stock = script_run(SCRIPT, *args, "--no_fused_loss", "--per_device_train_batch_size", str(BATCH),
+                           engine=config)
+        fused = script_run(SCRIPT, *args, "--per_device_train_batch_size", str(BATCH), engine=config)
+        runs += [fused, stock, fp32]
+    return runs
+
+
+def _twins_under(runs: SharedLaunches, config: Path, ga: int) -> list[tuple[dict, dict, dict]]:
+    """:func:`twin_runs`' results as ``(fused, stock, fp32)`` per seed. Checks that hf_fused ran on every rank of the
+    patched runs and in none of the others."""
+    results = [runs(run) for run in twin_runs(config, ga)]
+    twins = [tuple(results[i:i + 3]) for i in range(0, len(results), 3)]
+    for fused, stock, fp32 in twins:
         assert all(c["head_calls"] == 0 for c in stock["counts"] + fp32["counts"]), (stock["counts"], fp32["counts"])
         assert all(c["head_calls"] >= 3 * ga for c in fused["counts"]), fused["counts"]
         # save_model wrote what it writes for the unpatched script (under a SHARDED_STATE_DICT config, as TRL's
         # FSDP2 config has, transformers' save_model writes no model at all: checkpoints are sharded)
-        assert _saved(out / "fused") == _saved(out / "stock"), (_saved(out / "fused"), _saved(out / "stock"))
-        runs.append((fused, stock, fp32))
-    return runs
+        assert _saved(fused["dir"]) == _saved(stock["dir"]), (_saved(fused["dir"]), _saved(stock["dir"]))
+    return twins
 
 
 def _saved(out_dir: Path) -> set[str]:
     """What the script saved in ``out_dir`` besides the runner's records and the tiny model it built to start."""
-    return {p.name for p in out_dir.iterdir()} - {"run.0.json", "run.1.json", "run.params.pt", "tiny-model"}
+    return {p.name for p in out_dir.iterdir()} - {"run.0.json", "run.1.json", "run.params.pt", "tiny-model",
+                                                  "batch.json"}
 
 
-def test_trl_sft_script_under_trls_own_fsdp2_config_matches_stock_under_it(tmp_path):
+def test_trl_sft_script_under_trls_own_fsdp2_config_matches_stock_under_it(runs):
     """TRL's SFT script launched with TRL's own FSDP2 config (bf16, CPU-RAM-efficient loading: rank 1 starts from
     the meta device and gets rank 0's weights, after ``apply_fused_loss`` has patched and probed its model),
     against the unpatched script under the same config and ranks, and both against the fp32
     run (``parity.assert_bf16_twins``)."""
-    assert_bf16_twins(_twins_under(TRL_FSDP2, tmp_path, ga=2), ranks=RANKS, stock_ranks=RANKS)
+    assert_bf16_twins(_twins_under(runs, TRL_FSDP2, ga=2), ranks=RANKS, stock_ranks=RANKS)
 
 
-def test_trl_sft_script_under_trls_own_zero3_config_matches_stock_under_it(tmp_path):
+def test_trl_sft_script_under_trls_own_zero3_config_matches_stock_under_it(runs):
     """TRL's SFT script launched with TRL's own ZeRO-3 config (zero.Init, the 16-bit model gathered and saved at
     the end, DeepSpeed's gradient accumulation fixed at 1, which the script's arguments must then match), against
     the unpatched script under the same config and ranks, and both against the fp32 run
     (``parity.assert_bf16_twins``); hf_fused found lm_head partitioned in every call."""
-    pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    runs = _twins_under(TRL_ZERO3, tmp_path, ga=1)
-    assert "model.safetensors" in _saved(tmp_path / "seed0" / "fused")  # the 16-bit model gathered and saved
-    for fused, _, _ in runs:
+    _needs_deepspeed("zero3")
+    twins = _twins_under(runs, TRL_ZERO3, ga=1)
+    assert "model.safetensors" in _saved(twins[0][0]["dir"])  # the 16-bit model gathered and saved
+    for fused, _, _ in twins:
         assert all(c["partitioned_head_calls"] == c["head_calls"] for c in fused["counts"]), fused["counts"]
-    assert_bf16_twins(runs, ranks=RANKS, stock_ranks=RANKS)
+    assert_bf16_twins(twins, ranks=RANKS, stock_ranks=RANKS)
 
 
 LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0",
         "--lora_target_modules", "q_proj", "v_proj", "lm_head"]
 
 
-@pytest.fixture(scope="module")
-def lora_reference(tmp_path_factory) -> dict:
-    return _launch(SCRIPT, tmp_path_factory.mktemp("trl_sft_lora_reference"), *ARGS, *LORA,
-                   "--per_device_train_batch_size", str(BATCH * RANKS))
-
-
 @pytest.mark.parametrize("engine", ["zero3", "fsdp2", "fsdp1"])
-def test_trl_sft_script_with_lora_on_lm_head_matches_single_process(engine, tmp_path, lora_reference):
-    if engine.startswith("zero"):
-        pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    got = _launch(SCRIPT, tmp_path, *ARGS, *LORA, "--per_device_train_batch_size", str(BATCH), engine=engine)
+def test_trl_sft_script_with_lora_on_lm_head_matches_single_process(engine, runs):
+    _needs_deepspeed(engine)
+    lora_reference, got = (runs(run) for run in sft_lora_runs(engine))
     assert lora_reference["counts"][0]["head_calls"] >= 3 * 2 and all(c["head_calls"] >= 3 * 2 for c in got["counts"])
     assert_matches_reference(got, lora_reference, ranks=RANKS)
     adapter = [n for n in got["params"] if "lm_head" in n and "lora_B" in n]
@@ -345,16 +322,13 @@ def test_trl_sft_script_with_lora_on_lm_head_matches_single_process(engine, tmp_
 
 
 @pytest.mark.parametrize("engine", ["zero3", "fsdp1"])
-def test_trl_dpo_script_with_lora_on_lm_head_matches_single_process(engine, tmp_path, single_process):
+def test_trl_dpo_script_with_lora_on_lm_head_matches_single_process(engine, runs):
     """DPO with a LoRA adapter on lm_head (TRL's own head refuses it): the reference model is the policy with its
     adapter disabled, so hf_fused computes both the policy's and the reference's log-probabilities; under ZeRO-3
     and FSDP1 (where each LoRA matrix is an FSDP unit of its own) against the same script in one process, every
     metric and parameter; the adapter of lm_head trains."""
-    if engine.startswith("zero"):
-        pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    reference = single_process("dpo", *LORA)
-    got = _launch(PREFERENCE_SCRIPTS["dpo"], tmp_path, *ARGS, *LORA, "--per_device_train_batch_size", str(BATCH),
-                  engine=engine)
+    _needs_deepspeed(engine)
+    reference, got = (runs(run) for run in dpo_lora_runs(engine))
     assert all(c["head_calls"] >= 3 * 2 for c in reference["counts"] + got["counts"]), got["counts"]
     assert_matches_reference(got, reference, ranks=RANKS)
     assert_same_metrics(got, reference, logged_metrics(reference))
@@ -376,13 +350,11 @@ ONLINE_SCRIPTS = {"grpo": GRPO_SCRIPT, "rloo": CONFIGS / "trl_rloo.py"}
 
 @pytest.mark.parametrize("engine,script", [("zero3", "grpo"), ("fsdp2", "grpo"), ("zero3", "rloo"), ("fsdp1", "rloo"),
                                            ("ddp", "rloo")])
-def test_trl_online_script_matches_stock_under_the_same_engine(engine, script, tmp_path):
+def test_trl_online_script_matches_stock_under_the_same_engine(engine, script, runs):
     """TRL's GRPO and RLOO scripts on hf_fused against the same script stock under the same engine (generation
     samples per rank, so one process would draw other completions): every logged metric and every parameter."""
-    if engine.startswith("zero"):
-        pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    stock = _launch(ONLINE_SCRIPTS[script], tmp_path / "stock", *GRPO_ARGS, "--no_fused_loss", engine=engine)
-    fused = _launch(ONLINE_SCRIPTS[script], tmp_path / "fused", *GRPO_ARGS, engine=engine)
+    _needs_deepspeed(engine)
+    stock, fused = (runs(run) for run in online_runs(engine, script))
 
     assert_hf_fused_ran(fused, stock, engine, calls=2)  # a forward+backward per step
     assert len(fused["logs"]) == len(stock["logs"]) == 2
@@ -396,3 +368,84 @@ def test_trl_online_script_matches_stock_under_the_same_engine(engine, script, t
     assert all(err <= PARAM_RTOL for err in errors.values()), errors
     moved = [n for n in errors if not torch.equal(stock["params"][n], stock["initial"][n])]
     assert "lm_head.weight" in moved and len(moved) >= len(errors) // 2, moved
+
+# -- the runs each test compares, shared launches ------------------------------------------------------------------
+
+
+def sft_runs(engine: str) -> list[Run]:
+    """``[reference, run]``: the SFT script unpatched in one process, patched under ``engine``."""
+    return [reference_run(), script_run(SCRIPT, *ARGS, "--per_device_train_batch_size", str(BATCH), engine=engine)]
+
+
+def sft_bf16_runs(engine: str) -> list[Run]:
+    """``[stock, fused, fp32]``: the SFT script in bf16 unpatched under ``BF16_STOCK[engine]`` and patched under
+    ``engine``, and the fp32 reference."""
+    args = _with_bf16(ARGS)
+    stock_engine, processes = BF16_STOCK[engine]
+    stock = script_run(SCRIPT, *args, "--no_fused_loss", "--per_device_train_batch_size",
+                       str(BATCH * RANKS // processes), engine=stock_engine, processes=processes)
+    fused = script_run(SCRIPT, *args, "--per_device_train_batch_size", str(BATCH), engine=engine)
+    return [stock, fused, reference_run()]
+
+
+def preference_runs(script: str, engine: str) -> list[Run]:
+    """``[reference, run]``: DPO's reference is the unpatched script in one process, KTO's the unpatched script
+    under ``engine``."""
+    args = [*ARGS, "--per_device_train_batch_size", str(BATCH)]
+    if script == "kto":
+        reference = script_run(PREFERENCE_SCRIPTS[script], *args, "--no_fused_loss", engine=engine)
+    else:
+        reference = single_process_run(script, "--no_fused_loss")
+    return [reference, script_run(PREFERENCE_SCRIPTS[script], *args, engine=engine)]
+
+
+def ulysses_runs() -> list[Run]:
+    """``[stock, fused]``: the SFT script under zero3_sp2.yaml."""
+    args = [*ARGS, "--per_device_train_batch_size", str(BATCH)]
+    return [script_run(SCRIPT, *args, "--no_fused_loss", engine="zero3_sp2"),
+            script_run(SCRIPT, *args, engine="zero3_sp2")]
+
+
+def sft_lora_runs(engine: str) -> list[Run]:
+    """``[reference, run]``: the SFT script with LoRA on lm_head in one process, and under ``engine``."""
+    reference = script_run(SCRIPT, *ARGS, *LORA, "--per_device_train_batch_size", str(BATCH * RANKS))
+    return [reference, script_run(SCRIPT, *ARGS, *LORA, "--per_device_train_batch_size", str(BATCH), engine=engine)]
+
+
+def dpo_lora_runs(engine: str) -> list[Run]:
+    """``[reference, run]``: the DPO script with LoRA on lm_head in one process, and under ``engine``."""
+    return [single_process_run("dpo", *LORA),
+            script_run(PREFERENCE_SCRIPTS["dpo"], *ARGS, *LORA, "--per_device_train_batch_size", str(BATCH),
+                       engine=engine)]
+
+
+def online_runs(engine: str, script: str) -> list[Run]:
+    """``[stock, fused]``: GRPO's or RLOO's script under ``engine``."""
+    return [script_run(ONLINE_SCRIPTS[script], *GRPO_ARGS, "--no_fused_loss", engine=engine),
+            script_run(ONLINE_SCRIPTS[script], *GRPO_ARGS, engine=engine)]
+
+
+PLANS = {
+    "test_trl_sft_script_matches_unpatched_single_process": sft_runs,
+    "test_trl_sft_script_as_users_launch_it_under_fsdp2_saves_the_trained_model": lambda: [reference_run()],
+    "test_trl_sft_script_under_bf16_matches_unpatched_bf16": sft_bf16_runs,
+    "test_trl_preference_script_matches_unpatched": preference_runs,
+    "test_trl_sft_script_under_ulysses_sequence_parallelism_matches_stock_under_it": ulysses_runs,
+    "test_trl_sft_script_under_trls_own_fsdp2_config_matches_stock_under_it": lambda: twin_runs(TRL_FSDP2, ga=2),
+    "test_trl_sft_script_under_trls_own_zero3_config_matches_stock_under_it": lambda: twin_runs(TRL_ZERO3, ga=1),
+    "test_trl_sft_script_with_lora_on_lm_head_matches_single_process": sft_lora_runs,
+    "test_trl_dpo_script_with_lora_on_lm_head_matches_single_process": dpo_lora_runs,
+    "test_trl_online_script_matches_stock_under_the_same_engine": online_runs,
+}
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> SharedLaunches:
+    """Every script run of this module's selected tests, one launch per engine."""
+    return SharedLaunches(tmp_path_factory.mktemp("script_runs"), planned_runs(request, PLANS),
+                          lambda runs, dirs: run_cases(runs, dirs, RUNNER), load_script_run)
+
+
+def _needs_deepspeed(engine: str) -> None:
+    if engine.startswith("zero"):
+        pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")

@@ -10,21 +10,19 @@ from __future__ import annotations
 import pytest
 
 from launch import train
-from parity import assert_matches_reference
-from test_engines import TILE_BUDGET, assert_head_gathered_and_reduced_once_per_micro_batch
-from tiny_models import make_model
+from models import VOCAB
+from parity import SMALL_TILES, assert_head_gathered_and_reduced_once_per_micro_batch, assert_matches_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
 
 
-def test_zero3_world_size_one_on_gpu_matches_single_process_reference(tmp_path):
+def test_zero3_world_size_one_on_gpu_matches_single_process_reference(saved_models):
     pytest.importorskip("deepspeed")
-    model_dir = tmp_path / "llama"
-    make_model("llama", tie_word_embeddings=False).save_pretrained(model_dir)
-    common = dict(model_dir=str(model_dir), batch=2, ga=2, cuda=True)
-    ref = train(dict(common, out=str(tmp_path / "ref.pt"), trainer="Trainer"), None)
-    got = train(dict(common, out=str(tmp_path / "z3.pt"), trainer="FusedTrainer", tile_budget_bytes=TILE_BUDGET,
-                     count_head_events=True), "zero3", processes=1)
+    common = dict(model_dir=saved_models("llama"), batch=2, ga=2, cuda=True)
+    ref = train(dict(common, trainer="Trainer"), None)
+    got = train(dict(common, trainer="FusedTrainer", tile_budget_bytes=SMALL_TILES, count_head_events=True), "zero3",
+                processes=1)
     assert got["lm_head_numel"] == 0, "ZeRO-3 with world size 1 should still partition lm_head's weight"
     assert_matches_reference(got, ref, ranks=1)
-    assert_head_gathered_and_reduced_once_per_micro_batch(got, micro_batches=len(ref["losses"]) * 2)
+    assert_head_gathered_and_reduced_once_per_micro_batch(got, micro_batches=len(ref["losses"]) * 2,
+                                                          tokens_per_micro_batch=2 * 12, vocab=VOCAB)

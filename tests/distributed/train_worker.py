@@ -1,12 +1,16 @@
-"""One training run for tests/distributed: a tiny causal LM trained for a few optimizer steps with
+"""Training runs for tests/distributed: a tiny causal LM trained for a few optimizer steps with
 ``transformers.Trainer`` (optionally patched by ``hf_fused.apply_fused_loss``) or ``hf_fused.FusedTrainer``.
 
 Run it under ``accelerate launch --config_file <engine>.yaml`` (the engine's ranks) or as a plain process
-(the single-process reference). The case is one JSON argument:
+(the single-process reference), with one argument: a JSON file listing the runs of this launch,
+``[{"case": {...}, "dir": ...}, ...]``. The runs train one after the other in this process (the launch, not the
+steps, is what costs; each run's ``TrainingArguments`` sets accelerate's state up afresh, and the environment is
+restored after each run); a run that raises leaves its traceback in ``<dir>/error.txt`` and the next one starts.
+A case:
 
     model_dir   a tiny model saved with ``save_pretrained`` (loaded with ``from_pretrained`` after
                 TrainingArguments exist, so under ZeRO-3 it is built partitioned inside ``deepspeed.zero.Init``)
-    out         where rank 0 writes ``torch.save({"losses", "params", "initial", "world", "lm_head_numel",
+    <dir>/result.pt   where rank 0 writes ``torch.save({"losses", "params", "initial", "world", "lm_head_numel",
                 "head_calls", "model_positions", "n_gpu", ...})``: logged losses, whole parameters after and before
                 training, ranks, lm_head.weight.numel() outside its forward (0 when ZeRO-3 partitioned it), hf_fused's
                 head computations in this process during training, the most positions of a row the model embedded
@@ -31,24 +35,25 @@ error in any gradient shows in the updated parameters in proportion (Adam would 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
+import traceback
 
 import torch
 import transformers
 from torch.utils.data import Dataset
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tiny_models import make_batch  # noqa: E402
-from ranks import exit_rank  # noqa: E402
+from models import make_batch
+from ranks import exit_rank
 
 #: Samples in the training set: enough for ``steps × ga × ranks × batch``, each with its own labels.
 SAMPLES = 64
 
 
 class TinyDataset(Dataset):
-    """Fixed-length rows from :func:`tiny_models.make_batch` (prompt prefix and padding ignored)."""
+    """Fixed-length rows from :func:`models.make_batch` (prompt prefix and padding ignored)."""
 
     def __init__(self, samples: int = SAMPLES, seq: int = 12, padding: bool = True, position_ids: bool = False):
         ids, mask, labels = make_batch(samples, seq, seed=7)
@@ -97,10 +102,22 @@ def _canonical(name: str) -> str:
     return name
 
 
-def count_head_events(counts: dict) -> None:
+#: ZeRO-3's lm_head events by kind and parameter ``ds_id`` (:func:`count_head_events`), and hf_fused's head
+#: computations (:func:`count_fused_head_calls`), counted by wrappers installed once per process.
+HEAD_EVENTS: dict = {}
+HEAD_CALLS = {"all": 0, "partitioned": 0, "max_positions": 0}
+_installed: set = set()
+
+
+def count_head_events() -> dict:
     """ZeRO-3 only: count, per lm_head parameter ``ds_id``, DeepSpeed's fetches of a module's parameters in
     forward, hf_fused's own all-gathers (:mod:`hf_fused.model.distributed`) and DeepSpeed's gradient
-    reductions (its reduce hook). Class-level wrappers, installed before the engine exists."""
+    reductions (its reduce hook), into :data:`HEAD_EVENTS` (cleared). Class-level wrappers, installed before the
+    first engine exists and once per process."""
+    HEAD_EVENTS.clear()
+    if "head_events" in _installed:
+        return HEAD_EVENTS
+    _installed.add("head_events")
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
@@ -108,8 +125,8 @@ def count_head_events(counts: dict) -> None:
 
     def tally(kind, params):
         for p in params:
-            counts.setdefault(kind, {}).setdefault(p.ds_id, 0)
-            counts[kind][p.ds_id] += 1
+            HEAD_EVENTS.setdefault(kind, {}).setdefault(p.ds_id, 0)
+            HEAD_EVENTS[kind][p.ds_id] += 1
 
     fetch = PartitionedParameterCoordinator.fetch_sub_module
     reduce = DeepSpeedZeroOptimizer_Stage3.reduce_ready_partitions_and_remove_grads
@@ -133,25 +150,29 @@ def count_head_events(counts: dict) -> None:
     PartitionedParameterCoordinator.fetch_sub_module = counted_fetch
     DeepSpeedZeroOptimizer_Stage3.reduce_ready_partitions_and_remove_grads = counted_reduce
     distributed._Gather.add = counted_add
+    return HEAD_EVENTS
 
 
 def count_fused_head_calls() -> dict:
-    """Count hf_fused's head computations during training, how many found lm_head partitioned by ZeRO-3 (so
-    they went through the gather-for-backward node of hf_fused.model.distributed), and the most sequence positions
-    one call received (context parallelism gives each rank its share)."""
+    """Count, from now on (:data:`HEAD_CALLS`, zeroed), hf_fused's head computations, how many found lm_head
+    partitioned by ZeRO-3 (so they went through the gather-for-backward node of hf_fused.model.distributed), and
+    the most sequence positions one call received (context parallelism gives each rank its share)."""
+    HEAD_CALLS.update(all=0, partitioned=0, max_positions=0)
+    if "head_calls" in _installed:
+        return HEAD_CALLS
+    _installed.add("head_calls")
     from hf_fused.model import distributed, forward
 
-    calls = {"all": 0, "partitioned": 0, "max_positions": 0}
     run_head = forward.run_head
 
     def counted(lm_head, hidden, compute):
-        calls["all"] += 1
-        calls["max_positions"] = max(calls["max_positions"], hidden.shape[-2])  # [B, T, H]: this rank's T
-        calls["partitioned"] += bool(distributed.partitioned_head_params(lm_head))
+        HEAD_CALLS["all"] += 1
+        HEAD_CALLS["max_positions"] = max(HEAD_CALLS["max_positions"], hidden.shape[-2])  # [B, T, H]: this rank's T
+        HEAD_CALLS["partitioned"] += bool(distributed.partitioned_head_params(lm_head))
         return run_head(lm_head, hidden, compute)
 
     forward.run_head = counted
-    return calls
+    return HEAD_CALLS
 
 
 class VocabWidthTracker:
@@ -177,13 +198,11 @@ class VocabWidthTracker:
         self.mode = Mode()
 
 
-def main(case: dict) -> None:
-    torch.set_num_threads(1)
-    counts: dict = {}
-    if case.get("count_head_events"):
-        count_head_events(counts)
+def train(case: dict, out: str) -> None:
+    """Train ``case``; rank 0 saves the result to ``out``."""
+    counts = count_head_events() if case.get("count_head_events") else {}
     args = transformers.TrainingArguments(
-        output_dir=os.path.join(os.path.dirname(case["out"]), "trainer"),
+        output_dir=os.path.join(os.path.dirname(out), "trainer"),
         per_device_train_batch_size=case["batch"],
         gradient_accumulation_steps=case.get("ga", 1),
         max_steps=case.get("steps", 3),
@@ -259,10 +278,28 @@ def main(case: dict) -> None:
                     "head_positions": head_calls["max_positions"], "model_positions": model_positions[0],
                     "n_gpu": trainer.args.n_gpu,
                     "wrapper": type(trainer.model_wrapped).__name__},
-                   case["out"])
+                   out)
     trainer.accelerator.wait_for_everyone()
 
 
+def main(batch_file: str) -> None:
+    torch.set_num_threads(1)
+    with open(batch_file) as f:
+        runs = json.load(f)
+    for entry in runs:
+        environ = dict(os.environ)  # TrainingArguments(fsdp=...) exports accelerate's FSDP settings
+        try:
+            train(entry["case"], os.path.join(entry["dir"], "result.pt"))
+        except Exception:
+            rank = os.environ.get("RANK", "0")
+            with open(os.path.join(entry["dir"], "error.txt"), "a") as f:
+                f.write(f"rank {rank}:\n{traceback.format_exc()}\n")
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+            gc.collect()
+
+
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    main(sys.argv[1])
     exit_rank()

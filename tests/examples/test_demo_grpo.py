@@ -1,13 +1,10 @@
 """The GRPO demo's pieces, and a 2-step run of it next to TRL's GRPOTrainer (the full run takes minutes)."""
 
-import os
-import sys
-
 import pytest
 
 from examples import grpo
 
-from grpo_helpers import EOS_ID, make_tokenizer  # noqa: E402
+from models import EOS_ID, make_tokenizer  # noqa: E402
 
 
 def test_word_piece_reward_counts_distinct_word_pieces():

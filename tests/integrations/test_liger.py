@@ -11,8 +11,6 @@ it; the GPU twin trains with Liger's layer kernels on.
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import types
 import warnings
 
@@ -26,8 +24,9 @@ from transformers import Trainer  # noqa: E402
 
 from benchmarks.e2e.sft import restored_module_globals  # noqa: E402
 
-from model.test_user_paths import TRAIN, _args, _rel, _train, _trained  # noqa: E402
-from tiny_models import make_model  # noqa: E402
+from models import TRAIN, make_model  # noqa: E402
+from models import trainer_args as _args, train_on_tokens as _train, trained as _trained  # noqa: E402
+from references import rel_err as _rel  # noqa: E402
 
 from hf_fused import FusedTrainer, apply_fused_loss  # noqa: E402
 from hf_fused.integrations import transformers_trainer  # noqa: E402
@@ -145,7 +144,7 @@ def test_apply_fused_loss_over_a_model_liger_already_patched():
     equal the unpatched model's (fp32, up to summation order)."""
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-    from tiny_models import make_batch
+    from models import make_batch
 
     base = make_model("qwen3")
     model = copy.deepcopy(base)

@@ -21,8 +21,7 @@ from datasets import Dataset
 from transformers import Qwen3Config, Qwen3ForCausalLM, TrainerCallback
 
 import hf_fused
-from grpo_helpers import WORDS, make_tokenizer
-from tiny_models import single_thread  # noqa: F401  (autouse fixture)
+from models import WORDS, make_tokenizer
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 

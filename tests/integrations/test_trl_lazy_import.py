@@ -23,12 +23,11 @@ ROOT = os.path.dirname(TESTS)
 
 _SCRIPT = textwrap.dedent("""
     import copy, json, os, sys, tempfile
-    sys.path[:0] = [{root!r}, {tests!r}]
     if {import_trl_first}:
         import trl  # TRL's top level is lazy: this loads none of its trainers
     import torch
     import hf_fused
-    from tiny_models import make_model
+    from models import make_model
 
     torch.set_num_threads(1)
     model, lora_model = make_model("llama", tie_word_embeddings=False), make_model("llama", seed=1)
@@ -43,8 +42,8 @@ _SCRIPT = textwrap.dedent("""
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
     import pytest
-    from grpo_helpers import WORDS, make_tokenizer
-    from trainers.test_grpo_parity import _count_heads
+    from models import WORDS, make_tokenizer
+    from grpo_harness import count_heads as _count_heads
 
     counts = _count_heads(pytest.MonkeyPatch())  # calls of hf_fused's op and of TRL's chunked head
     tokenizer = make_tokenizer()
@@ -83,8 +82,8 @@ _SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("import_trl_first", [False, True], ids=["trl_not_imported", "bare_import_trl_first"])
 def test_patching_does_not_import_trl_and_trainers_imported_later_are_served(import_trl_first):
-    script = _SCRIPT.format(root=ROOT, tests=TESTS, import_trl_first=import_trl_first)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    script = _SCRIPT.format(import_trl_first=import_trl_first)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, TESTS]))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -11,9 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dense_reference import assert_head_grads, dense_logits, dense_logprobs, leaf64, make_head_inputs, rel_err
-from dense_reference import single_threaded_torch  # noqa: F401  (autouse fixture)
-from dense_reference import H, RTOL, budget_for
+from references import assert_head_grads, dense_logits, dense_logprobs, leaf64, make_head_inputs, rel_err
+from references import H, RTOL, budget_for
 from hf_fused.ops import TokenLossHint, available_backends, get_backend, linear_logprobs
 from hf_fused.ops.tiling import two_pass_plan
 from hf_fused.ops.token_statistics import TOKEN_STATISTICS, linear_token_statistics
@@ -304,7 +303,7 @@ def test_trl_head_answers_statistics_in_one_pass(monkeypatch):
     (no second, gradient-free pass), the fields equal to stock TRL's head on an unpatched copy."""
     import hf_fused
     import trl.trainer.utils as trl_utils
-    from grpo_helpers import make_model
+    from models import make_word_model as make_model
 
     outputs = ("log_probs", "entropy", *TOKEN_STATISTICS)
     stock, patched = make_model(), make_model()

@@ -26,8 +26,9 @@ import hf_fused.integrations.trl.head as trl_head
 import hf_fused.integrations.trl.hooks as trl_hooks
 from hf_fused.integrations.trl import TrlProtocolError
 import trl.trainer.utils as trl_utils
-from grpo_helpers import WORDS, VocabRows, make_model, make_tokenizer
-from tiny_models import single_thread  # noqa: F401  (autouse fixture)
+from grpo_harness import VocabRows
+from models import WORDS, make_tokenizer
+from models import make_word_model as make_model
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -550,7 +551,7 @@ def test_bf16_autocast_close_to_trl(trainer_name, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["gemma2", "cohere", "granite"])
 def test_sft_with_a_logit_transform_matches_trl(arch, tmp_path, monkeypatch):
-    from tiny_models import make_model as make_arch_model
+    from models import make_model as make_arch_model
 
     _parity(_sft_builder(tmp_path, _TEXT), monkeypatch, model=make_arch_model(arch))
 
@@ -594,7 +595,7 @@ def _largest_vocab_activation(trainer, vocab: int, hidden: int) -> int:
 
 @pytest.mark.parametrize("name", ["sft", "dpo", "kto", "rloo"])
 def test_no_vocab_sized_activation_on_hf_fused(name, tmp_path):
-    from grpo_helpers import VOCAB_SIZE
+    from models import WORD_VOCAB as VOCAB_SIZE
 
     hidden, tile_rows = 32, 4
     builders = {

@@ -9,23 +9,12 @@ Granite ``logits_scaling``) and the MoE router auxiliary loss (Qwen3-MoE, Mixtra
 from __future__ import annotations
 
 import inspect
-import os
-import sys
 
 import pytest
 import torch
 
-from tiny_models import (  # noqa: E402
-    ARCH_NAMES,
-    VOCAB,
-    assert_close,
-    assert_same_grads,
-    loss_and_grads,
-    make_batch,
-    make_model,
-    patched_and_reference,
-    single_thread,  # noqa: F401  (autouse fixture)
-)
+from models import ARCH_NAMES, VOCAB, loss_and_grads, make_batch, make_model, patched_and_reference  # noqa: E402
+from references import assert_close, assert_same_grads  # noqa: E402
 
 from hf_fused import apply_fused_loss, is_fused  # noqa: E402
 

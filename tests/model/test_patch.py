@@ -8,7 +8,6 @@ import copy
 import functools
 import inspect
 import os
-import sys
 import types
 
 import pytest
@@ -17,17 +16,8 @@ import torch.nn as nn
 from transformers import LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from tiny_models import (  # noqa: E402
-    VOCAB,
-    assert_close,
-    assert_same_grads,
-    loss_and_grads,
-    make_batch,
-    make_model,
-    patched_and_reference,
-    shifted_token_logprobs,
-    single_thread,  # noqa: F401  (autouse fixture)
-)
+from models import VOCAB, loss_and_grads, make_batch, make_model, patched_and_reference  # noqa: E402
+from references import assert_close, assert_same_grads, shifted_token_logprobs  # noqa: E402
 
 from hf_fused import FusedLossVerificationError, apply_fused_loss, is_fused, remove_fused_loss  # noqa: E402
 from hf_fused.model import find_causal_lm, original_forward_only  # noqa: E402

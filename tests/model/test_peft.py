@@ -10,22 +10,13 @@ path that ignores the adapter pass; ``_perturb`` gives every adapter weight rand
 from __future__ import annotations
 
 import copy
-import os
-import sys
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from tiny_models import (  # noqa: E402
-    assert_close,
-    assert_same_grads,
-    loss_and_grads,
-    make_batch,
-    make_model,
-    shifted_token_logprobs,
-    single_thread,  # noqa: F401  (autouse fixture)
-)
+from models import loss_and_grads, make_batch, make_model  # noqa: E402
+from references import assert_close, assert_same_grads, shifted_token_logprobs  # noqa: E402
 
 from hf_fused import apply_fused_loss, is_fused, remove_fused_loss  # noqa: E402
 from hf_fused.model import find_causal_lm  # noqa: E402

@@ -9,69 +9,21 @@ saving and loading, and the models hf_fused refuses.
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
-from datasets import Dataset
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
-from tiny_models import VOCAB, assert_close, make_batch, make_model, single_thread  # noqa: E402,F401
+from models import EVAL, TRAIN, VOCAB, make_batch, make_model  # noqa: E402
+from models import trainer_args as _args, train_on_tokens as _train, trained as _trained  # noqa: E402
+from references import assert_close, rel_err as _rel  # noqa: E402
 
 from hf_fused import apply_fused_loss, is_fused  # noqa: E402
 from hf_fused.model import FusedLossBypassedWarning  # noqa: E402
 
-SEQ = 12
-
-
-def _dataset(n=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        ids = torch.randint(3, VOCAB, (SEQ,), generator=g)
-        labels = ids.clone()
-        labels[: int(torch.randint(1, SEQ - 2, (1,), generator=g))] = -100
-        rows.append(dict(input_ids=ids.tolist(), attention_mask=[1] * SEQ, labels=labels.tolist()))
-    return Dataset.from_list(rows)
-
-
-TRAIN, EVAL = _dataset(8, seed=0), _dataset(4, seed=1)
-
-
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-def _args(tmp_path, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no", seed=0, data_seed=0,
-        per_device_train_batch_size=2, per_device_eval_batch_size=2, max_steps=3, logging_steps=1,
-        learning_rate=5e-3, lr_scheduler_type="constant", warmup_steps=0, bf16=False, disable_tqdm=True,
-        dataloader_num_workers=0, max_grad_norm=1.0,
-    )
-    kwargs.update(overrides)
-    return TrainingArguments(**kwargs)
-
-
-def _train(model, tmp_path, **overrides):
-    return _trained(Trainer(model=model, args=_args(tmp_path, **overrides), train_dataset=TRAIN))
-
-
-def _trained(trainer):
-    """Train; the logged losses and grad norms, and the final parameters as one vector (float64)."""
-    trainer.train()
-    logs = [e for e in trainer.state.log_history if "loss" in e]
-    return (
-        torch.tensor([e["loss"] for e in logs], dtype=torch.float64),
-        torch.tensor([e["grad_norm"] for e in logs], dtype=torch.float64),
-        torch.cat([p.detach().double().flatten() for p in trainer.model.parameters()]),
-    )
-
-
-def _rel(a, b):
-    return float((a - b).norm() / b.norm())
 
 
 # ---------------------------------------------------------------------------------- Trainer(bf16=True)

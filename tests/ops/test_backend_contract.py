@@ -13,7 +13,7 @@ from hf_fused.ops import LogitTransform
 from hf_fused.ops.backends import Backend, HeadPass, NeededGrads, TokenLossBackend, TorchReferenceBackend
 from hf_fused.ops.head_inputs import HeadInputs
 
-from dense_reference import make_head_inputs
+from references import make_head_inputs
 
 METHODS = ("logprobs_with_grads", "logprobs_forward", "logprobs_backward", "token_loss_with_grads")
 

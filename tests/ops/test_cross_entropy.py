@@ -14,9 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dense_reference import assert_head_grads, assert_rounded_like, dense_cross_entropy, leaf64, make_head_inputs, rel_err
-from dense_reference import single_threaded_torch  # noqa: F401  (autouse fixture)
-from dense_reference import H, RTOL, TRANSFORMS, budget_for
+from references import assert_head_grads, assert_rounded_like, dense_cross_entropy, leaf64, make_head_inputs, rel_err
+from references import H, RTOL, TILE_LAYOUTS, TRANSFORMS, budget_for
 from hf_fused.ops import linear_cross_entropy, linear_logprobs
 
 
@@ -74,19 +73,6 @@ def test_dense_reference_agrees_with_torch_cross_entropy():
 
 
 # -- tile layouts and batch shapes -----------------------------------------------------------------
-
-TILE_LAYOUTS = {
-    # id: (batch shape, token rows per tile)
-    "one_token_N": ((1,), 1),
-    "one_token_BT": ((1, 1), 4),
-    "single_tile_larger_than_N": ((7,), 64),
-    "one_row_per_tile": ((9,), 1),
-    "exactly_full_last_tile_N": ((12,), 4),
-    "partial_last_tile_N": ((13,), 4),
-    "exactly_full_last_tile_BT": ((3, 4), 4),
-    "partial_last_tile_BT": ((2, 7), 3),
-}
-
 
 @pytest.mark.parametrize("vocab_size", [50, 97, 257], ids=lambda v: f"V{v}")
 @pytest.mark.parametrize("layout", list(TILE_LAYOUTS), ids=str)

@@ -13,9 +13,8 @@ import warnings
 import pytest
 import torch
 
-from dense_reference import assert_head_grads, assert_rounded_like, dense_logprobs, leaf64, make_head_inputs, rel_err
-from dense_reference import single_threaded_torch  # noqa: F401  (autouse fixture)
-from dense_reference import H, RTOL, TRANSFORMS
+from references import assert_head_grads, assert_rounded_like, dense_logprobs, leaf64, make_head_inputs, rel_err
+from references import H, RTOL, TRANSFORMS
 from hf_fused.ops import HintMissedWarning, get_backend, linear_logprobs
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(

@@ -10,8 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dense_reference import dense_cross_entropy, make_head_inputs
-from dense_reference import single_threaded_torch  # noqa: F401  (autouse fixture)
+from references import dense_cross_entropy, make_head_inputs
 from hf_fused.ops import (
     DEFAULT_TILE_BUDGET_BYTES,
     available_backends,

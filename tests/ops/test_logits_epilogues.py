@@ -15,7 +15,8 @@ from hf_fused.ops.backends import triton_kernels as TK  # noqa: E402
 from hf_fused.ops.backends.triton_cublas import TritonCublasBackend  # noqa: E402
 from hf_fused.ops.logit_transform import LogitTransform  # noqa: E402
 
-from test_triton_backend import TRANSFORMS, _check, _transform  # noqa: E402
+from references import KERNEL_TRANSFORMS as TRANSFORMS  # noqa: E402
+from references import apply_transform as _transform, check_triton_matches_float64 as _check  # noqa: E402
 
 
 def _counted(monkeypatch):

@@ -12,9 +12,8 @@ from typing import Optional
 import pytest
 import torch
 
-from dense_reference import assert_head_grads, dense_logprobs, leaf64, make_head_inputs, rel_err
-from dense_reference import single_threaded_torch  # noqa: F401  (autouse fixture)
-from dense_reference import H, RTOL, TRANSFORMS, budget_for
+from references import assert_head_grads, dense_logprobs, leaf64, make_head_inputs, rel_err
+from references import H, RTOL, TILE_LAYOUTS, TRANSFORMS, budget_for
 from hf_fused.ops import linear_cross_entropy, linear_logprobs
 
 
@@ -67,18 +66,6 @@ def check_logprobs(
     ref.backward()
     assert_head_grads((hidden, weight, bias), (h64, w64, b64), grad_tol)
     return logp, ent
-
-
-TILE_LAYOUTS = {
-    "one_token_N": ((1,), 1),
-    "one_token_BT": ((1, 1), 4),
-    "single_tile_larger_than_N": ((7,), 64),
-    "one_row_per_tile": ((9,), 1),
-    "exactly_full_last_tile_N": ((12,), 4),
-    "partial_last_tile_N": ((13,), 4),
-    "exactly_full_last_tile_BT": ((3, 4), 4),
-    "partial_last_tile_BT": ((2, 7), 3),
-}
 
 
 @pytest.mark.parametrize("vocab_size", [50, 257], ids=lambda v: f"V{v}")

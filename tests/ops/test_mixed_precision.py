@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dense_reference import dense_cross_entropy, dense_logprobs, leaf64, rel_err
+from references import dense_cross_entropy, dense_logprobs, leaf64, rel_err
 from hf_fused.ops import linear_cross_entropy, linear_logprobs
 
 #: The fused error may exceed eager's by this factor at most (the issue's acceptance bound).

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from dense_reference import bf16_cuda_head, make_head_inputs, rel_err, single_threaded_torch  # noqa: E402,F401
+from references import bf16_cuda_head, make_head_inputs, rel_err  # noqa: E402
 from hf_fused.ops import linear_cross_entropy, linear_logprobs, linear_token_loss  # noqa: E402
 from hf_fused.ops import tiling  # noqa: E402
 from hf_fused.ops.backends import compensated, triton_cublas  # noqa: E402

@@ -14,8 +14,7 @@ import importlib.util
 import pytest
 import torch
 
-from dense_reference import H, RTOL, assert_head_grads, dense_logits, leaf64, make_head_inputs, rel_err
-from dense_reference import single_threaded_torch  # noqa: F401  (autouse fixture)
+from references import H, RTOL, assert_head_grads, dense_logits, leaf64, make_head_inputs, rel_err
 from hf_fused.ops import GRPOObjective, get_backend, linear_grpo_loss
 
 

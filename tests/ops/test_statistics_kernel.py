@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from hf_fused.ops.backends import triton_kernels as TK  # noqa: E402
 
-from test_triton_backend import _transform  # noqa: E402
+from references import apply_transform as _transform  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -15,9 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dense_reference import H, RTOL, TRANSFORMS, assert_head_grads, budget_for, dense_logprobs, leaf64
-from dense_reference import bf16_cuda_head, make_head_inputs, rel_err
-from dense_reference import single_threaded_torch  # noqa: F401  (autouse fixture)
+from references import H, RTOL, TILE_LAYOUTS, TRANSFORMS, assert_head_grads, budget_for, dense_logprobs, leaf64
+from references import bf16_cuda_head, make_head_inputs, rel_err
 from hf_fused.ops import get_backend, linear_cross_entropy, linear_token_loss
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -116,9 +115,6 @@ def test_loss_grads_and_outputs_match_dense(loss_name, transform):
     hidden, weight, bias, labels = make_head_inputs((3, 7), H, 97, ignore="some", seed=1)
     check_token_loss(hidden, weight, bias, labels, loss_name, tile_budget_bytes=budget_for(4, 97),
                      **TRANSFORMS[transform])
-
-
-TILE_LAYOUTS = {"one_row_per_tile": ((9,), 1), "partial_last_tile": ((2, 7), 3), "single_tile": ((13,), 64)}
 
 
 @pytest.mark.parametrize("layout", list(TILE_LAYOUTS))

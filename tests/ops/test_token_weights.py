@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dense_reference import assert_head_grads, dense_cross_entropy, dense_logprobs, leaf64, make_head_inputs, rel_err
-from dense_reference import single_threaded_torch  # noqa: F401  (autouse fixture)
-from dense_reference import H, RTOL, TRANSFORMS, budget_for
+from references import assert_head_grads, dense_cross_entropy, dense_logprobs, leaf64, make_head_inputs, rel_err
+from references import H, RTOL, TRANSFORMS, budget_for
 from benchmarks.losses import GRPO_LOSS_TYPES, grpo_loss, token_weights_at_ratio_one
 from hf_fused.ops import available_backends, get_backend, linear_cross_entropy, linear_logprobs
 

@@ -13,63 +13,9 @@ pytest.importorskip("triton")
 from hf_fused.ops import linear_cross_entropy, linear_logprobs  # noqa: E402
 from hf_fused.ops.tiling import one_pass_accumulators, one_pass_plan  # noqa: E402
 
-TRANSFORMS = [{}, {"softcap": 3.0}, {"logit_scale": 0.5, "temperature": 0.7}, {"softcap": 2.0, "temperature": 1.3}]
-
-
-def _dense_logits(h, w, b, kw):
-    z = h @ w.T
-    if b is not None:
-        z = z + b
-    return _transform(z, kw)
-
-
-def _transform(z, kw):
-    z = z * kw.get("logit_scale", 1.0)
-    if "softcap" in kw:
-        z = kw["softcap"] * torch.tanh(z / kw["softcap"])
-    return z / kw.get("temperature", 1.0)
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def _inputs(n, h, v, device, dtype, bias, seed=0, ignore_every=5):
-    g = torch.Generator().manual_seed(seed)
-    hid = torch.randn(n, h, generator=g).to(device, dtype).requires_grad_()
-    w = (torch.randn(v, h, generator=g) / h**0.25).to(device, dtype).requires_grad_()
-    b = torch.randn(v, generator=g).to(device, dtype).requires_grad_() if bias else None
-    y = torch.randint(0, v, (n,), generator=g)
-    y[::ignore_every] = -100
-    return hid, w, b, y.to(device)
-
-
-def _check(device, dtype, n, h, v, kw, bias, budget, tol):
-    hid, w, b, y = _inputs(n, h, v, device, dtype, bias)
-    params = [t for t in (hid, w, b) if t is not None]
-    ref_params = [t.detach().double().requires_grad_() for t in params]
-    rh, rw, rb = ref_params[0], ref_params[1], ref_params[2] if bias else None
-    z = _dense_logits(rh, rw, rb, kw)
-
-    loss = linear_cross_entropy(hid, w, y, b, backend="triton", tile_budget_bytes=budget, **kw)
-    grads = torch.autograd.grad(loss, params)
-    ref = F.cross_entropy(z, y, ignore_index=-100)
-    ref_grads = torch.autograd.grad(ref, ref_params, retain_graph=True)
-    assert abs(loss.item() - ref.item()) <= tol * abs(ref.item())
-    for g, rg in zip(grads, ref_grads):
-        assert _rel(g, rg) <= tol
-
-    lp, ent = linear_logprobs(hid, w, y, b, backend="triton", tile_budget_bytes=budget, return_entropy=True, **kw)
-    mask = y != -100
-    ref_lp = torch.log_softmax(z, -1).gather(1, y.clamp_min(0)[:, None])[:, 0] * mask
-    ref_ent = -(z.softmax(-1) * torch.log_softmax(z, -1)).sum(-1) * mask
-    assert _rel(lp, ref_lp) <= tol and _rel(ent, ref_ent) <= tol
-    gen = torch.Generator().manual_seed(1)
-    w1, w2 = torch.randn(n, generator=gen).to(device), torch.randn(n, generator=gen).to(device)
-    grads = torch.autograd.grad((lp * w1).sum() + (ent * w2).sum(), params)
-    ref_grads = torch.autograd.grad((ref_lp * w1.double()).sum() + (ref_ent * w2.double()).sum(), ref_params)
-    for g, rg in zip(grads, ref_grads):
-        assert _rel(g, rg) <= tol
+from references import KERNEL_TRANSFORMS as TRANSFORMS  # noqa: E402
+from references import apply_transform as _transform, check_triton_matches_float64 as _check  # noqa: E402
+from references import dense_logits as _dense_logits, kernel_head_inputs as _inputs, rel_err as _rel  # noqa: E402
 
 
 @pytest.mark.parametrize("kw", TRANSFORMS)

@@ -8,8 +8,6 @@ normalization changes the result and a fused path that ignored it would fail.
 from __future__ import annotations
 
 import copy
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -17,7 +15,8 @@ import torch
 from datasets import Dataset
 from transformers import Trainer, TrainingArguments
 
-from tiny_models import VOCAB, assert_close, make_model, rel_err, single_thread  # noqa: E402,F401
+from models import VOCAB, make_model  # noqa: E402
+from references import assert_close, rel_err  # noqa: E402
 
 from hf_fused import FusedTrainer, is_fused  # noqa: E402
 

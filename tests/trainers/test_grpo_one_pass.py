@@ -12,13 +12,11 @@ test configuration). Non-separable options keep the two-pass path and stay exact
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-from grpo_helpers import (  # noqa: E402
+from grpo_harness import (  # noqa: E402
     DEVICE, Case, assert_same_step, build_trainer, max_grad_relerr, run_step, train_and_log,
 )
 from trl import GRPOTrainer  # noqa: E402

@@ -11,26 +11,25 @@ masks and ratios depend on the log-probs being compared.
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-from grpo_helpers import (  # noqa: E402
-    VocabRows,
-    train_and_log,
+from grpo_harness import (  # noqa: E402
     DEVICE,
-    VOCAB_SIZE,
     Case,
+    VocabRows,
     assert_same_step,
     build_trainer,
     copy_weights,
-    dense_logps,
     dense_trainer_class,
-    make_model,
     run_step,
+    train_and_log,
 )
+from grpo_harness import count_heads as _count_heads  # noqa: E402
+from models import WORD_VOCAB as VOCAB_SIZE  # noqa: E402
+from models import make_word_model as make_model  # noqa: E402
+from references import dense_logps  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 from hf_fused.trainers.grpo import FusedGRPOTrainer  # noqa: E402
@@ -286,7 +285,8 @@ def test_lora_on_lm_head_from_model_path(tmp_path):
     make_model().save_pretrained(tmp_path / "m")
     from peft import LoraConfig
 
-    from grpo_helpers import PROMPTS, length_reward, make_config, make_tokenizer
+    from grpo_harness import PROMPTS, grpo_config as make_config, length_reward
+    from models import make_tokenizer
     from datasets import Dataset
 
     trainer = FusedGRPOTrainer(
@@ -369,7 +369,7 @@ def test_evaluate_matches_trl(tmp_path):
     """``evaluate()`` goes through ``prediction_step`` → ``compute_loss`` in eval mode (no accumulation scaling)."""
     from datasets import Dataset
 
-    from grpo_helpers import PROMPTS
+    from grpo_harness import PROMPTS
 
     case = Case(config=dict(beta=0.1, per_device_eval_batch_size=8, entropy_coef=0.01))
     results = []
@@ -404,29 +404,6 @@ def _patched_grpo_trainer(case, tmp_path, patch="before"):
         if trainer.ref_model is not None:
             apply_fused_loss(trainer.ref_model)
     return trainer
-
-
-def _count_heads(monkeypatch):
-    """Counts hf_fused's log-prob op (as the TRL integration calls it) and TRL's chunked head."""
-    import hf_fused.integrations.trl.head as integration
-    import trl.trainer.utils as trl_utils
-
-    counts = {"hf_fused": 0, "trl": 0}
-    op, chunked = integration.linear_logprobs, trl_utils._ChunkedLogProbFunction
-
-    def counted_op(*args, **kwargs):
-        counts["hf_fused"] += 1
-        return op(*args, **kwargs)
-
-    class Counted(chunked):
-        @staticmethod
-        def forward(*args, **kwargs):
-            counts["trl"] += 1
-            return chunked.forward(*args, **kwargs)
-
-    monkeypatch.setattr(integration, "linear_logprobs", counted_op)
-    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Counted)
-    return counts
 
 
 @pytest.mark.parametrize("patch", ["before", "after"])

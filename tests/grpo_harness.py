@@ -1,7 +1,8 @@
-"""CPU harness for GRPO parity tests: tiny models, a word-level tokenizer, scripted rollouts, and one
-function that runs TRL's own ``_generate_and_score_completions`` + ``_compute_loss`` + backward and
-returns everything a parity claim needs (losses, every parameter gradient, every logged metric, the
-log-prob tensors computed at generation time).
+"""The GRPO parity harness: scripted rollouts (TRL's ``rollout_func``), a trainer built from one :class:`Case`, and
+one function that runs TRL's own ``_generate_and_score_completions`` + ``_compute_loss`` + backward and returns
+everything a parity claim needs (losses, every parameter gradient, every logged metric, the log-prob tensors
+computed at generation time). The policy and tokenizer are :func:`models.make_word_model` and
+:func:`models.make_tokenizer`.
 
 Nothing here depends on hf_fused: the same harness runs ``trl.GRPOTrainer`` against itself (to prove
 the harness is deterministic) and against ``hf_fused.FusedGRPOTrainer``.
@@ -16,18 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedTokenizerFast,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
 from trl import GRPOConfig
 from trl.trainer.utils import split_tensor_dict
+
+from models import EOS_ID, NUM_SPECIAL, WORD_VOCAB, WORDS, make_tokenizer, make_word_model
+from references import dense_logps, max_rel_err
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "experimental" in TRL 1.16
 
@@ -35,82 +29,10 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "exper
 #: its Triton kernel on the valid rows only and hf_fused picks its GPU backend).
 DEVICE = os.environ.get("HF_FUSED_TEST_DEVICE", "cpu")
 
-SPECIALS = ["[PAD]", "[EOS]", "[UNK]"]
-WORDS = (
-    "the a an one two three four five six seven eight nine ten red green blue cat dog fish bird tree "
-    "river stone cloud rain sun moon star is was are and or not yes no to of in on at by up down left "
-    "right big small hot cold fast slow old new good bad"
-).split()
-PAD_ID, EOS_ID = 0, 1
-NUM_SPECIAL = len(SPECIALS)
-
-
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
-    fast.padding_side = "left"
-    return fast
-
-
-VOCAB_SIZE = len(SPECIALS) + len(WORDS)
-
-
-def make_model(arch: str = "llama", seed: int = 0, dtype=torch.float32, tie: bool = False):
-    """A 2-layer, hidden-32 causal LM from a config (random weights, deterministic in ``seed``)."""
-    common = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=PAD_ID,
-        eos_token_id=EOS_ID,
-        bos_token_id=None,
-        tie_word_embeddings=tie,
-    )
-    if arch == "llama":
-        config, cls = LlamaConfig(**common), LlamaForCausalLM
-    elif arch == "qwen3":
-        config, cls = Qwen3Config(head_dim=8, **common), Qwen3ForCausalLM
-    elif arch == "qwen3moe":  # MoE: TRL adds the router load-balancing loss (router_aux_loss_coef != 0)
-        config = Qwen3MoeConfig(head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-                                router_aux_loss_coef=0.05, **common)
-        cls = Qwen3MoeForCausalLM
-    else:
-        raise ValueError(arch)
-    torch.manual_seed(seed)
-    model = cls(config).to(dtype)
-    # Random init gives near-uniform next-token distributions; scale the head up so log-probs, entropies and
-    # ratios spread out and every branch (clipping, masks) is exercised.
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(16.0)
-    model.generation_config.eos_token_id = EOS_ID
-    model.generation_config.pad_token_id = PAD_ID
-    return model
-
 
 def length_reward(completions, completion_ids, **kwargs):
     """Deterministic reward with within-group variance (so advantages are non-zero)."""
     return [float(sum(ids) % 7) + 0.25 * len(ids) for ids in completion_ids]
-
-
-@torch.no_grad()
-def dense_logps(model, input_ids, attention_mask, logits_to_keep, temperature=1.0, dtype=torch.float64):
-    """Reference per-token log-probs/entropies from the full logits (original forward, no labels)."""
-    device = next(model.parameters()).device
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    out = model(input_ids=input_ids, attention_mask=attention_mask)
-    logits = out.logits[:, -logits_to_keep - 1 : -1].to(dtype) / temperature
-    logp_all = logits.log_softmax(-1)
-    targets = input_ids[:, -logits_to_keep:]
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1)
-    keep = attention_mask[:, -logits_to_keep:].bool()
-    return logp.masked_fill(~keep, 0.0), ent.masked_fill(~keep, 0.0)
 
 
 def make_rollout(*, seed: int, max_completion_length: int, sampling_logps: bool = False, sampling_noise=0.5,
@@ -130,10 +52,10 @@ def make_rollout(*, seed: int, max_completion_length: int, sampling_logps: bool 
     def rollout(prompts, trainer):
         prompt_ids, completion_ids = [], []
         for i in range(len(prompts)):
-            p = torch.randint(NUM_SPECIAL, VOCAB_SIZE, (rint(*prompt_len),), generator=gen).tolist()
+            p = torch.randint(NUM_SPECIAL, WORD_VOCAB, (rint(*prompt_len),), generator=gen).tolist()
             truncated = rint(0, 2) == 0  # a third of the completions hit max_completion_length without EOS
             n = max_completion_length if truncated else rint(1, max_completion_length)
-            c = torch.randint(NUM_SPECIAL, VOCAB_SIZE, (n,), generator=gen).tolist()
+            c = torch.randint(NUM_SPECIAL, WORD_VOCAB, (n,), generator=gen).tolist()
             if not truncated:
                 c[-1] = EOS_ID
             prompt_ids.append(p)
@@ -157,7 +79,8 @@ def make_rollout(*, seed: int, max_completion_length: int, sampling_logps: bool 
 PROMPTS = [f"prompt {w} {v}" for w, v in zip(WORDS[:16], WORDS[16:32])]
 
 
-def make_config(tmp_path, **overrides) -> GRPOConfig:
+def grpo_config(tmp_path, **overrides) -> GRPOConfig:
+    """The harness's ``GRPOConfig`` (fp32, scripted rollouts, no vLLM, logging every step), ``overrides`` applied."""
     kwargs = dict(
         output_dir=str(tmp_path / "out"),
         per_device_train_batch_size=8,
@@ -199,9 +122,9 @@ class Case:
 def build_trainer(trainer_cls, case: Case, tmp_path, *, model=None, **trainer_kwargs):
     from peft import LoraConfig
 
-    cfg = make_config(tmp_path, **case.config)
+    cfg = grpo_config(tmp_path, **case.config)
     if model is None:
-        model = make_model(case.arch, dtype=case.dtype, tie=case.tie)
+        model = make_word_model(case.arch, dtype=case.dtype, tie=case.tie)
     if cfg.beta != 0.0 and case.peft is None:
         # TRL re-creates the reference model from config._name_or_path. Save a slightly perturbed copy there so
         # the KL term (and its gradient) is not identically zero at the first step.
@@ -287,13 +210,6 @@ def run_step(trainer, case: Case, *, noise_seed: int = 7) -> StepResult:
     return StepResult(losses, grads, metrics, saved_inputs)
 
 
-def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    denom = b.abs().max().item()
-    diff = (a - b).abs().max().item()
-    return diff / denom if denom > 0 else diff
-
-
 def assert_same_step(a: StepResult, b: StepResult, rtol: float = 1e-5, atol: float = 1e-7, metric_rtol=None,
                      loss_atol: float = 2e-6):
     """Loss values, every parameter gradient, every logged metric and every generation-time tensor agree.
@@ -310,7 +226,7 @@ def assert_same_step(a: StepResult, b: StepResult, rtol: float = 1e-5, atol: flo
     assert len(a.grads) > 0
     bad = {}
     for n in a.grads:
-        err = _relerr(a.grads[n], b.grads[n])
+        err = max_rel_err(a.grads[n], b.grads[n])
         if err > rtol and (a.grads[n] - b.grads[n]).abs().max().item() > atol:
             bad[n] = err
     assert not bad, f"gradient mismatch (rel err): {bad}"
@@ -340,7 +256,8 @@ def assert_same_step(a: StepResult, b: StepResult, rtol: float = 1e-5, atol: flo
 
 
 def max_grad_relerr(a: StepResult, b: StepResult) -> float:
-    return max(_relerr(a.grads[n], b.grads[n]) for n in a.grads)
+    """The largest :func:`references.max_rel_err` over the parameters' gradients of two steps."""
+    return max(max_rel_err(a.grads[n], b.grads[n]) for n in a.grads)
 
 
 def dense_trainer_class(base):
@@ -424,3 +341,27 @@ def train_and_log(cls, case: "Case", tmp_path):
     logs = [{k: v for k, v in entry.items() if "time" not in k and "per_second" not in k}
             for entry in trainer.state.log_history]
     return logs, {n: p.detach() - start[n] for n, p in trainer.model.named_parameters()}
+
+
+def count_heads(monkeypatch) -> dict:
+    """Counts, from now on, the calls of hf_fused's log-prob op as the TRL integration makes them (``"hf_fused"``)
+    and of TRL's chunked head (``"trl"``)."""
+    import hf_fused.integrations.trl.head as integration
+    import trl.trainer.utils as trl_utils
+
+    counts = {"hf_fused": 0, "trl": 0}
+    op, chunked = integration.linear_logprobs, trl_utils._ChunkedLogProbFunction
+
+    def counted_op(*args, **kwargs):
+        counts["hf_fused"] += 1
+        return op(*args, **kwargs)
+
+    class Counted(chunked):
+        @staticmethod
+        def forward(*args, **kwargs):
+            counts["trl"] += 1
+            return chunked.forward(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "linear_logprobs", counted_op)
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Counted)
+    return counts
