@@ -10,7 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-#: The variable tests/grpo_helpers.py reads too: "cpu" (default) or "cuda".
+#: The variable tests/grpo_harness.py reads too: "cpu" (default) or "cuda".
 CUDA = os.environ.get("HF_FUSED_TEST_DEVICE", "cpu") == "cuda"
 
 

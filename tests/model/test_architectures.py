@@ -1,6 +1,6 @@
 """The patched forward matches each architecture's own forward: loss AND every parameter gradient.
 
-Every test builds a tiny model from a config (see ``tiny_models``), deep-copies it as the unpatched
+Every test builds a tiny model from a config (see ``models``), deep-copies it as the unpatched
 reference, patches the original with :func:`hf_fused.apply_fused_loss` and compares. Architectures cover
 the logit transforms hf_fused reads from configs (Gemma 2 / Gemma 3 soft-cap, Cohere ``logit_scale``,
 Granite ``logits_scaling``) and the MoE router auxiliary loss (Qwen3-MoE, Mixtral).

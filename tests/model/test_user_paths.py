@@ -79,7 +79,7 @@ def test_compiled_patched_model_runs_the_fused_loss_and_matches_eager():
     """``torch.compile`` of a patched model with Dynamo on (AOTAutograd traces the patched forward and the op's
     backward; the ``aot_eager`` backend skips only inductor's code generation, a minute on 2 cores): no logits
     (the fused path ran, not a traced stock forward), and the loss and every gradient equal the unpatched eager
-    model's (fp32, relative 1e-5, tiny_models.RTOL)."""
+    model's (fp32, relative 1e-5, references.RTOL)."""
     import torch._dynamo
 
     base = make_model("llama", tie_word_embeddings=False)

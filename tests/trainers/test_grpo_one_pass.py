@@ -3,7 +3,7 @@ that is token-separable given per-batch constants (on- and off-policy, KL, entro
 and still gives exactly TRL's loss, every gradient and every logged metric.
 
 Each case runs ``trl.GRPOTrainer`` and ``hf_fused.FusedGRPOTrainer`` on identical tiny models through TRL's own
-``_generate_and_score_completions`` + ``_compute_loss`` + backward (tests/grpo_helpers.py), compares everything
+``_generate_and_score_completions`` + ``_compute_loss`` + backward (tests/grpo_harness.py), compares everything
 (fp32, 1e-5), and counts the torch backend's calls: one one-pass forward with gradients per micro-batch and no
 recompute backward. A prediction of TRL's gradient that missed would raise (HintMissedWarning is an error in the
 test configuration). Non-separable options keep the two-pass path and stay exact.

@@ -3,7 +3,7 @@ this folder on ``PYTHONPATH`` for CPU runs only): our workers, and TRL's scripts
 
 accelerate applies its FSDP plugin only on accelerators: under an FSDP config its state switches to FSDP for
 ``MULTI_GPU``, ``MULTI_XPU``, ... and leaves CPU ranks at ``MULTI_CPU``, so ``Trainer`` silently wraps the model in
-DDP (found in the nineteenth session: CI's "FSDP2" cases had been DDP, while the GPU runs were FSDP). FSDP1 and FSDP2
+DDP (CI's "FSDP2" cases once were DDP on CPU ranks while the GPU runs were FSDP). FSDP1 and FSDP2
 themselves run on CPU over gloo; this makes accelerate's state on CPU ranks what it is on GPUs, and the engine tests
 check the wrapper every run used. Nothing changes unless accelerate is handed an FSDP plugin (an FSDP config, or
 ``TrainingArguments(fsdp=...)``).
