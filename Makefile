@@ -16,6 +16,9 @@ $(VENV)/.installed: setup.cfg setup.py
 	$(PY) -m pip install -q -e ".[test,examples]"
 	# DeepSpeed for tests/distributed (ZeRO-2/3 on CPU ranks); after torch, no compiled ops, keeps torch
 	DS_BUILD_OPS=0 $(PY) -m pip install -q "deepspeed>=0.19"
+	# ...except the shared-memory op its CPU ranks build on first use (a minute or two of C++): built once here, not
+	# by the first test launch while later ones wait on its lock under their timeouts
+	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -26,8 +29,10 @@ demo: venv
 demo-grpo: venv
 	$(PY) -m examples grpo
 
+# The whole suite on 2 workers, each test file on one (tests/distributed shares its launches within a file), and
+# the 20 slowest tests listed at the end so that growth shows.
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20
 
 # Execute every notebook in place, saving outputs and plots (what CI re-runs in tests/examples/test_notebooks.py).
 notebooks: venv
