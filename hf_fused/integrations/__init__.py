@@ -3,10 +3,12 @@
 * :mod:`hf_fused.integrations.transformers_trainer`: ``Trainer`` gathers real logits as predictions from a patched
   model; ``use_liger_kernel=True`` applies Liger's layer kernels, not its loss.
 * :mod:`hf_fused.integrations.trl`: TRL's trainers call ``model(..., fused_lm_head=True)`` (their own fused LM head);
-  on a model patched by :func:`hf_fused.apply_fused_loss` hf_fused's ops answer that call.
+  on a model patched by :func:`hf_fused.apply_fused_loss` hf_fused's ops answer that call. For a patched student,
+  ``DistillationTrainer``'s divergence and ``GKDTrainer``'s loss come from :func:`hf_fused.ops.linear_distillation_loss`.
 
 They plug into the model layer through its extension point (:mod:`hf_fused.model.extensions`; registered when
 ``hf_fused`` is imported): the fused-head keyword is answered by :func:`~hf_fused.integrations.trl.trl_fused_forward`,
+the distillation keyword (GKD's student call) by :func:`~hf_fused.integrations.trl.divergence.distillation_forward`,
 each patch installs the process-wide patches below, each removal undoes what was done for that model (a TRL trainer's
 head options; TRL's own head where hf_fused withheld it) and the removal of the last patched model uninstalls the
 patches. The model layer never imports this package.
@@ -24,7 +26,8 @@ applied when the module in the second column is imported (at once if it is).
 | ``LIGER_KERNEL`` | ``transformers.trainer`` | ``apply_liger_kernel`` (the name ``Trainer.train`` calls) | Liger's fused cross-entropy replaces the instance's forward and would drop hf_fused's | transformers >= 5.0, Liger >= 0.8 | unpatched models: Liger's call; patched ones get Liger's layer kernels without its loss |
 | ``TRL_FUSED_HEAD`` | ``trl.trainer.utils`` | ``add_fused_lm_head``, there and in each TRL module that imported it | TRL's trainers install a chunked head that reads ``lm_head.weight``, bypassing the patched forward | TRL 1.16 (checked at install; another shape: nothing wrapped, a warning) | unpatched models, except a patched policy's reference model: TRL's head |
 | ``TRL_HEAD_ADAPTER_CHECKS`` (5) | ``trl.trainer.{sft,dpo,kto,rloo,grpo}_trainer`` | ``__init__`` of ``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer``, ``RLOOTrainer``, ``GRPOTrainer`` | TRL refuses a PEFT adapter on lm_head, which hf_fused computes with; names the trainer being built (its reference model is patched like its policy) | TRL 1.16 | unpatched models: TRL's ``__init__`` and check |
-| ``TRL_DISTILLATION`` | ``trl.trainer.distillation_trainer`` | ``DistillationTrainer.__init__`` | say once that its divergence loss stays on TRL's kernel (no hf_fused op) | TRL 1.16 | every call: TRL's ``__init__``, then the warning (patched models, once) |
+| ``TRL_DISTILLATION`` | ``trl.trainer.distillation_trainer`` | ``_chunked_divergence_loss`` (the name ``DistillationTrainer._compute_loss`` calls) and ``DistillationTrainer.__init__`` | TRL's kernel reads ``lm_head.weight`` and bypasses the patched forward (and TRL refuses a PEFT adapter on lm_head): hf_fused answers a patched student's divergence in one pass, the adapter included | TRL 1.16 (the function's parameters checked at install; another shape: nothing rebound, a warning) | a student that is not patched: TRL's function and kernel; unpatched models: TRL's ``__init__`` and check |
+| ``TRL_GKD`` | ``trl.experimental.gkd.gkd_trainer`` | ``GKDTrainer.compute_loss`` | GKD computes its divergence from both models' full logits: hf_fused computes it from hidden states for a patched student | TRL 1.16 (``generalized_jsd_loss``'s parameters and ``compute_loss``'s calls checked at install; another shape: nothing wrapped, a warning) | an unpatched student: TRL's method; a subclass's own ``generalized_jsd_loss``, ``return_outputs=True``, an unreadable teacher: TRL's method and a one-time warning saying why and what to do |
 | the import hook | any watched module above | a finder first on ``sys.meta_path`` (:mod:`~hf_fused.integrations.import_hooks`) | apply the entries above when their module is imported, without importing it | Python's ``importlib.abc`` | other imports: it answers for the watched names only; modules keep their loader; gone once none is pending |
 
 A wrapper that someone else has wrapped since cannot be taken out of their chain on uninstall: it then
@@ -38,6 +41,8 @@ trainer (``_hf_fused_trl_head``), removed with the patch, TRL's own head then in
 
 from ..model import ModelExtension, patched_models, register_extension
 from .inventory import PATCHES, install_all, rebinds, uninstall_all
+from .trl.divergence import CALL_KEYWORD as DISTILLATION_KEYWORD
+from .trl.divergence import distillation_forward
 from .trl.head import trl_fused_forward
 from .trl.hooks import forget_trl_head, serve_trl_fused_head
 
@@ -57,6 +62,9 @@ register_extension(ModelExtension(
 register_extension(ModelExtension(
     "trl_fused_head", call_keyword="fused_lm_head", forward=trl_fused_forward, on_patch=serve_trl_fused_head,
     on_remove=forget_trl_head,
+))
+register_extension(ModelExtension(
+    "distillation", call_keyword=DISTILLATION_KEYWORD, forward=distillation_forward,
 ))
 
 __all__ = ["PATCHES", "install_all", "rebinds", "uninstall_all"]

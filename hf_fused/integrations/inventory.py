@@ -6,11 +6,13 @@ from __future__ import annotations
 from .import_hooks import finder_installed
 from .patching import Rebind, ThirdPartyPatch
 from .transformers_trainer import LIGER_KERNEL, PREDICTION_STEP
-from .trl.hooks import TRL_DISTILLATION, TRL_FUSED_HEAD, TRL_HEAD_ADAPTER_CHECKS
+from .trl.distillation import TRL_DISTILLATION
+from .trl.gkd import TRL_GKD
+from .trl.hooks import TRL_FUSED_HEAD, TRL_HEAD_ADAPTER_CHECKS
 
 #: The inventory, in installation order (TRL's head first: the trainer entries skip a refused protocol).
 PATCHES: tuple[ThirdPartyPatch, ...] = (
-    PREDICTION_STEP, LIGER_KERNEL, TRL_FUSED_HEAD, *TRL_HEAD_ADAPTER_CHECKS, TRL_DISTILLATION,
+    PREDICTION_STEP, LIGER_KERNEL, TRL_FUSED_HEAD, *TRL_HEAD_ADAPTER_CHECKS, TRL_DISTILLATION, TRL_GKD,
 )
 
 

@@ -23,7 +23,6 @@ from transformers import TrainerCallback
 
 import hf_fused
 import hf_fused.integrations.trl.head as trl_head
-import hf_fused.integrations.trl.hooks as trl_hooks
 from hf_fused.integrations.trl import TrlProtocolError
 import trl.trainer.utils as trl_utils
 from grpo_harness import VocabRows
@@ -330,32 +329,6 @@ def test_rloo_matches_trl(beta, patch, tmp_path, monkeypatch):
     trainer, _ = _parity(_rloo_builder(tmp_path, model, beta), monkeypatch, model=model, patch=patch)
     if beta:
         assert hf_fused.is_fused(trainer.ref_model)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Distillation: no hf_fused divergence op. It says so once and leaves TRL's kernel in place.
-
-
-def test_distillation_warns_once_and_trains_exactly_like_trl(tmp_path, monkeypatch):
-    from trl import DistillationConfig, DistillationTrainer
-
-    monkeypatch.setattr(trl_hooks, "_DISTILLATION_WARNED", [])  # once per process: start afresh here
-
-    model = make_model()
-    teacher = _perturbed(model, seed=5, scale=0.2)
-    prompts = Dataset.from_dict({"prompt": [_sentence(i, 3) for i in range(16)]})
-
-    def build(model, callbacks):
-        args = DistillationConfig(**_common_args(tmp_path, "distill", max_completion_length=5))
-        return DistillationTrainer(model=model, teacher_model=copy.deepcopy(teacher), args=args,
-                                   train_dataset=prompts, processing_class=make_tokenizer(), callbacks=callbacks)
-
-    stock = _train(build, copy.deepcopy(model), patch=None)
-    with pytest.warns(UserWarning, match="hf_fused does not compute DistillationTrainer's loss") as caught:
-        fused = _train(build, copy.deepcopy(model), patch="before")
-    assert sum("DistillationTrainer" in str(w.message) for w in caught) == 1
-    _assert_same_training(fused, stock)  # TRL's kernel in both: the patch changed nothing but says so
-    assert hf_fused.is_fused(fused[0].model)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -30,9 +30,10 @@ the states lm_head receives: log-probs, entropy and the gradient-free statistics
 ``log_sum_sq_probs``) in one pass with :func:`hf_fused.ops.linear_logprobs` (``statistics=``), ``loss`` and
 ``label_mask`` as TRL defines them. A PEFT adapter on lm_head is part of the head (TRL's head would read the bare weight).
 
-TRL's ``DistillationTrainer`` does not use this protocol: its loss is a student–teacher divergence
-(``trl/kernels/chunked_divergence.py``) computed from the backbones and lm_head weights directly. hf_fused
-has no divergence op, so it warns once and leaves that trainer on TRL's kernel.
+TRL's distillation trainers do not use this protocol: their loss is a student–teacher divergence. For a patched
+student it comes from :func:`hf_fused.ops.linear_distillation_loss` (:mod:`.divergence`): ``DistillationTrainer``'s
+``_chunked_divergence_loss`` is answered from the hidden states and heads TRL passes (:mod:`.distillation`), and
+``GKDTrainer.compute_loss`` from both models' hidden states instead of their full logits (:mod:`.gkd`).
 
 While a TRL trainer is built around a patched model, its "no PEFT adapter on lm_head" check is let through:
 hf_fused computes the head with the adapter, so a LoRA adapter on lm_head trains.
@@ -41,7 +42,8 @@ If TRL's head changes shape (``add_fused_lm_head``'s signature, ``FusedCausalLMO
 closure of the forward it installs), nothing is wrapped and a fused call raises, saying why.
 
 Modules: :mod:`.protocol` (TRL 1.16's shape, recognised or refused), :mod:`.hooks` (installation, reference
-models, the lm_head-adapter check, the distillation warning), :mod:`.head` (the answer to a fused call).
+models, the lm_head-adapter check), :mod:`.head` (the answer to a fused call), :mod:`.divergence` (a patched
+student's divergence from a teacher), :mod:`.distillation` and :mod:`.gkd` (the two distillation trainers).
 """
 
 from .head import trl_fused_forward

@@ -12,7 +12,6 @@ can be built from it (:func:`hf_fused.integrations.import_hooks.when_imported`).
 * :data:`TRL_HEAD_ADAPTER_CHECKS`: TRL's trainers are let through their "no PEFT adapter on lm_head" check while they
   are built around a patched model (hf_fused computes the head with the adapter), and tell
   :data:`TRL_FUSED_HEAD` which trainer is being built (the policy whose reference model it adds).
-* :data:`TRL_DISTILLATION`: ``DistillationTrainer`` warns, once, that its divergence loss stays on TRL's kernel.
 
 Per model: :func:`serve_trl_fused_head` reads the options of a TRL head already installed on a model patched after
 its trainer was built; :func:`forget_trl_head` (on :func:`hf_fused.remove_fused_loss`) takes the recorded options
@@ -205,38 +204,6 @@ def lm_head_adapter_hidden_from_trl(model):
         del inner.get_output_embeddings
 
 
-def _wrap_distillation_trainer(module: types.ModuleType, patch: ThirdPartyPatch) -> None:
-    """``DistillationTrainer`` computes a student–teacher divergence from the lm_head weights itself, which
-    hf_fused has no op for: say so once when it is given a patched model, and leave it on TRL's kernel."""
-    if refused_reason() is not None:
-        return
-    DistillationTrainer = module.DistillationTrainer
-    init = DistillationTrainer.__init__
-    live = patch.liveness()
-
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        if not live():
-            return
-        models = [getattr(self, "model", None), getattr(self, "teacher_model", None)]
-        if any(isinstance(m, nn.Module) and is_fused(m) for m in models) and not _DISTILLATION_WARNED:
-            _DISTILLATION_WARNED.append(True)
-            warnings.warn(
-                "hf_fused does not compute DistillationTrainer's loss: its student–teacher divergence reads both "
-                "lm_head weights directly (trl/kernels/chunked_divergence.py) and hf_fused has no divergence op. "
-                "Training uses TRL's chunked kernel, which also never builds the full logits; apply_fused_loss "
-                "has no effect on this trainer's loss (generation is unchanged).",
-                UserWarning,
-                stacklevel=2,
-            )
-
-    __init__.__hf_fused__ = True
-    patch.rebind(DistillationTrainer, "__init__", __init__)
-
-
-_DISTILLATION_WARNED: list = []
-
 _TRL_VERSIONS = "trl 1.16 (its fused-head protocol, checked at install: protocol.ADD_HEAD_PARAMETERS, OUTPUT_FIELDS)"
 
 TRL_FUSED_HEAD = ThirdPartyPatch(
@@ -264,15 +231,4 @@ TRL_HEAD_ADAPTER_CHECKS = tuple(
         apply=_wrap_trainer_init,
     )
     for module, cls in _TRAINERS_REFUSING_HEAD_ADAPTERS.items()
-)
-
-TRL_DISTILLATION = ThirdPartyPatch(
-    name="DistillationTrainer.__init__",
-    module="trl.trainer.distillation_trainer",
-    target="trl.trainer.distillation_trainer.DistillationTrainer.__init__",
-    trigger="first apply_fused_loss; applied when trl.trainer.distillation_trainer is imported (at once if it is)",
-    versions=_TRL_VERSIONS,
-    why="say once that a patched model's distillation loss stays on TRL's divergence kernel (no hf_fused op)",
-    passes_through="every call: TRL's __init__ runs unchanged, then the warning (patched models only, once)",
-    apply=_wrap_distillation_trainer,
 )

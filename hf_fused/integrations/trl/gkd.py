@@ -1,0 +1,209 @@
+"""TRL's ``GKDTrainer`` (``trl.experimental.gkd``) on hf_fused: its generalized JSD computed from hidden states.
+
+TRL 1.16's ``GKDTrainer.compute_loss`` calls the student and the teacher without labels, so both build their full
+``[B, T, V]`` logits, and computes ``generalized_jsd_loss(student_logits[:, :-1], teacher_logits[:, :-1],
+labels[:, 1:], beta=self.beta, num_items_in_batch=...)`` (temperature 1, ``"batchmean"``). The same divergences
+as ``DistillationTrainer``'s (β = 0 forward KL, β = 1 reverse KL, otherwise the generalized JSD), so the entry
+:data:`TRL_GKD` of the inventory wraps ``compute_loss``: for a patched student it computes that loss with
+:func:`hf_fused.ops.linear_distillation_loss` (:func:`fused_gkd_loss`), with the same value and gradients and no
+``[N, V]`` tensor of either model:
+
+* the teacher runs its forward with its lm_head call answered by an empty tensor (its hidden states kept, its logits
+  never built; the teacher itself is not patched; its logit transform is measured once on its forward, as
+  :func:`hf_fused.apply_fused_loss` measures it);
+* the student is called through its wrappers (DDP, DeepSpeed, PEFT) with :data:`CALL_KEYWORD`, which the extension
+  registered in :mod:`hf_fused.integrations` answers: the divergence is computed inside the student's lm_head call,
+  where engines have its parameters whole, exactly as its fused loss is.
+
+Where its options do not allow it, ``compute_loss`` is TRL's (full logits) and a one-time
+:class:`~hf_fused.model.FusedLossBypassedWarning` says why and what to do: a subclass with its own
+``generalized_jsd_loss`` (a divergence hf_fused cannot know), ``return_outputs=True`` (the caller wants the student's
+logits), a teacher hf_fused cannot read. Evaluation without gradients is not warned about.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+import warnings
+import weakref
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ...model import FusedLossBypassedWarning, find_causal_lm, head_tensors, is_fused
+from ...model.distributed import partitioned_head_params
+from ...model.forward import lm_head_answering
+from ...model.lm_head import check_head_supported
+from ...model.transform_probe import measure_logit_transform
+from ...ops import LogitTransform
+from ..patching import ThirdPartyPatch
+from .divergence import CALL_KEYWORD, DistillationCall, TeacherHead
+
+#: TRL 1.16's ``GKDTrainer.generalized_jsd_loss`` parameters and the defaults ``compute_loss`` relies on.
+JSD_PARAMETERS = ("student_logits", "teacher_logits", "labels", "beta", "temperature", "reduction", "num_items_in_batch")
+JSD_DEFAULTS = {"temperature": 1.0, "reduction": "batchmean"}
+#: The keywords of ``compute_loss``'s two calls in TRL 1.16 (the models', then ``generalized_jsd_loss``'s): what
+#: :func:`fused_gkd_loss` reproduces (no temperature, no reduction passed).
+COMPUTE_LOSS_CALLS = (("input_ids", "attention_mask"),
+                      ("student_logits", "teacher_logits", "labels", "beta", "num_items_in_batch"))
+
+
+def fused_gkd_loss(trainer, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
+    """``GKDTrainer.compute_loss(model, inputs, num_items_in_batch=...)`` of TRL 1.16 for a patched student, from
+    both models' hidden states: the generalized JSD (``trainer.beta``, temperature 1) between the student and
+    ``trainer.teacher_model`` at every position whose next token is labelled (``inputs["labels"][:, 1:] != -100``),
+    summed and divided by ``num_items_in_batch`` or, without it, by the number of those positions.
+
+    Raises:
+        TypeError, NotImplementedError: the teacher has no lm_head hf_fused can read.
+    """
+    teacher = trainer.teacher_model
+    teacher.eval()
+    with torch.no_grad():
+        teacher_head = _teacher_head(teacher, inputs["input_ids"], inputs["attention_mask"])
+    labels = F.pad(inputs["labels"][:, 1:], (0, 1), value=-100)  # position t predicts token t + 1; the last nothing
+    call = DistillationCall(teacher_head, labels, float(trainer.beta), 1.0, num_items_in_batch)
+    out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], **{CALL_KEYWORD: call})
+    return out.loss
+
+
+# The measured logit transform of each teacher (keyed weakly: a teacher is never kept alive here).
+_TRANSFORMS: "weakref.WeakKeyDictionary[nn.Module, LogitTransform]" = weakref.WeakKeyDictionary()
+
+
+def _teacher_head(teacher: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TeacherHead:
+    """The teacher's forward on the batch with its lm_head call answered by an empty tensor (no logits), as a
+    :class:`TeacherHead`: the states its lm_head received and its lm_head read as hf_fused reads one."""
+    causal_lm = find_causal_lm(teacher)
+    lm_head = causal_lm.get_output_embeddings()
+    transform = teacher_transform(causal_lm)
+    seen = {}
+
+    def answer(hidden):
+        seen["hidden"] = hidden
+        return hidden.new_empty(*hidden.shape[:-1], 0)
+
+    with lm_head_answering(lm_head, answer):
+        teacher(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    if "hidden" not in seen:
+        raise RuntimeError(f"the teacher's forward ({type(causal_lm).__name__}) did not call its lm_head")
+    hidden = seen["hidden"]
+    return TeacherHead(tensors=lambda: head_tensors(lm_head, hidden), params=tuple(partitioned_head_params(lm_head)),
+                       logit_scale=transform.logit_scale, softcap=transform.softcap)
+
+
+def teacher_transform(causal_lm: nn.Module) -> LogitTransform:
+    """The logit transform of the teacher's forward: a patched teacher's, or measured once (a short forward, as
+    :func:`hf_fused.apply_fused_loss` measures it; collective under ZeRO-3 and FSDP2, where every rank computes the
+    loss).
+
+    Raises:
+        NotImplementedError, FusedLossVerificationError: as :func:`hf_fused.apply_fused_loss` would for it.
+    """
+    state = causal_lm.__dict__.get("_hf_fused")
+    if state is not None:
+        return state.transform
+    if causal_lm not in _TRANSFORMS:
+        check_head_supported(causal_lm.get_output_embeddings())
+        _TRANSFORMS[causal_lm] = measure_logit_transform(causal_lm)
+    return _TRANSFORMS[causal_lm]
+
+
+# -- the inventory's entry ---------------------------------------------------------------------------------------
+
+
+def gkd_shape_mismatch(trainer_cls: type) -> Optional[str]:
+    """Why the installed TRL's ``GKDTrainer`` is not the one :func:`fused_gkd_loss` reproduces (``None`` when it is)."""
+    jsd = inspect.signature(trainer_cls.generalized_jsd_loss)
+    if tuple(jsd.parameters) != JSD_PARAMETERS:
+        return f"GKDTrainer.generalized_jsd_loss takes {tuple(jsd.parameters)}, expected {JSD_PARAMETERS}"
+    defaults = {name: jsd.parameters[name].default for name in JSD_DEFAULTS}
+    if defaults != JSD_DEFAULTS:
+        return f"GKDTrainer.generalized_jsd_loss defaults to {defaults}, expected {JSD_DEFAULTS}"
+    code = trainer_cls.compute_loss.__code__
+    calls = tuple(c for c in code.co_consts if isinstance(c, tuple) and all(isinstance(k, str) for k in c))
+    if calls != COMPUTE_LOSS_CALLS or "generalized_jsd_loss" not in code.co_names:
+        return (f"GKDTrainer.compute_loss makes calls with keywords {calls}, expected {COMPUTE_LOSS_CALLS} "
+                "(TRL 1.16's)")
+    return None
+
+
+def _why_not_fused(trainer, original_jsd, return_outputs: bool) -> Optional[str]:
+    if return_outputs:
+        return ("the caller asked for the student's outputs (return_outputs=True), which hold its logits; call "
+                "compute_loss without return_outputs to train on hf_fused's loss")
+    if type(trainer).generalized_jsd_loss is not original_jsd:
+        return (f"{type(trainer).__qualname__} overrides generalized_jsd_loss, a divergence of the logits hf_fused "
+                "cannot compute from hidden states; keep TRL's generalized_jsd_loss (beta selects forward KL, reverse "
+                "KL or the JSD), use DistillationTrainer, or compute your loss in compute_loss with "
+                "hf_fused.linear_distillation_loss from model(..., fused_output='hidden_states')")
+    teacher = getattr(trainer, "teacher_model", None)
+    try:
+        check_head_supported(find_causal_lm(teacher).get_output_embeddings())
+    except (TypeError, NotImplementedError) as error:
+        return (f"hf_fused cannot read the teacher's lm_head ({error}); a teacher whose lm_head is nn.Linear (or a "
+                "PEFT LoRA layer around one) is computed from its hidden states")
+    return None
+
+
+def _install(module: types.ModuleType, patch: ThirdPartyPatch) -> None:
+    """Wrap ``GKDTrainer.compute_loss`` (see the module docstring); or, for a ``GKDTrainer`` of another shape, record
+    why not and warn."""
+    trainer_cls = module.GKDTrainer
+    why = gkd_shape_mismatch(trainer_cls)
+    if why is not None:
+        patch.state["refused"] = why
+        warnings.warn(f"hf_fused: {why}. GKDTrainer will compute its loss from the full logits, on patched models "
+                      "too. hf_fused serves TRL 1.16's GKDTrainer.", stacklevel=3)
+        return
+    live = patch.liveness()
+    original = trainer_cls.compute_loss
+    original_jsd = trainer_cls.generalized_jsd_loss
+
+    @functools.wraps(original)
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not (live() and isinstance(self, trainer_cls) and is_fused(model)):
+            return original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        why_not = _why_not_fused(self, original_jsd, return_outputs)
+        if why_not is None:
+            return fused_gkd_loss(self, model, inputs, num_items_in_batch)
+        if model.training and torch.is_grad_enabled():
+            _warn_once(model, why_not)
+        return original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    compute_loss.__hf_fused__ = True
+    patch.rebind(trainer_cls, "compute_loss", compute_loss)
+
+
+def _warn_once(model: nn.Module, why_not: str) -> None:
+    """Say once per student why GKD's loss is computed from the full logits (and keep the patched forward's own
+    "called without labels" warning from repeating it)."""
+    state = find_causal_lm(model)._hf_fused
+    if state.warned_without_labels:
+        return
+    state.warned_without_labels = True
+    warnings.warn(
+        f"hf_fused: GKDTrainer.compute_loss computes its loss from the student's and the teacher's full [tokens, "
+        f"vocab] logits here, not from hidden states, because {why_not}.",
+        FusedLossBypassedWarning, stacklevel=3,
+    )
+
+
+TRL_GKD = ThirdPartyPatch(
+    name="GKDTrainer.compute_loss",
+    module="trl.experimental.gkd.gkd_trainer",
+    target="trl.experimental.gkd.gkd_trainer.GKDTrainer.compute_loss",
+    trigger="first apply_fused_loss; applied when trl.experimental.gkd.gkd_trainer is imported (at once if it is)",
+    versions="trl 1.16 (generalized_jsd_loss's parameters and defaults and compute_loss's calls checked at install; "
+             "another shape: nothing wrapped, a warning)",
+    why="GKDTrainer computes its divergence from both models' full logits; for a patched student hf_fused computes "
+        "it from hidden states in one pass",
+    passes_through="a student that is not patched, another trainer's call, and (with a one-time warning saying why "
+                   "and what to do) a subclass's own generalized_jsd_loss, return_outputs=True or a teacher hf_fused "
+                   "cannot read: TRL's compute_loss",
+    apply=_install,
+)
