@@ -2,7 +2,8 @@
 
 Every ``notebooks/*.ipynb`` by default, or those named. Each runs top to bottom in a fresh ``python3`` kernel
 (nbclient), in this directory, with its own asserts; a failing cell stops that notebook, which is then not
-saved, and the exit status is 1. ``tests/test_notebooks.py`` runs the same notebooks in CI without saving.
+saved, and the exit status is 1. ``tests/examples/test_notebooks.py`` runs the same notebooks in CI without
+saving, and checks that the saved outputs of the cells tagged ``stable-output`` are what the re-run prints.
 """
 
 from __future__ import annotations
