@@ -1,5 +1,7 @@
 """The GRPO demo's pieces, and a 2-step run of it next to TRL's GRPOTrainer (the full run takes minutes)."""
 
+import re
+
 import pytest
 
 from examples import grpo
@@ -29,11 +31,26 @@ def test_word_piece_pattern():
 
 def test_args_defaults_and_validation():
     args = grpo.parse_args([])
-    assert (args.steps, args.num_generations, args.num_prompts, args.beta, args.num_iterations) == (20, 8, 4, 0.0, 1)
+    assert (args.steps, args.num_generations, args.num_prompts, args.beta, args.num_iterations) == (12, 8, 4, 0.0, 1)
     assert args.trainers == ["fused", "trl"]
     for bad in (["--num-generations", "1"], ["--trainers", "trl"], ["--trainers", "fused,nope"]):
         with pytest.raises(SystemExit):
             grpo.parse_args(bad)
+
+
+def test_step_line_shows_what_moves():
+    """On-policy with beta 0 the loss is ~0 by construction and no KL is computed: the line shows the gradient norm,
+    never a KL of nan; the loss, KL and clipped fraction come back when --beta / --num-iterations make them move."""
+    m = {"reward": 0.5, "reward_std": 0.1, "loss": 0.0, "grad_norm": 0.25, "kl": float("nan"), "clip": 0.0,
+         "entropy": 2.0}
+    on_policy = grpo.parse_args([])
+    line = grpo.step_line(3, m, on_policy)
+    assert line == "step    3  reward 0.500 ± 0.100  grad norm 0.250  entropy 2.000"
+    assert "loss value is ≈0" in grpo.on_policy_note(on_policy)
+    off_policy = grpo.parse_args(["--beta", "0.04", "--num-iterations", "2"])
+    line = grpo.step_line(3, {**m, "kl": 0.01, "loss": 0.002}, off_policy)
+    assert line == "step    3  reward 0.500 ± 0.100  grad norm 0.250  loss +0.0020  kl 0.0100  clip 0.000  entropy 2.000"
+    assert grpo.on_policy_note(off_policy) == ""
 
 
 def test_demo_runs_two_steps_next_to_grpo_trainer(tmp_path, capsys):
@@ -46,6 +63,9 @@ def test_demo_runs_two_steps_next_to_grpo_trainer(tmp_path, capsys):
     assert plot.stat().st_size > 0
     out = capsys.readouterr().out
     assert "hf_fused FusedGRPOTrainer" in out and "trl GRPOTrainer" in out and "peak MiB" in out
+    step_lines = [line for line in out.splitlines() if re.match(r"step +\d", line)]  # one per step and trainer
+    assert len(step_lines) == 4 and all("grad norm" in line and "nan" not in line for line in step_lines), step_lines
+    assert "TRL / hf_fused" in out
 
 
 def test_fused_and_trl_runs_sample_and_score_alike(tmp_path):
