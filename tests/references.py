@@ -33,6 +33,23 @@ Number = Union[int, float, torch.Tensor]
 RTOL = 1e-5
 
 
+#: Logged metrics of DPO and KTO that are differences of summed log-probabilities (policy − reference): the rewards
+#: are β × (a − b), KTO's KL estimate a − b, with |a|, |b| of tens of nats and TRL's default β = 0.1. Summed in
+#: another order in fp32, a and b move by ~1e-5 of themselves, so the difference moves by ~1e-5 × factor ×
+#: (|a| + |b|) absolute however small it is: relative 1e-5 of the difference would ask far more of the
+#: log-probabilities than they are checked to.
+LOGP_DIFFERENCES = {"rewards/chosen": 0.1, "rewards/rejected": 0.1, "rewards/margins": 0.1, "kl": 1.0}
+
+
+def logp_difference_tol(key: str, logged: dict, default: float = 1e-7) -> float:
+    """The absolute tolerance of a logged metric: for a difference of log-probabilities (``LOGP_DIFFERENCES``),
+    ``RTOL`` of the log-probabilities it comes from (``logged``: the reference run's row at that step, with
+    ``logps/chosen`` and ``logps/rejected``); ``default`` for every other metric."""
+    if key not in LOGP_DIFFERENCES:
+        return default
+    return RTOL * LOGP_DIFFERENCES[key] * (abs(logged["logps/chosen"]) + abs(logged["logps/rejected"]))
+
+
 # -- relative errors and the assertions built on them -----------------------------------------------------
 
 

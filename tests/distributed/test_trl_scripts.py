@@ -55,6 +55,7 @@ from launch import CONFIGS, HERE, Run, SharedLaunches, accelerate_launch, planne
 from parity import (BF16_STOCK, PARAM_RTOL, assert_bf16_twin, assert_bf16_twins, assert_matches_reference,
                     assert_wrapped_by, update_errors)
 from ranks import CUDA
+from references import logp_difference_tol
 
 pytestmark = [
     pytest.mark.distributed,
@@ -126,14 +127,6 @@ def logged_metrics(run: dict) -> set[str]:
 
 SFT_METRICS = ("grad_norm", "entropy", "mean_token_accuracy", "num_tokens", "learning_rate", "epoch")
 
-#: Metrics of DPO and KTO that are differences of summed log-probabilities (policy − reference): the rewards are
-#: β × (a − b), KTO's KL estimate a − b, with |a|, |b| ≈ 60 nats here and TRL's default β = 0.1. Summed in another
-#: order in fp32, a and b move by ~1e-5 of themselves, so the difference moves by ~1e-5 × factor × (|a| + |b|)
-#: absolute however small it is (0.014 against 60: relative 1e-5 of the difference would ask 4000× more of the
-#: log-probabilities than they are checked to).
-LOGP_DIFFERENCES = {"rewards/chosen": 0.1, "rewards/rejected": 0.1, "rewards/margins": 0.1, "kl": 1.0}
-
-
 def assert_same_metrics(got: dict, reference: dict, keys=SFT_METRICS) -> None:
     """Every metric in ``keys`` (by default those SFTTrainer logs besides the loss) at every step, relative 1e-5
     (fp32 sums in another order); differences of log-probabilities (``LOGP_DIFFERENCES``) absolute 1e-5 of the
@@ -141,9 +134,7 @@ def assert_same_metrics(got: dict, reference: dict, keys=SFT_METRICS) -> None:
     for step, (g, r) in enumerate(zip(got["logs"], reference["logs"])):
         assert g.keys() == r.keys()
         for key in keys:
-            abs_tol = 1e-7
-            if key in LOGP_DIFFERENCES:
-                abs_tol = 1e-5 * LOGP_DIFFERENCES[key] * (abs(r["logps/chosen"]) + abs(r["logps/rejected"]))
+            abs_tol = logp_difference_tol(key, r)
             assert math.isclose(g[key], r[key], rel_tol=1e-5, abs_tol=abs_tol), f"step {step} {key}: {g[key]} vs {r[key]}"
 
 

@@ -28,6 +28,7 @@ import trl.trainer.utils as trl_utils
 from grpo_harness import VocabRows
 from models import WORDS, make_tokenizer
 from models import make_word_model as make_model
+from references import logp_difference_tol
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -110,11 +111,13 @@ def _is_timing(key: str) -> bool:
     return "runtime" in key or "per_second" in key or key.endswith("time") or "/time" in key
 
 
-def _abs_floor(key: str) -> float:
+def _abs_floor(key: str, logged: dict) -> float:
     # A policy-gradient loss (RLOO, GRPO) is a sum of O(1) terms ±A·ratio whose advantages sum to ~0 per group:
     # fp32 rounding of ~1e-7 per term leaves a total of that size (TRL's own loss is 1.2e-7 where the exact one
-    # is 0), so a loss gets an absolute floor; every other metric is compared to 1e-5 relative, 1e-7 absolute.
-    return 2e-6 if "loss" in key else 1e-7
+    # is 0), so a loss gets an absolute floor; DPO's rewards are differences of log-probabilities, held to the
+    # log-probabilities' own precision (references.logp_difference_tol); every other metric is compared to 1e-5
+    # relative, 1e-7 absolute.
+    return 2e-6 if "loss" in key else logp_difference_tol(key, logged)
 
 
 def _assert_same_training(got, ref):
@@ -127,7 +130,7 @@ def _assert_same_training(got, ref):
             if isinstance(y, float) and math.isnan(y):
                 assert math.isnan(x), key
             else:
-                assert math.isclose(x, y, rel_tol=RTOL, abs_tol=_abs_floor(key)), (key, x, y)
+                assert math.isclose(x, y, rel_tol=RTOL, abs_tol=_abs_floor(key, b)), (key, x, y)
     for step, (ga, gb) in enumerate(zip(grads_a, grads_b)):
         assert ga.keys() == gb.keys() and ga, set(ga) ^ set(gb)
         for name in gb:
