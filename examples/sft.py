@@ -87,7 +87,18 @@ def _model_factory(args: argparse.Namespace) -> tuple[Callable[[], torch.nn.Modu
 
 
 class _QuietProgress(ProgressCallback):
-    """Trainer's tqdm bar, with the loss in the bar instead of a printed dict per step."""
+    """Trainer's tqdm bar, with the loss in the bar instead of a printed dict per step; keeps each step's seconds."""
+
+    def __init__(self):
+        super().__init__()
+        self.step_seconds: list[float] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_seconds.append(time.perf_counter() - self._t0)
+        super().on_step_end(args, state, control, **kwargs)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs:
@@ -99,8 +110,10 @@ def train_step_losses(
     model: torch.nn.Module,
     dataset: TokenBlocks,
     args: argparse.Namespace,
+    step_seconds: list[float] | None = None,
 ) -> list[float]:
-    """Train ``model`` with ``trainer_cls`` for ``args.steps`` steps; returns the loss of each step.
+    """Train ``model`` with ``trainer_cls`` for ``args.steps`` steps; returns the loss of each step, and appends
+    each step's wall seconds to ``step_seconds`` when given.
 
     fp32, AdamW, linear decay, no checkpoints, no reporting; the output dir is temporary.
     """
@@ -122,8 +135,11 @@ def train_step_losses(
             model=model, args=targs, train_dataset=dataset, data_collator=transformers.default_data_collator
         )
         trainer.remove_callback(ProgressCallback)
-        trainer.add_callback(_QuietProgress())
+        progress = _QuietProgress()
+        trainer.add_callback(progress)
         trainer.train()
+        if step_seconds is not None:
+            step_seconds.extend(progress.step_seconds)
         # log_history holds the un-rounded fp32 mean loss of each step (logging_steps=1).
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     if len(losses) != args.steps:
@@ -180,6 +196,10 @@ def head_loss_peak_memory(
     return results
 
 
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2] if xs else float("nan")
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
@@ -206,15 +226,16 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for label, trainer_cls in (("fused", FusedTrainer), ("unfused", transformers.Trainer)):
         print(f"\ntraining with {trainer_cls.__module__}.{trainer_cls.__name__} ({label})")
-        start = time.perf_counter()
-        runs[label] = (train_step_losses(trainer_cls, make_model(), dataset, args), time.perf_counter() - start)
+        seconds: list[float] = []
+        runs[label] = (train_step_losses(trainer_cls, make_model(), dataset, args, seconds), _median(seconds[1:] or seconds))
 
     (fused, t_fused), (unfused, t_unfused) = runs["fused"], runs["unfused"]
     rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(fused, unfused)]
     print(f"\n{'step':>4}  {'fused loss':>12}  {'unfused loss':>12}  {'rel diff':>9}")
     for step, (a, b, r) in enumerate(zip(fused, unfused, rel), start=1):
         print(f"{step:>4}  {a:>12.6f}  {b:>12.6f}  {r:>9.2e}{'  <-- above rtol' if r > args.rtol else ''}")
-    print(f"train time: fused {t_fused:.1f} s, unfused {t_unfused:.1f} s")
+    print(f"median step time: fused {t_fused:.2f} s, unfused {t_unfused:.2f} s (the first step, which pays one-time "
+          f"set-up, left out; on a CPU it depends on the machine and its load)")
 
     tokens = batch["input_ids"].numel()
     print(

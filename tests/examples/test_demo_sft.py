@@ -56,4 +56,4 @@ def test_main_end_to_end_on_a_local_checkpoint(tmp_path, tmp_path_factory, capsy
     status = sft.main(["--model", str(ckpt), "--steps", "2", "--seq-len", "32", "--batch-size", "1", "--device", "cpu"])
     out = capsys.readouterr().out
     assert status == 0, out
-    assert "OK: max relative loss difference" in out and "unfused" in out
+    assert "OK: max relative loss difference" in out and "unfused" in out and "median step time: fused" in out
