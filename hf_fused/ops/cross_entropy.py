@@ -118,6 +118,7 @@ def linear_cross_entropy(
     tile_budget_bytes: Optional[int] = None,
     backend: Optional[str] = None,
     token_weights: Optional[torch.Tensor] = None,
+    vocab_parallel=None,
 ) -> torch.Tensor:
     """Cross-entropy of ``labels`` under the logits of ``hidden @ weight.T + bias``, never materializing
     the ``[N, V]`` logits.
@@ -158,6 +159,12 @@ def linear_cross_entropy(
             term, ``∂loss/∂w_t = −logp_t`` divided as the loss is (0 at ignored positions). With
             ``weight_t = A_t·mask_t`` this is the on-policy, KL-free policy-gradient objective ``−Σ A_t·logp_t``
             (GRPO/DAPO's gradient at ratio 1).
+        vocab_parallel: ``None``, or this rank's :class:`~hf_fused.ops.vocab_parallel.VocabShard` (or
+            ``(start, stop, group)``) when lm_head is sharded over the vocabulary (tensor parallelism): ``weight``
+            and ``bias`` are then the rank's rows ``[start, stop)`` and ``labels`` global ids; every rank of the group
+            calls the op with the same hidden states and labels, and each tile's per-row statistics are merged over
+            the group with one O(rows) all-reduce pair (:mod:`hf_fused.ops.vocab_parallel`). Each rank gets the
+            gradient of its own weight rows and the whole hidden states' gradient (summed over the group).
 
     Returns:
         fp32 scalar for ``"mean"``/``"sum"``, fp32 ``[...]`` for ``"none"``. All-ignored input gives 0
@@ -191,7 +198,8 @@ def linear_cross_entropy(
         raise ValueError("num_items_in_batch applies to reduction='mean' or 'sum', not 'none'")
     prepared = prepare(hidden, weight, labels, bias, ignore_index=ignore_index, transform=transform,
                        temperature=temperature, softcap=softcap, logit_scale=logit_scale,
-                       tile_budget_bytes=tile_budget_bytes, backend=backend, num_items_in_batch=num_items_in_batch)
+                       tile_budget_bytes=tile_budget_bytes, backend=backend, num_items_in_batch=num_items_in_batch,
+                       vocab_parallel=vocab_parallel)
     if reduction == "none":
         logprobs, _ = logprobs_outputs(prepared)
         if token_weights is None:

@@ -107,6 +107,7 @@ def linear_logprobs(
     backend: Optional[str] = None,
     grad_hint: Union[None, torch.Tensor, TokenLossHint] = None,
     statistics: Optional[Sequence[str]] = None,
+    vocab_parallel=None,
 ) -> Union[
     tuple[torch.Tensor, Optional[torch.Tensor]],
     tuple[torch.Tensor, Optional[torch.Tensor], dict[str, torch.Tensor]],
@@ -143,6 +144,9 @@ def linear_logprobs(
             (``"mean_logits"``, ``"is_top1"``, ``"log_sum_sq_probs"``; TRL's fused-head metrics, formulas in
             :func:`~hf_fused.ops.linear_token_statistics`): computed from the forward's own logits tiles, on either
             schedule, at a few operations per logit and no extra matmul. Not with a ``TokenLossHint``.
+        vocab_parallel: as in :func:`~hf_fused.ops.linear_cross_entropy` (a vocabulary-sharded head): the rank's
+            weight rows, global labels, every tile's statistics merged over the group; the entropy and the
+            statistics are those of the whole vocabulary, the same on every rank.
 
     Returns:
         ``(logprobs, entropy)``: fp32 ``[...]`` each (``entropy`` is ``None`` unless requested); 0 with
@@ -172,7 +176,7 @@ def linear_logprobs(
         )
     prepared = prepare(hidden, weight, labels, bias, ignore_index=ignore_index, transform=transform,
                        temperature=temperature, softcap=softcap, logit_scale=logit_scale,
-                       tile_budget_bytes=tile_budget_bytes, backend=backend)
+                       tile_budget_bytes=tile_budget_bytes, backend=backend, vocab_parallel=vocab_parallel)
     logprobs, entropy, *stat_outputs = logprobs_outputs(prepared, return_entropy=return_entropy,
                                                         grad_hint=grad_hint, statistics=names or ())
     if names is None:

@@ -13,10 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from .backends import Backend, get_backend
+from .backends.vocab_parallel import VocabParallelBackend
 from .head_inputs import HeadInputs
 from .logit_transform import LogitTransform
 from .precision import autocast_dtype
 from .tiling import validate_tile_budget
+from .vocab_parallel import VocabLayout, as_vocab_shard, resolve_vocab_shard, sum_gradient_over
 
 
 def causal_shift(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -65,6 +67,8 @@ class PreparedHead:
     batch_shape: their shape, the leading ``...`` of hidden: per-token outputs go back to it (:meth:`shaped`).
     num_items_in_batch: as given, checked (a 0-d tensor stays on its device).
     grad_enabled: whether grad mode was on at the call (the Function runs its forward with it off).
+    vocab_layout: with ``vocab_parallel=``, the checked layout of the ranks' vocabulary shards (``head.weight`` is
+        this rank's rows, ``head.hidden`` sums its gradient over the group); else ``None``.
     """
 
     head: HeadInputs
@@ -73,6 +77,7 @@ class PreparedHead:
     batch_shape: torch.Size
     num_items_in_batch: object
     grad_enabled: bool
+    vocab_layout: Optional[VocabLayout] = None
 
     @property
     def rows(self) -> torch.Tensor:
@@ -162,6 +167,7 @@ def prepare(
     tile_budget_bytes: Optional[int] = None,
     backend: Optional[str] = None,
     num_items_in_batch=None,
+    vocab_parallel=None,
 ) -> PreparedHead:
     """The prologue of every public op: the head's inputs checked and flattened, with everything the op's
     autograd Function needs to compute from them.
@@ -195,6 +201,12 @@ def prepare(
         transform, temperature, softcap, logit_scale: the logit transform (:func:`logit_transform`).
         tile_budget_bytes: ``None`` (the planner's rule) or a positive int.  backend: a registered name or ``None``.
         num_items_in_batch: ``None`` or one finite number > 0 (a Python number or a one-element tensor).
+        vocab_parallel: ``None``, or this rank's :class:`~hf_fused.ops.vocab_parallel.VocabShard` (or a
+            ``(start, stop, group)`` tuple) of a head sharded over the vocabulary: ``weight`` (and ``bias``) are the
+            rank's rows ``[start, stop)``, ``labels`` global ids. The shards are checked against the group's
+            (:func:`~hf_fused.ops.vocab_parallel.resolve_vocab_shard`, a collective); with more than one rank the
+            call runs :class:`~hf_fused.ops.backends.vocab_parallel.VocabParallelBackend` and sums the hidden states'
+            gradient over the group.
 
     Returns:
         :class:`PreparedHead`.
@@ -204,24 +216,36 @@ def prepare(
             non-integer ``ignore_index``, a bad ``num_items_in_batch`` type, a bad transform value's type.
         ValueError: shape mismatches, ``H = 0``, tensors on several devices or on the meta device, labels outside
             ``[0, V)`` other than ``ignore_index``, a bad ``num_items_in_batch``, transform or tile budget, an
-            unknown backend.
+            unknown backend; with ``vocab_parallel``, shards that do not tile the vocabulary, a weight of another
+            width, ranks scoring different tokens, or a ``backend`` other than ``"torch"``.
     """
     transform = logit_transform(transform, temperature=temperature, softcap=softcap, logit_scale=logit_scale)
-    flat_hidden, flat_labels, rows, num_items_in_batch = _flatten(hidden, weight, labels, bias, ignore_index,
-                                                                  num_items_in_batch)
-    head = HeadInputs(flat_hidden, weight, bias, flat_labels, rows, transform, validate_tile_budget(tile_budget_bytes),
-                      autocast_dtype(flat_hidden.device.type))
-    return PreparedHead(head, get_backend(hidden.device, backend), labels, hidden.shape[:-1], num_items_in_batch,
-                        torch.is_grad_enabled())
+    shard = None if vocab_parallel is None else as_vocab_shard(vocab_parallel)
+    flat_hidden, flat_labels, rows, num_items_in_batch, layout = _flatten(hidden, weight, labels, bias, ignore_index,
+                                                                          num_items_in_batch, shard)
+    head = HeadInputs(sum_gradient_over(flat_hidden, layout), weight, bias, flat_labels, rows, transform,
+                      validate_tile_budget(tile_budget_bytes), autocast_dtype(flat_hidden.device.type))
+    if layout is not None and layout.sharded:
+        if backend not in (None, "torch"):
+            raise ValueError(
+                f"vocab_parallel runs the torch tile loop with a merge of every tile's statistics over the group; "
+                f"backend={backend!r} has no vocabulary-parallel schedule. Pass backend=None"
+            )
+        chosen = VocabParallelBackend(layout)
+    else:
+        chosen = get_backend(hidden.device, backend)
+    return PreparedHead(head, chosen, labels, hidden.shape[:-1], num_items_in_batch, torch.is_grad_enabled(), layout)
 
 
-def _flatten(hidden, weight, labels, bias, ignore_index, num_items_in_batch):
-    """``(hidden [N, H], labels [N] int64, kept rows [M], num_items_in_batch)`` after the checks of
-    :func:`prepare`. One host sync: every sync drains the GPU queue, and a training step of a patched model should
-    cost no more of them than the unpatched model's (the rows come from ``nonzero_static`` with the count read)."""
+def _flatten(hidden, weight, labels, bias, ignore_index, num_items_in_batch, shard=None):
+    """``(hidden [N, H], labels [N] int64, kept rows [M], num_items_in_batch, vocabulary layout or None)`` after
+    the checks of :func:`prepare`. One host sync: every sync drains the GPU queue, and a training step of a patched
+    model should cost no more of them than the unpatched model's (the rows come from ``nonzero_static`` with the
+    count read). A vocabulary shard adds the sync of its collective check (:func:`resolve_vocab_shard`)."""
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _refuse_dtensors(hidden=hidden, weight=weight, bias=bias)
     if not hidden.is_floating_point() or not weight.is_floating_point():
         raise TypeError(f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
@@ -270,6 +294,10 @@ def _flatten(hidden, weight, labels, bias, ignore_index, num_items_in_batch):
         )
     flat_labels = labels.reshape(-1).long()
     kept = flat_labels != ignore_index
+    layout = None
+    if shard is not None:
+        layout = resolve_vocab_shard(shard, weight, kept)
+        vocab_size = layout.vocab_size  # labels are global ids
     bad = kept & ((flat_labels < 0) | (flat_labels >= vocab_size))
     counts = [kept.sum(), bad.sum()]
     items_tensor = isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() == 1
@@ -288,7 +316,22 @@ def _flatten(hidden, weight, labels, bias, ignore_index, num_items_in_batch):
     elif num_items_in_batch is not None:
         num_items_in_batch = check_num_items(num_items_in_batch)  # a number, or raises naming the bad value
     rows = torch.nonzero_static(kept, size=int(host[0])).squeeze(1)
-    return hidden.reshape(-1, hidden_size), flat_labels, rows, num_items_in_batch
+    return hidden.reshape(-1, hidden_size), flat_labels, rows, num_items_in_batch, layout
+
+
+def _refuse_dtensors(**tensors) -> None:
+    """Raise for a DTensor among the head's tensors: the ops compute on each rank's local tensors, and a sharded
+    weight read as a whole one would give wrong results."""
+    for name, t in tensors.items():
+        placements = getattr(t, "placements", None)
+        if placements is not None and isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"{name} is a DTensor (placements {tuple(placements)}); the ops compute on plain tensors. For lm_head "
+                "sharded over the vocabulary (Shard(0), tensor parallelism) pass the rank's local rows and "
+                "vocab_parallel=VocabShard(start, stop, group): hf_fused.model.tensor_parallel.vocab_parallel_head("
+                "weight, bias) builds them from the DTensor; a whole weight sharded by FSDP2 is gathered with "
+                "full_tensor()"
+            )
 
 
 def _check_index(ignore_index) -> None:

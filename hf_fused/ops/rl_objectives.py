@@ -132,6 +132,7 @@ def linear_grpo_loss(
     need_entropy: bool = False,
     tile_budget_bytes: Optional[int] = None,
     backend: Optional[str] = None,
+    vocab_parallel=None,
 ) -> GRPOLossOutput:
     """open-instruct's GRPO loss for one micro-batch, from hidden states and lm_head: the loss and its gradients
     for hidden, weight and bias in one pass over the tiles (6·N·H·V FLOPs).
@@ -176,7 +177,7 @@ def linear_grpo_loss(
         objective: :class:`GRPOObjective` (loss_fn, clip range, β, KL estimator).
         loss_scale: multiplies the loss (open-instruct's ``world_size // sequence_parallel_size``).
         temperature: the logits are divided by it (open-instruct's ``logits / temperature``).
-        transform, softcap, logit_scale, need_entropy, tile_budget_bytes, backend: as in
+        transform, softcap, logit_scale, need_entropy, tile_budget_bytes, backend, vocab_parallel: as in
             :func:`~hf_fused.ops.linear_token_loss`.
 
     Returns:
@@ -204,7 +205,7 @@ def linear_grpo_loss(
     out = linear_token_loss(
         hidden, weight, scored, token_loss, bias, per_token=consts, ignore_index=ignore_index, transform=transform,
         temperature=temperature, softcap=softcap, logit_scale=logit_scale, need_entropy=need_entropy,
-        tile_budget_bytes=tile_budget_bytes, backend=backend,
+        tile_budget_bytes=tile_budget_bytes, backend=backend, vocab_parallel=vocab_parallel,
     )
     with torch.no_grad():  # metrics from the detached log-probs, as open-instruct computes them
         logp = out.logprobs

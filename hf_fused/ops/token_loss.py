@@ -121,6 +121,7 @@ def linear_token_loss(
     need_entropy: bool = False,
     tile_budget_bytes: Optional[int] = None,
     backend: Optional[str] = None,
+    vocab_parallel=None,
 ) -> TokenLossOutput:
     """The summed loss ``Σ_t token_loss(logp_t, H_t; per_token_t)`` of a token-separable objective under the
     logits of ``hidden @ weight.T + bias``, with its gradients for hidden, weight and bias computed in the same
@@ -167,6 +168,9 @@ def linear_token_loss(
         ignore_index, transform, temperature, softcap, logit_scale, tile_budget_bytes, backend: as in
             :func:`~hf_fused.ops.linear_cross_entropy`.
         need_entropy: compute the entropy, pass it to ``token_loss`` (differentiable) and return it.
+        vocab_parallel: as in :func:`~hf_fused.ops.linear_cross_entropy` (a vocabulary-sharded head). The one pass
+            stays one pass: each tile's statistics are merged over the group before ``token_loss`` sees them, so
+            every rank differentiates it on the same log-probs and forms its own slice's logits gradient.
 
     Returns:
         :class:`TokenLossOutput` ``(loss, logprobs, entropy)``: fp32 scalar loss (0 when every token is
@@ -194,7 +198,7 @@ def linear_token_loss(
         raise TypeError(f"token_loss must be callable (logprobs, entropy, **per_token) -> losses, got {token_loss!r}")
     prepared = prepare(hidden, weight, labels, bias, ignore_index=ignore_index, transform=transform,
                        temperature=temperature, softcap=softcap, logit_scale=logit_scale,
-                       tile_budget_bytes=tile_budget_bytes, backend=backend)
+                       tile_budget_bytes=tile_budget_bytes, backend=backend, vocab_parallel=vocab_parallel)
     tile_loss = TileLoss(token_loss, prepared.per_token_constants(per_token), prepared.rows,
                          differentiate=prepared.grad_enabled)
     call = _TokenLossCall(prepared, tile_loss, bool(need_entropy))

@@ -50,6 +50,7 @@ def linear_token_statistics(
     logit_scale: float = 1.0,
     tile_budget_bytes: Optional[int] = None,
     backend: Optional[str] = None,
+    vocab_parallel=None,
 ) -> dict[str, torch.Tensor]:
     """The requested per-token statistics under the logits of ``hidden @ weight.T + bias``, never materializing
     the ``[N, V]`` logits, for metrics only: the statistics forward of :func:`~hf_fused.ops.linear_logprobs`
@@ -74,7 +75,7 @@ def linear_token_statistics(
         labels: ``[...]`` ids in ``[0, V)`` or ``ignore_index`` (only ``is_top1`` reads them; every statistic is
             computed only on non-ignored positions).
         statistics: names among :data:`TOKEN_STATISTICS`.
-        transform, temperature, softcap, logit_scale, tile_budget_bytes, backend: as in
+        transform, temperature, softcap, logit_scale, tile_budget_bytes, backend, vocab_parallel: as in
             :func:`~hf_fused.ops.linear_logprobs`.
 
     Returns:
@@ -91,7 +92,7 @@ def linear_token_statistics(
     with torch.no_grad():
         prepared = prepare(hidden, weight, labels, bias, ignore_index=ignore_index, transform=transform,
                            temperature=temperature, softcap=softcap, logit_scale=logit_scale,
-                           tile_budget_bytes=tile_budget_bytes, backend=backend)
+                           tile_budget_bytes=tile_budget_bytes, backend=backend, vocab_parallel=vocab_parallel)
         head = prepared.head
         with autocast_off(head.hidden.device.type):
             row_stats = prepared.backend.logprobs_forward(head, statistics=names).statistics
