@@ -8,7 +8,7 @@ result types, :func:`causal_shift`
 backend registry. Each op is one autograd Function behind one call to :func:`hf_fused.ops.prepare.prepare`.
 Other names importable from here (``rows_per_tile``) are internals kept for tests."""
 
-from .backends import available_backends, get_backend, register_backend
+from .backends import available_backends, describe_plan, get_backend, register_backend
 from .backward import HintMissedWarning
 from .cross_entropy import linear_cross_entropy
 from .distillation import DistillationOutput, linear_distillation_loss
@@ -19,7 +19,7 @@ from .prepare import causal_shift
 from .rl_objectives import GRPOLossOutput, GRPOObjective, grpo_token_loss, linear_grpo_loss
 from .sparse_distillation import SparseDistillationOutput, sparse_distillation_loss
 from .support_loss import SupportLossOutput, linear_support_loss
-from .tiling import DEFAULT_TILE_BUDGET_BYTES, describe_plan, rows_per_tile
+from .tiling import DEFAULT_TILE_BUDGET_BYTES, rows_per_tile
 from .token_loss import TokenLossOutput, linear_token_loss
 from .token_statistics import TOKEN_STATISTICS, linear_token_statistics
 from .topk_logprobs import TopKLogprobs, linear_topk_logprobs

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 import torch
+
+
+def torch_mul_into(out: torch.Tensor, src: torch.Tensor, factor) -> None:
+    """``out ← src · factor``: one fp32 product, rounded once to ``out``'s dtype (``out`` may be ``src``)."""
+    torch.mul(src, factor, out=out)
 
 
 @dataclass
@@ -27,14 +31,20 @@ class HeadGrads:
     bias: Optional[torch.Tensor] = None
     #: ``hidden`` is already hidden's whole ``[N, H]`` gradient (ignored rows 0), not the ``[M, H]`` kept rows.
     hidden_scattered: bool = False
-    #: With ``weight`` in bf16: the int8 residual of the compensated pair ``(weight, weight_residual)``
-    #: (:mod:`hf_fused.ops.backends.compensated`) that the GPU one pass accumulated instead of an fp32 buffer;
-    #: :meth:`input_grads` scales the pair's value and rounds it once.
+    #: With ``weight`` in bf16: the int8 residual of the compensated pair ``(weight, weight_residual)`` that the GPU
+    #: one pass accumulated instead of an fp32 buffer; :meth:`input_grads` scales the pair's value and rounds it
+    #: once with :attr:`scale_pair`.
     weight_residual: Optional[torch.Tensor] = None
+    #: With ``weight_residual``: ``scale_pair(hi, lo, factor) -> hi``, the pair's value times ``factor`` rounded once
+    #: to bf16 in place (given by the backend that made the pair).
+    scale_pair: Optional[Callable] = None
     #: With ``weight`` a 2-byte gradient: its own bytes hold the fp32 accumulator of its first ``V − T`` rows
     #: (:func:`split_accumulator`) and this fp32 ``[T, H]`` buffer the last ``T``; :meth:`input_grads` scales both
     #: and rounds them once into ``weight``'s rows.
     weight_tail: Optional[torch.Tensor] = None
+    #: ``mul_into(out, src, factor)``: every rounding of an fp32 buffer times ``factor`` to its input's dtype
+    #: (:func:`torch_mul_into`, or a faster kernel with the same bits that the backend lends).
+    mul_into: Callable = torch_mul_into
 
     def input_grads(self, hidden, weight, bias, rows, factor: Union[float, torch.Tensor] = 1.0):
         """``(d_hidden [N, H], d_weight, d_bias)`` in the inputs' dtypes (``None`` where not computed):
@@ -53,56 +63,28 @@ class HeadGrads:
                 out.append(None)
                 continue
             if name == "weight" and self.weight_residual is not None:
-                scaled = _scaled_pair(grad, self.weight_residual, factor, like.dtype)
+                scaled = self.scale_pair(grad, self.weight_residual, factor).to(like.dtype)
                 self.weight_residual = None
             elif name == "weight" and self.weight_tail is not None:
-                scaled = _scaled_split(grad, self.weight_tail, factor)
+                scaled = _scaled_split(grad, self.weight_tail, factor, self.mul_into)
                 self.weight_tail = None
             else:
-                scaled = _scaled(grad, factor, hidden.dtype if name == "hidden" else like.dtype)
+                scaled = _scaled(grad, factor, hidden.dtype if name == "hidden" else like.dtype, self.mul_into)
             scatter = name == "hidden" and not self.hidden_scattered
             out.append(_scatter_rows(scaled, hidden, rows) if scatter else scaled)
             del grad, scaled
         return tuple(out)
 
 
-def _scaled(grad: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
+def _scaled(grad: torch.Tensor, factor, dtype: torch.dtype, mul_into: Callable) -> torch.Tensor:
     """``grad · factor`` (fp32 arithmetic) in ``dtype``: in place when ``dtype`` is fp32, else one fused pass."""
     if isinstance(factor, float) and factor == 1.0:
         return grad.to(dtype)
     if grad.dtype != torch.float32:
         raise RuntimeError("hf_fused internal error: a gradient rounded by the backend cannot be scaled again")
     out = grad if dtype == grad.dtype else torch.empty(grad.shape, dtype=dtype, device=grad.device)
-    _mul_into(out, grad, factor)
+    mul_into(out, grad, factor)
     return out
-
-
-def _mul_into(out: torch.Tensor, src: torch.Tensor, factor) -> None:
-    """``out ← src · factor`` (an fp32 product, rounded once to ``out``'s dtype; ``out`` may be ``src``): the GPU
-    kernel of :mod:`~hf_fused.ops.backends.scaled_round` for contiguous CUDA tensors (PyTorch's casting kernel
-    is unvectorized there), else ``torch.mul``."""
-    kernel = _gpu_scaled_round() if out.is_cuda and out.is_contiguous() and src.is_contiguous() else None
-    if kernel is not None:
-        kernel(out, src, factor)
-    else:
-        torch.mul(src, factor, out=out)
-
-
-@functools.lru_cache(maxsize=None)
-def _gpu_scaled_round() -> Optional[Callable]:
-    try:  # Triton: present with PyTorch's CUDA builds, optional elsewhere
-        from .backends.scaled_round import scaled_round_
-    except ImportError:
-        return None
-    return scaled_round_
-
-
-def _scaled_pair(hi: torch.Tensor, lo: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
-    """``(hi + lo)·factor`` rounded once to bf16 (:func:`~hf_fused.ops.backends.compensated.compensated_scale_`,
-    in place in ``hi``), then in ``dtype`` (the weight's: bf16, the only gradient dtype a pair is made for)."""
-    from .backends.compensated import compensated_scale_  # Triton: only the GPU backend makes pairs
-
-    return compensated_scale_(hi, lo, factor).to(dtype)
 
 
 def split_accumulator(grad: torch.Tensor, zero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,18 +107,19 @@ def fp32_view(flat: torch.Tensor, rows: int) -> Optional[torch.Tensor]:
     return flat.view(torch.float32).view(rows, -1)
 
 
-def round_rows_in_place_(out: torch.Tensor, acc: torch.Tensor, temp: torch.Tensor, factor=1.0) -> None:
+def round_rows_in_place_(out: torch.Tensor, acc: torch.Tensor, temp: torch.Tensor, factor=1.0,
+                         mul_into: Callable = torch_mul_into) -> None:
     """``out = acc · factor`` rounded once to ``out``'s dtype, where ``acc`` is an fp32 view of bytes that start
     where ``out``'s do (the 2-byte rows ``out`` and the next as many: :func:`split_accumulator`, the two passes'
     weight-gradient chunks): in ascending blocks of ``temp``'s rows (``temp``: flat, ``out``'s dtype), each read
     whole into ``temp`` before it is written. A block's writes land on the fp32 rows below half its end, all read
-    by then, so no fp32 row is overwritten before it is read."""
+    by then, so no fp32 row is overwritten before it is read. ``mul_into``: as :attr:`HeadGrads.mul_into`."""
     width, hidden_size = acc.shape
     step = max(1, temp.numel() // hidden_size)
     for a in range(0, width, step):
         b = min(a + step, width)
         block = temp[: (b - a) * hidden_size].view(b - a, hidden_size)
-        _mul_into(block, acc[a:b], factor)
+        mul_into(block, acc[a:b], factor)
         out[a:b].copy_(block)
 
 
@@ -144,16 +127,17 @@ def round_rows_in_place_(out: torch.Tensor, acc: torch.Tensor, temp: torch.Tenso
 _NARROW_STEPS = 8
 
 
-def _scaled_split(grad: torch.Tensor, tail: torch.Tensor, factor) -> torch.Tensor:
+def _scaled_split(grad: torch.Tensor, tail: torch.Tensor, factor, mul_into: Callable) -> torch.Tensor:
     """``grad`` holding ``(accumulator · factor)`` rounded once, for the split accumulator of
     :func:`split_accumulator` (``grad``'s bytes the fp32 head, ``tail`` the rest). The head is rounded into rows
     ``[0, V // 2)`` in place (:func:`round_rows_in_place_`, through a temporary of 1/``_NARROW_STEPS`` of them)."""
     rows, hidden_size = grad.shape[0] - tail.shape[0], grad.shape[1]
     step = max(1, -(-rows // _NARROW_STEPS))
     temp = torch.empty(min(step, rows) * hidden_size, dtype=grad.dtype, device=grad.device)
-    round_rows_in_place_(grad[:rows], fp32_view(grad.view(-1)[: 2 * rows * hidden_size], rows), temp, factor)
+    round_rows_in_place_(grad[:rows], fp32_view(grad.view(-1)[: 2 * rows * hidden_size], rows), temp, factor,
+                         mul_into)
     del temp
-    _mul_into(grad[rows:], tail, factor)
+    mul_into(grad[rows:], tail, factor)
     return grad
 
 

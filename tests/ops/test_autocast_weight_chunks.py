@@ -15,8 +15,9 @@ pytest.importorskip("triton")
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from hf_fused.ops import LogitTransform, linear_cross_entropy, tiling  # noqa: E402
-from hf_fused.ops.backends.triton_cublas import TritonCublasBackend  # noqa: E402
+from hf_fused.ops import LogitTransform, linear_cross_entropy  # noqa: E402
+from hf_fused.ops.backends.triton_cublas import TritonCublasBackend, one_pass_rule, two_pass_rule  # noqa: E402
+from hf_fused.ops.backends.triton_cublas import plan as planning  # noqa: E402
 from hf_fused.ops.head_inputs import HeadInputs, NeededGrads  # noqa: E402
 
 N, H, V = 40, 32, 1000
@@ -49,7 +50,7 @@ class _BigAllocations(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("plan", [tiling.LeanPlan(13, 256, False, 0), tiling.LeanPlan(8, 384, True, 0)],
+@pytest.mark.parametrize("plan", [two_pass_rule.LeanPlan(13, 256, False, 0), two_pass_rule.LeanPlan(8, 384, True, 0)],
                          ids=["compact-rows", "gathered-rows"])
 def test_two_passes_cast_chunk_by_chunk_with_the_whole_casts_bits(plan, bias):
     """Statistics and every gradient of the two passes from the fp32 head equal those from its whole-cast twin
@@ -61,7 +62,7 @@ def test_two_passes_cast_chunk_by_chunk_with_the_whole_casts_bits(plan, bias):
     g_lp, g_ent = torch.randn(m, generator=g), torch.randn(m, generator=g)
     outs = {}
     for name, h in (("chunks", head), ("whole", head.computed())):
-        with tiling.forced_plans(one_pass=False, two_pass=plan), _BigAllocations(V * H) as seen:
+        with planning.forced_plans(one_pass=False, two_pass=plan), _BigAllocations(V * H) as seen:
             fwd = backend.logprobs_forward(h, return_entropy=True)
             grads = backend.logprobs_backward(h, fwd.lse, fwd.entropy, g_lp, g_ent, need=ALL)
         outs[name] = (fwd, grads, seen.seen)
@@ -78,9 +79,9 @@ def test_two_passes_cast_chunk_by_chunk_with_the_whole_casts_bits(plan, bias):
 def test_the_lean_plan_counts_the_cast_chunk_within_the_budget():
     m, h, v, bf16 = 29_491, 2048, 151_936, 2
     for budget in (256 * 2**20, 64 * 2**20):
-        plain = tiling.lean_two_pass_plan(m, h, v, bf16, budget, copy_bytes=m * h * bf16, gather_row_bytes=h * bf16)
-        cast = tiling.lean_two_pass_plan(m, h, v, bf16, budget, copy_bytes=m * h * bf16, gather_row_bytes=h * bf16,
-                                         col_bytes=h * bf16)
+        rows = dict(copy_bytes=m * h * bf16, gather_row_bytes=h * bf16)
+        plain = two_pass_rule.lean_two_pass_plan(m, h, v, bf16, budget, **rows)
+        cast = two_pass_rule.lean_two_pass_plan(m, h, v, bf16, budget, **rows, col_bytes=h * bf16)
         assert cast.bytes <= budget and plain.bytes <= budget
         assert cast.cols < plain.cols  # the [cols, H] buffer takes its share of the budget
         tile_and_rows = cast.block_rows * (cast.cols * bf16 + (h * bf16 if cast.gather_rows else 0))
@@ -89,11 +90,11 @@ def test_the_lean_plan_counts_the_cast_chunk_within_the_budget():
 
 def test_the_backend_plans_the_cast_buffer_only_for_a_weight_in_another_dtype():
     wide = _head(budget=2**20)  # room for the whole vocabulary either way: the buffer is counted beside the tile
-    casting, same = TritonCublasBackend._plan(wide), TritonCublasBackend._plan(wide.computed())
+    casting, same = planning.plan_two_passes(wide), planning.plan_two_passes(wide.computed())
     assert (casting.block_rows, casting.cols) == (same.block_rows, same.cols) == (32, V)
     assert casting.bytes == same.bytes + V * H * 2 <= 2**20
     tight = _head(budget=100_000)  # the buffer takes room from the tile (here: half the rows per block)
-    casting, same = TritonCublasBackend._plan(tight), TritonCublasBackend._plan(tight.computed())
+    casting, same = planning.plan_two_passes(tight), planning.plan_two_passes(tight.computed())
     assert casting.block_rows * casting.cols < same.block_rows * same.cols
     assert casting.bytes <= 100_000 and same.bytes <= 100_000
 
@@ -109,11 +110,11 @@ def test_the_one_pass_counts_the_whole_casts_it_makes():
     assert _head(bias=True).cast_bytes() == (V * H + N * H + V) * 2  # the bias's copy too
     rows = head.rows.numel()
     gradient = rows * H * 4
-    tile_rows = tiling.MIN_ONE_PASS_ROWS
-    without_casts = tiling.one_pass_working_set(V, H, 2, "none", tile_rows, gradient, H * 2)
-    assert TritonCublasBackend._one_pass_plan(replace(head, tile_budget_bytes=without_casts), ALL) is None
+    tile_rows = one_pass_rule.MIN_ONE_PASS_ROWS
+    without_casts = one_pass_rule.one_pass_working_set(V, H, 2, "none", tile_rows, gradient, H * 2)
+    assert planning.plan_one_pass(replace(head, tile_budget_bytes=without_casts), ALL) is None
     with_casts = replace(head, tile_budget_bytes=without_casts + casts)
-    plan = TritonCublasBackend._one_pass_plan(with_casts, ALL)
+    plan = planning.plan_one_pass(with_casts, ALL)
     assert plan is not None and plan.accumulator == "none" and plan.bytes <= without_casts + casts
 
 

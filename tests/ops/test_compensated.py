@@ -1,7 +1,7 @@
 """``compensated_addmm_`` (``hi + lo·ulp(hi)/254 += a @ b``) against float64: accumulating k vocabulary chunks
 into a bf16 ``hi`` with an int8 residual ``lo`` is as accurate as eager's one fp32-accumulated matmul rounded
-once, and measurably more accurate than accumulating into a bf16 tensor; the residual means what the module
-docstring says, element by element, across bf16's range.
+once, and measurably more accurate than accumulating into a bf16 tensor; the residual means what
+docs/design/numerics.md says, element by element, across bf16's range.
 
 On CPU the kernel runs under TRITON_INTERPRET=1 (set in conftest) with small shapes; the ``gpu`` tests run
 the compiled kernel at larger shapes and through every benchmarked launch configuration. The Hopper (TMA)
@@ -18,9 +18,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from hf_fused.ops.backends.compensated import (  # noqa: E402
-    RESIDUAL_DTYPE, SWEEP_CONFIGS, GemmConfig, compensated_addmm_, compensated_scale_,
+from hf_fused.ops.backends.triton_cublas.compensated import (  # noqa: E402
+    RESIDUAL_DTYPE, compensated_addmm_, compensated_scale_,
 )
+from hf_fused.ops.backends.triton_cublas.matmul import SWEEP_CONFIGS, GemmConfig  # noqa: E402
 
 # The CPU tests launch the kernel on CPU tensors: only Triton's interpreter can (conftest sets it without CUDA).
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -69,7 +70,7 @@ def _accumulate(a, w, chunk, config=None, transpose_a=False):
 
 
 def _bound(a, w, chunk, hi, dtype):
-    """Per-element bound on ``|hi − exact|`` of the former bf16 pair (module docstring of ``compensated``): the
+    """Per-element bound on ``|hi − exact|`` of the former bf16 pair (docs/design/numerics.md): the
     last rounding ``½ulp(hi)``, plus per fold at most ``u·½ulp = ulp/512`` of the largest partial sum (at least
     half the subnormal spacing), plus the fp32 accumulation error ``(K + 2k)·2⁻²⁴·Σ|a||w|`` (Higham, Accuracy
     and Stability of Numerical Algorithms, 2nd ed., §3.1; the 2k are the two fp32 roundings of each fold; the
@@ -320,7 +321,8 @@ def test_non_finite_sums_match_eager():
 def test_final_fold_would_change_nothing(dtype):
     # Why compensated has no finalize step: re-rounding hi + lo·ulp/254 differs from hi only where lo reaches
     # the midpoint to a neighbour: lo = ±127 (exactly ½ulp, a tie), or lo = ∓64 towards zero below a power of
-    # two (the neighbour there is ½ulp away), which only a t exactly on that tie produces (module docstring).
+    # two (the neighbour there is ½ulp away), which only a t exactly on that tie produces
+    # (docs/design/numerics.md).
     a, w = _lean_path_operands(64, 96, 128, 20, dtype)
     hi, lo, _ = _accumulate(a, w, 128)
     # hi + residual is not a double rounding hazard: it lands on a bf16 midpoint only for lo = ±127.
@@ -383,12 +385,12 @@ def test_empty_k_leaves_the_pair_as_it_was():
 # table, the registers, spilled stack bytes, Hopper tensor-core (wgmma) instructions, TMA bulk-tensor loads
 # (cp.async.bulk.tensor) and flush-to-zero (.ftz) instructions of the result: the pointer kernel, and the TMA
 # kernel that runs the same table on sm_90 (the benchmark's other sweep shapes compile on the GPU when it runs;
-# compensated.py's comment lists their counts).
+# docs/design/numerics.md lists their counts).
 _COMPILE_FOR_SM90 = r"""
 import os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
-from hf_fused.ops.backends import compensated as C
+from hf_fused.ops.backends.triton_cublas import compensated as C, matmul as M
 
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
@@ -418,8 +420,8 @@ def compile_and_print(fn, names, consts, types, cfg, label):
 ptrs = {"A": "*bf16", "B": "*bf16", "HI": "*bf16", "LO": "*i8", "HI_ROWS": "*i64"}
 names = ["A", "B", "HI", "LO", "HI_ROWS", "M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn",
          "stride_hm", "stride_hn", "stride_lm", "stride_ln"]
-for cfg in (C.LARGE, C.MEDIUM, C.SMALL):
-    for layout in ("a row-major", "a transposed") if cfg == C.LARGE else ("a row-major",):
+for cfg in (M.LARGE, M.MEDIUM, M.SMALL):
+    for layout in ("a row-major", "a transposed") if cfg == M.LARGE else ("a row-major",):
         unit = {"stride_ak": 1} if layout == "a row-major" else {"stride_am": 1}
         # The transposed layout also compiles the masked-K loop (EVEN_K off).
         consts = dict(unit, stride_bn=1, stride_hn=1, stride_ln=1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -428,9 +430,9 @@ for cfg in (C.LARGE, C.MEDIUM, C.SMALL):
         compile_and_print(C._compensated_addmm_kernel, names, consts, ptrs, cfg, "pointer " + layout)
 
 names = ["A_DESC", "B_DESC", "HI", "LO", "HI_ROWS", "M", "N", "K", "stride_hm", "stride_hn", "stride_lm", "stride_ln"]
-for cfg in (C.LARGE, C.MEDIUM, C.SMALL):
+for cfg in (M.LARGE, M.MEDIUM, M.SMALL):
     # The lean path's call (a row-major, hi rows gathered), and for LARGE also a plain one with a column-major a.
-    for a_t, gather in ((False, True), (True, False)) if cfg == C.LARGE else ((False, True),):
+    for a_t, gather in ((False, True), (True, False)) if cfg == M.LARGE else ((False, True),):
         consts = dict(stride_hn=1, stride_ln=1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                       GROUP_M=cfg.group_m, A_T=a_t, B_T=False, NUM_PROGRAMS=132, WIDEN_DOT=False,
                       EPILOGUE_SPLIT=cfg.epilogue_split, GATHER_HI=gather)
@@ -464,7 +466,7 @@ def test_kernel_compiles_for_h100_without_spills():
         # decoded value are fp32 subnormals where |hi| < 2⁻¹¹¹ (tests above check them under the interpreter).
         assert int(ftz) == 0, name
         # A spill moves registers through local memory on every epilogue; the table's epilogue_split is chosen
-        # so that none happens (module comment in compensated.py lists the measured counts).
+        # so that none happens (docs/design/numerics.md lists the measured counts).
         assert int(stack) == 0 and int(regs) <= 255, (name, regs, stack)
 
 
@@ -543,9 +545,9 @@ def test_tma_kernel_matches_pointer_kernel_and_float64(a_t, b_t, epilogue_split,
     # show any load that reads past it), a or b column-major (loaded as the transposed box), and 1, 3 or 4
     # persistent programs over the 6 tiles (uneven shares). Same per-tile fp32 sums in the same order as the
     # pointer kernel: bit-identical pairs, and within the float64 bounds of the pointer kernel's tests.
-    from hf_fused.ops.backends import compensated
+    from hf_fused.ops.backends.triton_cublas import compensated
 
-    monkeypatch.setattr(compensated, "_multiprocessors", lambda device: programs)
+    monkeypatch.setattr(compensated, "multiprocessors", lambda device: programs)
     a, w = _lean_path_operands(70, 90, 56, 5, torch.bfloat16, seed=10)
     a, w = _nan_padded(a, a_t), _nan_padded(w, b_t)
     assert (a.stride(0) == 1) == a_t and (w.stride(0) == 1) == b_t
@@ -559,9 +561,9 @@ def test_tma_kernel_matches_pointer_kernel_and_float64(a_t, b_t, epilogue_split,
 def test_tma_kernel_gathers_hi_rows(monkeypatch):
     # Gathered hi rows (the lean path's call) on the TMA kernel: the pointer kernel's pair, bit for bit, in
     # hi[hi_rows], the other rows untouched; 2 programs over the 4 tiles.
-    from hf_fused.ops.backends import compensated
+    from hf_fused.ops.backends.triton_cublas import compensated
 
-    monkeypatch.setattr(compensated, "_multiprocessors", lambda device: 2)
+    monkeypatch.setattr(compensated, "multiprocessors", lambda device: 2)
     a, w = _lean_path_operands(40, 48, 72, 3, torch.bfloat16, seed=11)
     a, w = _nan_padded(a), _nan_padded(w)
     pointer = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=2, epilogue_split=2, tma=False)
@@ -640,7 +642,8 @@ def test_scale_by_one_leaves_hi_and_bad_arguments_raise():
 
 
 def test_one_pass_config_takes_three_stages_at_h_2048_only():
-    from hf_fused.ops.backends.compensated import LARGE, SMALL, one_pass_config
+    from hf_fused.ops.backends.triton_cublas.compensated import one_pass_config
+    from hf_fused.ops.backends.triton_cublas.matmul import LARGE, SMALL
 
     cpu = torch.device("cpu")
     assert one_pass_config(151936, 2048, cpu) == GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3,

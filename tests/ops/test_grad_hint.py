@@ -128,7 +128,7 @@ def test_small_gpu_budget_ignores_the_hint(monkeypatch):
     pytest.importorskip("triton")
     hidden, weight, bias, labels = make_head_inputs((3, 4), H, V, ignore="some", seed=13)
     hint = _grpo_like_hint(labels, seed=14)
-    from hf_fused.ops.tiling import one_pass_accumulators, one_pass_plan
+    from hf_fused.ops.backends.triton_cublas.one_pass_rule import one_pass_accumulators, one_pass_plan
 
     accumulators = one_pass_accumulators(True, weight.dtype, weight.dtype)
     assert one_pass_plan(V, H, weight.element_size(), accumulators, V * H * 4, weight.device) is None

@@ -1,4 +1,4 @@
-"""The gradient pass's logits matmul with ``dz`` in its epilogue (``backends/logits_epilogues.py``).
+"""The gradient pass's logits matmul with ``dz`` in its epilogue (``backends/triton_cublas/logits_epilogues.py``).
 
 On CPU the kernel runs under Triton's interpreter inside ``logits_epilogues.forced(True)`` (it is a Hopper
 kernel: by default it runs only on sm_90+ GPUs); the ``gpu`` test compares it with cuBLAS's tiles on the GPU.
@@ -10,9 +10,9 @@ import torch
 pytest.importorskip("triton")
 
 from hf_fused.ops import linear_cross_entropy, linear_logprobs  # noqa: E402
-from hf_fused.ops.backends import logits_epilogues as L  # noqa: E402
-from hf_fused.ops.backends import triton_kernels as TK  # noqa: E402
-from hf_fused.ops.backends.triton_cublas import TritonCublasBackend  # noqa: E402
+from hf_fused.ops.backends.triton_cublas import logits_epilogues as L  # noqa: E402
+from hf_fused.ops.backends.triton_cublas import triton_kernels as TK  # noqa: E402
+from hf_fused.ops.backends.triton_cublas.tiles import kernel_scalars  # noqa: E402
 from hf_fused.ops.logit_transform import LogitTransform  # noqa: E402
 
 from references import KERNEL_TRANSFORMS as TRANSFORMS  # noqa: E402
@@ -62,7 +62,7 @@ def test_dz_equals_the_gradient_kernel_on_a_stored_tile_bit_for_bit(kw, bias, gr
     if not has_g_ent:
         g_ent = torch.zeros(m)
     transform = LogitTransform(**kw)
-    scalars = TritonCublasBackend._scalars(transform, b)
+    scalars = kernel_scalars(transform, b)
     TK.grad_kernel[(m,)](tile, tile.stride(0), tile, tile.stride(0), n, v0, b if bias else lse, labels, lse, ent, g_lp,
                          g_ent, lse, HAS_G_LP=True, HAS_G_ENT=has_g_ent, SUM_PZ=False, BLOCK_V=256, num_warps=4,
                          **scalars)

@@ -1,11 +1,11 @@
 """The GPU one pass with the compensated pair as its weight-gradient accumulator (``accumulator="pair"``).
 
 Where the fp32 ``[V, H]`` accumulator does not fit, a bf16 weight gradient can still take the one pass: the
-gradient itself plus an int8 residual (:mod:`hf_fused.ops.backends.compensated`), folded after every tile and
-scaled by the upstream gradient in backward with one rounding. Checked here under Triton's interpreter against
-the same one pass with the fp32 accumulator (same tiles, same logits: everything but the weight gradient bit for
-bit, the weight gradient within one rounding) and against float64 (no further from it than the fp32 accumulator's
-result), for every op that takes the one pass, under upstream factors other than 1.
+gradient itself plus an int8 residual (:mod:`hf_fused.ops.backends.triton_cublas.compensated`), folded after every
+tile and scaled by the upstream gradient in backward with one rounding. Checked here under Triton's interpreter
+against the same one pass with the fp32 accumulator (same tiles, same logits: everything but the weight gradient
+bit for bit, the weight gradient within one rounding) and against float64 (no further from it than the fp32
+accumulator's result), for every op that takes the one pass, under upstream factors other than 1.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ pytest.importorskip("triton")
 
 from references import bf16_cuda_head, make_head_inputs, rel_err  # noqa: E402
 from hf_fused.ops import linear_cross_entropy, linear_logprobs, linear_token_loss  # noqa: E402
-from hf_fused.ops import tiling  # noqa: E402
-from hf_fused.ops.backends import compensated, triton_cublas  # noqa: E402
-from hf_fused.ops.tiling import OnePassPlan  # noqa: E402
+from hf_fused.ops.backends.triton_cublas import compensated, one_pass, one_pass_rule  # noqa: E402
+from hf_fused.ops.backends.triton_cublas.one_pass_rule import OnePassPlan  # noqa: E402
 
 # CPU tensors run the kernels under Triton's interpreter (conftest sets it when there is no GPU); the gpu twins
 # run the compiled kernels (the Hopper TMA one for the pair on an H100) on bf16 CUDA tensors.
@@ -61,11 +60,11 @@ def _forced(monkeypatch, accumulator):
             return real(out, *args, **kwargs)
         return accumulate
 
-    monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass_plan", plan)
-    for name, fold in (("compensated_addmm_", True), ("_addmm_f32_", False), ("_mm_f32_", False)):
-        target = f"hf_fused.ops.backends.triton_cublas.{name}"
-        real = getattr(triton_cublas, name)
-        if name == "_mm_f32_":  # also the hidden gradient's (dz @ W): only dW's operands are [V, rows], [rows, H]
+    monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.plan.one_pass_plan", plan)
+    for name, fold in (("compensated_addmm_", True), ("addmm_f32_", False), ("mm_f32_", False)):
+        target = f"hf_fused.ops.backends.triton_cublas.one_pass.{name}"
+        real = getattr(one_pass, name)
+        if name == "mm_f32_":  # also the hidden gradient's (dz @ W): only dW's operands are [V, rows], [rows, H]
             monkeypatch.setattr(target, lambda out, a, b, real=real, acc=spy(real, False): (
                 acc(out, a, b) if a.shape[0] in (V, V // 2, V - V // 2) and b.shape[1] == H
                 and a.shape[1] == b.shape[0] != V
@@ -171,11 +170,11 @@ def test_default_rule_takes_the_pair_when_only_it_fits(monkeypatch, device):
     kept = int((labels != -100).sum())
     extra, gather = kept * H * 4, H * 2  # the kept rows' fp32 hidden gradient; each tile row's gathered hidden row
     budget = V * H * 1 + ROWS * (V * 2 + gather) + extra  # fp32 would need 3·V·H more: fewer rows than the pair's
-    assert tiling.one_pass_plan(V, H, 2, ("fp32", "pair"), budget, hidden.device, extra, gather) == \
+    assert one_pass_rule.one_pass_plan(V, H, 2, ("fp32", "pair"), budget, hidden.device, extra, gather) == \
         OnePassPlan(ROWS, "pair", budget)
     folds = []
     real_addmm = compensated.compensated_addmm_
-    monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.compensated_addmm_",
+    monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass.compensated_addmm_",
                         lambda *a, **k: folds.append(1) or real_addmm(*a, **k))
     loss = linear_cross_entropy(hidden, weight, labels, b, backend="triton", tile_budget_bytes=budget,
                                 reduction="sum") * 0.37
@@ -192,20 +191,21 @@ def test_default_rule_takes_the_pair_when_only_it_fits(monkeypatch, device):
 def test_pair_one_pass_error_is_eagers_on_gpu(monkeypatch, softcap):
     """bf16 on the GPU, a head of realistic width, every token's loss: the pair's one pass is as close to float64
     as eager transformers (a bf16 lm_head, fp32 logits, cross-entropy) on the loss and every gradient, within the
-    1.25× of eager's error that tests/test_ops_mixed_precision.py allows every fused path (its rounding of the
+    1.25× of eager's error that tests/ops/test_mixed_precision.py allows every fused path (its rounding of the
     bf16 logits tile and of each gradient is eager's; only the order of the fp32 sums differs)."""
     import torch.nn.functional as F
 
     n, h, v = 4096, 1024, 32000
     hidden, weight, labels = bf16_cuda_head(n, h, v, seed=11, ignore_every=10)
     budget = v * h + 1024 * (v + h) * 2 + n * h * 4  # the pair and 1024 rows; not the fp32 accumulator (3·V·H more)
-    monkeypatch.setattr("hf_fused.ops.tiling.free_device_bytes", lambda device: 0)  # budget only
+    monkeypatch.setattr(one_pass_rule, "free_device_bytes", lambda device: 0)  # budget only
     kw = {} if softcap is None else {"softcap": softcap}
     loss = linear_cross_entropy(hidden, weight, labels, tile_budget_bytes=budget, **kw)
     grads = torch.autograd.grad(loss * 0.3, (hidden, weight))
     from hf_fused.ops import describe_plan
 
-    assert "'pair'" in describe_plan(weight, n_rows=int((labels != -100).sum()), n_tokens=n, tile_budget_bytes=budget)
+    assert "'pair'" in describe_plan(weight, n_rows=int((labels != -100).sum()), n_tokens=n,
+                                     tile_budget_bytes=budget)
 
     def dense(hd, w):
         z = F.linear(hd, w).float()

@@ -1,4 +1,5 @@
-"""The tile planner's decisions (:mod:`hf_fused.ops.tiling`): which GPU schedule a call takes, and its shapes.
+"""The GPU backend's planning (:mod:`hf_fused.ops.backends.triton_cublas.plan` and its rules): which schedule a call
+takes, and its shapes.
 
 The default rule is what makes hf_fused fast without options: on a CUDA device the one pass whenever its
 working set fits in a quarter of the free memory, else the lean two passes. Free memory is injected here, so
@@ -11,12 +12,20 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hf_fused.ops import tiling
-from hf_fused.ops.head_inputs import HeadInputs, NeededGrads
-from hf_fused.ops.tiling import (
-    DEFAULT_TILE_BUDGET_BYTES, MIN_ONE_PASS_ROWS, ONE_PASS_FREE_SHARE, ONE_PASS_TILE_ROWS, OnePassPlan, describe_plan,
-    one_pass_accumulators, one_pass_plan, one_pass_rows, one_pass_working_set, two_pass_plan,
+pytest.importorskip("triton")  # the GPU backend's package (its planning included) imports Triton
+
+from hf_fused.ops import DEFAULT_TILE_BUDGET_BYTES, LogitTransform, describe_plan  # noqa: E402
+from hf_fused.ops.backends.triton_cublas import (  # noqa: E402
+    matmul, one_pass, one_pass_rule, operands, two_pass_rule, two_passes,
 )
+from hf_fused.ops.backends.triton_cublas import plan as planning  # noqa: E402
+from hf_fused.ops.backends.triton_cublas.backend import TritonCublasBackend  # noqa: E402
+from hf_fused.ops.backends.triton_cublas.one_pass_rule import (  # noqa: E402
+    MIN_ONE_PASS_ROWS, ONE_PASS_FREE_SHARE, ONE_PASS_TILE_ROWS, OnePassPlan, one_pass_accumulators, one_pass_plan,
+    one_pass_rows, one_pass_working_set,
+)
+from hf_fused.ops.backends.triton_cublas.two_pass_rule import two_pass_plan  # noqa: E402
+from hf_fused.ops.head_inputs import HeadInputs, NeededGrads  # noqa: E402
 
 V, H, BF16 = 151_936, 2048, 2
 #: Bytes per [V, H] element of the one pass's fp32 weight-gradient accumulator beyond a bf16 gradient: half its rows
@@ -28,7 +37,6 @@ NEEDED = one_pass_working_set(V, H, BF16, "fp32", ONE_PASS_TILE_ROWS)  # fp32 [V
 
 def _meta_head(n: int, tile_budget_bytes, **kwargs) -> HeadInputs:
     """A bf16 ``[n, H]`` × ``[V, H]`` head on the meta device, every row kept: what the planner sees, no data."""
-    from hf_fused.ops import LogitTransform
 
     return HeadInputs(torch.empty(n, H, dtype=torch.bfloat16, device="meta"),
                       torch.empty(V, H, dtype=torch.bfloat16, device="meta"), None,
@@ -37,7 +45,7 @@ def _meta_head(n: int, tile_budget_bytes, **kwargs) -> HeadInputs:
 
 
 def _free(monkeypatch, free):
-    monkeypatch.setattr(tiling, "free_device_bytes", lambda device: free if device.type == "cuda" else None)
+    monkeypatch.setattr(one_pass_rule, "free_device_bytes", lambda device: free if device.type == "cuda" else None)
 
 
 def test_working_set_is_the_fp32_accumulator_plus_the_tile():
@@ -50,9 +58,6 @@ def test_one_pass_counts_the_kept_rows_buffers(monkeypatch):
     """The one pass also holds the kept rows' fp32 hidden gradient (until backward) and, when rows are ignored,
     each tile's kept hidden rows gathered into a [rows, H] buffer (not a compact copy of them all): the backend
     passes both to the planner, and an explicit budget covers them."""
-    pytest.importorskip("triton")
-    from hf_fused.ops import LogitTransform
-    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
 
     n, kept = 32768, 29491
     weight = torch.empty(V, H, dtype=torch.bfloat16, device="meta")
@@ -60,13 +65,13 @@ def test_one_pass_counts_the_kept_rows_buffers(monkeypatch):
     head = HeadInputs(hidden, weight, None, torch.empty(n, dtype=torch.long, device="meta"),
                       torch.empty(kept, dtype=torch.long, device="meta"), LogitTransform(), None)
     seen = []
-    monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass_plan", lambda *a: seen.append(a))
-    TritonCublasBackend._one_pass_plan(head, NeededGrads(True, True, False))
+    monkeypatch.setattr(planning, "one_pass_plan", lambda *a: seen.append(a))
+    planning.plan_one_pass(head, NeededGrads(True, True, False))
     assert seen[-1][-2:] == (kept * H * 4, H * BF16)  # the fp32 hidden gradient; a gathered row per tile row
     every_row = replace(head, rows=head.rows.new_empty(n))
-    TritonCublasBackend._one_pass_plan(every_row, NeededGrads(True, True, False))
+    planning.plan_one_pass(every_row, NeededGrads(True, True, False))
     assert seen[-1][-2:] == (n * H * 4, 0)  # every row kept: tiles slice hidden itself
-    TritonCublasBackend._one_pass_plan(replace(every_row, hidden=hidden.float()), NeededGrads(False, True, False))
+    planning.plan_one_pass(replace(every_row, hidden=hidden.float()), NeededGrads(False, True, False))
     assert seen[-1][-2:] == (0, H * (BF16 + 4))  # fp32 hidden states: gathered through fp32, no hidden gradient
     budget = V * H * FP32_ACC + MIN_ONE_PASS_ROWS * V * BF16
     assert one_pass_rows(V, H, BF16, "fp32", budget, CUDA) == MIN_ONE_PASS_ROWS
@@ -104,7 +109,7 @@ def test_default_off_cuda_is_the_default_budget(monkeypatch):
     assert one_pass_rows(V, H, BF16, "fp32", None, cpu) == one_pass_rows(V, H, BF16, "fp32", DEFAULT_TILE_BUDGET_BYTES, cpu)
     small_v = 1000
     rows = (DEFAULT_TILE_BUDGET_BYTES - small_v * 64 * FP32_ACC) // (small_v * 4)  # 67076
-    assert one_pass_rows(small_v, 64, 4, "fp32", None, cpu) == rows - rows % tiling.ONE_PASS_ROW_ALIGN == 67072
+    assert one_pass_rows(small_v, 64, 4, "fp32", None, cpu) == rows - rows % one_pass_rule.ONE_PASS_ROW_ALIGN == 67072
 
 
 @pytest.mark.parametrize("extra_rows", range(9))
@@ -114,15 +119,15 @@ def test_one_pass_rows_are_whole_multiples_of_the_alignment(extra_rows):
     budget = V * H * FP32_ACC + (MIN_ONE_PASS_ROWS + 8 + extra_rows) * V * BF16
     rows = one_pass_rows(V, H, BF16, "fp32", budget, CUDA)
     assert rows == MIN_ONE_PASS_ROWS + (16 if extra_rows == 8 else 8)
-    assert rows % tiling.ONE_PASS_ROW_ALIGN == 0 and (rows * 4) % 16 == 0 and (rows * 8) % 16 == 0
+    assert rows % one_pass_rule.ONE_PASS_ROW_ALIGN == 0 and (rows * 4) % 16 == 0 and (rows * 8) % 16 == 0
 
 
 @pytest.mark.parametrize("n_rows,budget", [(32768, None), (8192, 2**20 * 32), (3, None), (100_000, 2**20)])
 def test_two_pass_tile_fits_the_budget_and_keeps_chunks_wide(n_rows, budget):
     rows, cols = two_pass_plan(n_rows, V, BF16, budget)
-    assert rows * cols * BF16 <= (budget or DEFAULT_TILE_BUDGET_BYTES) or cols == tiling.MIN_CHUNK_COLS
-    assert 1 <= rows <= n_rows and cols >= min(V, tiling.MIN_CHUNK_COLS)
-    assert cols == V or cols % tiling.CHUNK_COL_ALIGN == 0
+    assert rows * cols * BF16 <= (budget or DEFAULT_TILE_BUDGET_BYTES) or cols == two_pass_rule.MIN_CHUNK_COLS
+    assert 1 <= rows <= n_rows and cols >= min(V, two_pass_rule.MIN_CHUNK_COLS)
+    assert cols == V or cols % two_pass_rule.CHUNK_COL_ALIGN == 0
 
 
 def test_two_pass_rejects_a_bad_budget():
@@ -132,10 +137,43 @@ def test_two_pass_rejects_a_bad_budget():
 
 def test_describe_plan_names_the_schedule(monkeypatch):
     weight = torch.empty(V, H, dtype=torch.bfloat16, device="meta", requires_grad=True)
-    monkeypatch.setattr(tiling, "free_device_bytes", lambda device: 2**40)
-    assert describe_plan(weight, n_rows=8192).startswith("one pass")
-    monkeypatch.setattr(tiling, "free_device_bytes", lambda device: 2**30)
-    assert describe_plan(weight, n_rows=8192).startswith("two passes")
+    monkeypatch.setattr(one_pass_rule, "free_device_bytes", lambda device: 2**40)
+    assert describe_plan(weight, n_rows=8192, backend="triton").startswith("one pass")
+    monkeypatch.setattr(one_pass_rule, "free_device_bytes", lambda device: 2**30)
+    assert describe_plan(weight, n_rows=8192, backend="triton").startswith("two passes")
+
+
+def test_describe_plan_describes_what_the_tensors_backend_runs():
+    """A CPU weight gets the torch reference: its line names that backend's tile, not a GPU schedule; the GPU
+    backend's line (here forced, its kernels under Triton's interpreter) is its plan's."""
+    weight = torch.empty(1000, 64, dtype=torch.bfloat16, requires_grad=True)
+    assert describe_plan(weight, n_rows=100).startswith("torch reference, one pass per tile: 100 rows per tile")
+    assert "fp32 weight gradient" not in describe_plan(weight, n_rows=100, need_weight=False)
+    assert describe_plan(weight, n_rows=100, backend="triton").startswith("one pass (6·N·H·V)")
+    with pytest.raises(ValueError, match="tile_budget_bytes"):
+        describe_plan(weight, n_rows=100, tile_budget_bytes=0)
+    with pytest.raises(ValueError, match="weight must be a \\[V, H\\] tensor"):
+        describe_plan(weight[0], n_rows=100)
+    with pytest.raises(ValueError, match="n_rows"):
+        describe_plan(weight, n_rows=-1)
+
+
+def test_describe_plan_reads_the_backends_plan(monkeypatch):
+    """``describe_plan`` asks the GPU backend's own planner (the loops' plan functions), not a copy of it."""
+    weight = torch.empty(V, H, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    heads = []
+    monkeypatch.setattr(planning, "plan_one_pass", lambda head, need: heads.append((head, need)) or OnePassPlan(
+        1234, "pair", 0))
+    assert describe_plan(weight, n_rows=100, n_tokens=130, backend="triton").startswith(
+        "one pass (6·N·H·V): 1234 rows per tile")
+    head, need = heads[0]
+    assert head.weight is weight and head.hidden.shape == (130, H) and head.rows.numel() == 100
+    assert need == NeededGrads(True, True, False)
+    lean = two_pass_rule.LeanPlan(64, 4096, True, 123 * 2**20)
+    monkeypatch.setattr(planning, "plan_one_pass", lambda head, need: None)
+    with planning.forced_plans(two_pass=lean):
+        line = describe_plan(weight, n_rows=100, n_tokens=130, backend="triton", tile_budget_bytes=2**30)
+    assert line.startswith("two passes (8·N·H·V): 64×4096 tile, 0.12 GiB") and line.endswith("gathered per block")
 
 
 # -- the one pass's weight-gradient accumulator -----------------------------------------------------------
@@ -150,7 +188,7 @@ def test_accumulators_a_call_can_use():
     assert one_pass_accumulators(True, torch.bfloat16, torch.bfloat16) == PAIRED
     assert one_pass_accumulators(True, torch.float16, torch.float16) == ("fp32",)  # the pair is bf16 only
     assert one_pass_accumulators(True, torch.float32, torch.float32) == ("none",)
-    assert one_pass_working_set(V, H, BF16, "pair", 0) == V * H * tiling.PAIR_RESIDUAL_BYTES
+    assert one_pass_working_set(V, H, BF16, "pair", 0) == V * H * one_pass_rule.PAIR_RESIDUAL_BYTES
     with pytest.raises(ValueError, match="accumulator must be one of"):
         one_pass_working_set(V, H, BF16, "bf16", 0)
     with pytest.raises(ValueError, match="at least one accumulator"):
@@ -185,30 +223,29 @@ def test_explicit_budget_keeps_fp32_for_full_tiles_else_the_most_rows(monkeypatc
         assert plan.accumulator == "fp32" and plan.rows == ONE_PASS_TILE_ROWS
     else:
         pair_rows = (budget - V * H - extra) // (V * BF16)
-        assert plan.accumulator == "pair" and plan.rows == pair_rows - pair_rows % tiling.ONE_PASS_ROW_ALIGN
+        assert plan.accumulator == "pair" and plan.rows == pair_rows - pair_rows % one_pass_rule.ONE_PASS_ROW_ALIGN
     assert plan.bytes == one_pass_working_set(V, H, BF16, plan.accumulator, plan.rows, extra) <= budget
     assert one_pass_plan(V, H, BF16, PAIRED, V * H + (MIN_ONE_PASS_ROWS - 1) * V * BF16, CUDA) is None
 
 
 def test_describe_plan_names_the_accumulator(monkeypatch):
     weight = torch.empty(V, H, dtype=torch.bfloat16, device="meta", requires_grad=True)
-    monkeypatch.setattr(tiling, "free_device_bytes", lambda device: 2**40)  # any device: the weight is on meta
-    assert describe_plan(weight, n_rows=8192).endswith("accumulator 'fp32'")
+    monkeypatch.setattr(one_pass_rule, "free_device_bytes", lambda device: 2**40)  # any device: the weight is on meta
+    assert describe_plan(weight, n_rows=8192, backend="triton").endswith("accumulator 'fp32'")
     free = int((PAIR_NEEDED + 8192 * H * 4) / ONE_PASS_FREE_SHARE)
-    monkeypatch.setattr(tiling, "free_device_bytes", lambda device: free)
-    assert describe_plan(weight, n_rows=8192).endswith("accumulator 'pair'")
-    assert describe_plan(weight.float(), n_rows=8192).startswith("two passes")  # fp32 weight: no pair
+    monkeypatch.setattr(one_pass_rule, "free_device_bytes", lambda device: free)
+    assert describe_plan(weight, n_rows=8192, backend="triton").endswith("accumulator 'pair'")
+    # fp32 weight: no pair
+    assert describe_plan(weight.float(), n_rows=8192, backend="triton").startswith("two passes")
 
 
 def test_gpu_backend_asks_the_planner(monkeypatch):
-    pytest.importorskip("triton")
-    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
 
     seen = []
-    monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass_plan", lambda *a: seen.append(a))
+    monkeypatch.setattr(planning, "one_pass_plan", lambda *a: seen.append(a))
     n = 64
     head = _meta_head(n, 12345)
-    assert TritonCublasBackend._one_pass_plan(head, NeededGrads(True, True, False)) is None
+    assert planning.plan_one_pass(head, NeededGrads(True, True, False)) is None
     assert seen == [(V, H, BF16, ("fp32", "pair"), 12345, head.weight.device, n * H * 4, 0)]
 
 
@@ -217,26 +254,27 @@ def test_gpu_backend_asks_the_planner(monkeypatch):
 
 def test_hidden_accumulator_pair_only_under_an_explicit_budget():
     # default rule: the fastest two passes (fp32 buffer, cuBLAS); an explicit budget: the bf16 pair's residual
-    assert tiling.hidden_accumulator(1000, H, torch.bfloat16, None) == ("fp32", 1000 * H * 4)
-    assert tiling.hidden_accumulator(1000, H, torch.bfloat16, 2**28) == ("pair", 1000 * H * 1)  # int8 residual
-    assert tiling.hidden_accumulator(1000, H, torch.float16, 2**28) == ("fp32", 1000 * H * 4)
-    assert tiling.hidden_accumulator(1000, H, torch.float32, 2**28) == ("none", 0)
+    assert two_pass_rule.hidden_accumulator(1000, H, torch.bfloat16, None) == ("fp32", 1000 * H * 4)
+    assert two_pass_rule.hidden_accumulator(1000, H, torch.bfloat16, 2**28) == ("pair", 1000 * H * 1)  # int8 residual
+    assert two_pass_rule.hidden_accumulator(1000, H, torch.float16, 2**28) == ("fp32", 1000 * H * 4)
+    assert two_pass_rule.hidden_accumulator(1000, H, torch.float32, 2**28) == ("none", 0)
     # what each reads and writes per row and chunk: bf16 hi + int8 lo, or an fp32 buffer
-    assert tiling.accumulation_row_bytes("pair", H, BF16) == 2 * H * 3
-    assert tiling.accumulation_row_bytes("fp32", H, BF16) == tiling.accumulation_row_bytes("none", H, 4) == 8 * H
+    assert two_pass_rule.accumulation_row_bytes("pair", H, BF16) == 2 * H * 3
+    assert two_pass_rule.accumulation_row_bytes("fp32", H, BF16) == 8 * H
+    assert two_pass_rule.accumulation_row_bytes("none", H, 4) == 8 * H
 
 
 @pytest.mark.parametrize("n_rows", [32768, 8192, 100_000])
 def test_two_pass_tile_and_accumulator_share_the_budget(n_rows):
     budget = DEFAULT_TILE_BUDGET_BYTES
-    _, reserved = tiling.hidden_accumulator(n_rows, H, torch.bfloat16, budget)
+    _, reserved = two_pass_rule.hidden_accumulator(n_rows, H, torch.bfloat16, budget)
     rows, cols = two_pass_plan(n_rows, V, BF16, budget, reserved)
     tile = rows * cols * BF16
-    if reserved + tiling.MIN_TWO_PASS_TILE_BYTES <= budget:
+    if reserved + two_pass_rule.MIN_TWO_PASS_TILE_BYTES <= budget:
         assert tile + reserved <= budget  # 32768 tokens: the whole lean working set within 256 MiB
     else:  # the accumulator alone nearly fills the budget: the tile keeps its floor
-        assert tile <= tiling.MIN_TWO_PASS_TILE_BYTES and tile >= tiling.MIN_TWO_PASS_TILE_BYTES // 2
-    assert cols >= tiling.MIN_CHUNK_COLS and (cols == V or cols % tiling.CHUNK_COL_ALIGN == 0)
+        assert tile <= two_pass_rule.MIN_TWO_PASS_TILE_BYTES and tile >= two_pass_rule.MIN_TWO_PASS_TILE_BYTES // 2
+    assert cols >= two_pass_rule.MIN_CHUNK_COLS and (cols == V or cols % two_pass_rule.CHUNK_COL_ALIGN == 0)
 
 
 def test_gpu_two_pass_accumulates_a_bf16_hidden_gradient_as_a_compensated_pair():
@@ -244,11 +282,6 @@ def test_gpu_two_pass_accumulates_a_bf16_hidden_gradient_as_a_compensated_pair()
     same pass accumulating in fp32 (fp32 hidden states: the same bf16 operands after the backend's cast, so the
     same logits gradient): the pair's gradient is the fp32 sum rounded once, but for sums within the pair's
     error of a rounding tie (measured: none or a handful of elements; at most one ulp apart there)."""
-    pytest.importorskip("triton")
-    from hf_fused.ops import LogitTransform
-    from hf_fused.ops.backends import compensated
-    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
-
     g = torch.Generator().manual_seed(0)
     n, h, v = 48, 64, 4500  # a 2048-column chunk floor: three vocabulary chunks (the last ragged)
     hidden = torch.randn(n, h, generator=g).bfloat16()
@@ -258,28 +291,27 @@ def test_gpu_two_pass_accumulates_a_bf16_hidden_gradient_as_a_compensated_pair()
     backend, transform = TritonCublasBackend(), LogitTransform()
     m = rows.numel()
     # all rows × 2048 columns + the residual + the compact copy of the kept rows
-    budget = m * (2048 * 2 + h * 2 + tiling.ROW_VECTOR_BYTES) + tiling.hidden_accumulator(m, h, torch.bfloat16, 1)[1]
+    budget = (m * (2048 * 2 + h * 2 + two_pass_rule.ROW_VECTOR_BYTES)
+              + two_pass_rule.hidden_accumulator(m, h, torch.bfloat16, 1)[1])
     head = HeadInputs(hidden, weight, None, labels, rows, transform, budget)
     lse = backend.logprobs_forward(head).lse
     g_lp = torch.randn(m, generator=g)
     only_hidden = NeededGrads(hidden=True, weight=False, bias=False)
     calls = []
-    original = compensated.compensated_addmm_
+    original = two_passes.compensated_addmm_
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape)
         return original(*args, **kwargs)
 
-    import hf_fused.ops.backends.triton_cublas as triton_cublas
-
-    triton_cublas.compensated_addmm_, saved = spy, triton_cublas.compensated_addmm_
+    two_passes.compensated_addmm_, saved = spy, two_passes.compensated_addmm_
     try:
         pair = backend.logprobs_backward(head, lse, None, g_lp, None, need=only_hidden).hidden
         # The default rule (no budget) keeps the fastest two passes: cuBLAS into an fp32 buffer, no pair.
         default = backend.logprobs_backward(replace(head, tile_budget_bytes=None), lse, None, g_lp, None,
                                             need=only_hidden).hidden
     finally:
-        triton_cublas.compensated_addmm_ = saved
+        two_passes.compensated_addmm_ = saved
     fp32 = backend.logprobs_backward(replace(head, hidden=hidden.float()), lse, None, g_lp, None,
                                      need=only_hidden).hidden
     assert len(calls) == 3 and pair.dtype == torch.bfloat16 and fp32.dtype == torch.float32
@@ -305,7 +337,7 @@ LEAN_M = 29_491  # 32768 tokens, 10% ignored: the benchmark's cross-entropy shap
 
 
 def _lean(budget, residual=1, copy=True, weight_chunk=True):
-    return tiling.lean_two_pass_plan(
+    return two_pass_rule.lean_two_pass_plan(
         LEAN_M, H, V, BF16, budget, reserved_bytes=LEAN_M * H * residual, copy_bytes=LEAN_M * H * BF16 if copy else 0,
         gather_row_bytes=H * BF16, accumulator_row_bytes=H * (2 * BF16 + 2 * residual), weight_chunk=weight_chunk)
 
@@ -318,9 +350,9 @@ def test_lean_plan_holds_the_whole_working_set_within_the_budget(budget_mib, res
     # counted independently: residual, the kept rows (a compact copy or one gathered block) and the tile; the fp32
     # weight-gradient chunk, when several row blocks add into it, lives in the gradient or the tile (no budget)
     rows = plan.block_rows * H * BF16 if plan.gather_rows else LEAN_M * H * BF16
-    vectors = LEAN_M * tiling.ROW_VECTOR_BYTES  # row indices, labels, log-sum-exp, upstream gradients
+    vectors = LEAN_M * two_pass_rule.ROW_VECTOR_BYTES  # row indices, labels, log-sum-exp, upstream gradients
     assert LEAN_M * H * residual + rows + plan.block_rows * plan.cols * BF16 + vectors == plan.bytes <= budget
-    assert plan.cols >= tiling.MIN_CHUNK_COLS and plan.cols % tiling.CHUNK_COL_ALIGN == 0
+    assert plan.cols >= two_pass_rule.MIN_CHUNK_COLS and plan.cols % two_pass_rule.CHUNK_COL_ALIGN == 0
 
 
 def test_lean_plan_gathers_rows_only_when_a_compact_copy_leaves_too_little():
@@ -334,30 +366,27 @@ def test_lean_plan_gathers_rows_only_when_a_compact_copy_leaves_too_little():
 def test_lean_plan_without_ignored_rows_reads_hidden_in_place():
     plan = _lean(256 * 2**20, copy=False)  # every row kept: nothing to copy or gather
     assert not plan.gather_rows
-    assert plan.bytes == LEAN_M * (H * 1 + tiling.ROW_VECTOR_BYTES) + plan.block_rows * plan.cols * BF16
+    assert plan.bytes == LEAN_M * (H * 1 + two_pass_rule.ROW_VECTOR_BYTES) + plan.block_rows * plan.cols * BF16
 
 
 def test_lean_plan_moves_fewer_bytes_with_wider_chunks():
     # With a gather, every chunk re-reads the kept rows and the pair: the plan takes fewer, wider chunks over
     # more row blocks (here 4 blocks × 5120 columns) rather than the narrowest chunks under all rows.
     plan = _lean(256 * 2**20)
-    assert plan.block_rows < LEAN_M and plan.cols > 2 * tiling.MIN_CHUNK_COLS
+    assert plan.block_rows < LEAN_M and plan.cols > 2 * two_pass_rule.MIN_CHUNK_COLS
 
 
 def test_lean_plan_keeps_the_tile_floor_when_nothing_fits():
     budget = 48 * 2**20  # below the residual alone (58 MiB)
     plan = _lean(budget)
     assert plan.bytes > budget and not plan.gather_rows
-    assert plan.block_rows * plan.cols * BF16 <= tiling.MIN_TWO_PASS_TILE_BYTES
+    assert plan.block_rows * plan.cols * BF16 <= two_pass_rule.MIN_TWO_PASS_TILE_BYTES
 
 
 def test_gpu_two_pass_gathered_row_blocks_match_the_compact_copy(monkeypatch):
     """The triton backend's two passes (CPU, Triton's interpreter) with the same tile, once from one compact copy
     of the kept rows and once gathering each row block per chunk: bit-identical statistics and gradients (the
     same operands reach the same matmuls), for bf16 hidden states and for fp32 ones cast to a bf16 weight."""
-    pytest.importorskip("triton")
-    from hf_fused.ops import LogitTransform
-    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
 
     g = torch.Generator().manual_seed(1)
     n, h, v = 40, 32, 4300
@@ -372,8 +401,8 @@ def test_gpu_two_pass_gathered_row_blocks_match_the_compact_copy(monkeypatch):
         head = HeadInputs(hidden, weight, None, labels, rows, LogitTransform(), 2**20)
         results = []
         for gather in (False, True):
-            forced = tiling.LeanPlan(block_rows=10, cols=2048, gather_rows=gather, bytes=0)
-            monkeypatch.setattr(TritonCublasBackend, "_plan", staticmethod(lambda *a, **k: forced))
+            forced = two_pass_rule.LeanPlan(block_rows=10, cols=2048, gather_rows=gather, bytes=0)
+            monkeypatch.setattr(planning, "plan_two_passes", lambda *a, **k: forced)
             fwd = backend.logprobs_forward(head, return_entropy=True)
             grads = backend.logprobs_backward(head, fwd.lse, fwd.entropy, g_lp, g_ent, need=need)
             results.append((fwd.logprobs, fwd.entropy, fwd.lse, grads.hidden, grads.weight))
@@ -385,58 +414,51 @@ def test_gpu_two_pass_gathered_row_blocks_match_the_compact_copy(monkeypatch):
 def test_gpu_two_pass_plans_within_an_explicit_budget():
     """The backend hands the planner everything it will hold: with a quarter of the rows ignored and a budget too
     small for their compact copy, the plan gathers row blocks and counts the gather buffer (the weight-gradient
-    chunk's accumulator takes no budget: tiling.weight_gradient_chunks)."""
-    pytest.importorskip("triton")
-    from hf_fused.ops import LogitTransform
-    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
+    chunk's accumulator takes no budget: weight_chunks.weight_gradient_chunks)."""
 
     n, h, v = 4000, 64, 4300
     hidden = torch.zeros(n, h, dtype=torch.bfloat16)
     weight = torch.zeros(v, h, dtype=torch.bfloat16)
     rows = torch.arange(n)[torch.arange(n) % 4 != 0]
     m = rows.numel()
-    kind, residual = tiling.hidden_accumulator(m, h, torch.bfloat16, 1)
+    kind, residual = two_pass_rule.hidden_accumulator(m, h, torch.bfloat16, 1)
     # room for 64 gathered rows of a 2048-column tile, not for the compact copy beside a 2048-column row
-    budget = residual + m * tiling.ROW_VECTOR_BYTES + 64 * (2048 * BF16 + h * BF16)
-    assert budget - residual - m * tiling.ROW_VECTOR_BYTES - m * h * BF16 < 2048 * BF16
+    budget = residual + m * two_pass_rule.ROW_VECTOR_BYTES + 64 * (2048 * BF16 + h * BF16)
+    assert budget - residual - m * two_pass_rule.ROW_VECTOR_BYTES - m * h * BF16 < 2048 * BF16
     head = HeadInputs(hidden, weight, None, torch.zeros(n, dtype=torch.long), rows, LogitTransform(), budget)
-    plan = TritonCublasBackend._plan(head, reserved_bytes=residual, accumulator_row_bytes=h * 6, weight_chunk=True)
+    plan = planning.plan_two_passes(head, reserved_bytes=residual, accumulator_row_bytes=h * 6, weight_chunk=True)
     assert kind == "pair" and plan.gather_rows and plan.bytes <= budget
-    assert plan.bytes == residual + m * tiling.ROW_VECTOR_BYTES + plan.block_rows * (plan.cols + h) * BF16
+    assert plan.bytes == residual + m * two_pass_rule.ROW_VECTOR_BYTES + plan.block_rows * (plan.cols + h) * BF16
 
 
 def test_gpu_two_pass_gathers_into_one_buffer_for_the_whole_pass():
     """Every gathered row block, in every vocabulary chunk, lives in the one buffer the plan counted (a block
     still referenced when the next chunk starts measured a second buffer at the H100's peak before this)."""
-    pytest.importorskip("triton")
-    from hf_fused.ops import LogitTransform
-    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
 
     n, h = 50, 16
     hidden = torch.randn(n, h).bfloat16()
     rows = torch.arange(0, n, 3)
     head = HeadInputs(hidden, torch.zeros(100, h, dtype=torch.bfloat16), None, torch.zeros(n, dtype=torch.long),
                       rows, LogitTransform(), 2**20)
-    plan = tiling.LeanPlan(block_rows=6, cols=2048, gather_rows=True, bytes=0)
-    compact, buf, labels = TritonCublasBackend._rows_source(head, plan)
+    plan = two_pass_rule.LeanPlan(block_rows=6, cols=2048, gather_rows=True, bytes=0)
+    compact, buf, labels = operands.rows_source(head, plan)
     assert compact is None and buf.shape == (6, h) and labels.shape == rows.shape
     for _chunk in range(2):
-        for r0, r1, h_rows in TritonCublasBackend._row_blocks(head, plan, compact, buf):
+        for r0, r1, h_rows in operands.row_blocks(head, plan, compact, buf):
             assert h_rows.data_ptr() == buf.data_ptr() and torch.equal(h_rows, hidden[rows[r0:r1]])
 
 
 def test_the_planner_counts_the_residual_the_kernel_stores():
-    pytest.importorskip("triton")
-    from hf_fused.ops.backends.compensated import RESIDUAL_DTYPE
+    from hf_fused.ops.backends.triton_cublas.compensated import RESIDUAL_DTYPE
 
-    assert tiling.PAIR_RESIDUAL_BYTES == RESIDUAL_DTYPE.itemsize
+    assert one_pass_rule.PAIR_RESIDUAL_BYTES == RESIDUAL_DTYPE.itemsize
 
 
 @pytest.mark.parametrize("m", [29_491, 3_000, 1_025])
 def test_lean_plan_splits_rows_into_equal_blocks(m):
     # 29491 rows in blocks of 7372 would leave a 5th block of 3 rows: four more launches per chunk for nothing
     for budget in (256 * 2**20, 2**22, 2**24):
-        plan = tiling.lean_two_pass_plan(m, H, V, BF16, budget, reserved_bytes=m * H, copy_bytes=m * H * BF16,
+        plan = two_pass_rule.lean_two_pass_plan(m, H, V, BF16, budget, reserved_bytes=m * H, copy_bytes=m * H * BF16,
                                          gather_row_bytes=H * BF16, accumulator_row_bytes=H * 6, weight_chunk=True)
         blocks = -(-m // plan.block_rows)
         assert plan.block_rows == -(-m // blocks), (budget, plan)
@@ -447,13 +469,11 @@ def test_lean_plan_splits_rows_into_equal_blocks(m):
 def test_an_fp32_weight_gradient_is_not_planned_as_an_extra_accumulator(monkeypatch, grad_dtype, accumulators):
     """fp32 master weights under autocast: the one pass's fp32 [V, H] buffer becomes the weight's gradient itself,
     so the planner is asked about the tile alone (the default rule then takes the one pass with less free memory)."""
-    pytest.importorskip("triton")
-    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
 
     seen = []
-    monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass_plan", lambda *a: seen.append(a))
+    monkeypatch.setattr(planning, "one_pass_plan", lambda *a: seen.append(a))
     head = _meta_head(64, None, weight_grad_dtype=grad_dtype)
-    assert TritonCublasBackend()._one_pass(head, None, NeededGrads(True, True, False), False, ()) is None
+    assert one_pass.run_one_pass(head, None, NeededGrads(True, True, False), False, ()) is None
     assert seen[0][3] == accumulators
 
 
@@ -464,7 +484,7 @@ def test_an_fp32_weight_gradient_is_not_planned_as_an_extra_accumulator(monkeypa
 @pytest.mark.parametrize("m", [29_491, 28_672, 9_000])
 def test_lean_plan_blocks_are_whole_quanta(m, quantum):
     for budget in (256 * 2**20, 128 * 2**20, 2**30):
-        plan = tiling.lean_two_pass_plan(m, H, V, BF16, budget, reserved_bytes=m * H, copy_bytes=m * H * BF16,
+        plan = two_pass_rule.lean_two_pass_plan(m, H, V, BF16, budget, reserved_bytes=m * H, copy_bytes=m * H * BF16,
                                          gather_row_bytes=H * BF16, accumulator_row_bytes=H * 6, weight_chunk=True,
                                          row_quantum=quantum)
         if plan.bytes <= budget:  # a plan that fits; the floor plan when nothing does is the unquantized one
@@ -480,8 +500,9 @@ def test_lean_plan_in_quanta_fits_wherever_equal_blocks_fit(m):
     kw = dict(reserved_bytes=m * h, copy_bytes=m * h * BF16, gather_row_bytes=h * BF16, accumulator_row_bytes=h * 6,
               weight_chunk=True)
     for budget in range(8 * 2**20, 64 * 2**20, 2**21):
-        if tiling.lean_two_pass_plan(m, h, v, BF16, budget, **kw).bytes <= budget:
-            assert tiling.lean_two_pass_plan(m, h, v, BF16, budget, row_quantum=4224, **kw).bytes <= budget, budget
+        if two_pass_rule.lean_two_pass_plan(m, h, v, BF16, budget, **kw).bytes <= budget:
+            quantized = two_pass_rule.lean_two_pass_plan(m, h, v, BF16, budget, row_quantum=4224, **kw)
+            assert quantized.bytes <= budget, budget
 
 
 def test_lean_plan_in_waves_on_the_benchmark_shape():
@@ -489,29 +510,27 @@ def test_lean_plan_in_waves_on_the_benchmark_shape():
     waves): three blocks of 8448 rows (four waves each) and one of 4147 (two), not four of 7373 (3.5 waves each,
     the last half empty); measured 3% faster per step (H100, 2026-11-25)."""
     plain = _lean(256 * 2**20)
-    waves = tiling.lean_two_pass_plan(
+    waves = two_pass_rule.lean_two_pass_plan(
         LEAN_M, H, V, BF16, 256 * 2**20, reserved_bytes=LEAN_M * H, copy_bytes=LEAN_M * H * BF16,
         gather_row_bytes=H * BF16, accumulator_row_bytes=H * 6, weight_chunk=True, row_quantum=4224)
     assert (plain.block_rows, waves.block_rows) == (7373, 8448)
-    assert waves.bytes <= 256 * 2**20 and waves.cols >= tiling.MIN_CHUNK_COLS
+    assert waves.bytes <= 256 * 2**20 and waves.cols >= two_pass_rule.MIN_CHUNK_COLS
 
 
 @pytest.mark.parametrize("sms", [132, 114, 78, 1])
 @pytest.mark.parametrize("n", [2048, 4096, 2560, 896, 5120])
 def test_wave_rows_are_the_fewest_rows_of_whole_waves(monkeypatch, sms, n):
-    pytest.importorskip("triton")
-    from hf_fused.ops.backends import compensated
 
-    monkeypatch.setattr(compensated, "_multiprocessors", lambda device: sms)
-    rows = compensated.wave_rows(n, torch.device("cuda"))  # no CUDA call: the SM count is patched
-    block_m, block_n = compensated.LARGE.block_m, compensated.LARGE.block_n
+    monkeypatch.setattr(matmul, "multiprocessors", lambda device: sms)
+    rows = matmul.wave_rows(n, torch.device("cuda"))  # no CUDA call: the SM count is patched
+    block_m, block_n = matmul.LARGE.block_m, matmul.LARGE.block_n
 
     def tiles(r):
         return -(-r // block_m) * -(-n // block_n)
 
     assert rows % block_m == 0 and tiles(rows) % sms == 0
     assert all(tiles(r) % sms for r in range(block_m, rows, block_m))
-    assert compensated.wave_rows(n, torch.device("cpu")) == 1
+    assert matmul.wave_rows(n, torch.device("cpu")) == 1
 
 
 def test_gpu_two_pass_asks_for_row_blocks_in_waves_and_unequal_blocks_agree(monkeypatch):
@@ -519,10 +538,6 @@ def test_gpu_two_pass_asks_for_row_blocks_in_waves_and_unequal_blocks_agree(monk
     size (whole quanta, then the rest) give the equal blocks' gradients: the hidden gradient bit for bit (each
     row's fold sees the same products in the same order), the weight gradient to within one bf16 ulp (its fp32
     chunk adds the row blocks' products in another grouping, then rounds once to bf16)."""
-    pytest.importorskip("triton")
-    from hf_fused.ops import LogitTransform
-    from hf_fused.ops.backends import triton_cublas
-    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
 
     g = torch.Generator().manual_seed(3)
     n, h, v = 45, 32, 4300
@@ -536,12 +551,12 @@ def test_gpu_two_pass_asks_for_row_blocks_in_waves_and_unequal_blocks_agree(monk
     head = HeadInputs(hidden, weight, None, labels, rows, LogitTransform(), 2**20)
     backend = TritonCublasBackend()
     fwd = backend.logprobs_forward(head)
-    monkeypatch.setattr(triton_cublas, "wave_rows", lambda n_cols, device: 16)
+    monkeypatch.setattr(planning, "wave_rows", lambda n_cols, device: 16)
     asked, results = [], []
     for block_rows in (17, 16):  # 34 rows: two equal blocks, then blocks of 16, 16 and 2
-        forced = tiling.LeanPlan(block_rows=block_rows, cols=2048, gather_rows=False, bytes=0)
-        monkeypatch.setattr(TritonCublasBackend, "_plan",
-                            staticmethod(lambda *a, **k: asked.append(k.get("row_quantum")) or forced))
+        forced = two_pass_rule.LeanPlan(block_rows=block_rows, cols=2048, gather_rows=False, bytes=0)
+        monkeypatch.setattr(planning, "plan_two_passes",
+                            lambda *a, **k: asked.append(k.get("row_quantum")) or forced)
         grads = backend.logprobs_backward(head, fwd.lse, None, g_lp, None, need=need)
         assert grads.hidden_scattered
         results.append((grads.hidden, grads.weight))
@@ -555,57 +570,56 @@ def test_gpu_two_pass_asks_for_row_blocks_in_waves_and_unequal_blocks_agree(monk
 # -- forced plans (tile sweeps) ----------------------------------------------------------------------------
 
 def test_forced_plans_replace_the_rule_inside_the_block_only(monkeypatch):
-    _free(monkeypatch, 2**40)
+    monkeypatch.setattr(one_pass_rule, "free_device_bytes", lambda device: 2**40)  # any device: the head is on meta
+    head, need, frozen = _meta_head(64, None), NeededGrads(True, True, False), NeededGrads(True, False, False)
     forced = OnePassPlan(512, "pair", 0)
-    rule = one_pass_plan(V, H, BF16, PAIRED, None, CUDA)
+    rule = planning.plan_one_pass(head, need)
     assert rule.accumulator == "fp32"
-    lean = tiling.LeanPlan(100, 4096, True, 0)
-    with tiling.forced_plans(one_pass=forced, two_pass=lean):
-        assert one_pass_plan(V, H, BF16, PAIRED, None, CUDA) is forced
+    lean = two_pass_rule.LeanPlan(100, 4096, True, 0)
+    with planning.forced_plans(one_pass=forced, two_pass=lean):
+        assert planning.plan_one_pass(head, need) is forced
         # an accumulator the call cannot use gives way to the call's first: a frozen head needs none
-        assert one_pass_plan(V, H, BF16, ("none",), None, CUDA) == OnePassPlan(512, "none", 0)
-        assert tiling.forced_two_pass_plan() is lean
-        with tiling.forced_plans(one_pass=False):  # nested: two passes, the outer two-pass tile kept
-            assert one_pass_plan(V, H, BF16, PAIRED, None, CUDA) is None
-            assert tiling.forced_two_pass_plan() is lean
-        assert one_pass_plan(V, H, BF16, PAIRED, None, CUDA) is forced
-    assert one_pass_plan(V, H, BF16, PAIRED, None, CUDA) == rule and tiling.forced_two_pass_plan() is None
+        assert planning.plan_one_pass(head, frozen) == OnePassPlan(512, "none", 0)
+        assert planning.forced_two_pass_plan() is lean and planning.plan_two_passes(head) is lean
+        with planning.forced_plans(one_pass=False):  # nested: two passes, the outer two-pass tile kept
+            assert planning.plan_one_pass(head, need) is None
+            assert planning.forced_two_pass_plan() is lean
+        assert planning.plan_one_pass(head, need) is forced
+    assert planning.plan_one_pass(head, need) == rule and planning.forced_two_pass_plan() is None
     with pytest.raises(TypeError, match="one_pass must be"):
-        with tiling.forced_plans(one_pass=2048):
+        with planning.forced_plans(one_pass=2048):
             pass
     with pytest.raises(TypeError, match="two_pass must be"):
-        with tiling.forced_plans(two_pass=(100, 4096)):
+        with planning.forced_plans(two_pass=(100, 4096)):
             pass
 
 
 def test_gpu_backend_takes_forced_plans():
-    pytest.importorskip("triton")
-    from hf_fused.ops.backends.triton_cublas import TritonCublasBackend
-
     head = _meta_head(64, 12345)
-    lean = tiling.LeanPlan(32, 2048, False, 0)
-    with tiling.forced_plans(one_pass=OnePassPlan(16, "pair", 0), two_pass=lean):
-        assert TritonCublasBackend._one_pass_plan(head, NeededGrads(True, True, False)) == OnePassPlan(16, "pair", 0)
-        assert TritonCublasBackend._plan(head) is lean
+    lean = two_pass_rule.LeanPlan(32, 2048, False, 0)
+    with planning.forced_plans(one_pass=OnePassPlan(16, "pair", 0), two_pass=lean):
+        assert planning.plan_one_pass(head, NeededGrads(True, True, False)) == OnePassPlan(16, "pair", 0)
+        assert planning.plan_two_passes(head) is lean
 
 
 def test_two_pass_tile_plan_is_the_default_or_the_lean_plan():
     rows, cols = two_pass_plan(8192, V, BF16, None)
-    assert tiling.two_pass_tile_plan(8192, H, V, BF16, None) == tiling.LeanPlan(rows, cols, False, rows * cols * BF16)
+    assert two_pass_rule.two_pass_tile_plan(8192, H, V, BF16, None) == two_pass_rule.LeanPlan(rows, cols, False,
+                                                                                            rows * cols * BF16)
     kw = dict(reserved_bytes=8192 * H, copy_bytes=8192 * H * BF16, gather_row_bytes=H * BF16,
               accumulator_row_bytes=6 * H, weight_chunk=True, row_quantum=128)
-    assert tiling.two_pass_tile_plan(8192, H, V, BF16, 2**28, **kw) == tiling.lean_two_pass_plan(8192, H, V, BF16,
-                                                                                               2**28, **kw)
+    assert two_pass_rule.two_pass_tile_plan(8192, H, V, BF16, 2**28, **kw) == \
+        two_pass_rule.lean_two_pass_plan(8192, H, V, BF16, 2**28, **kw)
     with pytest.raises(ValueError, match="tile_budget_bytes"):
-        tiling.two_pass_tile_plan(8192, H, V, BF16, 0)
+        two_pass_rule.two_pass_tile_plan(8192, H, V, BF16, 0)
 
 
 def test_default_reads_free_memory_once_when_the_fp32_accumulator_fits(monkeypatch):
     """The pair is only asked about when the fp32 buffer falls short: one free-memory query per call otherwise."""
     calls = []
-    monkeypatch.setattr(tiling, "free_device_bytes", lambda device: calls.append(device) or 2**40)
+    monkeypatch.setattr(one_pass_rule, "free_device_bytes", lambda device: calls.append(device) or 2**40)
     assert one_pass_plan(V, H, BF16, PAIRED, None, CUDA).accumulator == "fp32" and len(calls) == 1
-    monkeypatch.setattr(tiling, "free_device_bytes", lambda device: calls.append(device) or int(PAIR_NEEDED * 4))
+    monkeypatch.setattr(one_pass_rule, "free_device_bytes", lambda device: calls.append(device) or int(PAIR_NEEDED * 4))
     assert one_pass_plan(V, H, BF16, PAIRED, None, CUDA).accumulator == "pair" and len(calls) == 3
 
 
@@ -618,4 +632,4 @@ def test_free_device_bytes_reads_the_allocator_once():
     torch.cuda.synchronize(device)
     free, _ = torch.cuda.mem_get_info(device)
     want = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    assert tiling.free_device_bytes(device) == want
+    assert one_pass_rule.free_device_bytes(device) == want

@@ -1,5 +1,5 @@
-"""QuACK's logits matmul with the statistics in its epilogue (hf_fused.ops.backends.quack_epilogues) in the GPU
-backend's one pass: which calls use it, that the one pass reads its results right, what happens when QuACK is
+"""QuACK's logits matmul with the statistics in its epilogue (hf_fused.ops.backends.triton_cublas.quack_epilogues)
+in the GPU backend's one pass: which calls use it, that the one pass reads its results right, what happens when QuACK is
 missing or fails (CPU: Triton's interpreter, a stand-in launcher), and its results on a GPU that has it."""
 
 import builtins
@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from hf_fused.ops import LogitTransform, linear_cross_entropy, linear_logprobs, linear_token_loss  # noqa: E402
-from hf_fused.ops.backends import logits_epilogues, triton_cublas  # noqa: E402
+from hf_fused.ops.backends.triton_cublas import logits_epilogues, one_pass, quack_bridge  # noqa: E402
 from hf_fused.ops.head_inputs import HeadInputs  # noqa: E402
 from hf_fused.ops.token_loss import TokenLossHint  # noqa: E402
 
@@ -31,20 +31,20 @@ def _head(**kw):
     ("temperature", False), ("logit_scale", False),
 ])
 def test_only_the_plain_log_sum_exp_is_fused(monkeypatch, case, fused):
-    monkeypatch.setattr(triton_cublas, "_quack_runs_on", lambda h, weight: True)
+    monkeypatch.setattr(quack_bridge, "runs_on", lambda h, weight: True)
     head = _head(
         bias=torch.zeros(64, dtype=torch.bfloat16) if case == "bias" else None,
         transform=LogitTransform(**{"softcap": {"softcap": 5.0}, "temperature": {"temperature": 0.7},
                                     "logit_scale": {"logit_scale": 0.5}}.get(case, {})),
     )
     entropy, statistics = case == "entropy", ("is_top1",) if case == "statistics" else ()
-    assert triton_cublas._fuses_statistics(head, head.hidden, entropy, statistics) is fused
+    assert quack_bridge.fuses_statistics(head, head.hidden, entropy, statistics) is fused
 
 
 def test_off_cuda_nothing_is_fused():
     head = _head()
-    assert not triton_cublas._quack_runs_on(head.hidden, head.weight)
-    assert not triton_cublas._fuses_statistics(head, head.hidden, False, ())
+    assert not quack_bridge.runs_on(head.hidden, head.weight)
+    assert not quack_bridge.fuses_statistics(head, head.hidden, False, ())
 
 
 def _inputs(seed=0):
@@ -112,11 +112,10 @@ def test_the_one_pass_reads_the_fused_statistics(monkeypatch):
     hidden, weight, labels = _inputs()
     plain = _ce(hidden, weight, labels)
     quack, stats_calls = _StandIn(), []
-    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": quack})
-    monkeypatch.setattr(triton_cublas, "_quack_runs_on", lambda h, w: True)
-    stats = triton_cublas.TritonCublasBackend._stats
-    monkeypatch.setattr(triton_cublas.TritonCublasBackend, "_stats",
-                        lambda self, *a: stats_calls.append(1) or stats(self, *a))
+    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": quack})
+    monkeypatch.setattr(quack_bridge, "runs_on", lambda h, w: True)
+    stats = one_pass.statistics_tile
+    monkeypatch.setattr(one_pass, "statistics_tile", lambda *a: stats_calls.append(1) or stats(*a))
     fused = _ce(hidden, weight, labels)
     assert quack.calls == ["tile"] and stats_calls == []  # one tile of the 32 kept rows
     _close_to(fused, plain)
@@ -137,8 +136,8 @@ def test_with_a_fixed_hint_the_entropy_comes_from_the_gradient_kernel(monkeypatc
 
     plain = run()
     quack = _StandIn()
-    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": quack})
-    monkeypatch.setattr(triton_cublas, "_quack_runs_on", lambda h, w: True)
+    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": quack})
+    monkeypatch.setattr(quack_bridge, "runs_on", lambda h, w: True)
     fused = run()
     assert quack.calls == ["tile"]
     _same_hinted_pass(fused, plain)
@@ -175,8 +174,8 @@ def test_an_off_policy_hint_takes_the_fused_statistics_and_the_late_entropy(monk
     hint = _off_policy_hint(labels, 7)
     plain = _hinted_run(hidden, weight, labels, hint)
     quack = _StandIn()
-    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": quack})
-    monkeypatch.setattr(triton_cublas, "_quack_runs_on", lambda h, w: True)
+    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": quack})
+    monkeypatch.setattr(quack_bridge, "runs_on", lambda h, w: True)
     fused = _hinted_run(hidden, weight, labels, hint)
     assert quack.calls == ["tile"]
     _same_hinted_pass(fused, plain)
@@ -187,8 +186,8 @@ def test_a_token_loss_that_reads_the_entropy_keeps_the_statistics_kernel(monkeyp
     gradient kernel runs, so the statistics kernel computes it and nothing is fused."""
     hidden, weight, labels = _inputs(5)
     quack = _StandIn()
-    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": quack})
-    monkeypatch.setattr(triton_cublas, "_quack_runs_on", lambda h, w: True)
+    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": quack})
+    monkeypatch.setattr(quack_bridge, "runs_on", lambda h, w: True)
     loss, _lp, _ent = linear_token_loss(hidden, weight, labels, lambda logprobs, entropy: -logprobs + 0.1 * entropy,
                                         need_entropy=True, backend="triton", tile_budget_bytes=2**30)
     loss.backward()
@@ -203,13 +202,13 @@ def test_a_quack_call_that_fails_is_turned_off_with_one_warning(monkeypatch):
         def logits_with_statistics(self, *a, **k):
             raise RuntimeError("no kernel for this DSL")
 
-    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": Broken()})
-    monkeypatch.setattr(triton_cublas, "_quack_runs_on", lambda h, w: True)
+    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": Broken()})
+    monkeypatch.setattr(quack_bridge, "runs_on", lambda h, w: True)
     with pytest.warns(UserWarning, match="unavailable .*no kernel for this DSL"):
         fallback = _ce(hidden, weight, labels)
     for got, want in zip(fallback, plain):
         assert torch.equal(got, want)
-    assert triton_cublas._QUACK["module"] is None
+    assert quack_bridge._QUACK["module"] is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _ce(hidden, weight, labels)  # off for the process: no second warning
@@ -220,23 +219,23 @@ def test_a_tile_whose_row_vectors_are_not_16_byte_aligned_is_not_sent_to_quack(m
     vector sliced at an odd row, or a weight that starts mid-way in a flat buffer, runs cuBLAS and the statistics
     kernel, and QuACK stays on for the next ones."""
     quack = _StandIn()
-    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": quack})
+    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": quack})
     h, w = torch.zeros(16, 8, dtype=torch.bfloat16), torch.zeros(64, 8, dtype=torch.bfloat16)
     labels, out = torch.zeros(16, dtype=torch.long), torch.empty(16, 64, dtype=torch.bfloat16)
     lse, label_logit = torch.empty(16), torch.empty(16)
-    assert not triton_cublas._quack_statistics(h[1:], w, labels[1:], out[1:], lse[1:], label_logit[1:])
-    assert quack.calls == [] and triton_cublas._QUACK["module"] is quack
+    assert not quack_bridge.logits_with_statistics(h[1:], w, labels[1:], out[1:], lse[1:], label_logit[1:])
+    assert quack.calls == [] and quack_bridge._QUACK["module"] is quack
     flat = torch.zeros(1 + w.numel(), dtype=w.dtype)  # a weight in a flat buffer, one element in (as ZeRO-3 gathers)
-    assert not triton_cublas._quack_statistics(h[8:], flat[1:].view_as(w), labels[8:], out[8:], lse[8:],
+    assert not quack_bridge.logits_with_statistics(h[8:], flat[1:].view_as(w), labels[8:], out[8:], lse[8:],
                                                label_logit[8:])
     assert quack.calls == []
-    assert triton_cublas._quack_statistics(h[8:], w, labels[8:], out[8:], lse[8:], label_logit[8:])
+    assert quack_bridge.logits_with_statistics(h[8:], w, labels[8:], out[8:], lse[8:], label_logit[8:])
     assert quack.calls == ["tile"]
 
 
 def test_quack_that_cannot_be_imported_is_said_once(monkeypatch):
-    monkeypatch.setattr(triton_cublas, "_QUACK", {})
-    monkeypatch.setattr(triton_cublas.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(quack_bridge, "_QUACK", {})
+    monkeypatch.setattr(quack_bridge.importlib.util, "find_spec", lambda name: object())
     real_import = builtins.__import__
 
     def failing_import(name, *args, **kwargs):
@@ -245,16 +244,16 @@ def test_quack_that_cannot_be_imported_is_said_once(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", failing_import)
-    monkeypatch.delitem(sys.modules, "hf_fused.ops.backends.quack_epilogues", raising=False)
+    monkeypatch.delitem(sys.modules, "hf_fused.ops.backends.triton_cublas.quack_epilogues", raising=False)
     with pytest.warns(UserWarning, match="unavailable"):
-        assert triton_cublas._quack() is None
-    assert triton_cublas._quack() is None and triton_cublas._QUACK == {"module": None}
+        assert quack_bridge.load() is None
+    assert quack_bridge.load() is None and quack_bridge._QUACK == {"module": None}
 
 
 def test_without_quack_installed_nothing_is_imported(monkeypatch):
-    monkeypatch.setattr(triton_cublas, "_QUACK", {})
-    monkeypatch.setattr(triton_cublas.importlib.util, "find_spec", lambda name: None)
-    assert triton_cublas._quack() is None
+    monkeypatch.setattr(quack_bridge, "_QUACK", {})
+    monkeypatch.setattr(quack_bridge.importlib.util, "find_spec", lambda name: None)
+    assert quack_bridge.load() is None
 
 
 def test_label_grad_sets_only_the_labels_in_the_chunk():
@@ -292,8 +291,8 @@ def test_the_gradient_pass_takes_dz_from_quack(monkeypatch, entropy_gradient):
     with logits_epilogues.forced(True):
         plain = run()
         quack = _StandIn()
-        monkeypatch.setattr(triton_cublas, "_QUACK", {"module": quack})
-        monkeypatch.setattr(triton_cublas, "_quack_runs_on", lambda h, w: True)
+        monkeypatch.setattr(quack_bridge, "_QUACK", {"module": quack})
+        monkeypatch.setattr(quack_bridge, "runs_on", lambda h, w: True)
         fused = run()
     assert (quack.calls.count("grad") > 0) is not entropy_gradient
     # Not the same bits on CPU: the interpreter's fp32 → bf16 store truncates the Triton kernel's dz, where the GPU
@@ -339,17 +338,17 @@ def test_quack_gradient_epilogue_on_gpu_is_the_triton_kernels_bits():
         return (*torch.autograd.grad(loss, (hidden, weight)), *torch.autograd.grad((lp * upstream).sum(),
                                                                                   (hidden, weight)))
 
-    quack = triton_cublas._quack()
-    assert quack is not None, f"QuACK was turned off in this process: {triton_cublas._QUACK_ERROR.get('error')}"
+    quack = quack_bridge.load()
+    assert quack is not None, f"QuACK was turned off in this process: {quack_bridge.last_error()}"
     calls = []
     spy = type("Spy", (), {"softmax_grad": staticmethod(
         lambda *a, **k: calls.append(1) or quack.softmax_grad(*a, **k))})()
     monkeypatch = pytest.MonkeyPatch()
     try:
-        monkeypatch.setattr(triton_cublas, "_QUACK", {"module": spy})
+        monkeypatch.setattr(quack_bridge, "_QUACK", {"module": spy})
         fused = run()
         assert calls
-        monkeypatch.setattr(triton_cublas, "_QUACK", {"module": None})
+        monkeypatch.setattr(quack_bridge, "_QUACK", {"module": None})
         plain = run()
     finally:
         monkeypatch.undo()
@@ -362,11 +361,11 @@ def test_quack_gradient_epilogue_on_gpu_is_the_triton_kernels_bits():
 def test_quack_statistics_on_gpu_match_cublas_and_the_statistics_kernel(monkeypatch, case):
     """On a Hopper GPU with QuACK, the bf16 one pass takes the fused statistics — plain cross-entropy, and
     FusedGRPOTrainer's on-policy log-probs with entropy and a fixed ``grad_hint``, and its off-policy token-loss hint
-    (the entropy then from the gradient kernel) — and its results are those of cuBLAS and the statistics kernel up to fp32 summation order
-    (log-sum-exp, entropy) and the matmuls' own accumulation order (a logit whose fp32 sum lands on the other
-    side of a bf16 rounding boundary): relative error norms of at most 2⁻⁸ between the two, far below bf16's own
-    rounding of the logits. Accuracy against float64 on the cross-entropy path:
-    test_ops_triton_backend.py::test_triton_backend_bf16_on_gpu_no_worse_than_eager (kw={}, budget=None)."""
+    (the entropy then from the gradient kernel) — and its results are those of cuBLAS and the statistics kernel up
+    to fp32 summation order (log-sum-exp, entropy) and the matmuls' own accumulation order (a logit whose fp32 sum
+    lands on the other side of a bf16 rounding boundary): relative error norms of at most 2⁻⁸ between the two, far
+    below bf16's own rounding of the logits. Accuracy against float64 on the cross-entropy path:
+    tests/ops/test_triton_backend.py::test_triton_backend_bf16_on_gpu_no_worse_than_eager (kw={}, budget=None)."""
     n = 4096
     hidden, weight, labels, g = _hopper_inputs(n, lambda w: w / w.shape[1] ** 0.25, ignore_every=5)
     hint = (torch.randn(n, generator=g).cuda() * (labels != -100)).float()
@@ -386,15 +385,15 @@ def test_quack_statistics_on_gpu_match_cublas_and_the_statistics_kernel(monkeypa
     off_policy = _off_policy_hint(labels.cpu(), 1)
     off_policy = TokenLossHint(off_policy.token_loss, {k: v.cuda() for k, v in off_policy.per_token.items()},
                                need_entropy=False)
-    quack = triton_cublas._quack()
-    assert quack is not None, f"QuACK was turned off in this process: {triton_cublas._QUACK_ERROR.get('error')}"
+    quack = quack_bridge.load()
+    assert quack is not None, f"QuACK was turned off in this process: {quack_bridge.last_error()}"
     calls = []
     spy = type("Spy", (), {"logits_with_statistics": staticmethod(
         lambda *a, **k: calls.append(1) or quack.logits_with_statistics(*a, **k))})()
-    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": spy})
+    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": spy})
     fused = run()
     assert calls
-    monkeypatch.setattr(triton_cublas, "_QUACK", {"module": None})
+    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": None})
     plain = run()
     for got, want in zip(fused, plain):
         rel = ((got.double() - want.double()).norm() / want.double().norm()).item()

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from hf_fused.ops.backends import triton_kernels as TK  # noqa: E402
+from hf_fused.ops.backends.triton_cublas import triton_kernels as TK  # noqa: E402
 
 from references import apply_transform as _transform  # noqa: E402
 

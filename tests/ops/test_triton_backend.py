@@ -11,7 +11,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from hf_fused.ops import linear_cross_entropy, linear_logprobs  # noqa: E402
-from hf_fused.ops.tiling import one_pass_accumulators, one_pass_plan  # noqa: E402
+from hf_fused.ops.backends.triton_cublas.one_pass_rule import one_pass_accumulators, one_pass_plan  # noqa: E402
 
 from references import KERNEL_TRANSFORMS as TRANSFORMS  # noqa: E402
 from references import apply_transform as _transform, check_triton_matches_float64 as _check  # noqa: E402

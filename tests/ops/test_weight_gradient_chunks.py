@@ -2,9 +2,10 @@
 
 When several row blocks add into one vocabulary chunk's weight gradient, its fp32 accumulator lives in the bf16
 gradient's rows not written yet, or near the vocabulary's end in the tile buffer
-(:func:`hf_fused.ops.tiling.weight_gradient_chunks`). These tests check the schedule's invariants and that each
-place gives, bit for bit, what an fp32 buffer of its own gives (the same matmuls into the same fp32 values, rounded
-once), through the public ops on the triton backend (Triton's interpreter on CPU).
+(:func:`hf_fused.ops.backends.triton_cublas.weight_chunks.weight_gradient_chunks`). These tests check the
+schedule's invariants and that each place gives, bit for bit, what an fp32 buffer of its own gives (the same
+matmuls into the same fp32 values, rounded once), through the public ops on the triton backend (Triton's
+interpreter on CPU).
 """
 
 import random
@@ -12,8 +13,14 @@ import random
 import pytest
 import torch
 
-from hf_fused.ops import tiling
-from hf_fused.ops.tiling import LeanPlan, WeightChunk, tile_accumulator_offset, weight_gradient_chunks
+pytest.importorskip("triton")  # the GPU backend's package (its planning included) imports Triton
+
+from hf_fused.ops.backends.triton_cublas import two_pass_rule, two_passes, weight_chunks  # noqa: E402
+from hf_fused.ops.backends.triton_cublas.plan import forced_plans  # noqa: E402
+from hf_fused.ops.backends.triton_cublas.two_pass_rule import LeanPlan  # noqa: E402
+from hf_fused.ops.backends.triton_cublas.weight_chunks import (  # noqa: E402
+    WeightChunk, tile_accumulator_offset, weight_gradient_chunks,
+)
 
 
 def _check_schedule(vocab_size, hidden_size, plan, n_rows, elem=2, grad_elem=2):
@@ -29,7 +36,7 @@ def _check_schedule(vocab_size, hidden_size, plan, n_rows, elem=2, grad_elem=2):
             assert tile_accumulator_offset(plan.block_rows, width, elem) + 4 * width * hidden_size <= (
                 plan.block_rows * plan.cols * elem)
         elif c.accumulator == "buffer":  # only a last sliver that neither holds
-            assert c is chunks[-1] and width < 2 * tiling.TILE_ACCUMULATOR_ALIGN
+            assert c is chunks[-1] and width < 2 * weight_chunks.TILE_ACCUMULATOR_ALIGN
     return chunks
 
 
@@ -55,7 +62,7 @@ def test_benchmark_shapes_keep_the_plan_width_until_the_last_two_chunks():
     GRPO problem at H = 4096): every chunk but the last few is the plan's width, and those hold the accumulator in
     the gradient; the last go to the tile."""
     for m, hidden in ((29_491, 2048), (29_360, 4096)):
-        plan = tiling.lean_two_pass_plan(
+        plan = two_pass_rule.lean_two_pass_plan(
             m, hidden, 151_936, 2, 256 * 2**20, reserved_bytes=m * hidden, copy_bytes=m * hidden * 2,
             gather_row_bytes=hidden * 2, accumulator_row_bytes=6 * hidden, weight_chunk=True, row_quantum=4224)
         chunks = _check_schedule(151_936, hidden, plan, m)
@@ -72,16 +79,13 @@ def test_tiny_tile_leaves_a_sliver_to_a_buffer():
 
 # -- through the public ops on the triton backend ------------------------------------------------------------
 
-triton = pytest.importorskip("triton")
-
 from hf_fused.ops import linear_cross_entropy, linear_logprobs  # noqa: E402
-from hf_fused.ops.backends import triton_cublas  # noqa: E402
 
 
 def _run(hidden, weight, labels, plan, seed_weights):
     """Cross-entropy and log-probs + entropy through the two passes under ``plan``: their loss and gradients."""
     out = []
-    with tiling.forced_plans(one_pass=False, two_pass=plan):
+    with forced_plans(one_pass=False, two_pass=plan):
         for op in ("ce", "lp"):
             h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
             if op == "ce":
@@ -97,7 +101,7 @@ def _run(hidden, weight, labels, plan, seed_weights):
 def _spy(monkeypatch, force=None):
     """Record the chunk kinds the backend used; with ``force``, replace every chunk's accumulator by it."""
     seen = []
-    original = triton_cublas.weight_gradient_chunks
+    original = two_passes.weight_gradient_chunks
 
     def chunks(*args):
         result = original(*args)
@@ -106,7 +110,7 @@ def _spy(monkeypatch, force=None):
         seen.extend(c.accumulator for c in result)
         return result
 
-    monkeypatch.setattr(triton_cublas, "weight_gradient_chunks", chunks)
+    monkeypatch.setattr(two_passes, "weight_gradient_chunks", chunks)
     return seen
 
 
@@ -144,10 +148,9 @@ def test_accumulators_in_the_gradient_and_tile_equal_a_buffer_of_their_own(monke
 
 
 def test_rounding_a_gradient_chunk_in_place_in_small_blocks():
-    """``_round_into_`` of a "gradient" chunk with a temporary of fewer rows than the chunk (the tile buffer
+    """``round_chunk_into_`` of a "gradient" chunk with a temporary of fewer rows than the chunk (the tile buffer
     smaller than the chunk's [cols, H]): every ascending block is read before its writes land, so the result is
     the fp32 accumulator rounded once, row for row."""
-    from hf_fused.ops.backends.triton_cublas import _round_into_
     from hf_fused.ops.grads import fp32_view
 
     hidden_size, width, v0 = 8, 37, 16
@@ -159,8 +162,8 @@ def test_rounding_a_gradient_chunk_in_place_in_small_blocks():
         grad_copy = grad.clone()
         acc_copy = fp32_view(grad_copy[v0 : v0 + 2 * width].view(-1), width)
         assert torch.equal(acc_copy, values)
-        _round_into_(grad_copy, WeightChunk(v0, v0 + width, "gradient"), acc_copy,
-                     torch.empty(temp_rows, hidden_size, dtype=torch.bfloat16))
+        weight_chunks.round_chunk_into_(grad_copy, WeightChunk(v0, v0 + width, "gradient"), acc_copy,
+                                        torch.empty(temp_rows, hidden_size, dtype=torch.bfloat16))
         assert torch.equal(grad_copy[v0 : v0 + width], values.bfloat16()), temp_rows
         assert grad_copy[:v0].isnan().all()  # nothing before the chunk touched
 

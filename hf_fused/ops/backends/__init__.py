@@ -5,8 +5,10 @@ A backend meets :class:`~hf_fused.ops.backends.protocol.Backend`: ``logprobs_wit
 its own per-call arguments, the forward ones returning a :class:`~hf_fused.ops.backends.protocol.HeadPass`; and
 optionally ``token_loss_with_grads`` (:class:`~hf_fused.ops.backends.protocol.TokenLossBackend`: the one pass of
 :func:`~hf_fused.ops.linear_token_loss` and of a ``TokenLossHint``; without it those run statistics +
-recompute). The pure-PyTorch reference runs everywhere and is what CI tests; faster GPU backends register
-here and are chosen automatically for CUDA tensors. ``HF_FUSED_BACKEND=<name>`` or the ``backend=`` argument forces one.
+recompute); and optionally ``describe_plan`` (:func:`describe_plan`). The pure-PyTorch reference
+(:mod:`.torch_reference`) runs everywhere and is what CI tests; the GPU backend (:mod:`.triton_cublas`, a package
+that owns its planning) registers here and is chosen automatically for CUDA tensors. ``HF_FUSED_BACKEND=<name>``
+or the ``backend=`` argument forces one.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from ..grads import HeadGrads
 from ..head_inputs import HeadInputs, NeededGrads
+from ..tiling import validate_tile_budget
 from .protocol import Backend, HeadPass, TokenLossBackend
 from .torch_reference import TorchReferenceBackend
 
@@ -72,6 +75,34 @@ def get_backend(device: torch.device, name: Optional[str] = None) -> Backend:
     return _INSTANCES[name]
 
 
+def describe_plan(
+    weight: torch.Tensor, *, n_rows: int, tile_budget_bytes: Optional[int] = None, need_weight: Optional[bool] = None,
+    n_tokens: Optional[int] = None, backend: Optional[str] = None,
+) -> str:
+    """One line saying what a call with ``weight`` (``[V, H]``, on its device), ``n_rows`` non-ignored tokens out
+    of ``n_tokens`` (default: all kept) and hidden states in the weight's dtype that need a gradient would run now
+    on the backend such a call gets (``backend``, else as :func:`get_backend` chooses for ``weight.device``): which
+    schedule and its working set, e.g. for a log line. ``need_weight`` defaults to ``weight.requires_grad``.
+
+    Raises:
+        ValueError: on a ``weight`` that is not ``[V, H]``, a negative ``n_rows``, a ``tile_budget_bytes`` that is
+            not ``None`` or a positive integer, or a backend :func:`get_backend` refuses.
+    """
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"describe_plan: weight must be a [V, H] tensor (lm_head.weight), got "
+                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    if isinstance(n_rows, bool) or not isinstance(n_rows, int) or n_rows < 0:
+        raise ValueError(f"describe_plan: n_rows must be the number of non-ignored tokens (an int >= 0), got "
+                         f"{n_rows!r}")
+    validate_tile_budget(tile_budget_bytes)
+    chosen = get_backend(weight.device, backend)
+    describe = getattr(chosen, "describe_plan", None)
+    if describe is None:
+        return f"backend {chosen.name!r} (it does not describe its plan)"
+    return describe(weight, n_rows=n_rows, tile_budget_bytes=tile_budget_bytes, need_weight=need_weight,
+                    n_tokens=n_tokens)
+
+
 def _default_name(device: torch.device) -> str:
     if device.type == "cuda" and "triton" in _REGISTRY:
         return "triton"
@@ -87,6 +118,7 @@ __all__ = [
     "TokenLossBackend",
     "TorchReferenceBackend",
     "available_backends",
+    "describe_plan",
     "get_backend",
     "register_backend",
 ]

@@ -1,8 +1,9 @@
 """The contract every backend meets: three methods (and an optional fourth) over one flattened head,
 :class:`~hf_fused.ops.head_inputs.HeadInputs` (``[N, H]`` hidden states, ``[V, H]`` weight, optional ``[V]`` bias,
 ``[N]`` labels, the kept rows ``[M]``, the logit transform, the tile budget), each working tile by tile within the
-planner's decisions (:mod:`hf_fused.ops.tiling`). Per-row tensors are fp32 ``[M]``, in the order of ``head.rows``;
-gradients come back as fp32 :class:`~hf_fused.ops.grads.HeadGrads` that the op scales and rounds once.
+tile budget (:mod:`hf_fused.ops.tiling`; the GPU backend plans its own schedules within it). Per-row tensors are
+fp32 ``[M]``, in the order of ``head.rows``; gradients come back as fp32 :class:`~hf_fused.ops.grads.HeadGrads`
+that the op scales and rounds once (with the rounding kernels the backend lends them, ``HeadGrads.mul_into``).
 
 Every method takes the head first, then only its own per-call arguments, its flags by keyword only: a call that
 spreads the head's operands positionally (``hidden, weight, bias, labels, rows, ...``) fails with a ``TypeError``.

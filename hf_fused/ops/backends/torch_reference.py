@@ -23,7 +23,7 @@ import torch
 
 from ..grads import HeadGrads
 from ..head_inputs import HeadInputs, NeededGrads
-from ..tiling import rows_per_tile, tiles
+from ..tiling import TILE_BUFFERS, rows_per_tile, tiles
 from .protocol import HeadPass, TileGrads
 
 _NO_GRADS = NeededGrads(False, False, False)
@@ -155,6 +155,24 @@ class TorchReferenceBackend:
             del z, tanh, logp, p
             start = stop
         return HeadPass(out_logp, out_ent, out_lse, grads, token_stats)
+
+    # -- what a call runs --------------------------------------------------------------------------
+    def describe_plan(self, weight: torch.Tensor, *, n_rows: int, tile_budget_bytes: Optional[int] = None,
+                      need_weight: Optional[bool] = None, n_tokens: Optional[int] = None) -> str:
+        """One line: the reference's tile (``rows_per_tile`` rows of ``TILE_BUFFERS`` fp32 ``[rows, V]`` arrays)
+        and the fp32 accumulators beside it, for ``n_rows`` kept tokens (``n_tokens`` is not needed: ignored rows
+        are never computed)."""
+        vocab_size, hidden_size = weight.shape
+        need_weight = weight.requires_grad if need_weight is None else need_weight
+        rows = min(rows_per_tile(vocab_size, tile_budget_bytes), max(n_rows, 1))
+        held = [(TILE_BUFFERS * 4 * rows * vocab_size, f"{TILE_BUFFERS} fp32 [rows, {vocab_size}] arrays")]
+        if weight.dtype != torch.float32:
+            held.append((4 * vocab_size * hidden_size, "an fp32 copy of the weight"))
+        if need_weight:
+            held.append((4 * vocab_size * hidden_size, "the fp32 weight gradient"))
+        size = sum(nbytes for nbytes, _ in held)
+        return (f"torch reference, one pass per tile: {rows} rows per tile, {size / 2**30:.2f} GiB working set ("
+                f"{', '.join(what for _, what in held)})")
 
     # -- log-probabilities: statistics forward, recompute backward ---------------------------------
     def logprobs_forward(

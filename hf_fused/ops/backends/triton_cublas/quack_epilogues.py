@@ -1,31 +1,16 @@
-"""The logits matmul with the softmax statistics in its epilogue, on QuACK's Hopper GEMM (``quack-kernels``).
+"""QuACK's Hopper GEMM (``quack-kernels``) with hf_fused's epilogues: the optional QuACK kernels of the GPU backend.
 
-Why: the one pass of :mod:`.triton_cublas` writes each ``[rows, V]`` logits tile with cuBLAS and reads it back
-twice, once in the statistics kernel (log-sum-exp and label logit) and once in the gradient kernel (``dz`` in
-place). QuACK's SM90 GEMM runs an epilogue written as a Python function over the accumulator
-(``quack.epilogue.frontend.gemm_epilogue``) with an online (max, Σexp) reduction per row and a gather of one column
-per row (``quack.epilogue.library.lse_target_epi`` is the same design), so the statistics come out of the matmul
-while the tile is still in registers and the statistics kernel's read of the tile is gone. Measured on an H100
-in the one pass at 32768×2048×151936 (docs/gpu_results.md, fifth session): 1.58 ms per 2048-row tile against
-1.73 ms for cuBLAS's matmul and 0.27 ms for the statistics kernel; 3–4 % of the whole step.
+- :func:`logits_with_statistics`: the one pass's logits tile with each row's log-sum-exp and label logit reduced
+  in the matmul's epilogue (the statistics kernel's read of the tile gone: 3–6 % less time per step).
+- :func:`softmax_grad`: the two passes' ``dz`` tile ``−g·exp(z − lse)`` and the gathered label logit, from which
+  :func:`.logits_epilogues.label_grad_` sets the label column (the Triton fused-``dz`` kernel's bits, 16–22 % less
+  time per tile on an H200).
 
-Numerics: the epilogue rounds the fp32 accumulator to bf16 first (``cvt.rn``, as the matmul's store does) and
-reduces that, so the log-sum-exp and label logit are those of the rounded tile it writes: what the statistics
-kernel computes from the tile, and what eager transformers computes from its bf16 logits, up to the fp32
-summation order. ``dz`` then comes from the same tile and log-sum-exp as before.
-
-The same GEMM with a softmax-gradient epilogue (:func:`softmax_grad`) writes the two passes' ``dz`` tile
-``−g·exp(z − lse)`` and gathers the label logit, from which :func:`.logits_epilogues.label_grad_` sets the label
-column: the Triton fused-``dz`` kernel's bits at 0.457 ms per 8448×10112×2048 tile against its 0.547 (H200,
-docs/gpu_results.md, fifteenth session).
-
-This module imports QuACK (and the CuTe DSL under it) at import time; :mod:`.triton_cublas` imports it only
-when ``quack`` is installed and a call can use it (bf16 on compute capability 9.x, no token statistics, no
-entropy but where the gradient kernel can sum it, no bias, soft-cap, temperature or logit scale), and turns it
-off for the process, with one
-warning, when importing or running it raises (a QuACK / CuTe DSL pair that cannot build it: QuACK 0.6.5 with
-the DSL 4.7 and 4.8 could not build any epilogue in the third session, docs/DEVICE.md). Measured with
-quack-kernels 0.6.4 and nvidia-cutlass-dsl 4.6.2.
+Both round the fp32 accumulator to bf16 first, as the matmul's store does, so every statistic is that of the
+rounded tile (docs/design/numerics.md, "Epilogues"). This module imports QuACK and the CuTe DSL at import time;
+:mod:`.quack_bridge` imports it only where ``quack`` is installed and a call can use it, and turns it off for the
+process, with one warning, when importing or running it raises. Measured with quack-kernels 0.6.4 and
+nvidia-cutlass-dsl 4.6.2 (QuACK 0.6.5 with the DSL 4.7 and 4.8 could not build any epilogue).
 """
 
 from __future__ import annotations

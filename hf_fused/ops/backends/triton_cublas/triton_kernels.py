@@ -1,19 +1,12 @@
-"""Triton epilogues for one ``[rows, V_chunk]`` tile of raw logits written by cuBLAS.
+"""The Triton tile kernels: per-row epilogues for one ``[rows, cols]`` tile of raw logits written by cuBLAS.
 
-``stats_kernel`` folds a chunk into running per-row statistics (online log-sum-exp, the label logit,
-Σ p·z for the entropy and, when asked, the gradient-free token statistics of
-:mod:`hf_fused.ops.token_statistics`: Σ z, the first arg-max, Σ exp(2(z − m))); ``grad_kernel`` turns a
-chunk into the logits-gradient ``dz`` that the two gradient matmuls consume. Both apply the logit transform (bias, scale, soft-cap, temperature) on the
-fly, so raw matmul output is read once per kernel. One program per row, streaming the row in
-``BLOCK_V`` column blocks. Runs on CPU tensors under ``TRITON_INTERPRET=1`` (used by CI).
-
-These kernels are bound by instructions per logit more than by memory (docs/gpu_results.md): a statistics
-kernel with a reduction per column block, or one program per block followed by a combine, read 1.1–1.5 TB/s on
-an H200; a running max per column with one exponential per logit, 2.0–2.3; lanes of 8 adjacent columns that
-rescale once per column block (``_row_lanes``), 2.7 on an H100 (2.1 for the per-column max on the same machine).
-Fusing the two for whole-vocabulary rows (statistics, then ``dz`` from a second read of the row, in one
-persistent launch meant to find that row still in L2) was no faster on an H100 in any launch shape tried
-(10.8 ms for the two kernels vs 11.0–23.5 ms fused, docs/gpu_results.md).
+``stats_kernel`` folds a chunk into running per-row statistics (online log-sum-exp, the label logit, Σ p·z for
+the entropy and, when asked, the token statistics of :mod:`hf_fused.ops.token_statistics`: Σ z, the first
+arg-max, Σ exp(2(z − m))); ``grad_kernel`` turns a chunk into the logits-gradient ``dz`` that the gradient
+matmuls consume. Both apply the logit transform (bias, scale, soft-cap, temperature) on the fly
+(:func:`apply_transform`, :func:`logit_grad`: also used by :mod:`.logits_epilogues`). One program per row,
+streaming it in ``BLOCK_V`` column blocks. Runs on CPU tensors under ``TRITON_INTERPRET=1`` (CI). What bounds
+their speed and the layouts measured: docs/design/numerics.md ("Tile kernels").
 """
 
 from __future__ import annotations
@@ -30,7 +23,9 @@ _VEC = tl.constexpr(8)
 
 
 @triton.jit
-def _transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP: tl.constexpr, SCALED: tl.constexpr):
+def apply_transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP: tl.constexpr, SCALED: tl.constexpr):
+    """``(z, tanh)``: raw logits through the logit transform (× logit_scale, soft-cap, × 1/temperature), and the
+    soft-cap's tanh (``raw`` scaled where there is none) for the gradient."""
     z = raw
     if SCALED:  # logit_scale or temperature ≠ 1 (two multiplies per logit saved otherwise)
         z = z * logit_scale
@@ -51,7 +46,7 @@ def _load_logits(z_row, cols, mask, Bias, col_offset, logit_scale, softcap, inv_
     raw = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         raw += tl.load(Bias + col_offset + cols, mask=mask, other=0.0).to(tl.float32)
-    return _transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
+    return apply_transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
 
 
 @triton.jit
@@ -67,7 +62,7 @@ def _row_lanes(z_row, n_cols, col_offset, Bias, logit_scale, softcap, inv_temper
     ``exp(m_old − m_new)`` and each logit then costs one fused multiply-add and one exponential,
     ``exp2(z·log2e − m·log2e)``, instead of a compare, two selects and a rescale per logit for a running max
     per column (0.298 → 0.257 ms per 2048 × 151936 tile at the same launch shape on an H100, 0.232 at the
-    best one; docs/bench/h100/session13/).
+    best one).
     A lane visits its column groups in increasing order and takes a group's first maximum
     (``tl.argmax``'s left tie-break) only when it is strictly larger, which keeps the first maximum
     (``torch.argmax``'s tie rule). Full column blocks are read without masks."""
@@ -86,7 +81,7 @@ def _row_lanes(z_row, n_cols, col_offset, Bias, logit_scale, softcap, inv_temper
             raw = tl.load(z_row + cols).to(tl.float32)
             if HAS_BIAS:
                 raw += tl.load(Bias + col_offset + cols).to(tl.float32)
-            z, _ = _transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
+            z, _ = apply_transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
             z_max = z
             m_new = tl.maximum(m_lane, tl.max(z, axis=1))
             e = tl.exp2(z * _LOG2E - (m_new * _LOG2E)[:, None])
@@ -122,12 +117,12 @@ def _label_logit(z_row, label, col_offset, Bias, logit_scale, softcap, inv_tempe
     raw_y = tl.load(z_row + (label - col_offset)).to(tl.float32)
     if HAS_BIAS:
         raw_y += tl.load(Bias + label).to(tl.float32)
-    z_y, _ = _transform(raw_y, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
+    z_y, _ = apply_transform(raw_y, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
     return z_y
 
 
 @triton.jit
-def _logit_grad(z, th, is_label, lse, ent, g_lp, g_ent, logit_scale, inv_temperature, SOFTCAP: tl.constexpr,
+def logit_grad(z, th, is_label, lse, ent, g_lp, g_ent, logit_scale, inv_temperature, SOFTCAP: tl.constexpr,
                 SCALED: tl.constexpr, HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr):
     """``(dz, p)`` of transformed logits ``z`` (``th``: their soft-cap's tanh) given the row's ``lse``, entropy
     and upstream gradients (scalars or broadcastable blocks): with ``logp = z − lse``, ``p = exp(logp)``,
@@ -164,7 +159,7 @@ def _row_grad(z_row, dz_row, n_cols, col_offset, Bias, label, lse, ent, g_lp, g_
         mask = cols < n_cols
         z, th = _load_logits(z_row, cols, mask, Bias, col_offset, logit_scale, softcap, inv_temperature,
                              HAS_BIAS, SOFTCAP, SCALED)
-        dz, p = _logit_grad(z, th, (cols + col_offset) == label, lse, ent, g_lp, g_ent, logit_scale,
+        dz, p = logit_grad(z, th, (cols + col_offset) == label, lse, ent, g_lp, g_ent, logit_scale,
                             inv_temperature, SOFTCAP, SCALED, HAS_G_LP, HAS_G_ENT)
         if SUM_PZ:
             pz += tl.where(mask, p * z, 0.0)

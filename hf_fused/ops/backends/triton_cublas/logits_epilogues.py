@@ -1,32 +1,14 @@
-"""The gradient pass's logits matmul with ``dz`` computed in its epilogue (Triton, Hopper).
+"""The two passes' gradient-pass logits matmul with ``dz`` computed in its epilogue (Triton, Hopper).
 
-Why: the gradient pass of :mod:`.triton_cublas`'s two passes wrote each ``[rows, cols]`` logits tile with
-cuBLAS, then read it back in ``triton_kernels.grad_kernel`` to overwrite it with the logits-gradient ``dz`` that
-the two gradient matmuls consume: 2 bytes per logit written, read and written again. Here one persistent Triton
-matmul (TMA loads, one program per multiprocessor, the loop nest flattened so the next tile's loads overlap this
-tile's epilogue, as in :func:`.compensated._compensated_addmm_tma_kernel`) computes ``dz`` from the fp32 output
-tile while it is still in registers and stores it: the logits are never written. On an
-H100 (docs/gpu_results.md, tenth session; ``python -m benchmarks.logits_epilogues``) this is 6–11 % faster than
-cuBLAS's matmul followed by the gradient kernel at the two passes' tile shapes (1–2 % of a lean step).
+One persistent Triton matmul (TMA loads, one program per multiprocessor, the next tile's loads overlapping this
+tile's epilogue) rounds each fp32 logit to bf16 (the value cuBLAS would store), computes ``dz`` from it with the
+gradient kernel's formula (:mod:`.triton_kernels`) and stores ``dz``: the logits tile is never written. 6–11 %
+faster than cuBLAS's matmul plus the gradient kernel at the two passes' tile shapes on an H100 (1–2 % of a step).
 
-The statistics pass stays cuBLAS + ``triton_kernels.stats_kernel``: the same kernel with the log-sum-exp, label
-logit and entropy reduced in its epilogue (partials per output tile, merged afterwards) was measured 4–9 %
-slower than that pair: its epilogue runs between tiles rather than beside the next tile's matmul (no warp
-specialization on sm_90 in Triton 3.6), on top of a matmul that is itself slower than cuBLAS's; only without the
-label logit and the entropy did it equal cuBLAS + the kernel.
-
-Numerics: each fp32 accumulator element is first rounded to bf16 (``cvt.rn``; under the interpreter on the bit
-pattern, :func:`.compensated._round`, since the interpreter's conversion truncates), the value cuBLAS would have
-stored in the tile, and ``dz`` is computed from that logit with ``triton_kernels._row_grad``'s formula, element
-for element. The matmul's fp32 accumulation order differs from cuBLAS's, so a logit can differ from the cuBLAS
-tile's by one bf16 step where the exact sum lies near a rounding boundary (measured: no ``dz`` element differed
-at 8448×151936×2048).
-
-Runs on CUDA tensors of compute capability ≥ 9.0, or on CPU tensors under ``TRITON_INTERPRET=1`` (CI, where the
-operands may also be fp32: no rounding then). :func:`applies` says whether a call can use it. Where QuACK is
-installed and the gradient reaches the log-probs only, QuACK's warp-specialized GEMM writes the same tile instead
-(:func:`.quack_epilogues.softmax_grad`, 16–22 % less time per tile on an H200) but for the label columns, which
-:func:`label_grad_` then sets.
+:func:`applies` says whether a call can use it (CUDA, compute capability ≥ 9.0, bf16; on CPU under
+``TRITON_INTERPRET=1`` inside :func:`forced`). :func:`label_grad_` sets the label column of a ``dz`` tile that
+QuACK's epilogue wrote (:func:`.quack_epilogues.softmax_grad`). Numerics, and why the statistics pass keeps
+cuBLAS: docs/design/numerics.md ("Epilogues").
 """
 
 from __future__ import annotations
@@ -38,13 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .compensated import GemmConfig, _halves, _multiprocessors, _round, _tile, _tma_operand, tma_tile_product
-from .triton_kernels import _logit_grad, _transform
+from .matmul import GemmConfig, halves, multiprocessors, round_bf16, tile_order, tma_operand, tma_tile_product
+from .triton_kernels import apply_transform, logit_grad
 
 #: The launch shape: 128×256 output tiles on 8 warps, 4 pipelined stages, the epilogue on four 64-column slices
 #: (the fp32 accumulator alone is 128 registers per thread; ptxas for sm_90, Triton 3.9, spills 24 bytes of stack
 #: in the plain case, 544 with a bias, soft-cap, scaling and an entropy gradient). 3 stages were up to 12 % slower
-#: (H100, measured with the TMA-store variant, docs/bench/h100/session10/logits_epilogues_tma_store.txt).
+#: on an H100.
 CONFIG = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4, epilogue_split=4, tma=True)
 
 # What a ``forced`` block set: None (the rule of :func:`applies`), True or False.
@@ -81,7 +63,7 @@ def applies(h: torch.Tensor, weight: torch.Tensor, tile: torch.Tensor) -> bool:
             return False
     elif weight.dtype not in (torch.bfloat16, torch.float32) or (weight.is_cuda and weight.dtype != torch.bfloat16):
         return False
-    return tile.stride(-1) == 1 and all(t.stride(-1) == 1 and _tma_operand(t) is None for t in (h, weight))
+    return tile.stride(-1) == 1 and all(t.stride(-1) == 1 and tma_operand(t) is None for t in (h, weight))
 
 
 @triton.jit
@@ -89,16 +71,16 @@ def _grad_slice(acc, rm, rn, M, N, col_offset, Bias, labels, lse, ent, g_lp, g_e
                 logit_scale, softcap, inv_temperature, ROUND: tl.constexpr, HAS_BIAS: tl.constexpr,
                 SOFTCAP: tl.constexpr, SCALED: tl.constexpr, HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr):
     """``dz`` of one column slice ``acc [len(rm), len(rn)]`` (rows ``rm``, columns ``rn``), stored:
-    ``triton_kernels._row_grad``'s formula, element for element, on the rounded logit (plus bias)."""
+    :func:`~.triton_kernels.logit_grad`'s formula, element for element, on the rounded logit (plus bias)."""
     raw = acc
     if ROUND == 1:  # on the bit pattern: the interpreter's fp32 → bf16 conversion truncates
-        _, raw = _round(acc)
+        _, raw = round_bf16(acc)
     elif ROUND == 2:  # cvt.rn: the same rounding, one instruction per pair on the GPU
         raw = acc.to(tl.bfloat16).to(tl.float32)
     if HAS_BIAS:
         raw += tl.load(Bias + col_offset + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    z, th = _transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
-    dz, _ = _logit_grad(z, th, (rn + col_offset)[None, :] == labels[:, None], lse[:, None], ent[:, None],
+    z, th = apply_transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
+    dz, _ = logit_grad(z, th, (rn + col_offset)[None, :] == labels[:, None], lse[:, None], ent[:, None],
                         g_lp[:, None], g_ent[:, None], logit_scale, inv_temperature, SOFTCAP, SCALED, HAS_G_LP,
                         HAS_G_ENT)
     # pointer stores: a TMA store of each slice (through shared memory) was 1–6 % slower on an H100
@@ -116,7 +98,7 @@ def _logits_grad_kernel(
 ):
     """Tiles ``pid, pid + NUM_PROGRAMS, …`` of ``h [M, K] @ w [N, K]ᵀ`` (``A_DESC`` over ``h`` in
     ``[BLOCK_M, BLOCK_K]`` boxes, ``B_DESC`` over ``w`` in ``[BLOCK_N, BLOCK_K]`` boxes, whose zero fill past their
-    shapes stands in for masks) in :func:`.compensated._tile`'s grouped order; each tile's ``dz`` is stored into
+    shapes stands in for masks) in :func:`~.matmul.tile_order`'s grouped order; each tile's ``dz`` is stored into
     ``DZ`` (``[M, N]``, row stride ``stride_dz``) in four column slices."""
     start = tl.program_id(0)
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
@@ -125,13 +107,13 @@ def _logits_grad_kernel(
     # this tile's epilogue runs (as in Triton's persistent matmul tutorial)
     tile_c = start - NUM_PROGRAMS
     for tile in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=True):
-        pid_m, pid_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        pid_m, pid_n = tile_order(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tma_tile_product(A_DESC, B_DESC, off_m, off_n, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, False, True,
                                WIDEN_DOT)
         tile_c += NUM_PROGRAMS
-        pid_m_c, pid_n_c = _tile(tile_c, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        pid_m_c, pid_n_c = tile_order(tile_c, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m_c = pid_m_c * BLOCK_M
         off_n_c = pid_n_c * BLOCK_N
         rm = off_m_c + tl.arange(0, BLOCK_M)
@@ -142,9 +124,9 @@ def _logits_grad_kernel(
         g_lp = tl.load(G_LP + rm, mask=m_ok, other=0.0)
         g_ent = tl.load(G_ENT + rm, mask=m_ok, other=0.0)
         # four column slices: the whole tile's temporaries beside its accumulator would spill
-        left, right = _halves(acc, BLOCK_M, BLOCK_N // 2)
-        q0, q1 = _halves(left, BLOCK_M, BLOCK_N // 4)
-        q2, q3 = _halves(right, BLOCK_M, BLOCK_N // 4)
+        left, right = halves(acc, BLOCK_M, BLOCK_N // 2)
+        q0, q1 = halves(left, BLOCK_M, BLOCK_N // 4)
+        q2, q3 = halves(right, BLOCK_M, BLOCK_N // 4)
         SLICE: tl.constexpr = BLOCK_N // 4
         rn = off_n_c + tl.arange(0, SLICE)
         _grad_slice(q0, rm, rn, M, N, col_offset, Bias, labels, lse, ent, g_lp, g_ent, DZ, stride_dz,
@@ -173,7 +155,7 @@ def logits_grad_(
         dz: ``[M, N]`` in ``h``'s dtype, row-major: written (the tile the gradient matmuls read).
         labels: ``[M]`` int64. lse, ent, g_lp, g_ent: fp32 ``[M]``, contiguous (zeros where a gradient is absent;
             ``has_g_lp`` and ``has_g_ent`` say which are).
-        bias: the whole ``[V]`` bias or None. scalars: ``TritonCublasBackend._scalars`` (the logit transform).
+        bias: the whole ``[V]`` bias or None. scalars: :func:`~.tiles.kernel_scalars` (the logit transform).
 
     The operands must pass :func:`applies` (row-major, 16-byte aligned rows).
 
@@ -192,7 +174,7 @@ def logits_grad_(
         return
     a_desc = TensorDescriptor(h, [m, k], [h.stride(0), 1], [config.block_m, config.block_k])
     b_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [config.block_n, config.block_k])
-    programs = _multiprocessors(h.device)
+    programs = multiprocessors(h.device)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
         _logits_grad_kernel[(min(tiles, programs),)](
@@ -238,7 +220,7 @@ def _label_grad_kernel(DZ, stride_dz, M, N, col_offset, Labels, ZY, LSE, G_LP, R
     p = tl.exp(tl.load(ZY + rows, mask=inside, other=0.0) - tl.load(LSE + rows, mask=inside, other=0.0))
     dz = tl.load(G_LP + rows, mask=inside, other=0.0) * (1.0 - p)
     if ROUND == 1:  # the interpreter's fp32 → bf16 conversion truncates: round on the bit pattern
-        dz, _ = _round(dz)
+        dz, _ = round_bf16(dz)
     ptrs = DZ + rows.to(tl.int64) * stride_dz + (label - col_offset)
     tl.store(ptrs, dz.to(DZ.dtype.element_ty), mask=inside)
 

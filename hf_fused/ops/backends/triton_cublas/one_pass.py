@@ -1,0 +1,187 @@
+"""The one pass (6·M·H·V FLOPs): token rows outside, whole vocabulary rows per tile, gradients in the same pass.
+
+Per full-vocabulary row block: the logits tile (cuBLAS, then the statistics kernel; or QuACK's matmul with the
+statistics in its epilogue), the per-row gradients of the token loss from the block's statistics, the gradient
+kernel turning the same tile into ``dz``, then the hidden gradient (complete within the tile) and the weight
+gradient's accumulation (:class:`TileGradients`). What varies per call is chosen once, before the loop: where each
+tile's statistics come from (:class:`TileStatistics`) and how the weight gradient adds up over tiles
+(:func:`weight_accumulator`: an fp32 buffer, the split fp32 accumulator, or the compensated pair).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ...grads import HeadGrads, split_accumulator
+from ...head_inputs import HeadInputs, NeededGrads
+from ..protocol import HeadPass, TileGrads
+from . import quack_bridge
+from .compensated import RESIDUAL_DTYPE, compensated_addmm_, compensated_scale_, one_pass_config
+from .matmul import addmm_f32_, mm_f32_
+from .one_pass_rule import OnePassPlan
+from .operands import one_pass_rows
+from .plan import plan_one_pass
+from .scaled_round import mul_into
+from .tiles import finish_row_stats, gradient_tile, kernel_scalars, new_row_stats, row_slice, statistics_tile
+
+
+class Fp32WeightAccumulator:
+    """An fp32 ``[V, H]`` buffer (``"fp32"`` for a gradient that is not 2-byte; ``"none"``: an fp32 gradient, which
+    the buffer is): each tile's ``dzᵀ·h`` added by cuBLAS, the first tile writing it."""
+
+    def __init__(self, weight: torch.Tensor, new) -> None:
+        self.acc = new(weight.shape, dtype=torch.float32, device=weight.device)
+
+    def add(self, r0: int, dz: torch.Tensor, h: torch.Tensor) -> None:
+        (addmm_f32_ if r0 else mm_f32_)(self.acc, dz.t(), h)
+
+    def finish(self, grads: HeadGrads) -> None:
+        grads.weight = self.acc
+
+
+class SplitWeightAccumulator:
+    """The fp32 accumulator of a 2-byte gradient: its first ``V // 2`` rows in the gradient's own bytes, the rest
+    in a buffer (:func:`~hf_fused.ops.grads.split_accumulator`): ``2·V·H`` bytes beside the gradient, each tile's
+    ``dW`` in two matmuls."""
+
+    def __init__(self, weight: torch.Tensor, grad_dtype: torch.dtype, new, grads: HeadGrads, zero: bool) -> None:
+        grads.weight = new(weight.shape, dtype=grad_dtype, device=weight.device)
+        self.head, grads.weight_tail = split_accumulator(grads.weight, zero=zero)
+        self.tail, self.v_split = grads.weight_tail, self.head.shape[0]
+
+    def add(self, r0: int, dz: torch.Tensor, h: torch.Tensor) -> None:
+        (addmm_f32_ if r0 else mm_f32_)(self.head, dz[:, : self.v_split].t(), h)
+        (addmm_f32_ if r0 else mm_f32_)(self.tail, dz[:, self.v_split :].t(), h)
+
+    def finish(self, grads: HeadGrads) -> None:
+        pass  # the gradient and its tail are in grads already
+
+
+class PairWeightAccumulator:
+    """The compensated pair: the bf16 gradient itself plus an int8 residual, each tile folded in
+    (:func:`~.compensated.compensated_addmm_`), scaled by the upstream gradient in backward. Starts at zero: the
+    fold reads what it adds to."""
+
+    def __init__(self, weight: torch.Tensor, grads: HeadGrads) -> None:
+        grads.weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+        grads.weight_residual = torch.zeros(weight.shape, dtype=RESIDUAL_DTYPE, device=weight.device)
+        grads.scale_pair = compensated_scale_
+        self.grads = grads
+        self.config = one_pass_config(weight.shape[0], weight.shape[1], weight.device)
+
+    def add(self, r0: int, dz: torch.Tensor, h: torch.Tensor) -> None:
+        compensated_addmm_(self.grads.weight, self.grads.weight_residual, dz.t(), h, config=self.config)
+
+    def finish(self, grads: HeadGrads) -> None:
+        pass
+
+
+def weight_accumulator(plan: OnePassPlan, head: HeadInputs, need: NeededGrads, grads: HeadGrads):
+    """The weight gradient's accumulator for ``plan`` (``None`` without a weight gradient). The first tile writes
+    an fp32 accumulator (no fill, no read of zeros), unless no row is kept."""
+    if not need.weight:
+        return None
+    weight, m_rows = head.weight, head.rows.numel()
+    new = torch.empty if m_rows else torch.zeros
+    grad_dtype = head.weight_grad_dtype or weight.dtype
+    if plan.accumulator == "pair":
+        return PairWeightAccumulator(weight, grads)
+    if plan.accumulator == "fp32" and grad_dtype.itemsize == 2:
+        return SplitWeightAccumulator(weight, grad_dtype, new, grads, zero=not m_rows)
+    return Fp32WeightAccumulator(weight, new)
+
+
+class TileStatistics:
+    """Each tile's logits and statistics: from QuACK's matmul epilogue while it runs (:attr:`fused`: only the
+    log-sum-exp and label logit asked, :func:`~.quack_bridge.fuses_statistics`; a tile it cannot take turns it off
+    for the rest of the call), else cuBLAS's tile and the statistics kernel."""
+
+    def __init__(self, fused: bool, weight: torch.Tensor, bias: Optional[torch.Tensor], scalars: dict,
+                 return_entropy: bool) -> None:
+        self.fused, self.weight, self.bias, self.scalars, self.return_entropy = (
+            fused, weight, bias, scalars, return_entropy)
+
+    def __call__(self, h: torch.Tensor, y: torch.Tensor, dz: torch.Tensor, row_stats) -> None:
+        run_max, run_sum, _, label_logit = row_stats[:4]
+        self.fused = self.fused and quack_bridge.logits_with_statistics(h, self.weight, y, dz, run_max, label_logit)
+        if self.fused:
+            run_sum.fill_(1.0)  # the log-sum-exp as (running max, Σexp) = (lse, 1)
+        else:
+            torch.mm(h, self.weight.t(), out=dz)
+            statistics_tile(dz, 0, self.bias, y, row_stats, self.scalars, self.return_entropy)
+
+
+class TileGradients:
+    """Each tile's gradients once its statistics are in: ``tile_grads(r0, r1, logp, entropy) -> (g_lp, g_ent or
+    None)`` on the tile's rows, the gradient kernel turning the same tile into ``dz``, then ``dh`` (complete within
+    the tile), the weight accumulator's ``dW`` (:func:`weight_accumulator`) and the bias's."""
+
+    def __init__(self, head: HeadInputs, plan: OnePassPlan, need: NeededGrads, tile_grads: TileGrads,
+                 grads: HeadGrads, scalars: dict, return_entropy: bool, entropy_in_grads: bool) -> None:
+        weight, bias = head.weight, head.bias
+        self.weight, self.bias, self.scalars, self.grads, self.tile_grads = weight, bias, scalars, grads, tile_grads
+        self.return_entropy, self.entropy_in_grads = return_entropy, entropy_in_grads
+        self.d_weight = weight_accumulator(plan, head, need, grads)
+        self.d_hidden = (torch.empty((head.rows.numel(), weight.shape[1]), dtype=torch.float32, device=weight.device)
+                         if need.hidden else None)
+        if need.bias and bias is not None:
+            grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+
+    def __call__(self, r0: int, r1: int, h: torch.Tensor, y: torch.Tensor, dz: torch.Tensor, row_stats,
+                 fused: bool) -> None:
+        run_max, run_sum, run_zp, label_logit = row_stats[:4]
+        lse = run_max + run_sum.log()
+        ent = lse - run_zp / run_sum if self.entropy_in_grads and self.return_entropy and not fused else None
+        g_lp, g_ent = self.tile_grads(r0, r1, label_logit - lse, ent)
+        # fused statistics with an entropy asked for: Σ p·z into run_zp (run_sum is 1), for finish_row_stats
+        gradient_tile(dz, 0, self.bias, y, lse, lse if ent is None else ent, g_lp, lse if g_ent is None else g_ent,
+                      self.scalars, True, g_ent is not None, sum_pz=run_zp if self.return_entropy and fused else None)
+        if self.d_hidden is not None:  # each row's dh is complete within its tile
+            mm_f32_(self.d_hidden[r0:r1], dz, self.weight)
+        if self.d_weight is not None:
+            self.d_weight.add(r0, dz, h)
+        if self.grads.bias is not None:
+            self.grads.bias += dz.float().sum(0)
+
+    def finish(self) -> HeadGrads:
+        self.grads.hidden = self.d_hidden
+        if self.d_weight is not None:
+            self.d_weight.finish(self.grads)
+        return self.grads
+
+
+def run_one_pass(head: HeadInputs, tile_grads: Optional[TileGrads], need: NeededGrads, return_entropy: bool,
+                 statistics: Sequence[str], *, entropy_in_grads: bool = True) -> Optional[HeadPass]:
+    """The one pass behind :meth:`~.backend.TritonCublasBackend.logprobs_with_grads` and
+    :meth:`~.backend.TritonCublasBackend.token_loss_with_grads`: per full-vocabulary row block, the statistics
+    (:class:`TileStatistics`), then, when ``tile_grads`` is given, the gradients (:class:`TileGradients`). ``None``
+    when the planner chooses two passes; ``grads`` is ``None`` without ``tile_grads``. ``tile_grads`` is passed the
+    entropy only with ``entropy_in_grads`` (its loss reads it); without, where QuACK's epilogue gives the
+    statistics, a returned entropy comes from the gradient kernel's Σ p·z."""
+    plan = plan_one_pass(head, need)
+    if plan is None:
+        return None
+    # Every tile reads the whole weight: under autocast one cast copy for the pass (the plan counted it)
+    head = head.computed()
+    weight, bias = head.weight, head.bias
+    m_rows, vocab_size = head.rows.numel(), weight.shape[0]
+    y, rows_operand, blocks = one_pass_rows(head, plan.rows)
+    scalars = kernel_scalars(head.transform, bias)
+    gradients = TileGradients(head, plan, need, tile_grads, HeadGrads(mul_into=mul_into), scalars, return_entropy,
+                              entropy_in_grads)
+    stats = new_row_stats(m_rows, weight.device, statistics)
+    tile_buf = torch.empty((min(plan.rows, max(m_rows, 1)), vocab_size), dtype=weight.dtype, device=weight.device)
+    late_entropy = return_entropy and tile_grads is not None and not entropy_in_grads
+    tile_statistics = TileStatistics(
+        quack_bridge.fuses_statistics(head, rows_operand, return_entropy and not late_entropy, statistics), weight,
+        bias, scalars, return_entropy)
+    for r0, r1, h in blocks:  # h: the tile's kept hidden rows [r1 − r0, H], in weight's dtype
+        dz, row_stats = tile_buf[: r1 - r0], row_slice(stats, r0, r1)
+        tile_statistics(h, y[r0:r1], dz, row_stats)
+        if tile_grads is not None:
+            gradients(r0, r1, h, y[r0:r1], dz, row_stats, tile_statistics.fused)
+    grads = gradients.finish()
+    logp, entropy, lse, token_stats = finish_row_stats(stats, y, vocab_size, return_entropy, statistics)
+    return HeadPass(logp, entropy, lse, grads if tile_grads is not None else None, token_stats)

@@ -1,0 +1,243 @@
+"""The two passes (8·M·H·V FLOPs): vocabulary chunks outside, one ``[rows, cols]`` tile; the memory-lean path.
+
+The statistics pass (``2·M·H·V``) folds each chunk's logits into running per-row statistics; the gradient pass
+recomputes each tile and turns it into ``dz`` (``2·M·H·V``), then ``dX`` and ``dW`` (``2·M·H·V`` each), on the
+kept rows only. Each chunk's weight gradient is complete after its chunk (:mod:`.weight_chunks`); the hidden
+gradient adds up across chunks. What varies per call is chosen once, before the loop: who writes each ``dz`` tile
+(:func:`dz_writer`: QuACK's or the Triton matmul's epilogue, or cuBLAS and the gradient kernel), how the hidden
+gradient accumulates (:func:`hidden_accumulator`: an fp32 buffer or the compensated pair) and where each chunk's
+weight gradient adds up (:class:`WeightChunkGradient`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ...grads import HeadGrads
+from ...head_inputs import HeadInputs, NeededGrads
+from ..protocol import HeadPass
+from . import logits_epilogues, quack_bridge
+from .compensated import RESIDUAL_DTYPE, compensated_addmm_
+from .matmul import addmm_f32_, mm_f32_
+from .operands import operand_bias, row_blocks, rows_source, weight_chunk_buffer
+from .plan import GradientPassPlan, plan_gradient_pass, plan_statistics_pass
+from .scaled_round import mul_into
+from .tiles import finish_row_stats, gradient_tile, kernel_scalars, new_row_stats, row_slice, statistics_tile
+from .weight_chunks import WeightChunk, chunk_buffers, round_chunk_into_, weight_gradient_chunks
+
+
+def run_statistics_pass(head: HeadInputs, return_entropy: bool, statistics: Sequence[str]) -> HeadPass:
+    """:meth:`~.backend.TritonCublasBackend.logprobs_forward`: per vocabulary chunk and row block, cuBLAS's logits
+    tile folded into the rows' running statistics (the token statistics are online reductions across chunks like
+    the log-sum-exp)."""
+    weight, bias, dtype = head.weight, operand_bias(head), head.operand_dtype
+    plan = plan_statistics_pass(head)
+    h, buf, y = rows_source(head, plan)
+    m_rows, vocab_size = head.rows.numel(), weight.shape[0]
+    stats = new_row_stats(m_rows, weight.device, statistics)
+    scalars = kernel_scalars(head.transform, bias)
+    tile_buf = torch.empty((plan.block_rows, plan.cols), dtype=dtype, device=weight.device)
+    w_buf = weight_chunk_buffer(head, plan.cols)
+    for v0 in range(0, vocab_size, plan.cols):
+        w_chunk = head.weight_rows(v0, min(v0 + plan.cols, vocab_size), w_buf)
+        for r0, r1, h_rows in row_blocks(head, plan, h, buf):
+            z = torch.mm(h_rows, w_chunk.t(), out=tile_buf[: r1 - r0, : w_chunk.shape[0]])
+            statistics_tile(z, v0, bias, y[r0:r1], row_slice(stats, r0, r1), scalars, return_entropy)
+    logp, entropy, lse, token_stats = finish_row_stats(stats, y, vocab_size, return_entropy, statistics)
+    return HeadPass(logp, entropy, lse, None, token_stats)
+
+
+# -- the hidden-state gradient across vocabulary chunks -------------------------------------------------------
+
+
+class Fp32HiddenAccumulator:
+    """An fp32 ``[M, H]`` buffer in the order of the kept rows, written by cuBLAS (the first chunk writes it)."""
+
+    def __init__(self, m_rows: int, hidden_size: int, device: torch.device) -> None:
+        self.acc = torch.empty((m_rows, hidden_size), dtype=torch.float32, device=device)
+
+    def add(self, v0: int, r0: int, r1: int, dz: torch.Tensor, w_chunk: torch.Tensor) -> None:
+        (addmm_f32_ if v0 else mm_f32_)(self.acc[r0:r1], dz, w_chunk)
+
+    def finish(self, grads: HeadGrads) -> None:
+        grads.hidden = self.acc
+
+
+class PairHiddenAccumulator:
+    """The compensated pair whose ``hi`` is hidden's whole bf16 gradient (the kept rows written through
+    ``hi_rows`` where some are ignored, so nothing is scattered afterwards) and whose int8 residual covers the kept
+    rows: only the residual is extra (:mod:`.compensated`)."""
+
+    def __init__(self, head: HeadInputs) -> None:
+        hidden, m_rows = head.hidden, head.rows.numel()
+        self.hi = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+        self.lo = torch.zeros((m_rows, hidden.shape[1]), dtype=RESIDUAL_DTYPE, device=hidden.device)
+        self.rows = head.rows if m_rows != hidden.shape[0] else None
+
+    def add(self, v0: int, r0: int, r1: int, dz: torch.Tensor, w_chunk: torch.Tensor) -> None:
+        if self.rows is not None:
+            compensated_addmm_(self.hi, self.lo[r0:r1], dz, w_chunk, hi_rows=self.rows[r0:r1])
+        else:
+            compensated_addmm_(self.hi[r0:r1], self.lo[r0:r1], dz, w_chunk)
+
+    def finish(self, grads: HeadGrads) -> None:
+        grads.hidden, grads.hidden_scattered = self.hi, True
+
+
+def hidden_accumulator(head: HeadInputs, plan: GradientPassPlan, need: NeededGrads):
+    """The hidden gradient's accumulator for ``plan`` (``None`` without a hidden gradient)."""
+    if plan.pair:
+        return PairHiddenAccumulator(head)
+    if need.hidden:
+        return Fp32HiddenAccumulator(head.rows.numel(), head.hidden.shape[1], head.hidden.device)
+    return None
+
+
+# -- who writes each dz tile ----------------------------------------------------------------------------------
+
+
+class CublasDz:
+    """cuBLAS writes the logits tile (rounded to the operands' dtype, as eager's), then the gradient kernel
+    overwrites it with ``dz``."""
+
+    def __init__(self, bias, y, lse, ent, g_lp, g_ent, scalars: dict, has_g_lp: bool, has_g_ent: bool) -> None:
+        self.bias, self.y, self.lse, self.ent, self.g_lp, self.g_ent = bias, y, lse, ent, g_lp, g_ent
+        self.scalars, self.has_g_lp, self.has_g_ent = scalars, has_g_lp, has_g_ent
+
+    def __call__(self, h_rows, w_chunk, dz, v0: int, r0: int, r1: int) -> None:
+        torch.mm(h_rows, w_chunk.t(), out=dz)
+        gradient_tile(dz, v0, self.bias, self.y[r0:r1], self.lse[r0:r1], self.ent[r0:r1], self.g_lp[r0:r1],
+                      self.g_ent[r0:r1], self.scalars, self.has_g_lp, self.has_g_ent)
+
+
+class EpilogueDz(CublasDz):
+    """``dz`` from the Triton logits matmul's epilogue (:func:`~.logits_epilogues.logits_grad_`): the logits are
+    never stored."""
+
+    def __call__(self, h_rows, w_chunk, dz, v0: int, r0: int, r1: int) -> None:
+        logits_epilogues.logits_grad_(
+            h_rows, w_chunk, dz, self.y[r0:r1], self.lse[r0:r1], self.ent[r0:r1], self.g_lp[r0:r1],
+            self.g_ent[r0:r1], has_g_lp=self.has_g_lp, has_g_ent=self.has_g_ent, col_offset=v0, bias=self.bias,
+            scalars=self.scalars,
+        )
+
+
+class QuackDz:
+    """``dz`` from QuACK's matmul epilogue (``−g_lp·p``), the label column set afterwards
+    (:func:`~.logits_epilogues.label_grad_`): the Triton epilogue's bits in 16 % less time per tile on an H200; a
+    tile QuACK does not take goes to ``fallback``."""
+
+    def __init__(self, fallback: EpilogueDz, block_rows: int) -> None:
+        self.fallback = fallback
+        self.neg_g_lp = fallback.g_lp.neg()  # the epilogue's per-row factor: dz = −g_lp·p off the label
+        self.label_logit = torch.empty(block_rows, dtype=torch.float32, device=fallback.g_lp.device)
+
+    def __call__(self, h_rows, w_chunk, dz, v0: int, r0: int, r1: int) -> None:
+        f = self.fallback
+        if quack_bridge.softmax_grad(h_rows, w_chunk, f.y[r0:r1] - v0, f.lse[r0:r1], self.neg_g_lp[r0:r1], dz,
+                                     self.label_logit[: r1 - r0]):
+            logits_epilogues.label_grad_(dz, f.y[r0:r1], self.label_logit, f.lse[r0:r1], f.g_lp[r0:r1], col_offset=v0)
+        else:
+            f(h_rows, w_chunk, dz, v0, r0, r1)
+
+
+def dz_writer(head: HeadInputs, rows_operand, w_like, tile_buf, cublas: CublasDz):
+    """Who writes the call's ``dz`` tiles: QuACK's epilogue where it runs and the gradient is the log-probs' alone,
+    else the Triton matmul's epilogue where it applies (:func:`~.logits_epilogues.applies`), else ``cublas``."""
+    if not logits_epilogues.applies(rows_operand, w_like, tile_buf):
+        return cublas
+    epilogue = EpilogueDz(cublas.bias, cublas.y, cublas.lse, cublas.ent, cublas.g_lp, cublas.g_ent, cublas.scalars,
+                          cublas.has_g_lp, cublas.has_g_ent)
+    if quack_bridge.fuses_softmax_grad(head, rows_operand, w_like, cublas.has_g_lp, cublas.has_g_ent):
+        return QuackDz(epilogue, tile_buf.shape[0])
+    return epilogue
+
+
+# -- where each chunk's weight gradient adds up ---------------------------------------------------------------
+
+
+class WeightChunkGradient:
+    """Each vocabulary chunk's weight gradient over the row blocks: into its fp32 accumulator (in the gradient's
+    unwritten rows, the tile, or a buffer: :func:`~.weight_chunks.chunk_buffers`), rounded once at the chunk's
+    end; or, with one row block, one matmul straight into the gradient's rows (fp32 from cuBLAS for an fp32
+    gradient)."""
+
+    def __init__(self, grads: HeadGrads, need_weight: bool, operand_dtype: torch.dtype, tile_buf: torch.Tensor,
+                 hidden_size: int, several_blocks: bool) -> None:
+        self.grads, self.need_weight, self.dtype, self.tile_buf = grads, need_weight, operand_dtype, tile_buf
+        self.hidden_size, self.several_blocks = hidden_size, several_blocks
+
+    def start(self, chunk: WeightChunk) -> torch.Tensor:
+        """The chunk's tile view (where its ``dz`` goes); sets up its accumulator."""
+        self.chunk = chunk
+        tile, self.acc = chunk_buffers(chunk, self.tile_buf, self.grads.weight, self.hidden_size, self.several_blocks)
+        return tile
+
+    def add(self, r0: int, dz: torch.Tensor, h_rows: torch.Tensor) -> None:
+        if self.acc is not None:
+            (addmm_f32_ if r0 else mm_f32_)(self.acc, dz.t(), h_rows)
+        elif self.need_weight:
+            out = self.grads.weight[self.chunk.v0 : self.chunk.v1]
+            if out.dtype == self.dtype:
+                torch.mm(dz.t(), h_rows, out=out)
+            else:
+                mm_f32_(out, dz.t(), h_rows)
+
+    def finish_chunk(self) -> None:
+        if self.acc is not None:
+            round_chunk_into_(self.grads.weight, self.chunk, self.acc, self.tile_buf)
+
+
+def run_gradient_pass(head: HeadInputs, lse: torch.Tensor, entropy: Optional[torch.Tensor],
+                      grad_logprobs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor],
+                      need: NeededGrads) -> HeadGrads:
+    """:meth:`~.backend.TritonCublasBackend.logprobs_backward`: per vocabulary chunk (:mod:`.weight_chunks`) and
+    row block, ``dz`` of the recomputed tile, added into the hidden gradient and the chunk's weight gradient."""
+    weight, bias = head.weight, operand_bias(head)
+    dtype = head.operand_dtype  # the matmuls' operands: a weight in another dtype is cast chunk by chunk
+    m_rows, (vocab_size, hidden_size) = head.rows.numel(), weight.shape
+    grads = HeadGrads(mul_into=mul_into)
+    gradient_plan = plan_gradient_pass(head, need)
+    plan = gradient_plan.tile
+    h, buf, y = rows_source(head, plan)
+    d_hidden = hidden_accumulator(head, gradient_plan, need)
+    if need.weight:
+        # In the given weight's dtype: fp32 for an fp32 weight under autocast (cuBLAS writes fp32 from the bf16
+        # operands), the compute dtype otherwise (one rounding, as eager's). Every chunk writes its rows (no fill),
+        # unless no row is kept.
+        new = torch.empty if m_rows else torch.zeros
+        grads.weight = new(weight.shape, dtype=head.weight_grad_dtype or weight.dtype, device=weight.device)
+    if need.bias and bias is not None:
+        grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+    zeros = torch.zeros(m_rows, dtype=torch.float32, device=weight.device)
+    g_lp = zeros if grad_logprobs is None else grad_logprobs.to(torch.float32).contiguous()
+    g_ent = zeros if grad_entropy is None else grad_entropy.to(torch.float32).contiguous()
+    ent = zeros if entropy is None else entropy
+    scalars = kernel_scalars(head.transform, bias)
+    tile_buf = torch.empty((plan.block_rows, plan.cols), dtype=dtype, device=weight.device)
+    w_buf = weight_chunk_buffer(head, plan.cols)
+    w_like = weight if w_buf is None else w_buf  # what the chunks' operands look like, for the checks below
+    write_dz = dz_writer(head, h if buf is None else buf, w_like, tile_buf,
+                         CublasDz(bias, y, lse, ent, g_lp, g_ent, scalars, grad_logprobs is not None,
+                                  grad_entropy is not None))
+    weight_grad = WeightChunkGradient(grads, need.weight, dtype, tile_buf, hidden_size, plan.block_rows < m_rows)
+    chunks = weight_gradient_chunks(vocab_size, hidden_size, plan, m_rows, dtype.itemsize,
+                                    grads.weight.element_size() if need.weight else 4)
+    for chunk in chunks:
+        v0, v1 = chunk.v0, chunk.v1
+        w_chunk = head.weight_rows(v0, v1, w_buf)
+        tile = weight_grad.start(chunk)
+        for r0, r1, h_rows in row_blocks(head, plan, h, buf):
+            dz = tile[: r1 - r0]
+            write_dz(h_rows, w_chunk, dz, v0, r0, r1)
+            if d_hidden is not None:
+                d_hidden.add(v0, r0, r1, dz, w_chunk)
+            weight_grad.add(r0, dz, h_rows)
+            if grads.bias is not None:
+                grads.bias[v0:v1] += dz.float().sum(0)
+        weight_grad.finish_chunk()
+    if d_hidden is not None:  # fp32 [M, H] in the order of ``rows``, or (the pair) hidden's whole bf16 gradient
+        d_hidden.finish(grads)
+    return grads
