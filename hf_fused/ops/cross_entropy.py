@@ -142,13 +142,15 @@ def linear_cross_entropy(
             ``dataclasses.replace(transform, temperature=0.7)``), instead of the three keywords below.
         temperature, softcap, logit_scale: the logit transform above, field by field (default: the identity); not with
             ``transform`` (which would win is a guess: a ``ValueError``).
-        tile_budget_bytes: ``None`` (default): the planner's rule (:mod:`hf_fused.ops.tiling`): on a CUDA
+        tile_budget_bytes: ``None`` (default): the planner's rule
+            (:mod:`hf_fused.ops.backends.triton_cublas.plan`): on a CUDA
             device the one pass below when its working set (the ``[V, H]`` weight-gradient accumulator — fp32,
             else for a bf16 weight the compensated pair, an int8 residual beside the gradient — a 2048-row tile and
             the kept rows' fp32 hidden gradient) fits in a quarter of the free device memory, else the lean two
             passes with a 256 MiB tile; elsewhere a 256 MiB bound. An int: a hard bound in bytes on everything
             the op holds beyond its inputs and outputs on the GPU backend (tile, accumulators, the kept hidden
-            rows, :func:`hf_fused.ops.tiling.lean_two_pass_plan`), and on the tile on the CPU reference. Not
+            rows, :func:`hf_fused.ops.backends.triton_cublas.two_pass_rule.lean_two_pass_plan`), and on the tile on
+            the CPU reference. Not
             counted: under autocast, the compute-dtype copies of fp32 hidden states and weight, which autocast's
             ``F.linear`` makes too.
         backend: force a backend by name (see :mod:`hf_fused.ops.backends`).

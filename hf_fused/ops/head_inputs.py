@@ -19,7 +19,7 @@ class HeadInputs:
     rows: ``[M]`` int64, the rows to compute, ascending; every per-row tensor of the contract is ``[M]`` in
         this order.
     transform: the logit transform.  tile_budget_bytes: the working-set bound the planner
-        (:mod:`hf_fused.ops.tiling`) tiles within; ``None``: its default rule.
+        (:mod:`hf_fused.ops.tiling`, and the GPU backend's own plan) tiles within; ``None``: its default rule.
     compute_dtype: the dtype ``F.linear`` would compute in under autocast (``None`` outside it). Backends take
         the head as the op was given it and compute from operands in :attr:`operand_dtype`: the one passes from
         a :meth:`computed` head (hidden, weight and bias cast whole), the GPU two passes casting one vocabulary

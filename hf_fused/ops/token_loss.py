@@ -178,7 +178,7 @@ def linear_token_loss(
 
     Gradients: when the backend's budget holds the one-pass working set (always on the torch backend; on the
     GPU, room for the ``[V, H]`` weight-gradient accumulator, fp32 or for a bf16 weight the compensated pair,
-    :func:`hf_fused.ops.tiling.one_pass_plan`) they are computed in the forward's pass and kept in fp32 (or as the
+    :mod:`hf_fused.ops.backends.triton_cublas.plan`) they are computed in the forward's pass and kept in fp32 (or as the
     pair) until backward scales them by the upstream gradient and rounds them once; otherwise forward computes
     the statistics and the per-token loss gradients and backward recomputes each tile with the upstream factor
     folded in (8·N·H·V). Exact under any upstream gradient on the loss either way (gradient accumulation, loss
