@@ -31,6 +31,7 @@ from .distributed import run_head
 from .extensions import call_handler, track_patched
 from .lm_head import head_tensors
 from .outputs import fused_output_type, to_tuple_with_logits_slot
+from .tensor_parallel import check_tensor_parallel_head, local_hidden, vocab_parallel_head
 
 #: What a caller may ask the patched forward for (keyword ``fused_output``).
 FUSED_OUTPUTS = ("loss", "logprobs", "hidden_states")
@@ -301,7 +302,8 @@ def lm_head_answering(lm_head: nn.Module, answer):
 
 def _head_forward(lm_head: nn.Module, request: FusedRequest, hidden: torch.Tensor) -> torch.Tensor:
     request.called = True
-    placeholder = hidden.new_empty(*hidden.shape[:-1], 0)
+    hidden, as_output = local_hidden(hidden)  # a DTensor from torch's ColwiseParallel pre-hook: its local tensor
+    placeholder = as_output(hidden.new_empty(*hidden.shape[:-1], 0))
     if request.mode == "hidden_states":
         request.result = hidden
         return placeholder
@@ -313,7 +315,10 @@ def _head_forward(lm_head: nn.Module, request: FusedRequest, hidden: torch.Tenso
 def _head_result(lm_head: nn.Module, request: FusedRequest, hidden: torch.Tensor):
     if request.head is not None:
         return request.head(lm_head, hidden)
+    check_tensor_parallel_head(lm_head)
     head_hidden, weight, bias, labels, _ = head_operands(lm_head, hidden, request.labels)
+    # Tensor parallelism: this rank's vocabulary rows, the statistics merged over the group (no logits gathered).
+    weight, bias, shard = vocab_parallel_head(weight, bias)
     if labels.shape != head_hidden.shape[:-1]:
         raise ValueError(
             f"labels are aligned to shape {tuple(labels.shape)} but lm_head receives hidden states of shape "
@@ -324,11 +329,12 @@ def _head_result(lm_head: nn.Module, request: FusedRequest, hidden: torch.Tensor
         num_items = request.num_items_in_batch
         return linear_cross_entropy(
             head_hidden, weight, labels, bias, reduction="sum" if num_items is not None else "mean",
-            num_items_in_batch=num_items, backend=request.state.backend, **common,
+            num_items_in_batch=num_items, backend=request.state.backend, vocab_parallel=shard, **common,
         )
     return linear_logprobs(
         head_hidden, weight, labels, bias, temperature=request.temperature, return_entropy=request.return_entropy,
-        grad_hint=_on(request.grad_hint, weight.device), backend=request.state.backend, **common,
+        grad_hint=_on(request.grad_hint, weight.device), backend=request.state.backend, vocab_parallel=shard,
+        **common,
     )
 
 

@@ -19,6 +19,7 @@ from ..ops import LogitTransform, linear_cross_entropy
 from .distributed import run_head
 from .forward import head_operands
 from .lm_head import check_head_supported
+from .tensor_parallel import check_tensor_parallel_head, vocab_parallel_head
 from .transform_probe import config_logit_transform, measure_logit_transform
 from .unwrap import find_causal_lm
 
@@ -119,12 +120,14 @@ class LinearCrossEntropyLoss(nn.Module):
             )
 
         def compute(hidden: torch.Tensor) -> torch.Tensor:
+            check_tensor_parallel_head(self.lm_head)
             head_hidden, weight, bias, labels, _ = head_operands(self.lm_head, hidden, shift_labels)
+            weight, bias, shard = vocab_parallel_head(weight, bias)  # tensor parallelism: this rank's rows
             return linear_cross_entropy(
                 head_hidden, weight, labels, bias, ignore_index=self.ignore_index,
                 reduction=self.reduction, num_items_in_batch=num_items_in_batch, softcap=self.transform.softcap,
                 logit_scale=self.transform.logit_scale, tile_budget_bytes=self.tile_budget_bytes,
-                backend=self.backend,
+                backend=self.backend, vocab_parallel=shard,
             )
 
         # ZeRO-3: lm_head's partitioned weight gathered for this call and its backward.

@@ -13,6 +13,7 @@ import torch.nn as nn
 from .extensions import notify_patched, notify_removed
 from .forward import FusedLossState, PatchedForward
 from .lm_head import check_head_supported
+from .tensor_parallel import check_tensor_parallel_head
 from .transform_probe import FusedLossVerificationError, config_logit_transform, probe_inputs, probe_logit_transform
 from .unwrap import check_causal_lm, find_causal_lm
 
@@ -63,12 +64,14 @@ def apply_fused_loss(
     Raises:
         TypeError: no causal LM with an lm_head inside ``model``, or a model that is not a causal LM
             (masked LM, encoder-decoder, sequence classifier, plain module), naming the class.
-        NotImplementedError: an lm_head hf_fused cannot read (quantized, DoRA, not ``nn.Linear``).
+        NotImplementedError: an lm_head hf_fused cannot read (quantized, DoRA, not ``nn.Linear``), or a LoRA
+            adapter on a tensor-parallel lm_head (:func:`~hf_fused.model.tensor_parallel.check_tensor_parallel_head`).
         FusedLossVerificationError: the probe disagrees, naming the model type and the difference.
     """
     causal_lm = find_causal_lm(model)
     check_causal_lm(causal_lm)
     check_head_supported(causal_lm.get_output_embeddings())
+    check_tensor_parallel_head(causal_lm.get_output_embeddings())
     state = causal_lm.__dict__.get("_hf_fused")
     if state is None:
         state = FusedLossState(

@@ -21,6 +21,7 @@ import torch.nn as nn
 from ..ops import LogitTransform
 from .distributed import gathered_per_module
 from .forward import lm_head_answering
+from .tensor_parallel import local_hidden
 
 #: Probe batch ``[batch, tokens]``: short, so a probe costs about one tiny forward.
 PROBE_SHAPE = (2, 8)
@@ -112,8 +113,9 @@ def probe_logit_transform(causal_lm: nn.Module, input_ids: torch.Tensor) -> Logi
     seen = {}
 
     def answer(hidden):
+        hidden, as_output = local_hidden(hidden)  # torch's ColwiseParallel hands lm_head a replicated DTensor
         seen["dtype"] = hidden.dtype
-        return _GRID.to(hidden.device, hidden.dtype).expand(*hidden.shape[:-1], _GRID.numel()).contiguous()
+        return as_output(_GRID.to(hidden.device, hidden.dtype).expand(*hidden.shape[:-1], _GRID.numel()).contiguous())
 
     with lm_head_answering(causal_lm.get_output_embeddings(), answer):
         out = causal_lm(input_ids=input_ids, use_cache=False)

@@ -1,0 +1,297 @@
+"""Tensor-parallel runs for tests/distributed/test_tensor_parallel.py, under ``torch.distributed.run`` (every rank one
+tensor-parallel rank over gloo) or as one plain process (the unpatched single-process reference). One argument: a
+JSON file listing the runs of this launch, ``[{"case": {...}, "dir": ...}, ...]`` (as launch.py writes it); a run
+that raises leaves its traceback in ``<dir>/error.txt``. Rank 0 writes ``<dir>/result.pt``. A case:
+
+    kind        "trainer": ``transformers.Trainer`` for 3 SGD steps on train_worker.TinyDataset, the model loaded with
+                ``from_pretrained(model_dir, distributed_config=DistributedConfig(tp_size=world))`` (lm_head a
+                ``Shard(0)`` DTensor with transformers' ``colwise_gather_output`` forward); one process: no TP.
+                "colwise": a custom loop on a plain model whose lm_head torch's ``parallelize_module`` shards with
+                ``ColwiseParallel(output_layouts=Replicate())``: a step through the patched model's loss, then a
+                step through ``LinearCrossEntropyLoss.from_model`` on the backbone's hidden states.
+                "lora_refused": a LoRA adapter on the tensor-parallel lm_head: ``apply_fused_loss`` refuses it.
+                "layouts": DTensor layouts of a 2-D mesh read by the model layer, and those it refuses
+                (:func:`layouts`).
+    model_dir   the tiny model (saved with ``save_pretrained``)
+    fsdp        "trainer": FSDP2 over this many ranks × tensor parallelism over the rest
+                (``DistributedConfig(tp_size=world // fsdp, fsdp_size=fsdp)``), the global batch kept at 4 rows
+    fused       patch the model with ``hf_fused.apply_fused_loss`` first
+    bf16        ``TrainingArguments(bf16=True)`` (autocast of the fp32 model)
+
+``result.pt``: ``losses``, whole fp32 ``params`` after and ``initial`` before training (DTensors gathered), ``world``,
+``head_calls`` (hf_fused's head computations in training), ``max_vocab_rows`` (the most rows of any tensor with the
+whole vocabulary as last dimension: gathered logits), ``collectives`` (every collective's op name and the shapes of
+its tensors, from training), ``shards`` (each rank's lm_head rows), ``tied`` (lm_head's weight is the input
+embeddings'), ``head_layouts`` (the placements and mesh shape of lm_head's weight where hf_fused read it, and the
+rows read; "colwise": ``head_reads``, how many times),
+``wrapper`` (the Trainer's wrapped model's class), ``error`` (lora_refused: the message).
+
+Accelerate allows a ``ParallelismConfig`` (which ``Trainer`` builds for a tensor-parallel model) only on accelerators;
+on CPU ranks :func:`allow_parallelism_config_on_cpu_ranks` lets it through, as ``cpu_fsdp/sitecustomize.py`` lets
+FSDP through: the ranks then run what they run on GPUs.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ranks import exit_rank
+from train_worker import TinyDataset, VocabWidthTracker, count_fused_head_calls, full_parameters
+
+
+def allow_parallelism_config_on_cpu_ranks() -> None:
+    """Accelerate refuses a ``ParallelismConfig`` on ``MULTI_CPU`` ranks (its check names accelerators only); skip that
+    check there. Nothing else of accelerate changes."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    validate = ParallelismConfig._validate_accelerator
+    if getattr(validate, "_cpu_ranks", False):
+        return
+
+    def validate_on_cpu_ranks(self, accelerator):
+        if accelerator.distributed_type != DistributedType.MULTI_CPU:
+            validate(self, accelerator)
+
+    validate_on_cpu_ranks._cpu_ranks = True
+    ParallelismConfig._validate_accelerator = validate_on_cpu_ranks
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """Records every collective (``c10d`` and functional ``_c10d_functional`` ops) as ``(op, shapes)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: set = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if "c10d" in name:
+            shapes = tuple(tuple(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            self.calls.add((name, shapes))
+        return func(*args, **(kwargs or {}))
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def load(case: dict, tensor_parallel: bool):
+    kwargs = {}
+    if tensor_parallel and world() > 1:
+        from transformers.distributed import DistributedConfig
+
+        fsdp = case.get("fsdp", 1)
+        kwargs["distributed_config"] = DistributedConfig(tp_size=world() // fsdp, fsdp_size=fsdp)
+    return transformers.AutoModelForCausalLM.from_pretrained(case["model_dir"], attn_implementation="eager",
+                                                             dtype=torch.float32, **kwargs)
+
+
+#: What hf_fused's model layer read of lm_head's weight, per head call: ``(placements, mesh shape, (start, stop))``.
+HEAD_LAYOUTS: list = []
+
+
+def record_head_layouts() -> list:
+    """From now on (:data:`HEAD_LAYOUTS`, cleared), record each lm_head weight hf_fused's patched forward and
+    ``LinearCrossEntropyLoss`` read as a vocabulary shard (installed once per process)."""
+    HEAD_LAYOUTS.clear()
+    from hf_fused.model import forward, head_loss
+
+    if getattr(forward.vocab_parallel_head, "_recorded", False):
+        return HEAD_LAYOUTS
+    original = forward.vocab_parallel_head
+
+    def recorded(weight, bias=None):
+        out = original(weight, bias)
+        if out[2] is not None:
+            HEAD_LAYOUTS.append((tuple(str(p) for p in weight.placements), tuple(weight.device_mesh.shape),
+                                 (out[2].start, out[2].stop)))
+        return out
+
+    recorded._recorded = True
+    forward.vocab_parallel_head = head_loss.vocab_parallel_head = recorded
+    return HEAD_LAYOUTS
+
+
+def shards(model) -> list:
+    """Every rank's ``(start, stop)`` of lm_head's rows as hf_fused read them (collective); without a fused head call,
+    as the weight's 1-D layout gives them."""
+    if HEAD_LAYOUTS:
+        mine = HEAD_LAYOUTS[-1][2]
+    else:
+        weight = model.get_output_embeddings().weight
+        if not hasattr(weight, "placements"):
+            return [(0, weight.shape[0])]
+        from hf_fused.model.tensor_parallel import vocab_parallel_head
+
+        shard = vocab_parallel_head(weight.detach())[2]
+        mine = (shard.start, shard.stop)
+    if world() == 1:
+        return [mine]
+    out = [None] * world()
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def train(case: dict, out: str) -> dict:
+    allow_parallelism_config_on_cpu_ranks()
+    args = transformers.TrainingArguments(
+        output_dir=os.path.join(os.path.dirname(out), "trainer"), per_device_train_batch_size=4 // case.get("fsdp", 1),
+        max_steps=3, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
+        logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0, bf16=case.get("bf16", False),
+        use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    model = load(case, tensor_parallel=True)
+    if case.get("fused"):
+        from hf_fused import apply_fused_loss
+
+        apply_fused_loss(model)
+    initial = full_parameters(model)
+    layouts = record_head_layouts()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=TinyDataset(),
+                                   data_collator=transformers.default_data_collator)
+    head_calls = count_fused_head_calls()
+    tracker, recorder = VocabWidthTracker(model.config.vocab_size, model.config.hidden_size), CollectiveRecorder()
+    with tracker.mode, recorder:
+        trainer.train()
+    return {"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e], "initial": initial,
+            "params": full_parameters(trainer.model), "head_calls": head_calls["all"],
+            "max_vocab_rows": tracker.max_rows, "collectives": sorted(recorder.calls), "shards": shards(model),
+            "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+            "head_layouts": sorted(set(layouts)), "wrapper": type(trainer.model_wrapped).__name__}
+
+
+def colwise(case: dict, out: str) -> dict:
+    """Two SGD steps of a custom loop: the patched model's loss, then ``LinearCrossEntropyLoss`` on hidden states."""
+    model = load(case, tensor_parallel=False)
+    if world() > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (world(),))
+        parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    initial = full_parameters(model)
+    dataset = TinyDataset()
+    batch = [dataset[i] for i in range(4)]
+    inputs = {k: torch.stack([row[k] for row in batch]) for k in batch[0]}
+    losses = []
+    if case.get("fused"):
+        from hf_fused import LinearCrossEntropyLoss, apply_fused_loss
+
+        apply_fused_loss(model)
+        loss_fn = LinearCrossEntropyLoss.from_model(model)
+    layouts = record_head_layouts()
+    for step in range(2):
+        model.zero_grad()
+        if step == 0 or not case.get("fused"):
+            loss = model(**inputs).loss
+        else:
+            backbone = model.get_decoder()
+            hidden = backbone(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).last_hidden_state
+            loss = loss_fn(hidden, inputs["labels"])
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= 0.5 * p.grad
+        losses.append(loss.item())
+    return {"losses": losses, "initial": initial, "params": full_parameters(model), "shards": shards(model),
+            "head_layouts": sorted(set(layouts)), "head_reads": len(layouts)}
+
+
+def lora_refused(case: dict, out: str) -> dict:
+    import peft
+
+    from hf_fused import apply_fused_loss
+
+    model = peft.get_peft_model(load(case, tensor_parallel=True), peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    try:
+        apply_fused_loss(model)
+    except NotImplementedError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def layouts(case: dict, out: str) -> dict:
+    """:func:`hf_fused.model.tensor_parallel.vocab_parallel_head` on DTensors of a 2-D ``(1, world)`` mesh ("dp",
+    "tp"), weight and bias ``(Replicate(), Shard(0))``: the loss and the gradients (the weight's and bias's a DTensor
+    of their layout, gathered) against the op on the whole tensors; and the layouts it refuses, with their
+    messages."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from hf_fused.model.tensor_parallel import local_hidden, vocab_parallel_head
+    from hf_fused.ops import linear_cross_entropy
+
+    mesh = init_device_mesh("cpu", (1, world()), mesh_dim_names=("dp", "tp"))
+    g = torch.Generator().manual_seed(0)
+    hidden, weight, bias = torch.randn(2, 5, 16, generator=g), torch.randn(131, 16, generator=g), torch.randn(131)
+    labels = torch.randint(0, 131, (2, 5), generator=g)
+    whole = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    ref = linear_cross_entropy(whole[0], whole[1], labels, whole[2])
+    ref.backward()
+    layout = [Replicate(), Shard(0)]
+    h = hidden.clone().requires_grad_()
+    w, b = (distribute_tensor(t, mesh, layout).requires_grad_() for t in (weight, bias))
+    local_w, local_b, shard = vocab_parallel_head(w, b)
+    loss = linear_cross_entropy(h, local_w, labels, local_b, vocab_parallel=shard)
+    loss.backward()
+    got = [h.grad, w.grad.full_tensor(), b.grad.full_tensor()]
+    errors = {name: float((a - r.grad).norm() / r.grad.norm()) for name, a, r in zip(("hidden", "weight", "bias"),
+                                                                                   got, whole)}
+    errors["loss"] = abs(loss.item() - ref.item()) / ref.item()
+    refused = {}
+    for name, call in (
+        ("hidden_dim", lambda: vocab_parallel_head(distribute_tensor(weight, mesh, [Replicate(), Shard(1)]))),
+        ("plain_bias", lambda: vocab_parallel_head(w, bias)),
+        ("sequence_sharded_input", lambda: local_hidden(distribute_tensor(hidden, mesh, [Replicate(), Shard(1)]))),
+    ):
+        try:
+            call()
+        except NotImplementedError as e:
+            refused[name] = str(e)
+    return {"errors": errors, "shard": (shard.start, shard.stop), "grad_placements": str(w.grad.placements),
+            "refused": refused}
+
+
+KINDS = {"trainer": train, "colwise": colwise, "lora_refused": lora_refused, "layouts": layouts}
+
+
+def main(batch_file: str) -> None:
+    torch.set_num_threads(1)
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    with open(batch_file) as f:
+        runs = json.load(f)
+    for entry in runs:
+        environ = dict(os.environ)
+        out = os.path.join(entry["dir"], "result.pt")
+        try:
+            result = KINDS[entry["case"]["kind"]](entry["case"], out)
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                torch.save({**result, "world": world()}, out)
+        except Exception:
+            with open(os.path.join(entry["dir"], "error.txt"), "a") as f:
+                f.write(f"rank {os.environ.get('RANK', '0')}:\n{traceback.format_exc()}\n")
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+            gc.collect()
+            if dist.is_initialized():
+                dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    exit_rank()

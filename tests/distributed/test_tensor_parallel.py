@@ -1,0 +1,218 @@
+"""Tensor parallelism through the public entry points, on CPU ranks over gloo (tensor_parallel_worker.py):
+``apply_fused_loss`` on a model loaded with ``from_pretrained(path, distributed_config=DistributedConfig(tp_size=n))``
+(lm_head a ``Shard(0)`` DTensor whose transformers forward all-gathers the logits) trained by ``transformers.Trainer``,
+on 2 and 3 ranks (a vocabulary of 131: shards 66/65 and 44/44/43), tied and untied, fp32 and bf16; and a custom loop
+on a model whose lm_head torch's ``ColwiseParallel`` shards. Each against the single-process unpatched run on the same
+global batch: every logged loss and every updated parameter (``parity.py``), with no collective moving anything of
+the vocabulary's width (the unpatched tensor-parallel run all-gathers its logits shards) and no tensor of the whole
+vocabulary's width made. Runs of one rank count share one launch (``launch.SharedLaunches``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import HERE, Run, SharedLaunches, launch_timeout, planned_runs, run
+from parity import assert_bf16_twin, assert_matches_reference
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="needs gloo"
+    ),
+]
+
+WORKER = HERE / "tensor_parallel_worker.py"
+#: A prime vocabulary above the dataset's ids (< 128); V·H differs from the 48 tokens' logits' numel (the
+#: vocabulary-width tracker skips tensors of the weight's size).
+VOCAB, HIDDEN = 131, 60
+
+
+def make_model(tied: bool):
+    """A tiny Llama every tensor-parallel size here divides (6 heads, 6 key-value heads, MLP width 96), its
+    vocabulary divided by neither 2 nor 3."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=6, max_position_embeddings=64,
+                         initializer_range=0.2, tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2)
+    return LlamaForCausalLM(config)
+
+
+def trainer_case(model: str, fused: bool, bf16: bool = False) -> dict:
+    return dict(kind="trainer", model=model, fused=fused, bf16=bf16)
+
+
+def reference(case: dict) -> Run:
+    """The single-process unpatched run of ``case`` (no tensor parallelism)."""
+    return Run.of(None, 1, {**case, "fused": False})
+
+
+def tensor_parallel(case: dict, ranks: int) -> Run:
+    return Run.of("torchrun", ranks, case)
+
+
+PARITY = {f"tp{n}-{model}": (n, model) for n in (2, 3) for model in ("untied", "tied")}
+
+
+def parity_runs(name: str) -> list[Run]:
+    ranks, model = PARITY[name]
+    case = trainer_case(model, fused=True)
+    return [tensor_parallel(case, ranks), reference(case)]
+
+
+def stock_runs() -> list[Run]:
+    case = trainer_case("untied", fused=False)
+    return [tensor_parallel(case, 2), reference(case)]
+
+
+def bf16_runs() -> list[Run]:
+    fp32 = trainer_case("untied", fused=False)
+    return [tensor_parallel(trainer_case("untied", fused=True, bf16=True), 2),
+            reference(trainer_case("untied", fused=False, bf16=True)), reference(fp32)]
+
+
+def colwise_runs() -> list[Run]:
+    case = dict(kind="colwise", model="untied", fused=True)
+    return [tensor_parallel(case, 2), reference(case)]
+
+
+def fsdp_runs() -> list[Run]:
+    case = trainer_case("untied", fused=True)
+    return [tensor_parallel({**case, "fsdp": 2}, 4), reference(case)]
+
+
+def lora_runs() -> list[Run]:
+    return [tensor_parallel(dict(kind="lora_refused", model="untied"), 2)]
+
+
+def layout_runs() -> list[Run]:
+    return [tensor_parallel(dict(kind="layouts", model="untied"), 2)]
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> SharedLaunches:
+    root = tmp_path_factory.mktemp("tensor_parallel")
+    models = {}
+    for name, tied in (("untied", False), ("tied", True)):
+        models[name] = root / f"model-{name}"
+        make_model(tied).save_pretrained(models[name])
+
+    def launch(batch_runs: list[Run], dirs: list[Path]) -> None:
+        entries = []
+        for r, d in zip(batch_runs, dirs):
+            case = json.loads(r.case)
+            entries.append({"case": {**case, "model_dir": str(models[case["model"]])}, "dir": str(d)})
+        batch = dirs[0] / "batch.json"
+        batch.write_text(json.dumps(entries))
+        ranks = batch_runs[0].processes
+        command = [sys.executable, str(WORKER), str(batch)]
+        if ranks > 1:
+            command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+        run(command, timeout_s=launch_timeout(len(batch_runs)))
+
+    plans = {"test_trainer_under_tensor_parallelism_matches_single_process": parity_runs,
+             "test_unpatched_tensor_parallel_run_gathers_the_logits": stock_runs,
+             "test_bf16_twin": bf16_runs, "test_colwise_parallel_head_in_a_custom_loop": colwise_runs,
+             "test_lora_on_a_tensor_parallel_head_is_refused": lora_runs,
+             "test_fsdp2_times_tensor_parallel": fsdp_runs,
+             "test_layouts_on_a_two_dimensional_mesh": layout_runs}
+    return SharedLaunches(root, planned_runs(request, plans), launch,
+                          lambda r, d: torch.load(d / "result.pt", weights_only=False))
+
+
+def chunk_shards(ranks: int) -> list[tuple[int, int]]:
+    """DTensor's ``Shard(0)`` rows of the vocabulary (``torch.chunk``: ceil-sized, the last rank short)."""
+    width = -(-VOCAB // ranks)
+    return [(r * width, min((r + 1) * width, VOCAB)) for r in range(ranks)]
+
+
+def vocabulary_collectives(got: dict, ranks: int) -> list:
+    """The collectives whose tensors have the vocabulary's width or a shard's (logits, the weight)."""
+    widths = {VOCAB} | {stop - start for start, stop in chunk_shards(ranks)}
+    return [c for c in got["collectives"] if any(dim in widths for shape in c[1] for dim in shape)]
+
+
+@pytest.mark.parametrize("name", list(PARITY))
+def test_trainer_under_tensor_parallelism_matches_single_process(name, runs):
+    """``apply_fused_loss`` on transformers' tensor-parallel model, ``Trainer`` for 3 SGD steps: every logged loss
+    and every updated parameter as the single-process unpatched run; hf_fused's head ran at every step on each
+    rank's rows of lm_head (the DTensor's own layout: ceil-sized shards), with no collective of the vocabulary's
+    width and no tensor of the whole vocabulary's width (transformers' own forward all-gathers the logits)."""
+    tp, ref = (runs(r) for r in parity_runs(name))
+    ranks, _ = PARITY[name]
+    assert_matches_reference(tp, ref, ranks)
+    assert tp["shards"] == chunk_shards(ranks)
+    assert tp["head_calls"] == 3 and tp["max_vocab_rows"] == 0
+    assert tp["tied"] == (PARITY[name][1] == "tied")
+    assert tp["head_layouts"] == [(("S(0)",), (ranks,), tp["shards"][0])]
+    assert not vocabulary_collectives(tp, ranks), vocabulary_collectives(tp, ranks)
+
+
+def test_unpatched_tensor_parallel_run_gathers_the_logits(runs):
+    """What the fused head removes: transformers' tensor-parallel model, unpatched, all-gathers its ``[N, V/tp]``
+    logits shards (and matches the single-process run, so the references above compare like with like)."""
+    tp, ref = (runs(r) for r in stock_runs())
+    assert_matches_reference(tp, ref, 2)
+    gathers = vocabulary_collectives(tp, 2)
+    assert any("all_gather" in op for op, _ in gathers), tp["collectives"]
+    assert tp["head_calls"] == 0
+
+
+def test_bf16_twin(runs):
+    """``TrainingArguments(bf16=True)`` (autocast of the fp32 model) under tensor parallelism: the fused run against
+    the single-process unpatched bf16 run and the fp32 one (``parity.assert_bf16_twin``)."""
+    fused, stock, fp32 = (runs(r) for r in bf16_runs())
+    assert_bf16_twin(fused, stock, fp32, ranks=2, stock_ranks=1)
+    assert fused["head_calls"] == 3 and not vocabulary_collectives(fused, 2)
+
+
+def test_colwise_parallel_head_in_a_custom_loop(runs):
+    """A custom loop on a model whose lm_head torch's ``parallelize_module`` shards with
+    ``ColwiseParallel(output_layouts=Replicate())`` (its pre-hook hands lm_head a replicated DTensor): a step through
+    the patched model's loss, then one through ``LinearCrossEntropyLoss.from_model`` on the backbone's hidden states;
+    the losses and every updated parameter as the single-process unpatched loop."""
+    tp, ref = (runs(r) for r in colwise_runs())
+    assert tp["shards"] == chunk_shards(2)
+    assert tp["head_reads"] == 2 and tp["head_layouts"] == [(("S(0)",), (2,), tp["shards"][0])]
+    assert_matches_reference(tp, ref, 2)
+
+
+def test_lora_on_a_tensor_parallel_head_is_refused(runs):
+    """A LoRA adapter on a tensor-parallel lm_head: ``apply_fused_loss`` refuses it, saying why and what to do."""
+    (got,) = (runs(r) for r in lora_runs())
+    assert got["error"] and "tensor-parallel lm_head" in got["error"] and "target_modules" in got["error"], got
+
+
+def test_fsdp2_times_tensor_parallel(runs):
+    """A 2-D mesh: ``DistributedConfig(tp_size=2, fsdp_size=2)`` on 4 ranks, FSDP2 over data-parallel pairs that each
+    see half the global batch, tensor parallelism within each pair. Outside its call lm_head's weight is
+    ``(_StridedShard(0), Shard(0))`` on the (fsdp, tp) mesh; inside, FSDP2 has gathered its own dimension and hf_fused
+    reads a ``Shard(0)`` DTensor of the tensor-parallel dimension. The losses and every updated parameter as the
+    single-process run on the same global batch."""
+    tp, ref = (runs(r) for r in fsdp_runs())
+    assert tp["wrapper"].startswith("FSDP"), tp["wrapper"]
+    assert_matches_reference(tp, ref, 4)
+    assert tp["head_calls"] == 3 and tp["max_vocab_rows"] == 0
+    assert {(placements, mesh) for placements, mesh, _ in tp["head_layouts"]} == {(("S(0)",), (2,))}
+    assert tp["shards"] == chunk_shards(2) * 2  # ranks (fsdp, tp) in row-major order
+
+
+def test_layouts_on_a_two_dimensional_mesh(runs):
+    """``vocab_parallel_head`` on a ``(Replicate(), Shard(0))`` weight and bias of a 2-D ("dp", "tp") mesh: the tp
+    dimension is the vocabulary split; loss and gradients (the weight's and bias's DTensors of the same layout) as
+    the op on the whole tensors. Refused, each with a message naming the layout: a weight sharded over the hidden
+    dimension, a plain bias beside a sharded weight, hidden states sharded over the sequence."""
+    (got,) = (runs(r) for r in layout_runs())
+    assert got["shard"] == chunk_shards(2)[0] and got["grad_placements"] == "(Replicate(), Shard(dim=0))"
+    for name, err in got["errors"].items():
+        assert err <= 1e-6, (name, err)
+    assert set(got["refused"]) == {"hidden_dim", "plain_bias", "sequence_sharded_input"}, got["refused"]
+    assert "Shard(dim=1)" in got["refused"]["hidden_dim"] and "a plain tensor" in got["refused"]["plain_bias"]
