@@ -44,10 +44,11 @@ reward rises from ≈0.45 to ≈0.7 within 12 steps while the entropy falls as t
 continuation per prompt. ``--beta 0.04 --num-iterations 2`` adds a KL term to the initial model and an
 off-policy step that clips.
 
-Time: the default run (12 steps, both trainers) took 96 s of CPU time on one x86 core (``OMP_NUM_THREADS=1``,
-2026-11-29), so about 1.5 minutes on an idle core; 5.6 minutes of wall time while other jobs shared the
-machine's 2 cores. Most of it is TRL's trainer (about 3x hf_fused's step time here: on CPU its head scores every
-prompt and completion position and recomputes them in backward); ``--trainers fused`` runs hf_fused alone.
+Time, measured on a 2-core x86 CPU (2026-11-29) for the default run (12 steps, both trainers): 96 s of CPU
+time with ``OMP_NUM_THREADS=1``; ``make demo-grpo`` took 1.3 minutes of wall time with about one core's worth
+of other work running, 5.6 minutes while other jobs loaded the machine several times over. Most of it is TRL's
+trainer (2-3x hf_fused's step time here: on CPU its head scores every prompt and completion position and
+recomputes them in backward); ``--trainers fused`` runs hf_fused alone.
 
 Each trainer in ``--trainers`` (default both, hf_fused first) trains a fresh copy of the same model with
 the same seed, so step 1 samples the same completions and gets the same reward; later steps drift apart
