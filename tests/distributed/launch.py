@@ -42,6 +42,9 @@ TIMEOUT_S = int(os.environ.get("HF_FUSED_LAUNCH_TIMEOUT_S", "600"))
 RUN_TIMEOUT_S = int(os.environ.get("HF_FUSED_RUN_TIMEOUT_S", "240"))
 #: Launches of one command before an "address already in use" on the rendezvous port fails a test.
 PORT_ATTEMPTS = 3
+#: Engines whose runs cannot share a process: DeepSpeed sets its Ulysses sequence-parallel groups up once per
+#: process ("sequence parallel group is already initialized" at the second run's ``accelerator.prepare``).
+ONE_RUN_PER_LAUNCH = {"zero3_sp2"}
 
 
 def worker_env(cuda: bool = CUDA, gpus: int | None = None) -> dict:
@@ -279,6 +282,8 @@ class SharedLaunches:
         runs = [r for r in self.planned if r.engine == run.engine and r not in self.dirs]
         if run not in runs:
             runs.append(run)  # asked for without being planned: launched with the rest of its engine
+        if str(run.config) in ONE_RUN_PER_LAUNCH:
+            runs = [run]
         runs.sort(key=Run.unpatched_first)
         dirs = []
         for r in runs:

@@ -168,3 +168,11 @@ def test_a_run_that_raised_fails_alone_and_a_failed_launch_fails_the_runs_it_lef
     assert runs(planned[0]) == {"name": "d"}  # written before the launch failed
     with pytest.raises(AssertionError, match="killed"):
         runs(planned[1])
+
+
+def test_runs_of_an_engine_that_cannot_share_a_process_get_a_launch_each(tmp_path):
+    launches = []
+    planned = [launch.Run.of("zero3_sp2", 2, dict(name=name)) for name in ("stock", "fused")]
+    runs = launch.SharedLaunches(tmp_path, planned, _fake_launch(launches), launch.load_json_result)
+    assert runs(planned[1]) == {"name": "fused"} and runs(planned[0]) == {"name": "stock"}
+    assert launches == [["fused"], ["stock"]]
