@@ -51,10 +51,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import CONFIGS, HERE, Run, SharedLaunches, accelerate_launch, planned_runs, run_cases
-from parity import (BF16_STOCK, PARAM_RTOL, assert_bf16_twin, assert_bf16_twins, assert_matches_reference,
-                    assert_wrapped_by, update_errors)
+from launch import CONFIGS, HERE, Run, SharedLaunches, accelerate_launch, planned_runs
+from parity import BF16_STOCK, PARAM_RTOL, assert_bf16_twin, assert_bf16_twins, assert_matches_reference, update_errors
 from ranks import CUDA
+from script_runs import assert_hf_fused_ran, launch_scripts, load_script_run, script_run
 from references import logp_difference_tol
 
 pytestmark = [
@@ -64,7 +64,6 @@ pytestmark = [
 
 SCRIPT = CONFIGS / "trl_sft.py"
 GRPO_SCRIPT = CONFIGS / "trl_grpo.py"
-RUNNER = HERE / "script_runner.py"
 BATCH = 2  # per device
 RANKS = 2
 #: SGD at a constant rate, no clipping, fp32 (TRL's configs default to bf16), no checkpoints.
@@ -72,25 +71,6 @@ ARGS = ["--tiny", "--max_steps", "3", "--gradient_accumulation_steps", "2", "--o
         "--learning_rate", "0.5", "--lr_scheduler_type", "constant", "--weight_decay", "0", "--max_grad_norm", "0",
         "--bf16", "False", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--seed", "0",
         "--disable_tqdm", "True", *([] if CUDA else ["--use_cpu"])]
-
-
-def script_run(script: Path, *args: str, engine: str | Path | None = None, processes: int = RANKS) -> Run:
-    """``script`` with ``args`` through the runner: under ``accelerate launch --config_file <engine>.yaml``
-    (``processes`` ranks), or as one plain process when ``engine`` is None."""
-    case = dict(script=str(script), args=list(args), fused="--no_fused_loss" not in args)
-    return Run.of(engine, 1 if engine is None else processes, case)
-
-
-def load_script_run(run: Run, out_dir: Path) -> dict:
-    """What the script and tests/distributed/script_runner.py wrote in ``out_dir``, after checking that the engine
-    wrapped the model."""
-    logs = [e for e in json.loads((out_dir / "trainer_state.json").read_text())["log_history"] if "loss" in e]
-    counts = [json.loads((out_dir / f"run.{rank}.json").read_text()) for rank in range(run.processes)]
-    got = {"logs": logs, "losses": [e["loss"] for e in logs], "counts": counts, "world": run.processes,
-           "dir": out_dir, **torch.load(out_dir / "run.params.pt")}
-    if run.config is not None:
-        assert_wrapped_by(got, run.config, run.processes)
-    return got
 
 
 def reference_run() -> Run:
@@ -106,18 +86,6 @@ def test_trl_sft_script_matches_unpatched_single_process(engine, runs):
     assert_hf_fused_ran(got, reference, engine)
     assert_matches_reference(got, reference, ranks=RANKS)
     assert_same_metrics(got, reference)
-
-
-def assert_hf_fused_ran(fused: dict, unpatched: dict, engine: str | None, calls: int = 3 * 2) -> None:
-    """hf_fused computed the head at least ``calls`` times on every rank of ``fused`` (by default each of a rank's
-    3 × 2 micro-batches, and apply_fused_loss's probe), under ZeRO-3 from a partitioned lm_head, and never in the
-    ``unpatched`` run (a script whose patch silently did nothing would match its reference exactly)."""
-    assert all(c["head_calls"] == 0 for c in unpatched["counts"]), ("the unpatched script reached hf_fused",
-                                                                     unpatched["counts"])
-    for count in fused["counts"]:
-        assert count["head_calls"] >= calls, count
-        if engine == "zero3":
-            assert count["partitioned_head_calls"] == count["head_calls"], count
 
 
 def logged_metrics(run: dict) -> set[str]:
@@ -433,8 +401,8 @@ PLANS = {
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory) -> SharedLaunches:
     """Every script run of this module's selected tests, one launch per engine."""
-    return SharedLaunches(tmp_path_factory.mktemp("script_runs"), planned_runs(request, PLANS),
-                          lambda runs, dirs: run_cases(runs, dirs, RUNNER), load_script_run)
+    return SharedLaunches(tmp_path_factory.mktemp("script_runs"), planned_runs(request, PLANS), launch_scripts,
+                          load_script_run)
 
 
 def _needs_deepspeed(engine: str) -> None:
