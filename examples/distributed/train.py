@@ -1,5 +1,5 @@
 """Fine-tune a causal LM with hf_fused's fused loss on several GPUs, under whichever engine the accelerate
-config picks (DeepSpeed ZeRO-2/3, FSDP2, DDP):
+config picks (DeepSpeed ZeRO-2/3, FSDP2, DDP, tensor parallelism):
 
     accelerate launch --config_file examples/distributed/zero3.yaml examples/distributed/train.py \\
         --model Qwen/Qwen3-0.6B --text-file corpus.txt --seq-len 2048 --batch 4 --steps 100 --bf16
@@ -8,11 +8,14 @@ Run from the repository root (the DeepSpeed configs name their JSON files relati
 loaded after the training arguments exist, so under ZeRO-3 ``from_pretrained`` builds it partitioned; the
 ``hf_fused.FusedTrainer`` then computes the loss from hidden states without ``[tokens, vocab]`` logits.
 ``--model tiny`` trains a 2-layer model from a config on random tokens: an offline smoke test.
+Under a config with a ``parallelism_config`` tensor-parallel size (tp2.yaml, fsdp2_tp2.yaml) the model is loaded
+sharded by transformers' tensor-parallel plan (``DistributedConfig``), which a saved model's path or Hub id needs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import transformers
@@ -44,6 +47,19 @@ def tiny_model() -> transformers.PreTrainedModel:
     return transformers.LlamaForCausalLM(config)
 
 
+def tensor_parallel() -> dict:
+    """``from_pretrained`` keywords for the accelerate config's tensor-parallel size (``accelerate launch`` exports
+    a ``parallelism_config`` as ``PARALLELISM_CONFIG_*``): transformers shards the model over ``tp_size`` ranks (FSDP2
+    over ``dp_shard_size``); none without one."""
+    tp_size = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1"))
+    if tp_size == 1:
+        return {}
+    from transformers.distributed import DistributedConfig
+
+    fsdp_size = int(os.environ.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1"))
+    return {"distributed_config": DistributedConfig(tp_size=tp_size, fsdp_size=fsdp_size)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="Hub id or local path of a causal LM, or 'tiny'")
@@ -65,13 +81,15 @@ def main() -> None:
         save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
     )
     if args.model == "tiny":
+        if tensor_parallel():
+            parser.error("tensor parallelism shards a model in from_pretrained: pass a saved model, not --model tiny")
         model = tiny_model()
         ids = torch.randint(0, model.config.vocab_size, (64 * args.seq_len,), generator=torch.Generator().manual_seed(0))
     else:
         if not args.text_file:
             parser.error("--text-file is required unless --model tiny")
         # After TrainingArguments: under ZeRO-3 (zero3_init_flag) the model is built partitioned.
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype="auto", **tensor_parallel())
         tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
         with open(args.text_file, encoding="utf-8") as f:
             ids = torch.tensor(tokenizer(f.read())["input_ids"])

@@ -4,8 +4,9 @@ Public: the ops (:func:`linear_cross_entropy`, :func:`linear_logprobs`, :func:`l
 :func:`linear_grpo_loss`, :func:`linear_token_statistics`, :func:`linear_distillation_loss`,
 :func:`linear_support_loss`, :func:`sparse_distillation_loss`, :func:`linear_topk_logprobs`), their option and
 result types, :func:`causal_shift`
-(labels aligned with the positions that predict them), :func:`describe_plan` (which schedule a call takes) and the
-backend registry. Each op is one autograd Function behind one call to :func:`hf_fused.ops.prepare.prepare`.
+(labels aligned with the positions that predict them), :class:`VocabShard` (a rank's rows of a head sharded over the
+vocabulary: the ops' ``vocab_parallel=``), :func:`describe_plan` (which schedule a call takes) and the backend
+registry. Each op is one autograd Function behind one call to :func:`hf_fused.ops.prepare.prepare`.
 Other names importable from here (``rows_per_tile``) are internals kept for tests."""
 
 from .backends import available_backends, describe_plan, get_backend, register_backend
@@ -23,6 +24,7 @@ from .tiling import DEFAULT_TILE_BUDGET_BYTES, rows_per_tile
 from .token_loss import TokenLossOutput, linear_token_loss
 from .token_statistics import TOKEN_STATISTICS, linear_token_statistics
 from .topk_logprobs import TopKLogprobs, linear_topk_logprobs
+from .vocab_parallel import VocabShard
 
 __all__ = [
     "DEFAULT_TILE_BUDGET_BYTES",
@@ -52,4 +54,5 @@ __all__ = [
     "TokenLossHint",
     "TokenLossOutput",
     "TopKLogprobs",
+    "VocabShard",
 ]

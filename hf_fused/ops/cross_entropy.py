@@ -12,6 +12,7 @@ from .logit_transform import LogitTransform
 from .logprobs import logprobs_outputs
 from .precision import autocast_off, refuse_double_backward
 from .prepare import PreparedHead, check_per_token, prepare
+from .vocab_parallel import VocabParallel
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -118,7 +119,7 @@ def linear_cross_entropy(
     tile_budget_bytes: Optional[int] = None,
     backend: Optional[str] = None,
     token_weights: Optional[torch.Tensor] = None,
-    vocab_parallel=None,
+    vocab_parallel: Optional[VocabParallel] = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``labels`` under the logits of ``hidden @ weight.T + bias``, never materializing
     the ``[N, V]`` logits.

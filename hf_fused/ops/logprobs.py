@@ -14,6 +14,7 @@ from .logit_transform import LogitTransform
 from .precision import autocast_off, refuse_double_backward
 from .prepare import PreparedHead, prepare
 from .token_statistics import check_statistics, per_token_statistics
+from .vocab_parallel import VocabParallel
 
 __all__ = ["HintMissedWarning", "LinearLogprobsFunction", "linear_logprobs", "logprobs_outputs"]
 
@@ -107,7 +108,7 @@ def linear_logprobs(
     backend: Optional[str] = None,
     grad_hint: Union[None, torch.Tensor, TokenLossHint] = None,
     statistics: Optional[Sequence[str]] = None,
-    vocab_parallel=None,
+    vocab_parallel: Optional[VocabParallel] = None,
 ) -> Union[
     tuple[torch.Tensor, Optional[torch.Tensor]],
     tuple[torch.Tensor, Optional[torch.Tensor], dict[str, torch.Tensor]],

@@ -18,7 +18,7 @@ from .head_inputs import HeadInputs
 from .logit_transform import LogitTransform
 from .precision import autocast_dtype
 from .tiling import validate_tile_budget
-from .vocab_parallel import VocabLayout, as_vocab_shard, resolve_vocab_shard, sum_gradient_over
+from .vocab_parallel import VocabLayout, VocabParallel, as_vocab_shard, resolve_vocab_shard, sum_gradient_over
 
 
 def causal_shift(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -167,7 +167,7 @@ def prepare(
     tile_budget_bytes: Optional[int] = None,
     backend: Optional[str] = None,
     num_items_in_batch=None,
-    vocab_parallel=None,
+    vocab_parallel: Optional[VocabParallel] = None,
 ) -> PreparedHead:
     """The prologue of every public op: the head's inputs checked and flattened, with everything the op's
     autograd Function needs to compute from them.

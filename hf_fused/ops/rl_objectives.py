@@ -12,6 +12,7 @@ import torch
 
 from .logit_transform import LogitTransform
 from .token_loss import linear_token_loss
+from .vocab_parallel import VocabParallel
 
 LOSS_FNS = ("dapo", "cispo")
 #: open-instruct's clamp of ``logp − ref`` before the KL estimators ("to avoid numerical instability").
@@ -132,7 +133,7 @@ def linear_grpo_loss(
     need_entropy: bool = False,
     tile_budget_bytes: Optional[int] = None,
     backend: Optional[str] = None,
-    vocab_parallel=None,
+    vocab_parallel: Optional[VocabParallel] = None,
 ) -> GRPOLossOutput:
     """open-instruct's GRPO loss for one micro-batch, from hidden states and lm_head: the loss and its gradients
     for hidden, weight and bias in one pass over the tiles (6·N·H·V FLOPs).

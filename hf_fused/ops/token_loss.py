@@ -15,6 +15,7 @@ from .logit_transform import LogitTransform
 from .precision import autocast_off, refuse_double_backward
 from .prepare import PreparedHead, prepare
 from .tile_loss import TileLoss, TokenLossFn, token_loss_one_pass
+from .vocab_parallel import VocabParallel
 
 
 class TokenLossOutput(NamedTuple):
@@ -121,7 +122,7 @@ def linear_token_loss(
     need_entropy: bool = False,
     tile_budget_bytes: Optional[int] = None,
     backend: Optional[str] = None,
-    vocab_parallel=None,
+    vocab_parallel: Optional[VocabParallel] = None,
 ) -> TokenLossOutput:
     """The summed loss ``Σ_t token_loss(logp_t, H_t; per_token_t)`` of a token-separable objective under the
     logits of ``hidden @ weight.T + bias``, with its gradients for hidden, weight and bias computed in the same

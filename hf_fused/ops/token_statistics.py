@@ -10,6 +10,7 @@ import torch
 from .logit_transform import LogitTransform
 from .precision import autocast_off
 from .prepare import prepare
+from .vocab_parallel import VocabParallel
 
 #: The token statistics the ops compute, by name (TRL's ``FusedCausalLMOutput`` field names).
 TOKEN_STATISTICS = ("mean_logits", "is_top1", "log_sum_sq_probs")
@@ -50,7 +51,7 @@ def linear_token_statistics(
     logit_scale: float = 1.0,
     tile_budget_bytes: Optional[int] = None,
     backend: Optional[str] = None,
-    vocab_parallel=None,
+    vocab_parallel: Optional[VocabParallel] = None,
 ) -> dict[str, torch.Tensor]:
     """The requested per-token statistics under the logits of ``hidden @ weight.T + bias``, never materializing
     the ``[N, V]`` logits, for metrics only: the statistics forward of :func:`~hf_fused.ops.linear_logprobs`

@@ -21,8 +21,8 @@ logits, ``m`` their maximum over all ranks, ``t = z − m`` and ``e = exp(t)`` o
 
 so a tile costs one all-reduce MAX of ``[rows]`` and one all-reduce SUM of ``[k, rows]`` (``k`` ≤ 7), nothing of
 size ``[rows, V]``. Once ``lse`` (and ``H``) are known, the logits gradient of every rank's slice is local
-(``dz_j = g_lp·(1[j = y] − p_j) − g_H·p_j·(log p_j + H)``): the weight gradient of a rank is its own rows, and the
-hidden states' gradient is a sum of every rank's part, which :func:`sum_gradient_over` all-reduces once per
+(``dz_j = g_lp·(1[j = y] − p_j) − g_H·p_j·(log p_j + H)``): the weight gradient of a rank is its own rows, and
+the hidden states' gradient is a sum of every rank's part, which :func:`sum_gradient_over` all-reduces once per
 backward.
 """
 
@@ -72,6 +72,10 @@ class VocabShard:
     def width(self) -> int:
         """``stop − start``: the rows of the weight this rank holds."""
         return self.stop - self.start
+
+
+#: What the ops' ``vocab_parallel=`` takes: a :class:`VocabShard` or a ``(start, stop, group)`` tuple.
+VocabParallel = Union[VocabShard, tuple]
 
 
 def as_vocab_shard(vocab_parallel) -> VocabShard:
@@ -319,5 +323,3 @@ def label_gradient_(dz: torch.Tensor, labels: torch.Tensor, shard: VocabShard, g
         dz.scatter_add_(1, local_label, torch.where(own, g_lp, g_lp.new_zeros(())).unsqueeze(1))
     return dz
 
-
-VocabParallel = Union[VocabShard, tuple]

@@ -1,5 +1,6 @@
 """Tensor-parallel runs for tests/distributed/test_tensor_parallel.py, under ``torch.distributed.run`` (every rank one
-tensor-parallel rank over gloo) or as one plain process (the unpatched single-process reference). One argument: a
+tensor-parallel rank over gloo), ``accelerate launch`` with examples/distributed/tp2.yaml or fsdp2_tp2.yaml, or as
+one plain process (the unpatched single-process reference). One argument: a
 JSON file listing the runs of this launch, ``[{"case": {...}, "dir": ...}, ...]`` (as launch.py writes it); a run
 that raises leaves its traceback in ``<dir>/error.txt``. Rank 0 writes ``<dir>/result.pt``. A case:
 
@@ -16,6 +17,7 @@ that raises leaves its traceback in ``<dir>/error.txt``. Rank 0 writes ``<dir>/r
     fsdp        "trainer": FSDP2 over this many ranks × tensor parallelism over the rest
                 (``DistributedConfig(tp_size=world // fsdp, fsdp_size=fsdp)``), the global batch kept at 4 rows
     fused       patch the model with ``hf_fused.apply_fused_loss`` first
+    trainer     "Trainer" (default) or "FusedTrainer" (which patches the model itself)
     bf16        ``TrainingArguments(bf16=True)`` (autocast of the fp32 model)
 
 ``result.pt``: ``losses``, whole fp32 ``params`` after and ``initial`` before training (DTensors gathered), ``world``,
@@ -152,14 +154,17 @@ def train(case: dict, out: str) -> dict:
         use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
     )
     model = load(case, tensor_parallel=True)
-    if case.get("fused"):
+    trainer_cls = transformers.Trainer
+    if case.get("trainer") == "FusedTrainer":
+        from hf_fused import FusedTrainer as trainer_cls
+    elif case.get("fused"):
         from hf_fused import apply_fused_loss
 
         apply_fused_loss(model)
     initial = full_parameters(model)
+    trainer = trainer_cls(model=model, args=args, train_dataset=TinyDataset(),
+                          data_collator=transformers.default_data_collator)
     layouts = record_head_layouts()
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=TinyDataset(),
-                                   data_collator=transformers.default_data_collator)
     head_calls = count_fused_head_calls()
     tracker, recorder = VocabWidthTracker(model.config.vocab_size, model.config.hidden_size), CollectiveRecorder()
     with tracker.mode, recorder:

@@ -1,8 +1,10 @@
 """Tensor parallelism through the public entry points, on CPU ranks over gloo (tensor_parallel_worker.py):
-``apply_fused_loss`` on a model loaded with ``from_pretrained(path, distributed_config=DistributedConfig(tp_size=n))``
-(lm_head a ``Shard(0)`` DTensor whose transformers forward all-gathers the logits) trained by ``transformers.Trainer``,
-on 2 and 3 ranks (a vocabulary of 131: shards 66/65 and 44/44/43), tied and untied, fp32 and bf16; and a custom loop
-on a model whose lm_head torch's ``ColwiseParallel`` shards. Each against the single-process unpatched run on the same
+``apply_fused_loss`` (or ``FusedTrainer``) on a model loaded with
+``from_pretrained(path, distributed_config=DistributedConfig(tp_size=n))`` (lm_head a ``Shard(0)`` DTensor whose
+transformers forward all-gathers the logits) trained by ``transformers.Trainer``, on 2 ranks launched with
+examples/distributed/tp2.yaml and 3 under torchrun (a vocabulary of 131: shards 66/65 and 44/44/43), tied and untied,
+fp32 and bf16, and FSDP2 × TP on 4 ranks launched with examples/distributed/fsdp2_tp2.yaml; and a custom loop on a
+model whose lm_head torch's ``ColwiseParallel`` shards. Each against the single-process unpatched run on the same
 global batch: every logged loss and every updated parameter (``parity.py``), with no collective moving anything of
 the vocabulary's width (the unpatched tensor-parallel run all-gathers its logits shards) and no tensor of the whole
 vocabulary's width made. Runs of one rank count share one launch (``launch.SharedLaunches``).
@@ -17,14 +19,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import HERE, Run, SharedLaunches, launch_timeout, planned_runs, run
+from launch import HERE, Run, SharedLaunches, accelerate_launch, launch_timeout, planned_runs, run
 from parity import assert_bf16_twin, assert_matches_reference
+from ranks import CUDA
 
 pytestmark = [
     pytest.mark.distributed,
     pytest.mark.skipif(
         not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="needs gloo"
     ),
+    pytest.mark.skipif(CUDA, reason="CPU ranks over gloo only: the worker trains on CPU (docs/tensor_parallel.md)"),
 ]
 
 WORKER = HERE / "tensor_parallel_worker.py"
@@ -46,25 +50,29 @@ def make_model(tied: bool):
     return LlamaForCausalLM(config)
 
 
-def trainer_case(model: str, fused: bool, bf16: bool = False) -> dict:
-    return dict(kind="trainer", model=model, fused=fused, bf16=bf16)
+def trainer_case(model: str, fused: bool, bf16: bool = False, trainer: str = "Trainer") -> dict:
+    return dict(kind="trainer", model=model, fused=fused, bf16=bf16, trainer=trainer)
 
 
 def reference(case: dict) -> Run:
     """The single-process unpatched run of ``case`` (no tensor parallelism)."""
-    return Run.of(None, 1, {**case, "fused": False})
+    return Run.of(None, 1, {**case, "fused": False, "trainer": "Trainer"} if case["kind"] == "trainer"
+                  else {**case, "fused": False})
 
 
 def tensor_parallel(case: dict, ranks: int) -> Run:
-    return Run.of("torchrun", ranks, case)
+    """``case`` on ``ranks`` tensor-parallel ranks: 2 launched with examples/distributed/tp2.yaml, else torchrun."""
+    return Run.of("tp2" if ranks == 2 else "torchrun", ranks, case)
 
 
-PARITY = {f"tp{n}-{model}": (n, model) for n in (2, 3) for model in ("untied", "tied")}
+#: name → (ranks, model, trainer)
+PARITY = {"tp2-untied": (2, "untied", "Trainer"), "tp2-tied-FusedTrainer": (2, "tied", "FusedTrainer"),
+          "tp3-untied": (3, "untied", "Trainer"), "tp3-tied": (3, "tied", "Trainer")}
 
 
 def parity_runs(name: str) -> list[Run]:
-    ranks, model = PARITY[name]
-    case = trainer_case(model, fused=True)
+    ranks, model, trainer = PARITY[name]
+    case = trainer_case(model, fused=True, trainer=trainer)
     return [tensor_parallel(case, ranks), reference(case)]
 
 
@@ -86,7 +94,7 @@ def colwise_runs() -> list[Run]:
 
 def fsdp_runs() -> list[Run]:
     case = trainer_case("untied", fused=True)
-    return [tensor_parallel({**case, "fsdp": 2}, 4), reference(case)]
+    return [Run.of("fsdp2_tp2", 4, {**case, "fsdp": 2}), reference(case)]
 
 
 def lora_runs() -> list[Run]:
@@ -112,11 +120,14 @@ def runs(request, tmp_path_factory) -> SharedLaunches:
             entries.append({"case": {**case, "model_dir": str(models[case["model"]])}, "dir": str(d)})
         batch = dirs[0] / "batch.json"
         batch.write_text(json.dumps(entries))
-        ranks = batch_runs[0].processes
-        command = [sys.executable, str(WORKER), str(batch)]
-        if ranks > 1:
-            command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
-        run(command, timeout_s=launch_timeout(len(batch_runs)))
+        config, ranks, timeout_s = batch_runs[0].config, batch_runs[0].processes, launch_timeout(len(batch_runs))
+        if config is None:
+            run([sys.executable, str(WORKER), str(batch)], timeout_s=timeout_s)
+        elif config == "torchrun":
+            run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+                 str(WORKER), str(batch)], timeout_s=timeout_s)
+        else:
+            accelerate_launch(config, WORKER, str(batch), processes=ranks, timeout_s=timeout_s)
 
     plans = {"test_trainer_under_tensor_parallelism_matches_single_process": parity_runs,
              "test_unpatched_tensor_parallel_run_gathers_the_logits": stock_runs,
@@ -147,11 +158,11 @@ def test_trainer_under_tensor_parallelism_matches_single_process(name, runs):
     rank's rows of lm_head (the DTensor's own layout: ceil-sized shards), with no collective of the vocabulary's
     width and no tensor of the whole vocabulary's width (transformers' own forward all-gathers the logits)."""
     tp, ref = (runs(r) for r in parity_runs(name))
-    ranks, _ = PARITY[name]
+    ranks, model, _ = PARITY[name]
     assert_matches_reference(tp, ref, ranks)
     assert tp["shards"] == chunk_shards(ranks)
     assert tp["head_calls"] == 3 and tp["max_vocab_rows"] == 0
-    assert tp["tied"] == (PARITY[name][1] == "tied")
+    assert tp["tied"] == (model == "tied")
     assert tp["head_layouts"] == [(("S(0)",), (ranks,), tp["shards"][0])]
     assert not vocabulary_collectives(tp, ranks), vocabulary_collectives(tp, ranks)
 

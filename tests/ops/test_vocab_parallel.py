@@ -210,7 +210,8 @@ def dense(op: str, h, w, b, y):
             "is_top1": mask & (z.argmax(-1) == y),
             "log_sum_sq_probs": torch.where(mask, torch.logsumexp(2 * logp_all, -1), 0.0),
         }
-        return {"logprobs": lp, "entropy": ent, **stats}, (lp * _upstream(6).double() + ent * _upstream(7).double()).sum()
+        upstream = lp * _upstream(6).double() + ent * _upstream(7).double()
+        return {"logprobs": lp, "entropy": ent, **stats}, upstream.sum()
     if op == "logprobs_hint":
         return {"logprobs": lp}, -(2.0 * adv * lp).sum()
     if op in ("token_loss", "token_loss_hint"):

@@ -19,7 +19,7 @@ import torch
 
 from ..grads import HeadGrads
 from ..head_inputs import HeadInputs, NeededGrads
-from ..tiling import TILE_BUFFERS, rows_per_tile, tiles
+from ..tiling import rows_per_tile, tiles
 from ..vocab_parallel import VocabLayout, label_gradient_, merged_tile_statistics
 from .protocol import HeadPass, TileGrads
 from .torch_reference import TorchReferenceBackend
@@ -127,17 +127,6 @@ class VocabParallelBackend:
             del z, tanh, dz, logp, p
             start = stop
         return grads
-
-    def describe_plan(self, weight: torch.Tensor, *, n_rows: int, tile_budget_bytes: Optional[int] = None,
-                      need_weight: Optional[bool] = None, n_tokens: Optional[int] = None) -> str:
-        """One line: this rank's slice, its tile and accumulators, and the collectives per tile."""
-        layout, (width, hidden_size) = self.layout, weight.shape
-        need_weight = weight.requires_grad if need_weight is None else need_weight
-        rows = min(rows_per_tile(layout.max_width, tile_budget_bytes), max(n_rows, 1))
-        size = TILE_BUFFERS * 4 * rows * width + (4 * width * hidden_size if need_weight else 0)
-        return (f"vocab-parallel torch tile loop on rows [{layout.shard.start}, {layout.shard.stop}) of {layout.vocab_size} "
-                f"over {layout.ranks} ranks: {rows} rows per tile, {size / 2**30:.2f} GiB working set, one all-reduce "
-                "MAX and one SUM of per-row statistics per tile")
 
 
 def _logits_grad(log_probs, probs, entropy, g_lp, g_ent):
