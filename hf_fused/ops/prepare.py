@@ -18,7 +18,7 @@ from .head_inputs import HeadInputs
 from .logit_transform import LogitTransform
 from .precision import autocast_dtype
 from .tiling import validate_tile_budget
-from .vocab_parallel import VocabLayout, VocabParallel, as_vocab_shard, resolve_vocab_shard, sum_gradient_over
+from .vocab_parallel import VocabParallel, as_vocab_shard, resolve_vocab_shard, sum_gradient_over
 
 
 def causal_shift(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -67,8 +67,6 @@ class PreparedHead:
     batch_shape: their shape, the leading ``...`` of hidden: per-token outputs go back to it (:meth:`shaped`).
     num_items_in_batch: as given, checked (a 0-d tensor stays on its device).
     grad_enabled: whether grad mode was on at the call (the Function runs its forward with it off).
-    vocab_layout: with ``vocab_parallel=``, the checked layout of the ranks' vocabulary shards (``head.weight`` is
-        this rank's rows, ``head.hidden`` sums its gradient over the group); else ``None``.
     """
 
     head: HeadInputs
@@ -77,7 +75,6 @@ class PreparedHead:
     batch_shape: torch.Size
     num_items_in_batch: object
     grad_enabled: bool
-    vocab_layout: Optional[VocabLayout] = None
 
     @property
     def rows(self) -> torch.Tensor:
@@ -234,7 +231,7 @@ def prepare(
         chosen = VocabParallelBackend(layout)
     else:
         chosen = get_backend(hidden.device, backend)
-    return PreparedHead(head, chosen, labels, hidden.shape[:-1], num_items_in_batch, torch.is_grad_enabled(), layout)
+    return PreparedHead(head, chosen, labels, hidden.shape[:-1], num_items_in_batch, torch.is_grad_enabled())
 
 
 def _flatten(hidden, weight, labels, bias, ignore_index, num_items_in_batch, shard=None):

@@ -104,11 +104,6 @@ def group_size(group) -> int:
     return dist.get_world_size(group) if _is_process_group(group) else group.size()
 
 
-def group_rank(group) -> int:
-    """This rank's index in ``group``."""
-    return dist.get_rank(group) if _is_process_group(group) else group.rank()
-
-
 def all_reduce_(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
     """``tensor`` reduced in place over ``group`` (``op``: ``"sum"`` or ``"max"``), returned."""
     if _is_process_group(group):
@@ -153,39 +148,39 @@ class VocabLayout:
 
 def resolve_vocab_shard(shard: VocabShard, weight: torch.Tensor, kept: torch.Tensor) -> VocabLayout:
     """Check ``shard`` against ``weight`` (``[stop − start, H]``) and the group's other shards, and return the
-    layout. Every rank of the group must call it with its own shard (a collective: one all-gather of three ints per
-    rank and one host sync): the shards must tile ``[0, V)``, and every rank must score the same tokens (``kept``:
-    the ``[N]`` bool mask of non-ignored labels; their count is compared), or the tile loops would pair unrelated
-    collectives. A group of one rank needs no collective.
+    layout. Every rank of the group must call it with its own shard (a collective: one all-gather of four ints per
+    rank and one host sync): each rank's weight must have its shard's rows, the shards must tile ``[0, V)``, and
+    every rank must score the same tokens (``kept``: the ``[N]`` bool mask of non-ignored labels; their count is
+    compared), or the tile loops would pair unrelated collectives. Every rank sees every rank's numbers, so a bad
+    layout raises on all of them (none is left waiting at a collective). A group of one rank needs no collective.
 
     Raises:
-        ValueError: the weight's rows differ from the shard's width; the group's shards leave a gap or overlap or
-            do not start at 0; the ranks score different numbers of tokens (the tensor-parallel ranks of one
+        ValueError: a rank's weight rows differ from its shard's width; the group's shards leave a gap or overlap
+            or do not start at 0; the ranks score different numbers of tokens (the tensor-parallel ranks of one
             data-parallel replica see the same batch: a rank of another replica is in the group).
     """
-    if weight.shape[0] != shard.width:
-        raise ValueError(
-            f"vocab_parallel: this rank's weight has {weight.shape[0]} rows but its VocabShard is "
-            f"[{shard.start}, {shard.stop}) ({shard.width} rows); pass the rank's local shard of lm_head.weight "
-            "(DTensor.to_local()) with the slice it holds"
-        )
     ranks = group_size(shard.group)
     if ranks == 1:
-        if shard.start != 0:
-            raise ValueError(
-                f"vocab_parallel: a group of one rank holds the whole vocabulary, but its VocabShard starts at "
-                f"{shard.start}; pass VocabShard(0, V, group)"
-            )
-        return VocabLayout(shard, shard.stop, shard.width, 1)
-    mine = torch.stack([torch.tensor(shard.start, device=kept.device), torch.tensor(shard.stop, device=kept.device),
-                        kept.sum()]).to(torch.int64)
-    bounds = torch.stack(_all_gather(mine, shard.group)).tolist()  # the one host sync
+        bounds = [(shard.start, shard.stop, 0, weight.shape[0])]
+    else:
+        mine = torch.tensor([shard.start, shard.stop, 0, weight.shape[0]], dtype=torch.int64, device=kept.device)
+        mine[2] = kept.sum()
+        bounds = torch.stack(_all_gather(mine, shard.group)).tolist()  # the one host sync
     return _layout(shard, bounds, ranks)
 
 
 def _layout(shard: VocabShard, bounds: Sequence[Sequence[int]], ranks: int) -> VocabLayout:
-    """The layout from every rank's ``(start, stop, kept tokens)``; raises as :func:`resolve_vocab_shard`."""
-    counts = sorted({kept for _, _, kept in bounds})
+    """The layout from every rank's ``(start, stop, kept tokens, weight rows)``; raises as
+    :func:`resolve_vocab_shard`."""
+    wrong = [(r, start, stop, rows) for r, (start, stop, _, rows) in enumerate(bounds) if rows != stop - start]
+    if wrong:
+        r, start, stop, rows = wrong[0]
+        raise ValueError(
+            f"vocab_parallel: rank {r}'s weight has {rows} rows but its VocabShard is [{start}, {stop}) "
+            f"({stop - start} rows); pass each rank's local shard of lm_head.weight (DTensor.to_local()) with the "
+            "slice it holds"
+        )
+    counts = sorted({kept for _, _, kept, _ in bounds})
     if len(counts) > 1:
         raise ValueError(
             f"vocab_parallel: the ranks of the tensor-parallel group score different numbers of tokens {counts}; "
@@ -193,14 +188,14 @@ def _layout(shard: VocabShard, bounds: Sequence[Sequence[int]], ranks: int) -> V
             "tensor-parallel group, not one spanning data-parallel replicas)"
         )
     position = 0
-    for start, stop, _ in sorted((start, stop, k) for start, stop, k in bounds):
+    for start, stop in sorted((start, stop) for start, stop, _, _ in bounds):
         if start != position:
             raise ValueError(
-                f"vocab_parallel: the group's vocabulary shards {[(a, b) for a, b, _ in bounds]} (by rank) do not "
+                f"vocab_parallel: the group's vocabulary shards {[(a, b) for a, b, _, _ in bounds]} (by rank) do not "
                 f"tile [0, V): {'a gap' if start > position else 'an overlap'} at row {min(start, position)}"
             )
         position = stop
-    return VocabLayout(shard, position, max(stop - start for start, stop, _ in bounds), ranks)
+    return VocabLayout(shard, position, max(stop - start for start, stop, _, _ in bounds), ranks)
 
 
 # -- the hidden states' gradient ---------------------------------------------------------------------------------

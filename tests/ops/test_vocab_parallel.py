@@ -12,6 +12,7 @@ the hidden states' gradient, each rank's rows of the weight and bias gradients; 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import threading
 from typing import Callable, Optional
@@ -369,7 +370,7 @@ def test_one_rank_is_the_plain_op_bit_for_bit():
 
 @pytest.mark.parametrize("op", ["cross_entropy", "logprobs", "token_loss"])
 def test_collectives_are_per_row_statistics_and_one_hidden_gradient(op):
-    """What the ranks exchange: one gather of three numbers per rank (the layout check); per tile one MAX of
+    """What the ranks exchange: one gather of four numbers per rank (the layout check); per tile one MAX of
     ``[rows]`` and one SUM of ``[k ≤ 7, rows]``; in backward one SUM of the ``[N, H]`` hidden gradient. Nothing the
     size of the weight or of a logits tile ``[rows, V/tp]``."""
     inputs = make_inputs(29, seed=8)
@@ -379,7 +380,7 @@ def test_collectives_are_per_row_statistics_and_one_hidden_gradient(op):
     kept = int((inputs[3] != -100).sum())
     tiles = -(-kept // tile_rows)
     for calls in group.calls:
-        assert calls[0] == ("gather", (3,))
+        assert calls[0] == ("gather", (4,))
         forward = calls[1: 1 + 2 * tiles]
         for i in range(tiles):
             rows = min(tile_rows, kept - i * tile_rows)
@@ -390,36 +391,39 @@ def test_collectives_are_per_row_statistics_and_one_hidden_gradient(op):
 
 
 def test_bad_shards_are_refused_on_every_rank():
-    """Shards with a gap or an overlap, a weight of another width than the shard, ranks scoring different tokens,
-    or a backend without a vocabulary-parallel schedule: every rank raises the same error (no rank left waiting)."""
-    inputs = make_inputs(10, seed=1)
-    hidden, weight, bias, labels = inputs
+    """Shards with a gap or an overlap or not starting at 0, one rank's weight of another width than its shard, ranks
+    scoring different tokens, labels outside the whole vocabulary, a backend without a vocabulary-parallel schedule:
+    every rank raises the same error (each sees every rank's layout: none is left waiting at a collective)."""
+    hidden, weight, _, labels = make_inputs(10, seed=1)
+    bad = labels.clone()
+    bad[0, 4] = 10
+    fewer = labels.clone()
+    fewer[0, 3] = -100
 
-    def call(bounds, labels_of=lambda r: labels, rows_of=None, **kw):
+    def errors(bounds, labels_of=lambda r: labels, rows_of=lambda r, bounds: bounds, **kw) -> list:
         def rank(r, group):
             start, stop = bounds[r]
-            w = weight[slice(*(rows_of(r) if rows_of else bounds[r]))]
-            return linear_cross_entropy(hidden, w, labels_of(r), vocab_parallel=(start, stop, group), **kw)
-        return run_ranks(len(bounds), rank)
+            try:
+                linear_cross_entropy(hidden, weight[slice(*rows_of(r, bounds[r]))], labels_of(r),
+                                     vocab_parallel=(start, stop, group), **kw)
+            except ValueError as e:
+                return e
+        return run_ranks(len(bounds), rank)[0]
 
-    with pytest.raises(ValueError, match="a gap at row 4"):
-        call([(0, 4), (5, 10)])
-    with pytest.raises(ValueError, match="an overlap at row 4"):
-        call([(0, 5), (4, 10)])
-    with pytest.raises(ValueError, match="do not\n?.*tile|tile"):
-        call([(1, 5), (5, 10)])
-    with pytest.raises(ValueError, match="weight has 4 rows"):
-        call([(0, 5), (5, 10)], rows_of=lambda r: (0, 4))
-    other = labels.clone()
-    other[0, 3] = -100
-    with pytest.raises(ValueError, match="different numbers of tokens"):
-        call([(0, 5), (5, 10)], labels_of=lambda r: other if r else labels)
-    with pytest.raises(ValueError, match="backend='triton'"):
-        call([(0, 5), (5, 10)], backend="triton")
-    with pytest.raises(ValueError, match=r"labels contain 10"):
-        bad = labels.clone()
-        bad[0, 4] = 10
-        call([(0, 5), (5, 10)], labels_of=lambda r: bad)
+    cases = {
+        "a gap at row 4": errors([(0, 4), (5, 10)]),
+        "an overlap at row 4": errors([(0, 5), (4, 10)]),
+        "a gap at row 0": errors([(1, 5), (5, 10)]),
+        r"rank 0's weight has 4 rows but its VocabShard is \[0, 5\)": errors(
+            [(0, 5), (5, 10)], rows_of=lambda r, rows: (0, 4) if r == 0 else rows),
+        "different numbers of tokens": errors([(0, 5), (5, 10)], labels_of=lambda r: fewer if r else labels),
+        "labels contain 10, outside \\[0, 10\\)": errors([(0, 5), (5, 10)], labels_of=lambda r: bad),
+        "backend='triton' has no vocabulary-parallel schedule": errors([(0, 5), (5, 10)], backend="triton"),
+    }
+    for message, raised in cases.items():
+        assert all(isinstance(e, ValueError) for e in raised), (message, raised)
+        for e in raised:
+            assert re.search(message, str(e)), (message, str(e))
     with pytest.raises(TypeError, match="VocabShard or a"):
         linear_cross_entropy(hidden, weight, labels, vocab_parallel=(0, 10))
     with pytest.raises(ValueError, match="start <= stop"):
