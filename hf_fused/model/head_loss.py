@@ -19,7 +19,7 @@ from ..ops import LogitTransform, linear_cross_entropy
 from .distributed import run_head
 from .forward import head_operands
 from .lm_head import check_head_supported
-from .tensor_parallel import check_tensor_parallel_head, vocab_parallel_head
+from .tensor_parallel import check_tensor_parallel_head, refuse_data_parallel_shard, vocab_parallel_head
 from .transform_probe import config_logit_transform, measure_logit_transform
 from .unwrap import find_causal_lm
 
@@ -122,6 +122,7 @@ class LinearCrossEntropyLoss(nn.Module):
         def compute(hidden: torch.Tensor) -> torch.Tensor:
             check_tensor_parallel_head(self.lm_head)
             head_hidden, weight, bias, labels, _ = head_operands(self.lm_head, hidden, shift_labels)
+            refuse_data_parallel_shard(self.lm_head, weight)  # read outside lm_head's call: not FSDP2's shard
             weight, bias, shard = vocab_parallel_head(weight, bias)  # tensor parallelism: this rank's rows
             return linear_cross_entropy(
                 head_hidden, weight, labels, bias, ignore_index=self.ignore_index,

@@ -122,6 +122,23 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def refuse_data_parallel_shard(lm_head: nn.Module, weight: torch.Tensor) -> None:
+    """Refuse a DTensor weight read outside lm_head's call when FSDP2 manages lm_head: FSDP2 gathers its own shards
+    only around the call, so the DTensor there is (also) FSDP2's data-parallel shard, whose ranks hold different
+    batches; reading it as a vocabulary split would merge unrelated tokens. (Inside the call, where the patched
+    forward reads it, FSDP2 has gathered its dimension and what stays sharded is tensor parallelism's.)
+
+    Raises:
+        NotImplementedError: naming what to do instead.
+    """
+    if _is_dtensor(weight) and any(getattr(m, "_is_fsdp_managed_module", False) for m in lm_head.modules()):
+        raise NotImplementedError(
+            f"hf_fused: lm_head's weight is a DTensor (placements {tuple(weight.placements)}) read outside lm_head's "
+            "call on a model FSDP2 manages, where it is FSDP2's shard: compute the loss inside the model's forward "
+            "(apply_fused_loss), or call the loss module inside the FSDP2 root's forward"
+        )
+
+
 def check_tensor_parallel_head(lm_head: nn.Module) -> None:
     """Refuse a PEFT LoRA adapter on a vocabulary-sharded lm_head.
 

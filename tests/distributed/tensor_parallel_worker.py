@@ -13,6 +13,8 @@ that raises leaves its traceback in ``<dir>/error.txt``. Rank 0 writes ``<dir>/r
                 "lora_refused": a LoRA adapter on the tensor-parallel lm_head: ``apply_fused_loss`` refuses it.
                 "layouts": DTensor layouts of a 2-D mesh read by the model layer, and those it refuses
                 (:func:`layouts`).
+                "fsdp_shard_refused": ``LinearCrossEntropyLoss`` outside the forward of a model FSDP2 shards:
+                refused (:func:`fsdp_shard_refused`).
     model_dir   the tiny model (saved with ``save_pretrained``)
     fsdp        "trainer": FSDP2 over this many ranks × tensor parallelism over the rest
                 (``DistributedConfig(tp_size=world // fsdp, fsdp_size=fsdp)``), the global batch kept at 4 rows
@@ -26,7 +28,7 @@ whole vocabulary as last dimension: gathered logits), ``collectives`` (every col
 its tensors, from training), ``shards`` (each rank's lm_head rows), ``tied`` (lm_head's weight is the input
 embeddings'), ``head_layouts`` (the placements and mesh shape of lm_head's weight where hf_fused read it, and the
 rows read; "colwise": ``head_reads``, how many times),
-``wrapper`` (the Trainer's wrapped model's class), ``error`` (lora_refused: the message).
+``wrapper`` (the Trainer's wrapped model's class), ``error`` (lora_refused, fsdp_shard_refused: the message).
 
 Accelerate allows a ``ParallelismConfig`` (which ``Trainer`` builds for a tensor-parallel model) only on accelerators;
 on CPU ranks :func:`allow_parallelism_config_on_cpu_ranks` lets it through, as ``cpu_fsdp/sitecustomize.py`` lets
@@ -270,7 +272,30 @@ def layouts(case: dict, out: str) -> dict:
             "refused": refused}
 
 
-KINDS = {"trainer": train, "colwise": colwise, "lora_refused": lora_refused, "layouts": layouts}
+def fsdp_shard_refused(case: dict, out: str) -> dict:
+    """``LinearCrossEntropyLoss`` on a model FSDP2 shards over the ranks (``fully_shard``), called on hidden states
+    outside the model's forward: lm_head's weight is then FSDP2's ``Shard(0)`` data-parallel shard, which must not be
+    read as a vocabulary split. The message it raises, or ``None``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_fused import LinearCrossEntropyLoss
+
+    model = load(case, tensor_parallel=False)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world(),)))
+    loss_fn = LinearCrossEntropyLoss(model.lm_head)
+    dataset = TinyDataset()
+    row = dataset[dist.get_rank()]
+    hidden = torch.randn(1, row["labels"].numel(), model.config.hidden_size)
+    try:
+        loss_fn(hidden, row["labels"][None])
+    except NotImplementedError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+KINDS = {"trainer": train, "colwise": colwise, "lora_refused": lora_refused, "layouts": layouts,
+         "fsdp_shard_refused": fsdp_shard_refused}
 
 
 def main(batch_file: str) -> None:

@@ -105,6 +105,10 @@ def layout_runs() -> list[Run]:
     return [tensor_parallel(dict(kind="layouts", model="untied"), 2)]
 
 
+def fsdp_shard_runs() -> list[Run]:
+    return [tensor_parallel(dict(kind="fsdp_shard_refused", model="untied"), 2)]
+
+
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory) -> SharedLaunches:
     root = tmp_path_factory.mktemp("tensor_parallel")
@@ -134,7 +138,8 @@ def runs(request, tmp_path_factory) -> SharedLaunches:
              "test_bf16_twin": bf16_runs, "test_colwise_parallel_head_in_a_custom_loop": colwise_runs,
              "test_lora_on_a_tensor_parallel_head_is_refused": lora_runs,
              "test_fsdp2_times_tensor_parallel": fsdp_runs,
-             "test_layouts_on_a_two_dimensional_mesh": layout_runs}
+             "test_layouts_on_a_two_dimensional_mesh": layout_runs,
+             "test_fsdp2_shard_outside_the_call_is_not_read_as_a_vocabulary_split": fsdp_shard_runs}
     return SharedLaunches(root, planned_runs(request, plans), launch,
                           lambda r, d: torch.load(d / "result.pt", weights_only=False))
 
@@ -227,3 +232,11 @@ def test_layouts_on_a_two_dimensional_mesh(runs):
         assert err <= 1e-6, (name, err)
     assert set(got["refused"]) == {"hidden_dim", "plain_bias", "sequence_sharded_input"}, got["refused"]
     assert "Shard(dim=1)" in got["refused"]["hidden_dim"] and "a plain tensor" in got["refused"]["plain_bias"]
+
+
+def test_fsdp2_shard_outside_the_call_is_not_read_as_a_vocabulary_split(runs):
+    """``LinearCrossEntropyLoss`` called outside the forward of a model FSDP2 shards over 2 ranks: lm_head's weight is
+    FSDP2's ``Shard(0)`` shard there (each rank with its own batch), so reading it as a vocabulary split would merge
+    unrelated tokens; it is refused, saying where to compute the loss instead."""
+    (got,) = (runs(r) for r in fsdp_shard_runs())
+    assert got["error"] and "FSDP2's shard" in got["error"] and "apply_fused_loss" in got["error"], got
