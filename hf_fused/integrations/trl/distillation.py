@@ -19,8 +19,9 @@ What hf_fused does differently, for a patched student:
   bare weight: while the trainer is built around a patched model, its check sees the layer under the adapter);
 * the student's logit transform is the one the patch measured on its forward (the teacher's is TRL's reading of its
   config, or the measured one if the teacher is patched too);
-* DeepSpeed ZeRO-3: both heads' partitioned parameters are gathered for the call (the student's once more for its
-  backward, :func:`hf_fused.model.distributed.run_head`), where TRL's kernel would read empty shards;
+* the divergence is computed inside a call of the student's lm_head module, which engines hook as in a forward
+  (DeepSpeed ZeRO-3 gathers the head for it, and hf_fused's gather node again for its backward); a teacher head that
+  ZeRO-3 has partitioned again after the teacher's forward is gathered for the call;
 * FSDP2: a DTensor weight is gathered once per call with ``full_tensor()`` and cast to its hidden states' dtype, as
   TRL does.
 """
@@ -37,9 +38,8 @@ import torch
 import torch.nn as nn
 
 from ...model import patched_models
-from ...model.distributed import run_head
 from ..patching import ThirdPartyPatch
-from .divergence import TeacherHead, student_divergence
+from .divergence import TeacherHead, divergence_in_head_call
 from .hooks import lm_head_adapter_hidden_from_trl
 
 #: ``_chunked_divergence_loss``'s parameters in TRL 1.16: the call answered here (checked at install).
@@ -65,7 +65,8 @@ def fused_divergence_loss(
     temperature: float = 1.0,
     teacher: Optional[nn.Module] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """TRL's ``_chunked_divergence_loss`` for the patched causal LM ``student`` (:func:`student_divergence`).
+    """TRL's ``_chunked_divergence_loss`` for the patched causal LM ``student``, computed inside a call of its lm_head
+    (:func:`~hf_fused.integrations.trl.divergence.divergence_in_head_call`).
 
     Args:
         student: the patched causal LM whose lm_head computes the student's logits.
@@ -93,14 +94,9 @@ def fused_divergence_loss(
         softcap=teacher_final_logit_softcapping,
     )
 
-    def compute(hidden: torch.Tensor):
-        out = student_divergence(lm_head, hidden, state, teacher_head, beta=beta, temperature=temperature,
-                                 mask=completion_mask, num_items_in_batch=num_items_in_batch)
-        return out.loss, out.entropy
-
-    # ZeRO-3: the student's head parameters gathered for this call and again for its backward.
-    loss, entropy = run_head(lm_head, student_hidden_states, compute)
-    return loss, entropy.sum(), (completion_mask.reshape(-1) != 0).sum()
+    out = divergence_in_head_call(lm_head, student_hidden_states, state, teacher_head, beta=beta,
+                                  temperature=temperature, mask=completion_mask, num_items_in_batch=num_items_in_batch)
+    return out.loss, out.entropy.sum(), (completion_mask.reshape(-1) != 0).sum()
 
 
 def patched_model_with_head_weight(weight) -> Optional[nn.Module]:

@@ -5,6 +5,8 @@ are answered with (:mod:`.distillation`, :mod:`.gkd`).
   hf_fused reads it: a LoRA adapter on lm_head included) against a :class:`TeacherHead`, with the patched student's
   measured logit transform and options; FSDP2 DTensor weights gathered once per call and ZeRO-3 partitioned teacher
   parameters gathered for it.
+* :func:`divergence_in_head_call`: that divergence inside a call of the student's lm_head module on given hidden
+  states (``DistillationTrainer``'s, whose backbone TRL runs itself).
 * :func:`distillation_forward`: the answer to ``model(..., hf_fused_distillation=DistillationCall(...))`` on a patched
   model (an extension of the model layer, registered in :mod:`hf_fused.integrations`): the divergence computed inside
   the student's lm_head call, where engines have its parameters whole, as its fused loss is.
@@ -44,8 +46,8 @@ def student_divergence(lm_head: nn.Module, hidden: torch.Tensor, state, teacher:
     LoRA adapter included, :func:`hf_fused.model.head_tensors`) on ``hidden`` ``[..., H_s]`` against ``teacher``, with
     the patched student's measured transform and options (``state``: its ``FusedLossState``); ``"mean"`` reduction,
     over the tokens ``mask`` keeps (nonzero) or ``labels`` keeps (not -100). FSDP2 DTensor weights are gathered once
-    (``full_tensor()``) and cast to their hidden states' dtype, as TRL does. Run it where the student's ZeRO-3 head
-    parameters are whole (:func:`hf_fused.model.distributed.run_head`).
+    (``full_tensor()``) and cast to their hidden states' dtype, as TRL does. Run it inside the student's lm_head call
+    (:func:`divergence_in_head_call`, :func:`distillation_forward`), where engines have the head whole.
 
     Returns:
         :class:`~hf_fused.ops.DistillationOutput`.
@@ -73,6 +75,19 @@ def student_divergence(lm_head: nn.Module, hidden: torch.Tensor, state, teacher:
             num_items_in_batch=_on(num_items_in_batch, head_hidden.device), tile_budget_bytes=state.tile_budget_bytes,
             backend=state.backend,
         )
+
+
+def divergence_in_head_call(lm_head: nn.Module, hidden: torch.Tensor, state, teacher: TeacherHead, **options
+                            ) -> DistillationOutput:
+    """:func:`student_divergence` computed inside a call of the student's ``lm_head`` on ``hidden`` (the call
+    intercepted, :func:`hf_fused.model.intercept_lm_head`): engines hook that call as they hook it in a forward
+    (ZeRO-3 gathers the head for it and, through hf_fused's gather node, for its backward; an FSDP unit unshards it),
+    so the student's head is read as its own forward reads it. ``options``: :func:`student_divergence`'s keywords."""
+    request = FusedRequest(mode="loss", state=state)
+    request.head = lambda head, states: tuple(student_divergence(head, states, state, teacher, **options))
+    with intercept_lm_head(lm_head, request):
+        lm_head(hidden)
+    return DistillationOutput(*request.result)
 
 
 @dataclass(frozen=True)
@@ -126,7 +141,8 @@ def _is_dtensor(tensor) -> bool:
 
 
 def _whole(tensor: Optional[torch.Tensor], dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
-    """An FSDP2 DTensor gathered once (``full_tensor()``, differentiable: its backward reduce-scatters the gradient),
+    """An FSDP2 DTensor gathered once (``full_tensor()``, differentiable: its backward hands the shard its rows of
+    this rank's gradient; reducing them over ranks is the engine's job, as for TRL's own gather),
     cast to ``dtype`` when given (a mixed-precision master copy, cast once as TRL casts it); other tensors as given."""
     if not _is_dtensor(tensor):
         return tensor

@@ -1,0 +1,183 @@
+"""TRL's distillation script with hf_fused's one change (``examples/distributed/trl_distillation.py``: the student
+through ``apply_fused_loss``; TRL loads and prepares the teacher, a wider model, itself) launched as users launch it,
+``accelerate launch --config_file examples/distributed/<engine>.yaml`` on 2 CPU processes (gloo), under DeepSpeed
+ZeRO-3 (the teacher a DeepSpeed inference engine of its own, ``trl.models.prepare_deepspeed``), FSDP2 and DDP (the
+teacher through ``accelerator.prepare_model(evaluation_mode=True)``), against the same script stock
+(``--no_fused_loss``: TRL's ``DistillationTrainer`` and kernel) under the same engine: generation samples per rank,
+so one process would draw other completions; under the same engine, seed and (to fp32 rounding) weights both draw
+the same ones.
+
+One launch per engine holds every run the selected tests ask of it (``launch.SharedLaunches``, stock runs first):
+TRL's defaults (``beta=1``, temperature 1) and the generalized JSD with a temperature (``--beta 0.5
+--temperature 0.7``), each stock and patched, and the patched script with a LoRA adapter on the student's lm_head
+(TRL's kernel refuses it: no stock run to compare with; the single-process tests check its gradients against the
+full logits).
+
+Compared: every logged metric of every step (loss, grad_norm, entropy, completion lengths; relative 1e-5) and every
+parameter when training ends, relative to the update (``parity.update_errors`` within ``parity.PARAM_RTOL``; SGD at a
+constant rate without clipping, so any gradient error shows in proportion); hf_fused computed the divergence inside
+the student's lm_head call on every micro-batch of every rank (under ZeRO-3 from a partitioned lm_head), and never in
+the stock runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from launch import CONFIGS, HERE, Run, SharedLaunches, planned_runs, run_cases
+from parity import PARAM_RTOL, update_errors
+from ranks import CUDA
+from script_runs import assert_hf_fused_ran, load_script_run
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo"),
+]
+
+SCRIPT = CONFIGS / "trl_distillation.py"
+RUNNER = HERE / "script_runner.py"
+RANKS = 2
+STEPS, ACCUMULATION = 2, 2
+#: On-policy distillation for 2 steps: 2 prompts per rank and micro-batch, completions of up to 4 tokens, SGD at a
+#: constant rate without clipping, fp32 (the bf16 default is checked in one process: tests/integrations).
+ARGS = ["--tiny", "--max_steps", str(STEPS), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps",
+        str(ACCUMULATION), "--max_completion_length", "4", "--optim", "sgd", "--learning_rate", "0.5",
+        "--lr_scheduler_type", "constant", "--weight_decay", "0", "--max_grad_norm", "0", "--bf16", "False",
+        "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--seed", "0", "--disable_tqdm", "True",
+        *([] if CUDA else ["--use_cpu"])]
+#: The objectives each engine is checked with: TRL's defaults, and the generalized JSD with a temperature.
+OBJECTIVES = {"reverse_kl": [], "jsd": ["--beta", "0.5", "--temperature", "0.7"]}
+LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0",
+        "--lora_target_modules", "q_proj", "v_proj", "lm_head"]
+ENGINES = ["zero3", "fsdp2", "ddp"]
+
+
+def script_run(engine: str, *args: str) -> Run:
+    return Run.of(engine, RANKS, dict(script=str(SCRIPT), args=[*ARGS, *args], fused="--no_fused_loss" not in args))
+
+
+def objective_runs(engine: str, objective: str) -> list[Run]:
+    """``[stock, fused]``: the script with ``OBJECTIVES[objective]`` under ``engine``."""
+    return [script_run(engine, *OBJECTIVES[objective], "--no_fused_loss"), script_run(engine, *OBJECTIVES[objective])]
+
+
+def lora_runs(engine: str) -> list[Run]:
+    return [script_run(engine, *LORA)]
+
+
+def _needs(engine: str) -> None:
+    if engine.startswith("zero"):
+        pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
+
+
+@pytest.mark.parametrize("objective", list(OBJECTIVES))
+@pytest.mark.parametrize("engine", ENGINES)
+def test_distillation_script_matches_stock_under_the_same_engine(engine, objective, runs):
+    _needs(engine)
+    stock, fused = (runs(run) for run in objective_runs(engine, objective))
+    assert_hf_fused_ran(fused, stock, engine, calls=STEPS * ACCUMULATION)
+    assert len(fused["logs"]) == len(stock["logs"]) == STEPS
+    for step, (f, s) in enumerate(zip(fused["logs"], stock["logs"])):
+        assert f.keys() == s.keys()
+        assert s["grad_norm"] > 0 and "entropy" in s
+        for key, ref in s.items():
+            if key != "step_time" and isinstance(ref, (int, float)):
+                assert math.isclose(f[key], ref, rel_tol=1e-5, abs_tol=1e-7), f"step {step} {key}: {f[key]} vs {ref}"
+    errors = update_errors(fused, stock)
+    assert all(err <= PARAM_RTOL for err in errors.values()), errors
+    moved = [n for n in errors if not torch.equal(stock["params"][n], stock["initial"][n])]
+    assert "lm_head.weight" in moved and len(moved) >= len(errors) // 2, moved
+
+
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+def test_distillation_script_with_lora_on_the_students_lm_head_trains_it(engine, runs):
+    """TRL's kernel refuses a LoRA adapter on lm_head; the patched script trains it under the engine, computing the
+    divergence with it on every rank."""
+    _needs(engine)
+    (got,) = (runs(run) for run in lora_runs(engine))
+    assert all(c["head_calls"] >= STEPS * ACCUMULATION for c in got["counts"]), got["counts"]
+    assert all(math.isfinite(e["loss"]) and e["grad_norm"] > 0 for e in got["logs"]), got["logs"]
+    adapter = [n for n in got["params"] if "lm_head" in n and "lora_" in n]
+    assert len(adapter) == 2, adapter
+    for n in adapter:
+        assert not torch.equal(got["params"][n], got["initial"][n]), f"{n} did not train"
+
+
+def _dtensor_rank(rank: int, world: int, init_file: str) -> None:
+    """A spawned rank over gloo: hf_fused's answer to TRL's divergence call with both lm_head weights FSDP2-style
+    ``Shard(0)`` DTensors (a vocabulary of 31: shards of 16 and 15) against the same call with whole weights: the
+    same loss and entropy, the student's hidden-state gradient and its weight gradient (on the DTensor: this rank's
+    rows); each weight gathered with one ``full_tensor()`` per call."""
+    import types
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from hf_fused.integrations.trl.divergence import TeacherHead, divergence_in_head_call
+    from hf_fused.ops import LogitTransform
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        g = torch.Generator().manual_seed(0)
+        vocab, width, teacher_width = 31, 8, 12
+        student_weight, teacher_weight = 3 * torch.randn(vocab, width, generator=g), 3 * torch.randn(
+            vocab, teacher_width, generator=g)
+        g.manual_seed(1 + rank)  # each rank its own tokens
+        hidden, teacher_hidden = torch.randn(2, 5, width, generator=g), torch.randn(2, 5, teacher_width, generator=g)
+        mask = torch.ones(2, 5, dtype=torch.long)
+        mask[1, 3:] = 0
+        state = types.SimpleNamespace(transform=LogitTransform(), tile_budget_bytes=None, backend=None)
+        gathers = []
+        full_tensor = DTensor.full_tensor
+        DTensor.full_tensor = lambda self, *a, **k: gathers.append(tuple(self.shape)) or full_tensor(self, *a, **k)
+        results = []
+        for sharded in (False, True):
+            head = torch.nn.Linear(width, vocab, bias=False)
+            weight = distribute_tensor(student_weight, mesh, [Shard(0)]) if sharded else student_weight.clone()
+            head.weight = torch.nn.Parameter(weight)
+            teacher = distribute_tensor(teacher_weight, mesh, [Shard(0)]) if sharded else teacher_weight
+            states = hidden.clone().requires_grad_()
+            out = divergence_in_head_call(head, states, state, TeacherHead(lambda: (teacher_hidden, teacher, None)),
+                                          beta=0.5, temperature=0.7, mask=mask, num_items_in_batch=11.0)
+            out.loss.backward()
+            if sharded:
+                assert gathers == [(vocab, width), (vocab, teacher_width)], gathers  # forward and backward
+            results.append((out.loss, out.entropy, states.grad, head.weight.grad))
+        # this rank's rows of the whole weight's gradient land on its shard (reducing them over ranks is the
+        # engine's job: FSDP2's reduce-scatter)
+        rows = slice(0, 16) if rank == 0 else slice(16, vocab)
+        results[0] = (*results[0][:3], results[0][3][rows])
+        results[1] = (*results[1][:3], results[1][3].to_local())
+        for what, a, b in zip(("loss", "entropy", "d_hidden", "d_weight"), *results):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (rank, what, (a - b).abs().max())
+    finally:
+        DTensor.full_tensor = full_tensor
+        dist.destroy_process_group()
+
+
+def test_fsdp2_dtensor_heads_are_gathered_once_per_call(tmp_path):
+    """Where an lm_head weight reaches TRL's divergence call as an FSDP2 DTensor (accelerate's FSDP2 configs hand
+    whole weights inside the root unit's forward, where TRL computes it, so here on 2 spawned gloo ranks directly):
+    one ``full_tensor()`` per weight and call, as TRL gathers it, and the same loss and gradients as whole weights."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_dtensor_rank, args=(RANKS, str(tmp_path / "init")), nprocs=RANKS, join=True)
+
+
+PLANS = {
+    "test_distillation_script_matches_stock_under_the_same_engine": objective_runs,
+    "test_distillation_script_with_lora_on_the_students_lm_head_trains_it": lora_runs,
+}
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> SharedLaunches:
+    """Every script run of this module's selected tests, one launch per engine."""
+    return SharedLaunches(tmp_path_factory.mktemp("distillation_runs"), planned_runs(request, PLANS),
+                          lambda runs, dirs: run_cases(runs, dirs, RUNNER), load_script_run)
