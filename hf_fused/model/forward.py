@@ -216,7 +216,10 @@ def _without_labels(model, state: FusedLossState, original, args, kwargs):
                      "label_smoothing_factor > 0 or compute_loss_func is set")
         else:
             cause = (f"{caller} called it so, to compute its loss from the logits itself (a distillation divergence "
-                     "such as TRL's GKD, or a custom loss), which apply_fused_loss does not fuse")
+                     "such as TRL's GKD, or a custom loss), which apply_fused_loss does not fuse; such a loss can "
+                     "instead read model(..., fused_output='hidden_states') and compute with hf_fused.ops (a "
+                     "student-teacher divergence: linear_distillation_loss; TRL's DistillationTrainer and "
+                     "GKDTrainer's own loss are fused for a patched student)")
         warnings.warn(
             f"hf_fused: {type(model).__name__} was called without labels while training, so its original forward "
             f"built the full [tokens, vocab] logits and the fused loss was not used: {cause}. Pass labels to the "

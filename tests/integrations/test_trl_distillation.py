@@ -397,6 +397,29 @@ def test_gkd_with_its_own_divergence_says_why_and_what_to_do(tmp_path, monkeypat
     _assert_same_training(fused, stock)
 
 
+def test_gkd_with_a_teacher_head_hf_fused_cannot_read_says_so(tmp_path, monkeypatch):
+    """A teacher whose lm_head is not a linear map hf_fused can read: TRL's ``compute_loss``, the same training as
+    stock, and one warning naming the teacher's head."""
+
+    class ScaledHead(torch.nn.Linear):
+        def forward(self, hidden):
+            return 2 * super().forward(hidden)
+
+    teacher = make_teacher()
+    head = ScaledHead(TEACHER_HIDDEN, WORD_VOCAB, bias=False)
+    head.weight = teacher.lm_head.weight
+    teacher.lm_head = head
+    build = _gkd_builder(tmp_path, teacher, lmbda=0.0)
+    stock = _train(build, make_word_model(), patch=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused = _train(build, make_word_model(), patch="before", monkeypatch=monkeypatch)
+    said = [str(w.message) for w in caught if issubclass(w.category, FusedLossBypassedWarning)]
+    assert len(said) == 1 and "cannot read the teacher's head" in said[0] and "ScaledHead" in said[0], said
+    assert fused[3].hf_fused == 0
+    _assert_same_training(fused, stock)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Memory: no [tokens, vocab] tensor on hf_fused
 

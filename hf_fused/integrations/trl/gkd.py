@@ -10,7 +10,7 @@ as ``DistillationTrainer``'s (β = 0 forward KL, β = 1 reverse KL, otherwise th
 
 * the teacher runs its forward with its lm_head call answered by an empty tensor (its hidden states kept, its logits
   never built; the teacher itself is not patched; its logit transform is measured once on its forward, as
-  :func:`hf_fused.apply_fused_loss` measures it);
+  :func:`hf_fused.apply_fused_loss` measures it, or is a patched teacher's);
 * the student is called through its wrappers (DDP, DeepSpeed, PEFT) with :data:`CALL_KEYWORD`, which the extension
   registered in :mod:`hf_fused.integrations` answers: the divergence is computed inside the student's lm_head call,
   where engines have its parameters whole, exactly as its fused loss is.
@@ -28,13 +28,13 @@ import inspect
 import types
 import warnings
 import weakref
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...model import FusedLossBypassedWarning, find_causal_lm, head_tensors, is_fused
+from ...model import FusedLossBypassedWarning, FusedLossVerificationError, find_causal_lm, head_tensors, is_fused
 from ...model.distributed import partitioned_head_params
 from ...model.forward import lm_head_answering
 from ...model.lm_head import check_head_supported
@@ -71,8 +71,9 @@ def fused_gkd_loss(trainer, model: nn.Module, inputs: dict, num_items_in_batch=N
     return out.loss
 
 
-# The measured logit transform of each teacher (keyed weakly: a teacher is never kept alive here).
-_TRANSFORMS: "weakref.WeakKeyDictionary[nn.Module, LogitTransform]" = weakref.WeakKeyDictionary()
+# The measured logit transform of each teacher, or why it could not be read (keyed weakly: a teacher is never kept
+# alive here).
+_TRANSFORMS: "weakref.WeakKeyDictionary[nn.Module, Union[LogitTransform, Exception]]" = weakref.WeakKeyDictionary()
 
 
 def _teacher_head(teacher: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TeacherHead:
@@ -108,9 +109,15 @@ def teacher_transform(causal_lm: nn.Module) -> LogitTransform:
     if state is not None:
         return state.transform
     if causal_lm not in _TRANSFORMS:
-        check_head_supported(causal_lm.get_output_embeddings())
-        _TRANSFORMS[causal_lm] = measure_logit_transform(causal_lm)
-    return _TRANSFORMS[causal_lm]
+        try:
+            check_head_supported(causal_lm.get_output_embeddings())
+            _TRANSFORMS[causal_lm] = measure_logit_transform(causal_lm)
+        except (NotImplementedError, FusedLossVerificationError) as error:
+            _TRANSFORMS[causal_lm] = error  # measured once, whatever the outcome
+    found = _TRANSFORMS[causal_lm]
+    if isinstance(found, Exception):
+        raise found
+    return found
 
 
 # -- the inventory's entry ---------------------------------------------------------------------------------------
@@ -133,6 +140,8 @@ def gkd_shape_mismatch(trainer_cls: type) -> Optional[str]:
 
 
 def _why_not_fused(trainer, original_jsd, return_outputs: bool) -> Optional[str]:
+    """Why :func:`fused_gkd_loss` cannot answer this call (``None`` when it can). Measures the teacher's transform on
+    its first call (a short forward on every rank)."""
     if return_outputs:
         return ("the caller asked for the student's outputs (return_outputs=True), which hold its logits; call "
                 "compute_loss without return_outputs to train on hf_fused's loss")
@@ -141,12 +150,12 @@ def _why_not_fused(trainer, original_jsd, return_outputs: bool) -> Optional[str]
                 "cannot compute from hidden states; keep TRL's generalized_jsd_loss (beta selects forward KL, reverse "
                 "KL or the JSD), use DistillationTrainer, or compute your loss in compute_loss with "
                 "hf_fused.linear_distillation_loss from model(..., fused_output='hidden_states')")
-    teacher = getattr(trainer, "teacher_model", None)
     try:
-        check_head_supported(find_causal_lm(teacher).get_output_embeddings())
-    except (TypeError, NotImplementedError) as error:
-        return (f"hf_fused cannot read the teacher's lm_head ({error}); a teacher whose lm_head is nn.Linear (or a "
-                "PEFT LoRA layer around one) is computed from its hidden states")
+        teacher_transform(find_causal_lm(getattr(trainer, "teacher_model", None)))
+    except (TypeError, NotImplementedError, FusedLossVerificationError) as error:
+        return (f"hf_fused cannot read the teacher's head ({error}); a teacher whose lm_head is nn.Linear (or a "
+                "PEFT LoRA layer around one) and whose forward only scales or soft-caps its output is computed from "
+                "its hidden states")
     return None
 
 
