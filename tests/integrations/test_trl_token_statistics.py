@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from references import assert_head_grads, dense_logits, dense_logprobs, leaf64, make_head_inputs, rel_err
 from references import H, RTOL, budget_for
 from hf_fused.ops import TokenLossHint, available_backends, get_backend, linear_logprobs
-from hf_fused.ops.tiling import two_pass_plan
+from hf_fused.ops.backends.triton_cublas.two_pass_rule import two_pass_plan
 from hf_fused.ops.token_statistics import TOKEN_STATISTICS, linear_token_statistics
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
