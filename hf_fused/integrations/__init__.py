@@ -4,7 +4,8 @@
   model; ``use_liger_kernel=True`` applies Liger's layer kernels, not its loss.
 * :mod:`hf_fused.integrations.trl`: TRL's trainers call ``model(..., fused_lm_head=True)`` (their own fused LM head);
   on a model patched by :func:`hf_fused.apply_fused_loss` hf_fused's ops answer that call. For a patched student,
-  ``DistillationTrainer``'s divergence and ``GKDTrainer``'s loss come from :func:`hf_fused.ops.linear_distillation_loss`.
+  ``DistillationTrainer``'s divergence and ``GKDTrainer``'s loss come from
+  :func:`hf_fused.ops.linear_distillation_loss`.
 
 They plug into the model layer through its extension point (:mod:`hf_fused.model.extensions`; registered when
 ``hf_fused`` is imported): the fused-head keyword is answered by :func:`~hf_fused.integrations.trl.trl_fused_forward`,

@@ -1,5 +1,5 @@
-"""TRL's ``DistillationTrainer`` on hf_fused: its divergence loss answered by :func:`hf_fused.ops.linear_distillation_loss`
-for a patched student.
+"""TRL's ``DistillationTrainer`` on hf_fused: its divergence loss answered by
+:func:`hf_fused.ops.linear_distillation_loss` for a patched student.
 
 TRL 1.16's ``DistillationTrainer._compute_loss`` runs both backbones, reads both lm_heads' weights and calls the
 module-level ``_chunked_divergence_loss(student_hidden, teacher_hidden, student_W, teacher_W, completion_mask, beta,
@@ -118,7 +118,8 @@ def divergence_signature_mismatch(module: types.ModuleType) -> Optional[str]:
         return "trl.trainer.distillation_trainer has no _chunked_divergence_loss"
     params = tuple(inspect.signature(function).parameters)
     if params != DIVERGENCE_PARAMETERS:
-        return f"trl.trainer.distillation_trainer._chunked_divergence_loss takes {params}, expected {DIVERGENCE_PARAMETERS}"
+        return (f"trl.trainer.distillation_trainer._chunked_divergence_loss takes {params}, expected "
+                f"{DIVERGENCE_PARAMETERS}")
     return None
 
 

@@ -25,8 +25,9 @@ import torch.nn as nn
 from ...model import FusedRequest, as_kwargs, head_tensors, intercept_lm_head
 from ...ops import DistillationOutput, linear_distillation_loss
 
-#: The keyword of the patched student's call that computes a distillation loss (answered by :func:`distillation_forward`).
+#: The keyword of the patched student's call that computes a distillation loss (:func:`distillation_forward`).
 CALL_KEYWORD = "hf_fused_distillation"
+
 
 @dataclass(frozen=True)
 class TeacherHead:
@@ -106,8 +107,8 @@ class DistillationCall:
 
 def distillation_forward(causal_lm: nn.Module, *args, **kwargs) -> DistillationOutput:
     """Answer ``model(*args, hf_fused_distillation=call, **kwargs)`` on a patched causal LM: its original forward runs
-    with ``labels=None`` and its lm_head call answered by :func:`~hf_fused.integrations.trl.distillation.student_divergence`
-    against ``call`` (ZeRO-3 head parameters gathered for it and for its backward).
+    with ``labels=None`` and its lm_head call answered by :func:`student_divergence` against ``call`` (ZeRO-3 head
+    parameters gathered for it and for its backward).
 
     Returns:
         :class:`~hf_fused.ops.DistillationOutput` ``(loss, divergence [B, L], entropy [B, L])``.
@@ -137,7 +138,11 @@ def distillation_forward(causal_lm: nn.Module, *args, **kwargs) -> DistillationO
 
 
 def _is_dtensor(tensor) -> bool:
-    return torch.distributed.is_available() and isinstance(tensor, torch.distributed.tensor.DTensor)
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def _whole(tensor: Optional[torch.Tensor], dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:

@@ -44,7 +44,8 @@ from ..patching import ThirdPartyPatch
 from .divergence import CALL_KEYWORD, DistillationCall, TeacherHead
 
 #: TRL 1.16's ``GKDTrainer.generalized_jsd_loss`` parameters and the defaults ``compute_loss`` relies on.
-JSD_PARAMETERS = ("student_logits", "teacher_logits", "labels", "beta", "temperature", "reduction", "num_items_in_batch")
+JSD_PARAMETERS = ("student_logits", "teacher_logits", "labels", "beta", "temperature", "reduction",
+                  "num_items_in_batch")
 JSD_DEFAULTS = {"temperature": 1.0, "reduction": "batchmean"}
 #: The keywords of ``compute_loss``'s two calls in TRL 1.16 (the models', then ``generalized_jsd_loss``'s): what
 #: :func:`fused_gkd_loss` reproduces (no temperature, no reduction passed).
