@@ -45,8 +45,8 @@ def logp_difference_tol(key: str, logged: dict, default: float = 1e-7) -> float:
     """The absolute tolerance of a logged metric: for a difference of log-probabilities (``LOGP_DIFFERENCES``),
     ``RTOL`` of the log-probabilities it comes from (``logged``: the reference run's row at that step, with
     ``logps/chosen`` and ``logps/rejected``); ``default`` for every other metric."""
-    if key not in LOGP_DIFFERENCES:
-        return default
+    if key not in LOGP_DIFFERENCES or "logps/chosen" not in logged:
+        return default  # RLOO's and GRPO's "kl" is a mean of per-token estimates, not a difference of sums
     return RTOL * LOGP_DIFFERENCES[key] * (abs(logged["logps/chosen"]) + abs(logged["logps/rejected"]))
 
 
