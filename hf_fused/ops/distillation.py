@@ -5,14 +5,26 @@ either model's ``[N, V]`` logits.
 One pass over token tiles: each tile computes both models' full-vocabulary logits rows (the teacher's under
 ``no_grad``, on its own device, then moved: the tile's result travels, never the weight), the per-token divergence,
 the student's entropy and the student's logits gradient (:mod:`hf_fused.ops.distillation_math`), then
-``dh = dz·W_s``, ``dW_s += dzᵀ·h``, ``db_s += Σ dz``, all in fp32. That is 6·N·H_s·V + 2·N·H_t·V FLOPs; TRL 1.16's
-``ChunkedDivergenceFunction`` recomputes both models' logits in backward (8·N·H_s·V + 4·N·H_t·V for a KL,
+``dh = dz·W_s``, ``dW_s += dzᵀ·h``, ``db_s += Σ dz``, accumulated in fp32. That is 6·N·H_s·V + 2·N·H_t·V FLOPs;
+TRL 1.16's ``ChunkedDivergenceFunction`` recomputes both models' logits in backward (8·N·H_s·V + 4·N·H_t·V for a KL,
 10·N·H_s·V + 6·N·H_t·V for the JSD). Backward only multiplies the stored fp32 gradients by the upstream
 gradient before rounding them once. ``reduction="none"`` cannot know each token's upstream weight in the forward,
 so it computes statistics there and recomputes both models' tiles in backward with the weights folded in.
 
 This is the plain-PyTorch pass (CPU, and CUDA through cuBLAS); a backend may provide a faster one
-(``distillation_pass``, :class:`DistillationBackend`); none does yet.
+(``distillation_pass``, :class:`DistillationBackend`); none does yet. Its products, per model
+(:func:`half_products`):
+
+- bf16 operands on CUDA (with ``aten::mm.dtype``, torch >= 2.8): the operands in their own dtype, the products
+  accumulated and written in fp32 by cuBLAS (``torch.mm(..., out_dtype=torch.float32)``), no fp32 copy of the
+  weight. The logits are fp32-faithful (the fp32 accumulator's value, never rounded to bf16); the student's fp32
+  logits gradient ``dz`` is rounded once to the operand dtype for its two matmuls (``dh`` and ``dW_s``, both written
+  or accumulated in fp32), as every fused peer (TRL's ``ChunkedDivergenceFunction``, Liger's ``FusedLinearJSD``)
+  and eager autograd round it; ``db_s`` sums the fp32 ``dz``.
+- otherwise (CPU, fp32 or fp16 operands): fp32 copies of the weight and the tile's hidden rows, fp32 matmuls. fp16
+  stays there: ``"mean"``'s ``dz`` carries the ``1/N`` of the reduction and not yet the upstream gradient (a
+  ``GradScaler``'s loss scale, applied in backward), so rounding it to fp16 would flush most of its entries
+  (``p/N`` below fp16's smallest subnormal, 6e-8), which eager fp16 under a loss scale keeps.
 """
 
 from __future__ import annotations
@@ -80,27 +92,63 @@ def distillation_rows_per_tile(vocab_size: int, tile_budget_bytes: Optional[int]
     return max(1, check_tile_budget(tile_budget_bytes) // (DISTILLATION_TILE_BUFFERS * 4 * max(1, vocab_size)))
 
 
-class _Fp32Head(NamedTuple):
-    """A :meth:`~hf_fused.ops.head_inputs.HeadInputs.computed` head with fp32 copies of its weight and bias."""
+def half_products(head: HeadInputs) -> bool:
+    """Whether the pass computes ``head``'s (a :meth:`~hf_fused.ops.head_inputs.HeadInputs.computed` head's) products
+    from its bf16 operands with fp32 output: CUDA, hidden and weight both bf16, and a torch with ``aten::mm.dtype``
+    (2.8 and later; CUDA only). Otherwise (fp16 included: module docstring) the pass computes from fp32 copies."""
+    return (head.hidden.is_cuda and head.weight.is_cuda and head.weight.dtype == torch.bfloat16
+            and head.hidden.dtype == torch.bfloat16 and hasattr(torch.ops.aten.mm, "dtype")
+            and hasattr(torch.ops.aten.addmm, "dtype_out"))
+
+
+class _TileHead(NamedTuple):
+    """A :meth:`~hf_fused.ops.head_inputs.HeadInputs.computed` head and the operands of its products: on the
+    :func:`half_products` path the bf16 weight itself, else an fp32 copy of it; the bias in fp32 either way."""
 
     head: HeadInputs
-    weight: torch.Tensor  # [V, H] fp32
+    weight: torch.Tensor  # [V, H]: the bf16 operand (half) or its fp32 copy
     bias: Optional[torch.Tensor]  # [V] fp32
+    half: bool
 
     @classmethod
-    def of(cls, head: HeadInputs) -> "_Fp32Head":
+    def of(cls, head: HeadInputs) -> "_TileHead":
         head = head.computed()  # the operands F.linear would compute from (autocast's casts)
-        return cls(head, head.weight.float(), None if head.bias is None else head.bias.float())
+        half = half_products(head)
+        weight = head.weight if half else head.weight.float()
+        return cls(head, weight, None if head.bias is None else head.bias.float(), half)
 
     def logits(self, start: int, stop: int):
-        """``(h32, z, tanh)`` for kept rows ``start:stop``: fp32 rows, tempered fp32 logits (fp32 products of the
-        operands), the soft-cap's tanh or ``None``."""
-        h32 = self.head.hidden.index_select(0, self.head.rows[start:stop]).float()
-        raw = h32 @ self.weight.t()
+        """``(h, z, tanh)`` for kept rows ``start:stop``: the rows in the products' operand dtype, tempered fp32
+        logits (fp32 products of the operands), the soft-cap's tanh or ``None``."""
+        h = self.head.hidden.index_select(0, self.head.rows[start:stop])
+        if self.half:
+            raw = torch.mm(h, self.weight.t(), out_dtype=torch.float32)
+        else:
+            h = h.float()
+            raw = h @ self.weight.t()
         if self.bias is not None:
             raw += self.bias
         z, tanh = self.head.transform.forward(raw)
-        return h32, z, tanh
+        return h, z, tanh
+
+    def add_grads(self, grads: HeadGrads, dz: torch.Tensor, h: torch.Tensor, start: int, stop: int) -> None:
+        """Add the gradients of rows ``start:stop`` (``dz``: their fp32 ``[r, V]`` raw-logits gradient, ``h``: the
+        rows :meth:`logits` returned) to ``grads``' fp32 buffers."""
+        if self.half:
+            dz_op = dz.to(self.weight.dtype)  # the one rounding of dz, for both matmuls
+            if grads.hidden is not None:  # its rows are zero: the sum is the product, written in fp32
+                rows = grads.hidden[start:stop]
+                torch.addmm(rows, dz_op, self.weight, out_dtype=torch.float32, out=rows)
+            if grads.weight is not None:
+                torch.addmm(grads.weight, dz_op.t(), h, out_dtype=torch.float32, out=grads.weight)
+            del dz_op
+        else:
+            if grads.hidden is not None:
+                torch.mm(dz, self.weight, out=grads.hidden[start:stop])
+            if grads.weight is not None:
+                grads.weight.addmm_(dz.t(), h)
+        if grads.bias is not None:
+            grads.bias += dz.sum(0)
 
 
 def distillation_pass(
@@ -119,10 +167,11 @@ def distillation_pass(
 
     Both heads are taken as given (cast here as autocast casts ``F.linear``'s operands, each with its own
     ``compute_dtype``); the logits are fp32 products of the operands, each model's on its own device, the teacher's
-    moved to the student's (the tile travels, never the weight). Holds fp32 copies of both weights beside the tiles
-    (a GPU backend's pass would not).
+    moved to the student's (the tile travels, never the weight). Each model's products take the path of
+    :func:`half_products` (module docstring): from bf16 operands on CUDA without a copy of its weight, else
+    from an fp32 copy of it held beside the tiles.
     """
-    s, t = _Fp32Head.of(student), _Fp32Head.of(teacher)
+    s, t = _TileHead.of(student), _TileHead.of(teacher)
     device = student.hidden.device
     m, (vocab_size, hidden_size) = student.rows.numel(), s.weight.shape
     divergence = torch.empty(m, dtype=torch.float32, device=device)
@@ -138,7 +187,7 @@ def distillation_pass(
     step = distillation_rows_per_tile(vocab_size, student.tile_budget_bytes)
     for start in range(0, m, step):
         stop = min(start + step, m)
-        h32, zs, tanh = s.logits(start, stop)
+        h, zs, tanh = s.logits(start, stop)
         if grads is None:
             del tanh  # only the gradient needs it
             tanh = None
@@ -152,14 +201,9 @@ def distillation_pass(
         if grads is not None:
             g = row_grads[start:stop].unsqueeze(1) if per_row else row_grads
             dz = s.head.transform.backward(tile.grad.mul_(g), tanh)  # × 1/T, × (1 − tanh²), × scale
-            if grads.hidden is not None:
-                torch.mm(dz, s.weight, out=grads.hidden[start:stop])
-            if grads.weight is not None:
-                grads.weight.addmm_(dz.t(), h32)
-            if grads.bias is not None:
-                grads.bias += dz.sum(0)
+            s.add_grads(grads, dz, h, start, stop)
             del dz
-        del tile, tanh, h32
+        del tile, tanh, h
     return DistillationPass(divergence, entropy, grads)
 
 
@@ -350,7 +394,8 @@ def linear_distillation_loss(
             Python number or a one-element tensor: the kept-token count of the whole accumulated batch).
         tile_budget_bytes: bound on one tile's working set (``DISTILLATION_TILE_BUFFERS`` fp32 ``[rows, V]`` arrays,
             :func:`distillation_rows_per_tile`); ``None``: ``DEFAULT_TILE_BUDGET_BYTES``. The plain-PyTorch pass also
-            holds fp32 copies of both weights and the student's fp32 gradients.
+            holds the student's fp32 gradients and, for a model whose products are not computed from bf16 operands
+            on CUDA (CPU, fp32 or fp16 operands), an fp32 copy of its weight.
         backend: as the other ops (:func:`~hf_fused.ops.backends.get_backend`); a backend without its own
             ``distillation_pass`` (:class:`DistillationBackend`; all of them today) runs the plain-PyTorch pass on the
             tensors' device.
@@ -368,7 +413,11 @@ def linear_distillation_loss(
 
     Mixed precision: under ``torch.autocast`` each model's hidden, weight and bias are cast to the autocast dtype of
     its device exactly as its ``F.linear`` (lm_head call) would cast them, and forward and backward both compute
-    from those operands with autocast off, accumulating in fp32; the logits stay fp32 (never rounded to bf16).
+    from those operands with autocast off, accumulating in fp32; the logits stay fp32 (never rounded to bf16). On
+    CUDA with bf16 operands the products run in bf16 with fp32 accumulation and output (no fp32 copy of either
+    weight), and the student's logits gradient is rounded once to bf16 for the two gradient matmuls, as eager
+    autograd and the fused peers round it; elsewhere (fp16 included) the products are fp32 products of the
+    operands' fp32 copies.
 
     Each model's inputs go through :func:`~hf_fused.ops.prepare.prepare` (one host sync each).
 

@@ -41,7 +41,9 @@ import torch
 #: fp32 ``[rows, V]`` arrays alive at once in one tile of the plain-torch distillation pass (``distillation.py``):
 #: the student's logits and its soft-cap's ``tanh``, the teacher's logits, and the three :func:`tile_divergence`
 #: makes at most (the JSD's ``p_s``, ``p_t`` and ``log m``); beside them only :func:`_row_dot`'s
-#: ``[rows, ≤ _DOT_COLS]`` product. Without soft-cap, or for a KL, one or two fewer.
+#: ``[rows, ≤ _DOT_COLS]`` product. Without soft-cap, or for a KL, one or two fewer. After the divergence at most
+#: two remain (the student's logits gradient and the soft-cap's ``tanh``), beside the half of one that the
+#: gradient's bf16 copy for the gradient matmuls takes on CUDA.
 DISTILLATION_TILE_BUFFERS = 6
 
 #: Columns per step of :func:`_row_dot`: its product temporary is ``[rows, ≤ this]``, a small part of a tile.

@@ -464,3 +464,124 @@ def _call(**changes):
 def test_bad_inputs_raise_clear_errors(changes, error, match):
     with pytest.raises(error, match=match):
         _call(**changes)
+
+
+# -- CUDA: products from bf16 operands ----------------------------------------------------------------------------
+#
+# On CUDA the pass computes bf16 products with fp32 accumulation and output (``half_products``) instead of from fp32
+# copies of the weights (fp16 keeps the fp32 path). Bounds, against float64 on the very operands both paths compute
+# from:
+# - divergence and entropy at most a tenth of eager's error: the op's logits are the fp32 accumulator's values,
+#   eager's are rounded to bf16 (2⁻⁹ of each logit of spread ~3), which a path rounding its logits would match;
+# - gradients no further from float64 than eager's: both round the logits gradient once to the operand dtype for
+#   the gradient matmuls, eager's gradient also carries its bf16 logits' error (and, for fp32 leaves under autocast,
+#   a rounding of the products to bf16 that the op's fp32 accumulators skip).
+
+GPU_V, GPU_H_S, GPU_H_T = 8192, 256, 384
+
+
+def _cuda_inputs(n, dtype, *, v=GPU_V, h_s=GPU_H_S, h_t=GPU_H_T, seed=0):
+    """:func:`_inputs`' construction (logits of spread ~3, a correlated teacher, a mask) at ``n`` tokens of a wider
+    head, on CUDA."""
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(n, h_s, generator=g)
+    ws = torch.randn(v, h_s, generator=g) * (3 / h_s**0.5)
+    bs = torch.randn(v, generator=g) * 0.5
+    ht = torch.cat([hs, torch.randn(n, h_t - h_s, generator=g)], -1)
+    wt = torch.cat([ws + 0.5 * torch.randn(v, h_s, generator=g) / h_s**0.5,
+                    torch.randn(v, h_t - h_s, generator=g) * (2 / h_s**0.5)], 1)
+    bt = torch.randn(v, generator=g) * 0.5
+    mask = (torch.rand(n, generator=g) > 0.3).long()
+    mask[0] = 1
+    student = [t.to("cuda", dtype).requires_grad_() for t in (hs, ws, bs)]
+    teacher = [t.to("cuda", dtype) for t in (ht, wt, bt)]
+    return student, teacher, mask.cuda()
+
+
+@pytest.mark.gpu
+def test_cuda_half_products_predicate():
+    from types import SimpleNamespace
+
+    from hf_fused.ops.distillation import half_products
+
+    def head(dtype, device="cuda", hidden_dtype=None):
+        return SimpleNamespace(hidden=torch.zeros(2, 4, dtype=hidden_dtype or dtype, device=device),
+                               weight=torch.zeros(3, 4, dtype=dtype, device=device))
+
+    assert half_products(head(torch.bfloat16))
+    assert not half_products(head(torch.float16))  # "mean"'s dz (p/N) would flush to zero in fp16
+    assert not half_products(head(torch.float32))
+    assert not half_products(head(torch.bfloat16, "cpu"))
+    assert not half_products(head(torch.bfloat16, hidden_dtype=torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("transform", ["identity", "both_scaled_and_capped"])
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
+@pytest.mark.parametrize("name,dtype,autocast", PRECISIONS, ids=[p[0] for p in PRECISIONS])
+def test_cuda_half_products_no_further_from_float64_than_eager(name, dtype, autocast, beta, transform, reduction):
+    kw = _transform_kwargs(transform)
+    student, teacher, mask = _cuda_inputs(1000, dtype, seed=17)
+    g = torch.Generator().manual_seed(5)
+    upstream = (torch.rand(mask.shape, generator=g) + 0.5).cuda() if reduction == "none" else None
+    region = contextlib.nullcontext() if autocast is None else torch.autocast("cuda", dtype=autocast)
+    cast = (lambda t: t) if autocast is None else (lambda t: t.to(autocast))
+    ref = [cast(t.detach()).double().requires_grad_() for t in student]
+    div64, ent64 = _dense(ref, [cast(t) for t in teacher], mask, beta=beta, temperature=0.7, **kw)
+    loss64 = (div64 * upstream).sum() if upstream is not None else _reduce(div64, mask)
+    loss64.backward()
+
+    results = {}
+    for path in ("fused", "eager"):
+        params = [t.detach().clone().requires_grad_() for t in student]
+        with region:
+            if path == "fused":
+                out = linear_distillation_loss(params[0], params[1], teacher[0], teacher[1], student_bias=params[2],
+                                               teacher_bias=teacher[2], mask=mask, beta=beta, temperature=0.7,
+                                               reduction=reduction, tile_budget_bytes=96 * DISTILLATION_TILE_BUFFERS
+                                               * 4 * GPU_V, **kw)  # 96-row tiles: uneven against 1000 tokens
+                div, ent = out.divergence, out.entropy
+                loss = (out.loss * upstream).sum() if upstream is not None else out.loss
+            else:
+                div, ent = _eager(params, teacher, mask, beta=beta, temperature=0.7, **kw)
+                loss = (div * upstream).sum() if upstream is not None else _reduce(div, mask)
+        loss.backward()
+        assert [p.grad.dtype for p in params] == [dtype] * 3
+        results[path] = [rel_err(loss, loss64), rel_err(div, div64), rel_err(ent, ent64)] + [
+            rel_err(p.grad, r.grad) for p, r in zip(params, ref)]
+    for i, what in enumerate(["loss", "divergence", "entropy", "d_hidden", "d_weight", "d_bias"]):
+        fused, eager = results["fused"][i], results["eager"][i]
+        bound = eager / 10 if i < 3 else eager
+        assert fused <= bound, f"{name}/{what}: fused {fused:.3g} from float64, eager {eager:.3g}"
+
+
+@pytest.mark.gpu
+def test_cuda_half_products_hold_no_copy_of_either_weight():
+    """bf16 heads of TRL's shape class (a teacher twice the student's width): the pass holds its tiles, the
+    hidden gradient and no copy of either weight in any dtype, so its peak stays under one bf16 copy of the smaller
+    weight (the fp32 path holds fp32 copies of both: 6x that). The student's weight is frozen: its fp32 gradient
+    buffer would be the size of an fp32 copy."""
+    n, v, h_s, h_t = 1024, 32768, 2048, 4096
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hs = torch.randn(n, h_s, device="cuda", generator=g).bfloat16().requires_grad_()
+    ws = (torch.randn(v, h_s, device="cuda", generator=g) / h_s**0.5).bfloat16()
+    ht = torch.randn(n, h_t, device="cuda", generator=g).bfloat16()
+    wt = (torch.randn(v, h_t, device="cuda", generator=g) / h_t**0.5).bfloat16()
+    budget = 32 * 2**20
+
+    def run():
+        out = linear_distillation_loss(hs, ws, ht, wt, beta=0.5, tile_budget_bytes=budget)
+        out.loss.backward()
+        assert hs.grad is not None and torch.isfinite(hs.grad).all()
+        hs.grad = None
+
+    run()  # cuBLAS workspaces and the allocator's first blocks come before the measurement
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    bf16_copy = v * h_s * 2
+    assert peak < bf16_copy, f"peak {peak / 2**20:.0f} MiB above the inputs >= a bf16 copy of the student's weight"
