@@ -29,10 +29,10 @@ demo: venv
 demo-grpo: venv
 	$(PY) -m examples grpo
 
-# The whole suite on 2 workers, each test file on one (tests/distributed shares its launches within a file), and
-# the 20 slowest tests listed at the end so that growth shows.
+# The whole suite on 2 workers (each module of tests/distributed on one, sharing its launches: tests/conftest.py),
+# and the 20 slowest tests listed at the end so that growth shows.
 test: venv
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20
+	$(PY) -m pytest -q -n 2 --durations=20
 
 # Execute every notebook in place, saving outputs and plots (what CI re-runs in tests/examples/test_notebooks.py).
 notebooks: venv

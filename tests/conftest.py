@@ -4,6 +4,9 @@
 * GPU tests (``gpu`` marker) are skipped without CUDA, ``multigpu`` ones without 2 GPUs; under
   ``HF_FUSED_TEST_DEVICE=cuda`` the multi-process tests of tests/distributed (one GPU per rank) without 2 GPUs.
 * On CPU, Triton's kernels run in its interpreter.
+* Under pytest-xdist (``make test``: ``-n 2``) each module of tests/distributed runs on one worker, where its tests
+  share their launches (distributed/launch.py); every other test goes to whichever worker is free
+  (:func:`pytest_xdist_make_scheduler`).
 
 Shared helpers live in modules beside this file, on pytest's ``pythonpath`` (setup.cfg): ``references`` (float64
 references, relative errors, tolerances), ``models`` (tiny models and tokenizers), ``grpo_harness`` (the GRPO
@@ -52,6 +55,24 @@ def saved_models(tmp_path_factory):
         return saved[name]
 
     return get
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's default ``--dist load``, except that the tests of one module of tests/distributed go to one
+    worker together: the first of them launches every run the module's tests ask of an engine (distributed/launch.py),
+    which a second worker would launch again. (``--dist loadgroup`` cannot express it with pytest 9: xdist 3.8 groups
+    by rewriting ``item._nodeid``, which pytest 9 no longer reads.) Another ``--dist`` is left to xdist."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class DistributedModulesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path.startswith("tests/distributed/") else nodeid
+
+    return DistributedModulesTogether(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
