@@ -6,12 +6,11 @@ wider teacher of examples/distributed/trl_distillation.py, and 256 two-turn conv
 words joined by a plain chat template.
 
     accelerate launch --config_file examples/distributed/<engine>.yaml tests/distributed/gkd_script.py --tiny ...
+
+(with examples/distributed on ``PYTHONPATH``, as ``launch.worker_env`` sets it, for ``tiny``).
 """
 
 import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "distributed"))
 
 #: Joins the turns: GKD's collator tokenizes the conversation, and the prompt with the generation prompt, through it.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"

@@ -53,8 +53,10 @@ def worker_env(cuda: bool = CUDA, gpus: int | None = None) -> dict:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",  # 2 ranks on 2 cores: intra-op threads only oversubscribe
-        # the repository (benchmarks, examples), the shared test modules, the launcher's workers
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]),
+        # the repository (benchmarks, examples), the shared test modules, the launcher's workers, the example scripts'
+        # shared module (examples/distributed/tiny.py, which the test's own scripts use too)
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE.parent), str(HERE), str(CONFIGS),
+                                       os.environ.get("PYTHONPATH", "")]),
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONFAULTHANDLER": "1",  # a rank killed on timeout (SIGABRT, run()) prints every thread's stack
     }
