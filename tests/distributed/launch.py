@@ -42,9 +42,9 @@ TIMEOUT_S = int(os.environ.get("HF_FUSED_LAUNCH_TIMEOUT_S", "600"))
 RUN_TIMEOUT_S = int(os.environ.get("HF_FUSED_RUN_TIMEOUT_S", "240"))
 #: Launches of one command before an "address already in use" on the rendezvous port fails a test.
 PORT_ATTEMPTS = 3
-#: Engines whose runs cannot share a process: DeepSpeed sets its Ulysses sequence-parallel groups up once per
-#: process ("sequence parallel group is already initialized" at the second run's ``accelerator.prepare``).
-ONE_RUN_PER_LAUNCH = {"zero3_sp2"}
+#: Engines whose runs cannot share a process (none at present: DeepSpeed's Ulysses groups, set up once per process,
+#: are undone between runs by ``ranks.sequence_parallelism_undone_after``).
+ONE_RUN_PER_LAUNCH: set[str] = set()
 
 
 def worker_env(cuda: bool = CUDA, gpus: int | None = None) -> dict:

@@ -4,6 +4,7 @@ references and tolerances; the single-process references then run on the first G
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -47,3 +48,28 @@ def exit_rank() -> None:
         dist.barrier()
     os._exit(0)
 
+
+@contextlib.contextmanager
+def sequence_parallelism_undone_after():
+    """Undo, when the run inside ends, what DeepSpeed's Ulysses sequence parallelism set up process-wide, so that the
+    next run of this process can set it up again.
+
+    ``UlyssesSPAttentionHF.register_with_transformers`` (called by ``accelerator.prepare``) does two things once per
+    process: it builds the sequence-parallel groups, asserting they are not built yet ("sequence parallel group is
+    already initialized"; DeepSpeed drops them itself only when the world's process group is destroyed, by the same
+    ``_release_sequence_parallel_groups``), and it replaces the core attention function in transformers'
+    ``ALL_ATTENTION_FUNCTIONS`` (``sdpa``) by its wrapper, which a second run would wrap again (an all-to-all twice:
+    "query input tensor does not match the required shape"). The groups of the run before stay valid process
+    groups; the next run's ``accelerator.prepare`` builds its own."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attention = dict(ALL_ATTENTION_FUNCTIONS)
+    try:
+        yield
+    finally:
+        for name, function in attention.items():
+            if ALL_ATTENTION_FUNCTIONS[name] is not function:
+                ALL_ATTENTION_FUNCTIONS[name] = function
+        sequence_parallel = sys.modules.get("deepspeed.runtime.sequence_parallel.parallel_state_sp")
+        if sequence_parallel is not None:
+            sequence_parallel._release_sequence_parallel_groups()

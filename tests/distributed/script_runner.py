@@ -26,7 +26,7 @@ import runpy
 import sys
 import traceback
 
-from ranks import exit_rank
+from ranks import exit_rank, sequence_parallelism_undone_after
 from train_worker import count_fused_head_calls, full_parameters
 
 #: Where the run in progress records its parameters (``<dir>/run``).
@@ -82,7 +82,8 @@ def main(batch_file: str) -> None:
     for entry in runs:
         environ, path = dict(os.environ), list(sys.path)
         try:
-            run_script(entry["case"]["script"], entry["case"]["args"], entry["dir"])
+            with sequence_parallelism_undone_after():
+                run_script(entry["case"]["script"], entry["case"]["args"], entry["dir"])
         except (Exception, SystemExit):
             with open(os.path.join(entry["dir"], "error.txt"), "a") as f:
                 f.write(f"rank {os.environ.get('RANK', '0')}:\n{traceback.format_exc()}\n")

@@ -170,7 +170,8 @@ def test_a_run_that_raised_fails_alone_and_a_failed_launch_fails_the_runs_it_lef
         runs(planned[1])
 
 
-def test_runs_of_an_engine_that_cannot_share_a_process_get_a_launch_each(tmp_path):
+def test_runs_of_an_engine_that_cannot_share_a_process_get_a_launch_each(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "ONE_RUN_PER_LAUNCH", {"zero3_sp2"})
     launches = []
     planned = [launch.Run.of("zero3_sp2", 2, dict(name=name)) for name in ("stock", "fused")]
     runs = launch.SharedLaunches(tmp_path, planned, _fake_launch(launches), launch.load_json_result)

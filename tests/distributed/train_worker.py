@@ -46,7 +46,7 @@ import transformers
 from torch.utils.data import Dataset
 
 from models import make_batch
-from ranks import exit_rank
+from ranks import exit_rank, sequence_parallelism_undone_after
 
 #: Samples in the training set: enough for ``steps × ga × ranks × batch``, each with its own labels.
 SAMPLES = 64
@@ -289,7 +289,8 @@ def main(batch_file: str) -> None:
     for entry in runs:
         environ = dict(os.environ)  # TrainingArguments(fsdp=...) exports accelerate's FSDP settings
         try:
-            train(entry["case"], os.path.join(entry["dir"], "result.pt"))
+            with sequence_parallelism_undone_after():
+                train(entry["case"], os.path.join(entry["dir"], "result.pt"))
         except Exception:
             rank = os.environ.get("RANK", "0")
             with open(os.path.join(entry["dir"], "error.txt"), "a") as f:
