@@ -139,12 +139,14 @@ class SupportTileLoss:
 
 @runtime_checkable
 class SupportLossBackend(Protocol):
-    """A backend with its own support-loss pass, with the signature and contract of :func:`support_loss_pass`
-    (the op runs the plain-PyTorch one for backends without it)."""
+    """A backend with its own support-loss pass, with the signature and contract of :func:`support_loss_pass`, or
+    returning ``None`` for a call it leaves to the plain-PyTorch pass (which the op runs for backends without it).
+    The GPU backend's: cuBLAS tiles, its statistics and gradient kernels, and two kernels for the candidate columns
+    (:mod:`hf_fused.ops.backends.triton_cublas.support_pass`)."""
 
     def support_loss_pass(self, head: HeadInputs, support: Support, *, tile_loss: Optional[SupportTileLoss] = None,
                           row_grads: Optional[SupportRowGrads] = None, need: NeededGrads = _NO_GRADS,
-                          return_entropy: bool = False) -> SupportPass: ...
+                          return_entropy: bool = False) -> Optional[SupportPass]: ...
 
 
 def support_loss_pass(
@@ -267,9 +269,12 @@ class _SupportLossCall:
                                differentiate=differentiate, keep_row_grads=keep_row_grads)
 
     def run(self, head: HeadInputs, *, tile_loss=None, row_grads=None, need: NeededGrads = _NO_GRADS) -> SupportPass:
-        pass_ = getattr(self.prepared.backend, "support_loss_pass", None) or support_loss_pass
-        return pass_(head, self.support, tile_loss=tile_loss, row_grads=row_grads, need=need,
-                     return_entropy=self.return_entropy or self.need_entropy)
+        """The backend's own pass where it has one and takes the call, else the plain-PyTorch one."""
+        options = dict(tile_loss=tile_loss, row_grads=row_grads, need=need,
+                       return_entropy=self.return_entropy or self.need_entropy)
+        backend_pass = getattr(self.prepared.backend, "support_loss_pass", None)
+        out = None if backend_pass is None else backend_pass(head, self.support, **options)
+        return support_loss_pass(head, self.support, **options) if out is None else out
 
 
 class LinearSupportLossFunction(torch.autograd.Function):
@@ -546,8 +551,9 @@ def linear_support_loss(
         reduction: ``"sum"`` (a scalar, the one pass) or ``"none"`` (per-token losses; backward recomputes the tiles
             with each token's upstream gradient).
         transform, temperature, softcap, logit_scale, tile_budget_bytes, backend: as in
-            :func:`~hf_fused.ops.linear_cross_entropy`. A backend without its own ``support_loss_pass``
-            (:class:`SupportLossBackend`; all of them today) runs the plain-PyTorch pass on the tensors' device.
+            :func:`~hf_fused.ops.linear_cross_entropy`. The GPU backend runs its own one pass
+            (:class:`SupportLossBackend`: cuBLAS tiles in the operands' dtype, Triton kernels for the statistics, the
+            gradient and the candidate columns); the others run the plain-PyTorch pass on the tensors' device.
         need_entropy: pass the entropy to ``support_loss`` (differentiable) and return it.
         return_entropy: return the entropy (a metric; no gradient) without passing it to ``support_loss``.
 

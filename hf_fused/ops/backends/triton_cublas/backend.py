@@ -2,12 +2,13 @@
 
 ``logprobs_with_grads`` and ``token_loss_with_grads`` run the one pass (:mod:`.one_pass`) when the plan
 (:mod:`.plan`) allows it and return ``None`` otherwise; ``logprobs_forward`` and ``logprobs_backward`` are the two
-passes' statistics and gradient passes (:mod:`.two_passes`); ``describe_plan`` says which a call would take.
+passes' statistics and gradient passes (:mod:`.two_passes`); ``distillation_pass`` is the distillation op's pass
+(:mod:`.distillation_pass`); ``describe_plan`` says which a call would take.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -61,6 +62,26 @@ class TritonCublasBackend:
     ) -> HeadGrads:
         """Like :meth:`TorchReferenceBackend.logprobs_backward`, vocabulary chunks outside."""
         return run_gradient_pass(head, lse, entropy, grad_logprobs, grad_entropy, need)
+
+    def support_loss_pass(self, head: HeadInputs, support, *, tile_loss=None, row_grads=None,
+                          need: NeededGrads = NeededGrads(False, False, False), return_entropy: bool = False):
+        """:func:`hf_fused.ops.support_loss.support_loss_pass`'s contract on the one pass, candidate columns set by
+        their own kernels (:mod:`.support_pass`); ``None`` when the plan chooses two passes."""
+        from .support_pass import run_support_pass
+
+        return run_support_pass(head, support, tile_loss=tile_loss, row_grads=row_grads, need=need,
+                                return_entropy=return_entropy)
+
+    def distillation_pass(self, student: HeadInputs, teacher: HeadInputs, beta: float, *,
+                          row_grads: Union[None, float, torch.Tensor] = None,
+                          need: NeededGrads = NeededGrads(False, False, False)):
+        """:func:`hf_fused.ops.distillation.distillation_pass` with the tile epilogue in Triton
+        (:mod:`.distillation_pass`); fp16 operands take the plain-PyTorch pass."""
+        from ...distillation import distillation_pass
+        from .distillation_pass import run_distillation_pass, runs_triton_pass
+
+        run = run_distillation_pass if runs_triton_pass(student) else distillation_pass
+        return run(student, teacher, beta, row_grads=row_grads, need=need)
 
     def describe_plan(self, weight: torch.Tensor, *, n_rows: int, tile_budget_bytes: Optional[int] = None,
                       need_weight: Optional[bool] = None, n_tokens: Optional[int] = None) -> str:

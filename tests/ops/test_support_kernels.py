@@ -1,0 +1,286 @@
+"""The GPU backend's support-loss pass (cuBLAS tiles, the statistics and gradient kernels, the candidate-column
+kernels of ``hf_fused/ops/backends/triton_cublas/support_kernels.py``) against float64 dense references.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (conftest) in fp32, held to ``RTOL`` of float64 on the loss, the
+support log-probs, the entropy and every gradient, for each option of :func:`hf_fused.ops.linear_support_loss`
+(reductions, the entropy read by the loss, duplicate and invalid candidate ids, dropped tokens, bias, logit scale,
+soft-cap, temperature, uneven tiles) and of :func:`hf_fused.ops.sparse_distillation_loss` (β, tail bucket). The
+``gpu`` tests run the real kernels in bf16 on the whole op: no further from float64 than the eager computation in
+the same precision (``F.linear`` in bf16, then TRL's support divergence in fp32), as the dense distillation op is
+bounded, at a memory peak below one ``[N, V]`` bf16 logits tensor.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from hf_fused.ops.backends.triton_cublas.one_pass_rule import OnePassPlan  # noqa: E402
+from hf_fused.ops.backends.triton_cublas.plan import forced_plans  # noqa: E402
+from hf_fused.ops.sparse_distillation import (  # noqa: E402
+    sparse_distillation_loss, support_distribution, support_divergence,
+)
+from hf_fused.ops.support_loss import linear_support_loss  # noqa: E402
+
+from references import dense_logits, leaf64, rel_err  # noqa: E402
+
+RTOL = 1e-5
+V, H = 97, 16
+TRANSFORMS = {"identity": {}, "scaled_and_capped": {"logit_scale": 0.5, "softcap": 5.0, "temperature": 0.8},
+              "tempered": {"temperature": 1.7}}
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU tensors need TRITON_INTERPRET=1 (conftest sets it when there is no GPU)")
+
+
+def _head(n=23, k=5, *, seed=0, v=V, h=H, bias=True, device="cpu", dtype=torch.float32, duplicates=True,
+          logit_std=3.0):
+    """A student head (leaves), a correlated teacher's top-``k`` ids and log-probs, about a fifth of the slots invalid
+    (one row with none valid), a duplicate id in some rows, and a token mask dropping about a third."""
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(n, h, generator=g)
+    ws = torch.randn(v, h, generator=g) * (logit_std / h**0.5)
+    bs = torch.randn(v, generator=g) * 0.5 if bias else None
+    wt = ws + 0.6 * torch.randn(v, h, generator=g) / h**0.5
+    top = (hs.double() @ wt.double().t()).log_softmax(-1).topk(k, dim=-1)
+    ids, teacher = top.indices.clone(), top.values.float()
+    valid = torch.rand(ids.shape, generator=g) > 0.2
+    valid[0] = True
+    valid[1] = False
+    if duplicates and k > 2:
+        ids[2:: 3, -1] = ids[2:: 3, 0]
+        valid[2:: 3, 0] = valid[2:: 3, -1] = True
+    ids = torch.where(valid, ids, -1)
+    mask = torch.rand(n, generator=g) > 0.3
+    mask[:3] = True
+    leaves = [None if t is None else t.to(device, dtype).requires_grad_() for t in (hs, ws, bs)]
+    support = dict(support_ids=ids.to(device), teacher_logprobs=teacher.to(device), support_mask=valid.to(device),
+                   mask=mask.to(device))
+    return leaves, support
+
+
+def _weighted_loss(logprobs, entropy, *, support_mask, weights, alpha):
+    """A loss reading both inputs: ``−Σ_k w_k·s_k − α·H`` over the valid slots (each duplicate slot its own term)."""
+    return -torch.where(support_mask, weights * logprobs, 0.0).sum(-1) - alpha * entropy
+
+
+def _one_pass(rows):
+    return forced_plans(one_pass=OnePassPlan(rows, "fp32", 0))
+
+
+def _assert_grads(leaves, ref, tol=RTOL):
+    for name, ours, exact in zip(("hidden", "weight", "bias"), leaves, ref):
+        if ours is None:
+            continue
+        assert ours.grad is not None and ours.grad.dtype == ours.dtype, name
+        assert exact.grad.abs().sum() > 0, f"d{name}: the reference gradient is zero"
+        err = rel_err(ours.grad, exact.grad)
+        assert err <= tol, f"d{name}: relative error {err:.2e} > {tol:.0e}"
+
+
+@interpreted
+@pytest.mark.parametrize("tile_rows", [8, 16, 64], ids=["tiles-of-8", "tiles-of-16", "one-tile"])
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_generic_support_loss_matches_float64(transform, reduction, tile_rows):
+    """Loss, per-token losses, support log-probs (``-inf`` at invalid slots), entropy and the gradients of hidden,
+    weight and bias: the entropy's gradient term, duplicate ids adding up, per-token constants of both shapes, an
+    upstream gradient per token for ``"none"`` (its recompute)."""
+    tkw = TRANSFORMS[transform]
+    leaves, support = _head(seed=1)
+    ids, valid, mask = support["support_ids"], support["support_mask"], support["mask"]
+    g = torch.Generator().manual_seed(3)
+    weights = torch.rand(ids.shape, generator=g)
+    alpha = torch.randn(ids.shape[:-1], generator=g) * 0.1
+    with _one_pass(tile_rows):
+        out = linear_support_loss(leaves[0], leaves[1], ids, _weighted_loss, leaves[2], support_mask=valid,
+                                  mask=mask, per_token={"weights": weights, "alpha": alpha}, need_entropy=True,
+                                  reduction=reduction, backend="triton", **tkw)
+        up = torch.randn(mask.shape, generator=g) if reduction == "none" else torch.tensor(1.6)
+        (out.loss * up).sum().backward()
+    ref = [leaf64(t) for t in leaves]
+    logp = dense_logits(*ref, **tkw).log_softmax(-1)
+    s = torch.where(valid, logp.gather(-1, ids.clamp(0, V - 1)), 0.0)
+    entropy = -(logp.exp() * logp).sum(-1)
+    per_token = torch.where(mask, -(weights.double() * s).sum(-1) - alpha.double() * entropy, 0.0)
+    expected = per_token.sum() if reduction == "sum" else per_token
+    (expected * up.double()).sum().backward()
+    assert rel_err(out.loss, expected) <= RTOL
+    assert rel_err(out.token_losses, per_token) <= RTOL
+    assert rel_err(out.entropy, torch.where(mask, entropy, 0.0)) <= RTOL
+    kept = valid & mask.unsqueeze(-1)
+    assert rel_err(torch.where(kept, out.support_logprobs, 0.0), torch.where(kept, s, 0.0)) <= RTOL
+    assert torch.isneginf(out.support_logprobs[~valid & mask.unsqueeze(-1)]).all()
+    _assert_grads(leaves, ref)
+
+
+def _dense_divergence(ref, support, *, beta, add_tail_bucket, **tkw):
+    """Float64 per-token divergence with TRL's support semantics (the op's own support functions in float64)."""
+    logp = dense_logits(*ref, **tkw).log_softmax(-1)
+    valid = support["support_mask"]
+    s = logp.gather(-1, support["support_ids"].clamp(0, V - 1))
+    student, svalid = support_distribution(s, valid, add_tail_bucket)
+    teacher, _ = support_distribution(support["teacher_logprobs"].double(), valid, add_tail_bucket)
+    div = support_divergence(student, teacher, svalid, beta).sum(-1)
+    return torch.where(support["mask"], div, 0.0)
+
+
+@interpreted
+@pytest.mark.parametrize("add_tail_bucket", [True, False], ids=["tail", "renormalized"])
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
+@pytest.mark.parametrize("transform", ["identity", "scaled_and_capped"])
+def test_sparse_distillation_matches_float64(transform, beta, add_tail_bucket):
+    """TRL's divergence on the support through the GPU backend's pass: loss (mean over counted tokens), per-token
+    divergence and the student's gradients."""
+    tkw = TRANSFORMS[transform]
+    leaves, support = _head(seed=2, k=6, duplicates=False)
+    with _one_pass(8):
+        out = sparse_distillation_loss(leaves[0], leaves[1], support["support_ids"], support["teacher_logprobs"],
+                                       leaves[2], support_mask=support["support_mask"], mask=support["mask"],
+                                       beta=beta, add_tail_bucket=add_tail_bucket, backend="triton", **tkw)
+        out.loss.backward()
+    ref = [leaf64(t) for t in leaves]
+    div = _dense_divergence(ref, support, beta=beta, add_tail_bucket=add_tail_bucket, **tkw)
+    loss = div.sum() / support["mask"].sum()
+    loss.backward()
+    assert rel_err(out.loss, loss) <= RTOL
+    assert rel_err(out.divergence, div) <= RTOL
+    _assert_grads(leaves, ref)
+
+
+@interpreted
+def test_same_results_as_the_plain_pytorch_pass(monkeypatch):
+    """The two passes compute the same math: fp32 results within ``RTOL`` of each other, gradients included; the
+    GPU backend's call is answered by its own pass, not the plain-PyTorch fallback."""
+    from hf_fused.ops.backends.triton_cublas import support_pass
+
+    answered = []
+    run = support_pass.run_support_pass
+    monkeypatch.setattr(support_pass, "run_support_pass", lambda *a, **kw: answered.append(run(*a, **kw)) or
+                        answered[-1])
+    results = []
+    for backend in ("torch", "triton"):
+        leaves, support = _head(seed=4, k=8)
+        with _one_pass(16):
+            out = sparse_distillation_loss(leaves[0], leaves[1], support["support_ids"], support["teacher_logprobs"],
+                                           leaves[2], support_mask=support["support_mask"], mask=support["mask"],
+                                           beta=0.5, temperature=0.9, backend=backend)
+            out.loss.backward()
+        results.append((out, [t.grad for t in leaves]))
+    assert len(answered) == 1 and answered[0] is not None
+    (a, ga), (b, gb) = results
+    for x, y in ((a.loss, b.loss), (a.divergence, b.divergence), (a.entropy, b.entropy), *zip(ga, gb)):
+        assert rel_err(x, y) <= RTOL
+
+
+@interpreted
+def test_all_tokens_dropped_and_frozen_weight():
+    """No kept token: loss 0 and zero gradients; a frozen weight: hidden's gradient only, as float64's."""
+    leaves, support = _head(seed=5)
+    with _one_pass(8):
+        out = linear_support_loss(leaves[0], leaves[1], support["support_ids"],
+                                  lambda lp, ent, *, support_mask: -torch.where(support_mask, lp, 0.0).sum(-1),
+                                  leaves[2], support_mask=support["support_mask"],
+                                  mask=torch.zeros_like(support["mask"]), backend="triton")
+        out.loss.backward()
+    assert out.loss.item() == 0.0 and all(t.grad.abs().sum() == 0 for t in leaves)
+    leaves, support = _head(seed=6, bias=False)
+    leaves[1].requires_grad_(False)
+    with _one_pass(8):
+        out = sparse_distillation_loss(leaves[0], leaves[1], support["support_ids"], support["teacher_logprobs"],
+                                       support_mask=support["support_mask"], mask=support["mask"], backend="triton")
+        out.loss.backward()
+    ref = [leaf64(leaves[0]), leaf64(leaves[1], requires_grad=False)]
+    div = _dense_divergence(ref + [None], support, beta=0.0, add_tail_bucket=True)
+    (div.sum() / support["mask"].sum()).backward()
+    assert leaves[1].grad is None
+    assert rel_err(leaves[0].grad, ref[0].grad) <= RTOL
+
+
+# -- the real kernels -------------------------------------------------------------------------------------------
+
+
+def _gpu_problem(n, h, v, k, seed=0):
+    """A bf16 student whose logits have standard deviation ~4 (a trained head's entropy) and a correlated teacher's
+    top-``k`` log-probs, on CUDA."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hs = torch.randn(n, h, generator=g, device="cuda")
+    ws = torch.randn(v, h, generator=g, device="cuda") * (4.0 / h**0.5)
+    wt = ws + 0.5 * torch.randn(v, h, generator=g, device="cuda") / h**0.5
+    with torch.no_grad():
+        top = torch.topk((hs @ wt.t()).log_softmax(-1), k, dim=-1)
+    ids, teacher = top.indices, top.values
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[::7, k // 2:] = False
+    mask = torch.rand(n, generator=g, device="cuda") > 0.1
+    leaves = [hs.bfloat16().requires_grad_(), ws.bfloat16().requires_grad_()]
+    return leaves, dict(support_ids=torch.where(valid, ids, -1), teacher_logprobs=teacher, support_mask=valid,
+                        mask=mask)
+
+
+def _eager_divergence(hidden, weight, support, *, beta, add_tail_bucket):
+    """The non-fused path in bf16: ``F.linear`` in bf16 (logits rounded to bf16), then the support divergence in
+    fp32 autograd; mean over the counted tokens."""
+    logp = F.linear(hidden, weight).float().log_softmax(-1)
+    valid = support["support_mask"]
+    s = logp.gather(-1, support["support_ids"].clamp_min(0))
+    student, svalid = support_distribution(s, valid, add_tail_bucket)
+    teacher, _ = support_distribution(support["teacher_logprobs"].float(), valid, add_tail_bucket)
+    div = torch.where(support["mask"], support_divergence(student, teacher, svalid, beta).sum(-1), 0.0)
+    return div.sum() / support["mask"].sum(), div
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 8, 64])
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
+def test_gpu_bf16_no_further_from_float64_than_eager(beta, k):
+    """The whole op on CUDA in bf16 (the GPU backend's pass, chosen by default): loss and per-token divergence within
+    a tenth of eager bf16's error against float64 or 1e-5 (the op's fp32 statistics of the same bf16 logits), and
+    each gradient no further than 1.25× eager's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    leaves, support = _gpu_problem(4096, 1024, 32000, k, seed=k)
+    out = sparse_distillation_loss(leaves[0], leaves[1], support["support_ids"], support["teacher_logprobs"],
+                                   support_mask=support["support_mask"], mask=support["mask"], beta=beta)
+    out.loss.backward()
+    ours = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    eager_loss, eager_div = _eager_divergence(*leaves, support, beta=beta, add_tail_bucket=True)
+    eager_loss.backward()
+    eager = [t.grad.clone() for t in leaves]
+    ref = [leaf64(t) for t in leaves]
+    exact_loss, exact_div = _eager_divergence(*ref, support, beta=beta, add_tail_bucket=True)
+    exact_loss.backward()
+    loss_bound = max(0.1 * rel_err(eager_loss, exact_loss), 1e-5)
+    assert rel_err(out.loss, exact_loss) <= max(rel_err(eager_loss, exact_loss), loss_bound)
+    assert rel_err(out.divergence, exact_div) <= max(rel_err(eager_div, exact_div), 1e-5)
+    for name, a, e, x in zip(("hidden", "weight"), ours, eager, ref):
+        err, eager_err = rel_err(a, x.grad), rel_err(e, x.grad)
+        assert err <= 1.25 * eager_err, f"d{name}: {err:.2e} > 1.25 × eager's {eager_err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [8, 256])
+def test_gpu_pass_peak_below_one_logits_tensor(k):
+    """The op's peak above its inputs and gradients stays below one bf16 ``[N, V]`` logits tensor (the eager path
+    holds several), at 16,384 tokens of a 151,936-token head."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    n, h, v = 16384, 2048, 151936
+    leaves, support = _gpu_problem(n, h, v, k)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = sparse_distillation_loss(leaves[0], leaves[1], support["support_ids"], support["teacher_logprobs"],
+                                   support_mask=support["support_mask"], mask=support["mask"])
+    out.loss.backward()
+    torch.cuda.synchronize()
+    grads = sum(t.grad.numel() * t.grad.element_size() for t in leaves)
+    extra = torch.cuda.max_memory_allocated() - base - grads
+    assert torch.isfinite(out.loss) and extra < n * v * 2, f"{extra / 2**30:.2f} GiB above inputs and gradients"
