@@ -11,8 +11,10 @@ TRL 1.16's ``ChunkedDivergenceFunction`` recomputes both models' logits in backw
 gradient before rounding them once. ``reduction="none"`` cannot know each token's upstream weight in the forward,
 so it computes statistics there and recomputes both models' tiles in backward with the weights folded in.
 
-This is the plain-PyTorch pass (CPU, and CUDA through cuBLAS); a backend may provide a faster one
-(``distillation_pass``, :class:`DistillationBackend`); none does yet. Its products, per model
+This is the plain-PyTorch pass (CPU; on CUDA where the GPU backend does not run its own); a backend may provide a
+faster one (``distillation_pass``, :class:`DistillationBackend`): the GPU backend's runs the same loop with the
+per-tile elementwise work in Triton kernels (``backends/triton_cublas/distillation_pass.py``; fp16 operands keep this
+pass). Its products, per model
 (:func:`half_products`):
 
 - bf16 operands on CUDA (with ``aten::mm.dtype``, torch >= 2.8): the operands in their own dtype, the products
@@ -101,7 +103,7 @@ def half_products(head: HeadInputs) -> bool:
             and hasattr(torch.ops.aten.addmm, "dtype_out"))
 
 
-class _TileHead(NamedTuple):
+class TileHead(NamedTuple):
     """A :meth:`~hf_fused.ops.head_inputs.HeadInputs.computed` head and the operands of its products: on the
     :func:`half_products` path the bf16 weight itself, else an fp32 copy of it; the bias in fp32 either way."""
 
@@ -111,7 +113,7 @@ class _TileHead(NamedTuple):
     half: bool
 
     @classmethod
-    def of(cls, head: HeadInputs) -> "_TileHead":
+    def of(cls, head: HeadInputs) -> "TileHead":
         head = head.computed()  # the operands F.linear would compute from (autocast's casts)
         half = half_products(head)
         weight = head.weight if half else head.weight.float()
@@ -130,6 +132,17 @@ class _TileHead(NamedTuple):
             raw += self.bias
         z, tanh = self.head.transform.forward(raw)
         return h, z, tanh
+
+    def raw_into(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        """Write the raw products (no bias, no transform) of kept rows ``start:stop`` into the fp32 ``[r, V]``
+        ``out`` on this head's device; return the rows in the products' operand dtype (for the weight gradient)."""
+        h = self.head.hidden.index_select(0, self.head.rows[start:stop])
+        if self.half:
+            torch.addmm(out, h, self.weight.t(), beta=0, out_dtype=torch.float32, out=out)
+        else:
+            h = h.float()
+            torch.mm(h, self.weight.t(), out=out)
+        return h
 
     def add_grads(self, grads: HeadGrads, dz: torch.Tensor, h: torch.Tensor, start: int, stop: int) -> None:
         """Add the gradients of rows ``start:stop`` (``dz``: their fp32 ``[r, V]`` raw-logits gradient, ``h``: the
@@ -171,7 +184,7 @@ def distillation_pass(
     :func:`half_products` (module docstring): from bf16 operands on CUDA without a copy of its weight, else
     from an fp32 copy of it held beside the tiles.
     """
-    s, t = _TileHead.of(student), _TileHead.of(teacher)
+    s, t = TileHead.of(student), TileHead.of(teacher)
     device = student.hidden.device
     m, (vocab_size, hidden_size) = student.rows.numel(), s.weight.shape
     divergence = torch.empty(m, dtype=torch.float32, device=device)
@@ -392,13 +405,18 @@ def linear_distillation_loss(
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-token divergences ``[...]``, 0 at ignored tokens).
         num_items_in_batch: with ``"mean"``/``"sum"``, divide the sum by it instead (one finite number > 0, a
             Python number or a one-element tensor: the kept-token count of the whole accumulated batch).
-        tile_budget_bytes: bound on one tile's working set (``DISTILLATION_TILE_BUFFERS`` fp32 ``[rows, V]`` arrays,
-            :func:`distillation_rows_per_tile`); ``None``: ``DEFAULT_TILE_BUDGET_BYTES``. The plain-PyTorch pass also
+        tile_budget_bytes: bound on one tile's working set (the plain-PyTorch pass: ``DISTILLATION_TILE_BUFFERS`` fp32
+            ``[rows, V]`` arrays, :func:`distillation_rows_per_tile`; the GPU backend's: 10 bytes per row and
+            vocabulary column); ``None``: ``DEFAULT_TILE_BUDGET_BYTES`` (the GPU backend's default rule: above). Each
+            pass also holds the student's gradient accumulators; the plain-PyTorch pass also
             holds the student's fp32 gradients and, for a model whose products are not computed from bf16 operands
             on CUDA (CPU, fp32 or fp16 operands), an fp32 copy of its weight.
-        backend: as the other ops (:func:`~hf_fused.ops.backends.get_backend`); a backend without its own
-            ``distillation_pass`` (:class:`DistillationBackend`; all of them today) runs the plain-PyTorch pass on the
-            tensors' device.
+        backend: as the other ops (:func:`~hf_fused.ops.backends.get_backend`): the GPU backend (``"triton"``, CUDA's
+            default) runs its own ``distillation_pass`` (:class:`DistillationBackend`: Triton kernels for each tile's
+            elementwise work; its tiles hold two fp32 logits rows and a bf16 gradient row per token, 10 bytes per
+            vocabulary column against the plain pass's 24, ``DISTILLATION_TILE_ROWS`` rows under the default rule
+            when they fit in a quarter of the free memory); a backend without one (``"torch"``) runs the
+            plain-PyTorch pass on the tensors' device.
 
     Returns:
         :class:`DistillationOutput` ``(loss, divergence, entropy)``: ``loss`` fp32 (scalar, or ``[...]`` for

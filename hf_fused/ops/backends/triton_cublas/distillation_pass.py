@@ -1,0 +1,232 @@
+"""The GPU backend's distillation pass: the contract of :func:`hf_fused.ops.distillation.distillation_pass` with
+the per-tile elementwise work in Triton (:mod:`.distillation_kernels`) instead of PyTorch over fp32 ``[rows, V]``
+buffers.
+
+Per tile of kept token rows: both models' raw logits written in fp32 by cuBLAS from their operands (no fp32 copy
+of a bf16 weight: :class:`~hf_fused.ops.distillation.TileHead`, the teacher's on its own device, then moved), the
+kernels' two passes over both tiles for a KL (three for the JSD) giving each row's divergence and student entropy
+and writing the student's logits gradient ``dz`` in the operand dtype, then ``dh = dz·W_s`` and the weight
+gradient's accumulation (the one pass's accumulators, :func:`~.one_pass.weight_accumulator`: for a bf16 gradient
+the fp32 accumulator split over the gradient's own bytes and a buffer). A student bias's gradient sums the fp32
+``dz`` (the kernel then writes it in fp32 in place of the student's logits, and it is rounded after the sum).
+
+Tile rows (:func:`distillation_tile_rows`): per row the two fp32 logits rows and the bf16 ``dz`` row (10 bytes per
+vocabulary column, against the plain-PyTorch pass's 24). Under the default rule on CUDA ``DISTILLATION_TILE_ROWS``
+rows when the working set fits in ``ONE_PASS_FREE_SHARE`` of the free memory (the weight-gradient accumulation's
+K dimension is the tile's rows: small tiles make it memory-bound); an explicit ``tile_budget_bytes`` bounds the
+tile arrays, as for the plain-PyTorch pass.
+
+fp16 operands run the plain-PyTorch pass (:func:`runs_triton_pass`): its fp32-copy products keep ``dz`` in fp32
+(:mod:`hf_fused.ops.distillation`'s module docstring).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from ...distillation import DistillationPass, TileHead
+from ...grads import HeadGrads
+from ...head_inputs import HeadInputs, NeededGrads
+from ...logit_transform import LogitTransform
+from ...tiling import DEFAULT_TILE_BUDGET_BYTES, check_tile_budget
+from . import distillation_kernels as kernels
+from .matmul import mm_f32_
+from .one_pass import weight_accumulator
+from .one_pass_rule import (ACCUMULATOR_BYTES, ONE_PASS_FREE_SHARE, OnePassPlan, free_device_bytes,
+                            one_pass_accumulators)
+from .scaled_round import mul_into
+
+#: Rows per tile under the default rule on CUDA: 10 bytes per vocabulary column each (1.5 MB at V = 151,936), so
+#: 1.45 GiB of tiles; the weight gradient's accumulation GEMM has K = the tile's rows.
+DISTILLATION_TILE_ROWS = 1024
+#: Launch shapes: the statistics kernel's lanes of 4 fp32 columns, 1024 columns per block; the JSD sums and the
+#: gradient kernel 2048 columns per block.
+STATS_BLOCK_V, STATS_WARPS = 1024, 4
+SUMS_BLOCK_V, SUMS_WARPS = 2048, 8
+GRAD_BLOCK_V, GRAD_WARPS = 2048, 8
+
+_NO_GRADS = NeededGrads(False, False, False)
+
+
+def runs_triton_pass(student: HeadInputs) -> bool:
+    """Whether :func:`run_distillation_pass` takes this call (else the plain-PyTorch pass): every operand dtype but
+    fp16, whose ``dz`` stays fp32 there anyway (no bf16 products to feed)."""
+    return student.operand_dtype != torch.float16
+
+
+class TileStats(NamedTuple):
+    """What :func:`distillation_tile` computes for ``r`` rows: fp32 ``[r]`` divergence and student entropy."""
+
+    divergence: torch.Tensor
+    entropy: torch.Tensor
+
+
+def _scalars(student: LogitTransform, teacher: LogitTransform, student_bias, teacher_bias) -> dict:
+    """Both models' logit transforms as the kernels' scalar arguments and compile-time flags."""
+    out = {}
+    for tag, transform, bias in (("S", student, student_bias), ("T", teacher, teacher_bias)):
+        scale, temperature = float(transform.logit_scale), float(transform.temperature)
+        low = tag.lower()
+        out.update({
+            f"{low}_scale": scale, f"{low}_cap": float(transform.softcap or 1.0), f"{low}_inv_t": 1.0 / temperature,
+            f"HAS_BIAS_{tag}": bias is not None, f"SOFTCAP_{tag}": transform.softcap is not None,
+            f"SCALED_{tag}": scale != 1.0 or temperature != 1.0,
+        })
+    return out
+
+
+def _mode(beta: float) -> int:
+    return kernels.FORWARD_KL if beta == 0.0 else kernels.REVERSE_KL if beta == 1.0 else kernels.JSD
+
+
+def distillation_tile(
+    zs: torch.Tensor, zt: torch.Tensor, beta: float, student: LogitTransform, teacher: LogitTransform, *,
+    student_bias: Optional[torch.Tensor] = None, teacher_bias: Optional[torch.Tensor] = None,
+    dz: Optional[torch.Tensor] = None, row_grads: Union[None, float, torch.Tensor] = None,
+    out: Optional[TileStats] = None,
+) -> TileStats:
+    """The distillation epilogue of one tile (:mod:`.distillation_kernels`).
+
+    Args:
+        zs, zt: fp32 ``[r, V]`` raw logits rows of the student and the teacher (matmul outputs without bias), on one
+            device (CUDA, or CPU under ``TRITON_INTERPRET=1``), unit column stride; read only, unless ``dz`` is
+            ``zs``.
+        beta: in ``[0, 1]`` (0 forward KL, 1 reverse KL, else the generalized JSD).
+        student, teacher: each model's logit transform (scale, soft-cap, temperature).
+        student_bias, teacher_bias: fp32 ``[V]`` or ``None``, added to the raw logits in the kernels.
+        dz: ``[r, V]`` (bf16 or fp32, unit column stride, may be ``zs`` itself) to receive
+            ``row_grads · ∂D/∂(raw student logits)``; ``None``: the divergence and entropy only.
+        row_grads: with ``dz``: a number or 0-d tensor for every row, or fp32 ``[r]``.
+        out: fp32 ``[r]`` buffers to write the result into (else new ones).
+
+    Returns:
+        :class:`TileStats` (``out`` when given).
+    """
+    rows, n_cols = zs.shape
+    device = zs.device
+    f32 = dict(dtype=torch.float32, device=device)
+    if out is None:
+        out = TileStats(torch.empty(rows, **f32), torch.empty(rows, **f32))
+    if rows == 0:
+        return out
+    scal = _scalars(student, teacher, student_bias, teacher_bias)
+    mode = _mode(beta)
+    lse_s, lse_t = torch.empty(rows, **f32), torch.empty(rows, **f32)
+    bias_s = student_bias if student_bias is not None else lse_s  # any valid pointer, never read
+    bias_t = teacher_bias if teacher_bias is not None else lse_s
+    tiles = (zs, zs.stride(0), zt, zt.stride(0))
+    kernels.stats_kernel[(rows,)](*tiles, n_cols, bias_s, bias_t, lse_s, lse_t, out.divergence, out.entropy,
+                                  MODE=mode, BLOCK_V=STATS_BLOCK_V, num_warps=STATS_WARPS, **scal)
+    mixture = dict(beta=float(beta), log_1m_beta=math.log1p(-beta) if beta < 1 else 0.0,
+                   log_beta=math.log(beta) if beta > 0 else 0.0)
+    kl = out.divergence
+    if mode == kernels.JSD:
+        kl = torch.empty(rows, **f32)  # KL(p_s ‖ m), for the gradient
+        kernels.jsd_sums_kernel[(rows,)](*tiles, n_cols, bias_s, bias_t, lse_s, lse_t, out.divergence, kl,
+                                         BLOCK_V=SUMS_BLOCK_V, num_warps=SUMS_WARPS, **mixture, **scal)
+    if dz is not None:
+        g = torch.as_tensor(1.0 if row_grads is None else row_grads, **f32)
+        g = g.expand(rows) if g.dim() == 0 else g.contiguous()
+        kernels.grad_kernel[(rows,)](*tiles, dz, dz.stride(0), n_cols, bias_s, bias_t, lse_s, lse_t, kl, g,
+                                     g.stride(0), MODE=mode, BLOCK_V=GRAD_BLOCK_V, num_warps=GRAD_WARPS, **mixture,
+                                     **scal)
+    return out
+
+
+def distillation_tile_rows(student: TileHead, need: NeededGrads, dz_bytes: int) -> int:
+    """Token rows per tile (module docstring): per row two fp32 logits rows and a ``dz_bytes``-byte ``dz`` row
+    of ``V`` columns.
+
+    Raises:
+        ValueError: if an explicit budget is not a positive integer.
+    """
+    head = student.head
+    vocab_size, hidden_size = head.weight.shape
+    col_bytes = 8 + dz_bytes
+    if head.tile_budget_bytes is None:
+        free = free_device_bytes(head.weight.device)
+        if free is not None:
+            accumulator = one_pass_accumulators(need.weight, head.weight_grad_dtype or head.weight.dtype,
+                                                head.weight.dtype)[0]
+            working = (vocab_size * hidden_size * ACCUMULATOR_BYTES[accumulator]
+                       + DISTILLATION_TILE_ROWS * vocab_size * col_bytes
+                       + (head.rows.numel() * hidden_size * 4 if need.hidden else 0))
+            if working <= ONE_PASS_FREE_SHARE * free:
+                return DISTILLATION_TILE_ROWS
+    budget = DEFAULT_TILE_BUDGET_BYTES if head.tile_budget_bytes is None else check_tile_budget(head.tile_budget_bytes)
+    return max(1, budget // (vocab_size * col_bytes))
+
+
+def run_distillation_pass(
+    student: HeadInputs,
+    teacher: HeadInputs,
+    beta: float,
+    *,
+    row_grads: Union[None, float, torch.Tensor] = None,
+    need: NeededGrads = _NO_GRADS,
+) -> DistillationPass:
+    """:func:`hf_fused.ops.distillation.distillation_pass`'s contract (same arguments, same results up to fp32
+    rounding) with the tile epilogue in Triton (module docstring)."""
+    s, t = TileHead.of(student), TileHead.of(teacher)
+    head = s.head
+    device = head.hidden.device
+    m, (vocab_size, hidden_size) = head.rows.numel(), s.weight.shape
+    with_grads = row_grads is not None and need.any
+    # the bf16 dz of the gradient matmuls in its own buffer; fp32 dz (fp32 products, or a bias gradient to sum
+    # before the rounding) in place of the student's logits
+    separate_dz = with_grads and s.half
+    step = distillation_tile_rows(s, need if with_grads else _NO_GRADS, s.weight.element_size() if separate_dz else 0)
+    cap = min(step, max(m, 1))
+    f32 = dict(dtype=torch.float32, device=device)
+    divergence, entropy = torch.empty(m, **f32), torch.empty(m, **f32)
+    zs_buf, zt_buf = torch.empty((cap, vocab_size), **f32), torch.empty((cap, vocab_size), **f32)
+    t_device = t.weight.device
+    zt_far = None if t_device == device else torch.empty((cap, vocab_size), dtype=torch.float32, device=t_device)
+    dz_buf = torch.empty((cap, vocab_size), dtype=s.weight.dtype, device=device) if separate_dz else None
+    t_bias = None if t.bias is None else t.bias.to(device)
+
+    grads = d_weight = d_hidden = None
+    g_rows = None
+    if with_grads:
+        grads = HeadGrads(mul_into=mul_into)
+        d_weight = weight_accumulator(OnePassPlan(step, "fp32", 0), head, need, grads)
+        d_hidden = torch.empty((m, hidden_size), **f32) if need.hidden else None
+        if need.bias:
+            grads.bias = torch.zeros(vocab_size, **f32)
+        g_rows = torch.as_tensor(row_grads, **f32)
+        g_rows = g_rows.expand(m) if g_rows.dim() == 0 else g_rows
+    for start in range(0, m, step):
+        stop = min(start + step, m)
+        r = stop - start
+        zs = zs_buf[:r]
+        h = s.raw_into(start, stop, zs)
+        with torch.no_grad():  # the teacher gets no gradient; only its logits' values travel
+            if zt_far is None:
+                t.raw_into(start, stop, zt_buf[:r])
+            else:
+                t.raw_into(start, stop, zt_far[:r])
+                zt_buf[:r].copy_(zt_far[:r])
+        dz = None
+        if with_grads:
+            dz = dz_buf[:r] if separate_dz and not need.bias else zs
+        distillation_tile(zs, zt_buf[:r], beta, head.transform, t.head.transform, student_bias=s.bias,
+                          teacher_bias=t_bias, dz=dz, row_grads=None if g_rows is None else g_rows[start:stop],
+                          out=TileStats(divergence[start:stop], entropy[start:stop]))
+        if not with_grads:
+            continue
+        if need.bias:
+            grads.bias += dz.sum(0)  # the fp32 dz, before its rounding
+            if separate_dz:
+                dz = dz_buf[:r].copy_(dz)
+        if d_hidden is not None:  # each row's dh is complete within its tile
+            mm_f32_(d_hidden[start:stop], dz, s.weight)
+        if d_weight is not None:
+            d_weight.add(start, dz, h)
+    if grads is not None:
+        grads.hidden = d_hidden
+        if d_weight is not None:
+            d_weight.finish(grads)
+    return DistillationPass(divergence, entropy, grads)
