@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .backends import Backend, get_backend
-from .backends.vocab_parallel import VocabParallelBackend
+from .backends.vocab_parallel import vocab_parallel_backend
 from .head_inputs import HeadInputs
 from .logit_transform import LogitTransform
 from .precision import autocast_dtype
@@ -202,7 +202,8 @@ def prepare(
             ``(start, stop, group)`` tuple) of a head sharded over the vocabulary: ``weight`` (and ``bias``) are the
             rank's rows ``[start, stop)``, ``labels`` global ids. The shards are checked against the group's
             (:func:`~hf_fused.ops.vocab_parallel.resolve_vocab_shard`, a collective); with more than one rank the
-            call runs :class:`~hf_fused.ops.backends.vocab_parallel.VocabParallelBackend` and sums the hidden states'
+            call runs :func:`~hf_fused.ops.backends.vocab_parallel.vocab_parallel_backend`'s choice (the GPU backend's
+            schedules over the rank's rows for CUDA tensors, else the torch loop) and sums the hidden states'
             gradient over the group.
 
     Returns:
@@ -214,7 +215,7 @@ def prepare(
         ValueError: shape mismatches, ``H = 0``, tensors on several devices or on the meta device, labels outside
             ``[0, V)`` other than ``ignore_index``, a bad ``num_items_in_batch``, transform or tile budget, an
             unknown backend; with ``vocab_parallel``, shards that do not tile the vocabulary, a weight of another
-            width, ranks scoring different tokens, or a ``backend`` other than ``"torch"``.
+            width, ranks scoring different tokens, or a ``backend`` other than ``"torch"`` or ``"triton"``.
     """
     transform = logit_transform(transform, temperature=temperature, softcap=softcap, logit_scale=logit_scale)
     shard = None if vocab_parallel is None else as_vocab_shard(vocab_parallel)
@@ -223,12 +224,7 @@ def prepare(
     head = HeadInputs(sum_gradient_over(flat_hidden, layout), weight, bias, flat_labels, rows, transform,
                       validate_tile_budget(tile_budget_bytes), autocast_dtype(flat_hidden.device.type))
     if layout is not None and layout.sharded:
-        if backend not in (None, "torch"):
-            raise ValueError(
-                f"vocab_parallel runs the torch tile loop with a merge of every tile's statistics over the group; "
-                f"backend={backend!r} has no vocabulary-parallel schedule. Pass backend=None"
-            )
-        chosen = VocabParallelBackend(layout)
+        chosen = vocab_parallel_backend(layout, hidden.device, backend)
     else:
         chosen = get_backend(hidden.device, backend)
     return PreparedHead(head, chosen, labels, hidden.shape[:-1], num_items_in_batch, torch.is_grad_enabled())

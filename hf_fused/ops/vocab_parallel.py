@@ -129,12 +129,15 @@ class VocabLayout:
 
     shard: this rank's.  vocab_size: ``V``, the whole vocabulary.  max_width: the widest rank's rows (every rank
     tiles its rows by it, so that all run the same tiles and meet at the same collectives).  ranks: the group's size.
+    min_width: the narrowest rank's rows (0 where ``torch.chunk`` leaves a rank none; every rank chooses its
+    schedule from the same layout).
     """
 
     shard: VocabShard
     vocab_size: int
     max_width: int
     ranks: int
+    min_width: int = 0
 
     @property
     def group(self):
@@ -195,7 +198,8 @@ def _layout(shard: VocabShard, bounds: Sequence[Sequence[int]], ranks: int) -> V
                 f"tile [0, V): {'a gap' if start > position else 'an overlap'} at row {min(start, position)}"
             )
         position = stop
-    return VocabLayout(shard, position, max(stop - start for start, stop, _, _ in bounds), ranks)
+    widths = [stop - start for start, stop, _, _ in bounds]
+    return VocabLayout(shard, position, max(widths), ranks, min(widths))
 
 
 # -- the hidden states' gradient ---------------------------------------------------------------------------------

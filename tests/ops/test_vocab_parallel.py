@@ -420,7 +420,7 @@ def test_bad_shards_are_refused_on_every_rank():
             [(0, 5), (5, 10)], rows_of=lambda r, rows: (0, 4) if r == 0 else rows),
         "different numbers of tokens": errors([(0, 5), (5, 10)], labels_of=lambda r: fewer if r else labels),
         "labels contain 10, outside \\[0, 10\\)": errors([(0, 5), (5, 10)], labels_of=lambda r: bad),
-        "backend='triton' has no vocabulary-parallel schedule": errors([(0, 5), (5, 10)], backend="triton"),
+        "backend='quack' has no vocabulary-parallel schedule": errors([(0, 5), (5, 10)], backend="quack"),
     }
     for message, raised in cases.items():
         assert all(isinstance(e, ValueError) for e in raised), (message, raised)

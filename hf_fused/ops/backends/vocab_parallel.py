@@ -13,6 +13,7 @@ log-sum-exp and entropy of the forward are all it reads.
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -26,6 +27,36 @@ from .torch_reference import TorchReferenceBackend
 
 _NO_GRADS = NeededGrads(False, False, False)
 _reference = TorchReferenceBackend
+
+
+def vocab_parallel_backend(layout: VocabLayout, device: torch.device, name: Optional[str] = None):
+    """The backend of a call on a vocabulary-sharded head: the GPU backend's kernels and schedules over the rank's
+    rows (:class:`~hf_fused.ops.backends.triton_cublas.vocab_parallel.TritonVocabParallelBackend`) where the
+    backend named (``name``, else ``$HF_FUSED_BACKEND``, else ``"triton"`` for CUDA tensors) is ``"triton"``, else
+    :class:`VocabParallelBackend` (the torch loop). A rank with no rows (``torch.chunk`` of a vocabulary smaller
+    than the group's tiles) makes every rank run the torch loop: all decide from the same layout.
+
+    Raises:
+        ValueError: a backend other than ``"torch"`` or ``"triton"``; ``"triton"`` for non-CUDA tensors without
+            Triton's interpreter (as :func:`~hf_fused.ops.backends.get_backend`).
+    """
+    from . import available_backends, get_backend
+
+    name = name or os.environ.get("HF_FUSED_BACKEND") or ("triton" if device.type == "cuda" else "torch")
+    if name == "triton" and "triton" not in available_backends():
+        name = "torch"  # no Triton installed: the torch loop (cuBLAS tiles on a GPU)
+    if name not in ("torch", "triton"):
+        raise ValueError(
+            f"vocab_parallel runs the torch tile loop or the GPU backend's ('triton') with a merge of the per-row "
+            f"statistics over the group; backend={name!r} has no vocabulary-parallel schedule. Pass backend=None, "
+            "'triton' or 'torch'"
+        )
+    if name == "torch" or layout.min_width == 0:
+        return VocabParallelBackend(layout)
+    get_backend(device, name)  # its checks (CUDA tensors, or Triton's interpreter)
+    from .triton_cublas.vocab_parallel import TritonVocabParallelBackend
+
+    return TritonVocabParallelBackend(layout)
 
 
 class VocabParallelBackend:

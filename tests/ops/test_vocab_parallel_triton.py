@@ -1,0 +1,188 @@
+"""The GPU backend's schedules on a vocabulary-sharded head (:mod:`hf_fused.ops.backends.triton_cublas.vocab_parallel`):
+the one pass with every tile's statistics merged over the group, and the two passes (statistics merged once per
+call, a local gradient pass). Ranks as threads over the in-process group of tests/ops/test_vocab_parallel.py, the
+kernels under Triton's interpreter on CPU (``TRITON_INTERPRET=1``, conftest) and compiled on a GPU (``gpu``):
+every op against float64 and against the GPU backend's unsharded op on the same inputs, each rank's rows of the
+weight and bias gradients and the whole hidden states' gradient.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hf_fused.ops.backends.triton_cublas.one_pass_rule import OnePassPlan
+from hf_fused.ops.backends.triton_cublas.plan import forced_plans
+from hf_fused.ops.backends.triton_cublas.two_pass_rule import LeanPlan
+from hf_fused.ops.backends.vocab_parallel import VocabParallelBackend, vocab_parallel_backend
+from hf_fused.ops.vocab_parallel import VocabLayout, VocabShard
+from references import RTOL, rel_err
+from test_vocab_parallel import (
+    BF16_GRAD_TOL,
+    FUSED,
+    assert_rank_matches,
+    chunk_bounds,
+    dense_op,
+    make_inputs,
+    run_ranks,
+)
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU tensors need TRITON_INTERPRET=1 (conftest sets it when there is no GPU)")
+
+@pytest.fixture(autouse=True)
+def one_interpreted_kernel_at_a_time(monkeypatch):
+    """Triton's interpreter patches its language module for the kernel it runs, so two ranks' threads must not run
+    kernels at once: each launch holds one lock (compiled kernels on a GPU need none)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import threading
+
+    from triton.runtime import interpreter
+
+    lock, launch = threading.Lock(), interpreter.GridExecutor.__call__
+
+    def serialized(self, *args, **kwargs):
+        with lock:
+            return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", serialized)
+
+
+#: schedule name → the plans forced for it: the one pass in tiles of 4 rows, or the two passes in [4, 8] tiles.
+SCHEDULES = {"one_pass": dict(one_pass=OnePassPlan(4, "none", 0)),
+             "two_passes": dict(one_pass=False, two_pass=LeanPlan(4, 8, False, 0))}
+
+
+def run_triton(op: str, inputs, bounds=None, group=None, *, dtype=torch.float32, device="cpu") -> dict:
+    """One rank's outputs and gradients of ``FUSED[op]`` on the GPU backend (``backend="triton"``), on its rows
+    ``bounds`` of the head (the whole head without)."""
+    hidden, weight, bias, labels = (t.to(device) for t in inputs)
+    start, stop = bounds if bounds is not None else (0, weight.shape[0])
+    h, w, b = (t.to(dtype).clone().requires_grad_() for t in (hidden, weight[start:stop], bias[start:stop]))
+    kw = dict(backend="triton")
+    if bounds is not None:
+        kw["vocab_parallel"] = VocabShard(start, stop, group)
+    outputs, scalar = FUSED[op](h, w, b, labels, **kw)
+    if scalar is not None:
+        scalar.backward()
+    got = {k: v.detach().cpu() for k, v in outputs.items() if v is not None}
+    got.update({name: None if t.grad is None else t.grad.cpu()
+                for name, t in (("grad_hidden", h), ("grad_weight", w), ("grad_bias", b))})
+    return got
+
+
+@interpreted
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("op", ["cross_entropy", "cross_entropy_none", "logprobs", "logprobs_hint", "token_loss",
+                                "token_loss_hint", "statistics"])
+def test_ranks_match_float64_and_the_unsharded_op(op, schedule):
+    """Each op over 3 ranks (a vocabulary of 29: shards 10/10/9) on the GPU backend's kernels, one pass and two
+    passes: the outputs (``is_top1`` exactly), the hidden states' gradient and each rank's weight and bias rows
+    match float64 and the unsharded op of the same backend and schedule."""
+    inputs = make_inputs(29, seed=3)
+    bounds = chunk_bounds(29, 3)
+    ref = dense_op(op, inputs)
+    with forced_plans(**SCHEDULES[schedule]):
+        whole = run_triton(op, inputs)
+        got, _ = run_ranks(3, lambda r, group: run_triton(op, inputs, bounds[r], group))
+    for r, rank_result in enumerate(got):
+        assert_rank_matches(rank_result, ref, bounds[r], f"{op} {schedule}, rank {r} vs float64")
+        assert_rank_matches(rank_result, whole, bounds[r], f"{op} {schedule}, rank {r} vs unsharded")
+
+
+@interpreted
+def test_ties_across_slices_keep_the_first_maximum():
+    """Integer logits tied between the ranks' slices: ``is_top1`` from the merged arg-max is the unsharded op's,
+    bit for bit, in both schedules."""
+    inputs = make_inputs(12, seed=5, integer=True)
+    _, weight, _, labels = inputs
+    weight[7] = weight[2]
+    weight[10] = weight[4]
+    labels[0, 2:] = torch.tensor([2, 7, 4, 10, 7])
+    bounds = chunk_bounds(12, 4)
+    for schedule, plans in SCHEDULES.items():
+        with forced_plans(**plans):
+            whole = run_triton("statistics", inputs)
+            got, _ = run_ranks(4, lambda r, group: run_triton("statistics", inputs, bounds[r], group))
+        assert whole["is_top1"].any() and not whole["is_top1"].all()
+        for r, rank_result in enumerate(got):
+            assert torch.equal(rank_result["is_top1"], whole["is_top1"]), (schedule, r)
+
+
+@interpreted
+def test_ranks_agree_on_one_schedule(monkeypatch):
+    """The one pass merges per tile, so every rank runs the same tiles: where one rank's plan is the two passes, all
+    run the two passes (every rank's collectives are then the same list), with the float64 results."""
+    import threading
+
+    import hf_fused.ops.backends.triton_cublas.vocab_parallel as module
+
+    inputs = make_inputs(29, seed=6)
+    bounds = chunk_bounds(29, 2)
+    rank_of = threading.local()
+    original = module.plan_one_pass
+    monkeypatch.setattr(module, "plan_one_pass",
+                        lambda head, need: None if rank_of.r == 1 else original(head, need))
+
+    def rank(r, group):
+        rank_of.r = r
+        return run_triton("cross_entropy", inputs, bounds[r], group)
+
+    with forced_plans(one_pass=OnePassPlan(4, "none", 0)):
+        got, group = run_ranks(2, rank)
+    assert group.calls[0] == group.calls[1]
+    ref = dense_op("cross_entropy", inputs)
+    for r, rank_result in enumerate(got):
+        assert_rank_matches(rank_result, ref, bounds[r], f"rank {r} vs float64")
+
+
+def test_the_backend_follows_the_named_one():
+    """``"torch"`` (or CPU tensors by default) runs the torch loop; a rank of no rows makes every rank run it;
+    another name is refused, saying which are accepted."""
+    layout = VocabLayout(VocabShard(0, 5), 10, 5, 2, 5)
+    assert isinstance(vocab_parallel_backend(layout, torch.device("cpu")), VocabParallelBackend)
+    assert isinstance(vocab_parallel_backend(layout, torch.device("cpu"), "torch"), VocabParallelBackend)
+    empty = VocabLayout(VocabShard(0, 10), 10, 10, 2, 0)
+    assert isinstance(vocab_parallel_backend(empty, torch.device("cpu"), "triton"), VocabParallelBackend)
+    with pytest.raises(ValueError, match="backend='quack' has no vocabulary-parallel schedule"):
+        vocab_parallel_backend(layout, torch.device("cpu"), "quack")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", [None, "two_passes"])
+@pytest.mark.parametrize("op", ["cross_entropy", "logprobs", "token_loss"])
+def test_gpu_ranks_match_the_unsharded_op(op, schedule):
+    """On a GPU, bf16, 2 and 3 ranks as threads on one device (a vocabulary of 1,001, 96 tokens, H 64): the
+    compiled kernels' results within the unsharded op's own distance from float64 (plus one bf16 rounding of each
+    gradient), for the plan's own schedule and the two passes."""
+    import contextlib
+
+    g = torch.Generator().manual_seed(0)
+    vocab, n, hidden_size = 1001, 96, 64
+    hidden = torch.randn(1, n, hidden_size, generator=g)
+    weight = torch.randn(vocab, hidden_size, generator=g) * (4.0 / hidden_size**0.5)
+    bias = torch.randn(vocab, generator=g) * 0.5
+    labels = torch.randint(0, vocab, (1, n), generator=g)
+    labels[0, :5] = -100
+    inputs = (hidden, weight, bias, labels)
+    rounded = tuple(t.to(torch.bfloat16).float() if t.is_floating_point() else t for t in inputs)
+    ref = dense_op(op, rounded)
+    plans = forced_plans(**SCHEDULES[schedule]) if schedule else contextlib.nullcontext()
+    for ranks in (2, 3):
+        bounds = chunk_bounds(vocab, ranks)
+        with plans:
+            whole = run_triton(op, inputs, dtype=torch.bfloat16, device="cuda")
+            got, _ = run_ranks(ranks, lambda r, group: run_triton(op, inputs, bounds[r], group, dtype=torch.bfloat16,
+                                                                  device="cuda"))
+        for r, rank_result in enumerate(got):
+            start, stop = bounds[r]
+            for name, exact in ref.items():
+                mine = rank_result[name].float()
+                theirs = whole[name].float()
+                if name in ("grad_weight", "grad_bias"):
+                    exact, theirs = exact[start:stop], theirs[start:stop]
+                bound = 1.05 * rel_err(theirs, exact) + BF16_GRAD_TOL + RTOL
+                assert rel_err(mine, exact) <= bound, (op, schedule, ranks, r, name, rel_err(mine, exact), bound)
