@@ -26,6 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .matmul import round_bf16
 from .triton_kernels import apply_transform
 
 # Below every finite fp32 value (finite, so a lane's rescale exp(m_old − m_new) is never exp(−inf + inf)).
@@ -177,9 +178,10 @@ def grad_kernel(
     s_scale, s_cap, s_inv_t, t_scale, t_cap, t_inv_t, beta, log_1m_beta, log_beta,
     HAS_BIAS_S: tl.constexpr, SOFTCAP_S: tl.constexpr, SCALED_S: tl.constexpr,
     HAS_BIAS_T: tl.constexpr, SOFTCAP_T: tl.constexpr, SCALED_T: tl.constexpr,
-    MODE: tl.constexpr, BLOCK_V: tl.constexpr,
+    MODE: tl.constexpr, DZ_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Per row: ``DZ = G[row] · ∂D/∂raw_s`` (module docstring) in ``DZ``'s dtype. ``KL``: the reverse KL
+    """Per row: ``DZ = G[row] · ∂D/∂raw_s`` (module docstring) in ``DZ``'s dtype (``DZ_BF16``: bf16, rounded to
+    nearest even by :func:`~.matmul.round_bf16`, as ``torch``'s cast rounds, in the interpreter too). ``KL``: the reverse KL
     (``MODE`` 1) or ``KL(p_s ‖ m)`` (``MODE`` 2), unread for ``MODE`` 0; ``G``: per-row upstream gradients
     (``stride_g`` 0 for one value for every row). ``DZ`` may be ``S`` itself (same dtype and strides): each
     element is read before it is written, by the same thread."""
@@ -212,4 +214,8 @@ def grad_kernel(
             dz = dz * (1.0 - th * th)
         if SCALED_S:
             dz = dz * s_scale
-        tl.store(DZ_row + cols, dz.to(DZ_row.dtype.element_ty), mask=valid)
+        if DZ_BF16:
+            stored, _ = round_bf16(dz)
+            tl.store(DZ_row + cols, stored, mask=valid)
+        else:
+            tl.store(DZ_row + cols, dz.to(DZ_row.dtype.element_ty), mask=valid)
