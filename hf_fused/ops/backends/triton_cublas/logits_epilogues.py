@@ -142,7 +142,7 @@ def _logits_grad_kernel(
 def logits_grad_(
     h: torch.Tensor, w: torch.Tensor, dz: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor,
     g_lp: torch.Tensor, g_ent: torch.Tensor, *, has_g_lp: bool, has_g_ent: bool, col_offset: int,
-    bias: Optional[torch.Tensor], scalars: dict, config: GemmConfig = CONFIG,
+    bias: Optional[torch.Tensor], scalars: dict, config: GemmConfig = CONFIG, round_logits: bool = True,
 ) -> None:
     """``dz [M, N]`` ← the logits-gradient of ``h @ w.T`` (columns ``col_offset …`` of the vocabulary), as
     ``triton_kernels.grad_kernel`` computes it from a stored tile: with ``z`` the (transformed) logit,
@@ -156,6 +156,8 @@ def logits_grad_(
         labels: ``[M]`` int64. lse, ent, g_lp, g_ent: fp32 ``[M]``, contiguous (zeros where a gradient is absent;
             ``has_g_lp`` and ``has_g_ent`` say which are).
         bias: the whole ``[V]`` bias or None. scalars: :func:`~.tiles.kernel_scalars` (the logit transform).
+        round_logits: round each bf16 logit as cuBLAS's tile would hold it (statistics from such tiles), or
+            ``False``: ``dz`` from the fp32 accumulator (statistics from it, :mod:`.fused_matmul`).
 
     The operands must pass :func:`applies` (row-major, 16-byte aligned rows).
 
@@ -181,7 +183,7 @@ def logits_grad_(
             a_desc, b_desc, dz, dz.stride(0), m, n, k, col_offset, bias if bias is not None else lse, labels, lse, ent,
             g_lp, g_ent, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, NUM_PROGRAMS=programs, WIDEN_DOT=not h.is_cuda and h.dtype == torch.bfloat16,
-            ROUND=(2 if h.is_cuda else 1) if h.dtype == torch.bfloat16 else 0, HAS_G_LP=has_g_lp,
+            ROUND=(2 if h.is_cuda else 1) if round_logits and h.dtype == torch.bfloat16 else 0, HAS_G_LP=has_g_lp,
             HAS_G_ENT=has_g_ent, num_warps=config.num_warps, num_stages=config.num_stages, **scalars,
         )
 

@@ -1,10 +1,12 @@
 """The one pass (6·M·H·V FLOPs): token rows outside, whole vocabulary rows per tile, gradients in the same pass.
 
 Per full-vocabulary row block: the logits tile (cuBLAS, then the statistics kernel; or QuACK's matmul with the
-statistics in its epilogue), the per-row gradients of the token loss from the block's statistics, the gradient
-kernel turning the same tile into ``dz``, then the hidden gradient (complete within the tile) and the weight
-gradient's accumulation (:class:`TileGradients`). What varies per call is chosen once, before the loop: where each
-tile's statistics come from (:class:`TileStatistics`) and how the weight gradient adds up over tiles
+statistics in its epilogue; or, where the plan takes the logits from the fp32 accumulator, :mod:`.fused_matmul`'s
+matmul, which writes the tile and folds the statistics from the accumulator: fp32-faithful log-probs and entropy,
+``dz`` still from the stored tile), the per-row gradients of the token loss from the block's statistics, the
+gradient kernel turning the same tile into ``dz``, then the hidden gradient (complete within the tile) and the
+weight gradient's accumulation (:class:`TileGradients`). What varies per call is chosen once, before the loop:
+where each tile's statistics come from (:class:`TileStatistics`) and how the weight gradient adds up over tiles
 (:func:`weight_accumulator`: an fp32 buffer, the split fp32 accumulator, or the compensated pair).
 """
 
@@ -17,12 +19,12 @@ import torch
 from ...grads import HeadGrads, split_accumulator
 from ...head_inputs import HeadInputs, NeededGrads
 from ..protocol import HeadPass, TileGrads
-from . import quack_bridge
+from . import fused_matmul, quack_bridge
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_, compensated_scale_, one_pass_config
 from .matmul import addmm_f32_, mm_f32_
 from .one_pass_rule import OnePassPlan
 from .operands import one_pass_rows
-from .plan import plan_one_pass
+from .plan import fp32_logits, plan_one_pass
 from .scaled_round import mul_into
 from .tiles import finish_row_stats, gradient_tile, kernel_scalars, new_row_stats, row_slice, statistics_tile
 
@@ -94,16 +96,22 @@ def weight_accumulator(plan: OnePassPlan, head: HeadInputs, need: NeededGrads, g
 
 
 class TileStatistics:
-    """Each tile's logits and statistics: from QuACK's matmul epilogue while it runs (:attr:`fused`: only the
-    log-sum-exp and label logit asked, :func:`~.quack_bridge.fuses_statistics`; a tile it cannot take turns it off
-    for the rest of the call), else cuBLAS's tile and the statistics kernel."""
+    """Each tile's logits and statistics: with ``fp32`` from :mod:`.fused_matmul`'s matmul (the tile stored rounded
+    as cuBLAS's, the statistics from the fp32 accumulator); else from QuACK's matmul epilogue while it runs
+    (:attr:`fused`: only the log-sum-exp and label logit asked, :func:`~.quack_bridge.fuses_statistics`; a tile it
+    cannot take turns it off for the rest of the call), else cuBLAS's tile and the statistics kernel."""
 
     def __init__(self, fused: bool, weight: torch.Tensor, bias: Optional[torch.Tensor], scalars: dict,
-                 return_entropy: bool) -> None:
+                 return_entropy: bool, fp32: bool = False) -> None:
         self.fused, self.weight, self.bias, self.scalars, self.return_entropy = (
-            fused, weight, bias, scalars, return_entropy)
+            fused and not fp32, weight, bias, scalars, return_entropy)
+        self.fp32 = fp32
 
     def __call__(self, h: torch.Tensor, y: torch.Tensor, dz: torch.Tensor, row_stats) -> None:
+        if self.fp32:
+            fused_matmul.logits_statistics_(h, self.weight, y, row_stats, self.scalars,
+                                            return_entropy=self.return_entropy, bias=self.bias, tile=dz)
+            return
         run_max, run_sum, _, label_logit = row_stats[:4]
         self.fused = self.fused and quack_bridge.logits_with_statistics(h, self.weight, y, dz, run_max, label_logit)
         if self.fused:
@@ -174,9 +182,10 @@ def run_one_pass(head: HeadInputs, tile_grads: Optional[TileGrads], need: Needed
     stats = new_row_stats(m_rows, weight.device, statistics)
     tile_buf = torch.empty((min(plan.rows, max(m_rows, 1)), vocab_size), dtype=weight.dtype, device=weight.device)
     late_entropy = return_entropy and tile_grads is not None and not entropy_in_grads
+    fp32 = fp32_logits(head) and fused_matmul.readable(rows_operand, weight) and tile_buf.stride(-1) == 1
     tile_statistics = TileStatistics(
         quack_bridge.fuses_statistics(head, rows_operand, return_entropy and not late_entropy, statistics), weight,
-        bias, scalars, return_entropy)
+        bias, scalars, return_entropy, fp32)
     for r0, r1, h in blocks:  # h: the tile's kept hidden rows [r1 − r0, H], in weight's dtype
         dz, row_stats = tile_buf[: r1 - r0], row_slice(stats, r0, r1)
         tile_statistics(h, y[r0:r1], dz, row_stats)

@@ -7,7 +7,13 @@ otherwise the two passes (:mod:`.two_pass_rule`) with a ``DEFAULT_TILE_BUDGET_BY
 ``tile_budget_bytes`` is a hard bound instead, on everything the pass holds. On other devices the default is that
 bound at ``DEFAULT_TILE_BUDGET_BYTES``.
 
-The loops ask :func:`plan_one_pass`, :func:`plan_statistics_pass` and :func:`plan_gradient_pass`;
+**Where the logits' statistics come from** (:func:`fp32_logits`): cuBLAS's bf16 tiles read back by the Triton
+kernels, or, where :mod:`.fused_matmul` runs and is enabled (``HF_FUSED_FP32_LOGITS=1``; off by default until its
+H200 measurement), the logits matmul's fp32 accumulator: fp32-faithful log-probs, and in the two passes ``dz`` from
+the accumulator too.
+
+The loops ask :func:`plan_one_pass`, :func:`plan_statistics_pass` (:func:`plan_fp32_statistics_pass`) and
+:func:`plan_gradient_pass`;
 :func:`describe` says in one line what they would answer for a call; :func:`forced_plans` replaces the rule inside
 a block (tile sweeps, tests).
 """
@@ -22,6 +28,8 @@ import torch
 
 from ...head_inputs import HeadInputs, NeededGrads
 from ...logit_transform import LogitTransform
+from ...tiling import DEFAULT_TILE_BUDGET_BYTES
+from . import fused_matmul
 from .matmul import wave_rows
 from .one_pass_rule import OnePassPlan, one_pass_accumulators, one_pass_plan, one_pass_working_set
 from .operands import compact_bytes, one_pass_gather_row_bytes
@@ -119,6 +127,31 @@ def plan_two_passes(head: HeadInputs, *, reserved_bytes: int = 0, accumulator_ro
 def plan_statistics_pass(head: HeadInputs) -> LeanPlan:
     """The statistics pass's tile: :func:`plan_two_passes` with nothing reserved beside it."""
     return plan_two_passes(head)
+
+
+def fp32_logits(head: HeadInputs) -> bool:
+    """Whether the call's logits matmuls take the statistics (and, in the gradient pass, ``dz``) from their fp32
+    accumulator (:mod:`.fused_matmul`) rather than from cuBLAS's tiles rounded to bf16: where that kernel
+    :func:`~.fused_matmul.runs_on` the weight as the matmuls read it (not cast chunk by chunk under autocast) and
+    the hidden rows have its row stride (the kept rows are then readable beside it)."""
+    weight = head.weight
+    if head.casts_weight() or head.hidden.shape[-1] != weight.shape[1]:
+        return False
+    return fused_matmul.runs_on(weight)
+
+
+def plan_fp32_statistics_pass(head: HeadInputs, statistics: int) -> LeanPlan:
+    """The fp32 statistics pass's row blocks (whole vocabulary rows, no tile): as many rows as fit in the tile
+    budget (``DEFAULT_TILE_BUDGET_BYTES`` by default) at their partials' bytes (``statistics`` per output tile,
+    :func:`~.fused_matmul.partial_row_bytes`) and, where the statistics pass would gather its rows
+    (:func:`plan_statistics_pass`), their gathered hidden rows."""
+    vocab_size, hidden_size = head.weight.shape
+    gather = plan_statistics_pass(head).gather_rows
+    row_bytes = fused_matmul.partial_row_bytes(vocab_size, statistics)
+    row_bytes += hidden_size * head.operand_dtype.itemsize if gather else 0
+    budget = DEFAULT_TILE_BUDGET_BYTES if head.tile_budget_bytes is None else head.tile_budget_bytes
+    rows = max(1, min(head.rows.numel(), budget // row_bytes))
+    return LeanPlan(rows, vocab_size, gather, rows * row_bytes)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,10 @@
 The statistics pass (``2·M·H·V``) folds each chunk's logits into running per-row statistics; the gradient pass
 recomputes each tile and turns it into ``dz`` (``2·M·H·V``), then ``dX`` and ``dW`` (``2·M·H·V`` each), on the
 kept rows only. Each chunk's weight gradient is complete after its chunk (:mod:`.weight_chunks`); the hidden
-gradient adds up across chunks. What varies per call is chosen once, before the loop: who writes each ``dz`` tile
+gradient adds up across chunks. Where the plan takes the logits from the fp32 accumulator
+(:func:`~.plan.fp32_logits`), the statistics pass is the matmul with the statistics in its epilogue
+(:mod:`.fused_matmul`, whole vocabulary rows, no tile) and ``dz`` is computed from the accumulator, unrounded. What
+varies per call is chosen once, before the loop: who writes each ``dz`` tile
 (:func:`dz_writer`: QuACK's or the Triton matmul's epilogue, or cuBLAS and the gradient kernel), how the hidden
 gradient accumulates (:func:`hidden_accumulator`: an fp32 buffer or the compensated pair) and where each chunk's
 weight gradient adds up (:class:`WeightChunkGradient`).
@@ -18,11 +21,11 @@ import torch
 from ...grads import HeadGrads
 from ...head_inputs import HeadInputs, NeededGrads
 from ..protocol import HeadPass
-from . import logits_epilogues, quack_bridge
+from . import fused_matmul, logits_epilogues, quack_bridge
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_
 from .matmul import addmm_f32_, mm_f32_
 from .operands import operand_bias, row_blocks, rows_source, weight_chunk_buffer
-from .plan import GradientPassPlan, plan_gradient_pass, plan_statistics_pass
+from .plan import GradientPassPlan, fp32_logits, plan_fp32_statistics_pass, plan_gradient_pass, plan_statistics_pass
 from .scaled_round import mul_into
 from .tiles import finish_row_stats, gradient_tile, kernel_scalars, new_row_stats, row_slice, statistics_tile
 from .weight_chunks import WeightChunk, chunk_buffers, round_chunk_into_, weight_gradient_chunks
@@ -31,7 +34,9 @@ from .weight_chunks import WeightChunk, chunk_buffers, round_chunk_into_, weight
 def run_statistics_pass(head: HeadInputs, return_entropy: bool, statistics: Sequence[str]) -> HeadPass:
     """:meth:`~.backend.TritonCublasBackend.logprobs_forward`: per vocabulary chunk and row block, cuBLAS's logits
     tile folded into the rows' running statistics (the token statistics are online reductions across chunks like
-    the log-sum-exp)."""
+    the log-sum-exp); or, where :func:`~.plan.fp32_logits`, :func:`run_fp32_statistics_pass`."""
+    if fp32_logits(head):
+        return run_fp32_statistics_pass(head, return_entropy, statistics)
     weight, bias, dtype = head.weight, operand_bias(head), head.operand_dtype
     plan = plan_statistics_pass(head)
     h, buf, y = rows_source(head, plan)
@@ -45,6 +50,25 @@ def run_statistics_pass(head: HeadInputs, return_entropy: bool, statistics: Sequ
         for r0, r1, h_rows in row_blocks(head, plan, h, buf):
             z = torch.mm(h_rows, w_chunk.t(), out=tile_buf[: r1 - r0, : w_chunk.shape[0]])
             statistics_tile(z, v0, bias, y[r0:r1], row_slice(stats, r0, r1), scalars, return_entropy)
+    logp, entropy, lse, token_stats = finish_row_stats(stats, y, vocab_size, return_entropy, statistics)
+    return HeadPass(logp, entropy, lse, None, token_stats)
+
+
+def run_fp32_statistics_pass(head: HeadInputs, return_entropy: bool, statistics: Sequence[str]) -> HeadPass:
+    """The statistics pass from the logits matmul's fp32 accumulator: per row block of
+    :func:`~.plan.plan_fp32_statistics_pass` (whole vocabulary rows), :func:`~.fused_matmul.logits_statistics_`
+    folds the rows' statistics; no logits tile is stored."""
+    weight, bias = head.weight, operand_bias(head)
+    m_rows, vocab_size = head.rows.numel(), weight.shape[0]
+    plan = plan_fp32_statistics_pass(head, 2 + return_entropy + len(statistics))
+    h, buf, y = rows_source(head, plan)
+    if h is not None and not fused_matmul.readable(h, weight):  # hidden itself, strided or off 16-byte alignment
+        h = h.clone(memory_format=torch.contiguous_format)
+    stats = new_row_stats(m_rows, weight.device, statistics)
+    scalars = kernel_scalars(head.transform, bias)
+    for r0, r1, h_rows in row_blocks(head, plan, h, buf):
+        fused_matmul.logits_statistics_(h_rows, weight, y[r0:r1], row_slice(stats, r0, r1), scalars,
+                                        return_entropy=return_entropy, bias=bias)
     logp, entropy, lse, token_stats = finish_row_stats(stats, y, vocab_size, return_entropy, statistics)
     return HeadPass(logp, entropy, lse, None, token_stats)
 
@@ -114,13 +138,16 @@ class CublasDz:
 
 class EpilogueDz(CublasDz):
     """``dz`` from the Triton logits matmul's epilogue (:func:`~.logits_epilogues.logits_grad_`): the logits are
-    never stored."""
+    never stored. ``round_logits``: from each logit rounded as cuBLAS's tile holds it (statistics from such tiles),
+    or ``False``, from the fp32 accumulator (statistics from it)."""
+
+    round_logits = True
 
     def __call__(self, h_rows, w_chunk, dz, v0: int, r0: int, r1: int) -> None:
         logits_epilogues.logits_grad_(
             h_rows, w_chunk, dz, self.y[r0:r1], self.lse[r0:r1], self.ent[r0:r1], self.g_lp[r0:r1],
             self.g_ent[r0:r1], has_g_lp=self.has_g_lp, has_g_ent=self.has_g_ent, col_offset=v0, bias=self.bias,
-            scalars=self.scalars,
+            scalars=self.scalars, round_logits=self.round_logits,
         )
 
 
@@ -144,12 +171,18 @@ class QuackDz:
 
 
 def dz_writer(head: HeadInputs, rows_operand, w_like, tile_buf, cublas: CublasDz):
-    """Who writes the call's ``dz`` tiles: QuACK's epilogue where it runs and the gradient is the log-probs' alone,
-    else the Triton matmul's epilogue where it applies (:func:`~.logits_epilogues.applies`), else ``cublas``."""
-    if not logits_epilogues.applies(rows_operand, w_like, tile_buf):
-        return cublas
+    """Who writes the call's ``dz`` tiles: where the statistics came from the fp32 accumulator
+    (:func:`~.plan.fp32_logits`) the Triton matmul's epilogue from the unrounded accumulator; else QuACK's epilogue
+    where it runs and the gradient is the log-probs' alone, else the Triton matmul's epilogue where it applies
+    (:func:`~.logits_epilogues.applies`), else ``cublas``."""
     epilogue = EpilogueDz(cublas.bias, cublas.y, cublas.lse, cublas.ent, cublas.g_lp, cublas.g_ent, cublas.scalars,
                           cublas.has_g_lp, cublas.has_g_ent)
+    if (fp32_logits(head) and fused_matmul.readable(rows_operand, w_like) and tile_buf.dtype == w_like.dtype
+            and tile_buf.stride(-1) == 1):
+        epilogue.round_logits = False
+        return epilogue
+    if not logits_epilogues.applies(rows_operand, w_like, tile_buf):
+        return cublas
     if quack_bridge.fuses_softmax_grad(head, rows_operand, w_like, cublas.has_g_lp, cublas.has_g_ent):
         return QuackDz(epilogue, tile_buf.shape[0])
     return epilogue

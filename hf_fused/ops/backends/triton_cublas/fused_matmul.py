@@ -1,0 +1,366 @@
+"""The logits matmul with the loss statistics in its epilogue: log-probs from the fp32 accumulator (Triton, Hopper).
+
+cuBLAS writes each logits tile in bf16 and the statistics kernel (:mod:`.triton_kernels`) reads it back, so the
+log-sum-exp, the label logit and the entropy come from logits rounded to bf16, each off by up to ``|z|·2⁻⁸``.
+Here one persistent Triton matmul (TMA loads, bf16 operands, fp32 accumulator) reduces each ``[BLOCK_M, BLOCK_N]``
+output tile of ``h @ wᵀ`` straight from its accumulator, through the bias and the logit transform
+(:func:`~.triton_kernels.apply_transform`), to the tile's per-row partial statistics: the max ``m``,
+``Σ exp(z − m)``, ``Σ exp(z − m)·z`` (the entropy's), and under their flags ``Σ z``, the first arg-max and
+``Σ exp(2(z − m))`` (:mod:`hf_fused.ops.token_statistics`), into ``[rows, ⌈V / BLOCK_N⌉]`` partials; the tile
+that holds a row's label stores its logit. A second kernel then folds each row's partials into the running
+statistics of :mod:`.tiles` with the log-sum-exp rule (:mod:`.statistics_partials`), so
+:func:`~.tiles.finish_row_stats` reads them as it reads the statistics kernel's. No ``[rows, V]`` tile is written,
+unless asked (``tile``: the one pass, whose gradient kernel reads it), and then as the bf16 copy cuBLAS would
+write, the statistics still from the accumulator.
+
+The per-token log-probs are then those of an fp32-accumulated matmul of the same bf16 operands, not of its bf16
+rounding: the statistics pass and the one pass's statistics run it where :func:`applies` (the plan's
+``fp32_logits`` choice, :func:`~.plan.fp32_logits`).
+
+On a GPU the launch shape is autotuned over :data:`CONFIGS` (keyed on ``V`` and ``H``); under Triton's interpreter
+(CPU, tests) it runs :data:`INTERPRETER_CONFIG` or the one given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .matmul import halves, multiprocessors, round_bf16, tile_order, tma_operand, tma_tile_product
+from .statistics_partials import merge_partials_, new_partials, partials_bytes
+from .triton_kernels import apply_transform
+
+_NO_MAX = tl.constexpr(-3.4028234663852886e38)  # below every finite fp32 value (the statistics kernel's)
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+#: The environment variable that turns the fp32 statistics on (``1``) or off (``0``) for the process; unset, the
+#: plan's default (:data:`DEFAULT_ENABLED`) holds.
+ENV = "HF_FUSED_FP32_LOGITS"
+
+#: Whether the GPU backend takes its statistics from this kernel by default where it runs. Off until measured
+#: against cuBLAS's tiles on an H200 (docs/performance.md).
+DEFAULT_ENABLED = False
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsConfig:
+    """One launch shape: ``block_m × block_n`` output tiles, ``block_k`` deep K steps, grouped ``group_m``
+    row-blocks at a time (:func:`~.matmul.tile_order`), the epilogue on ``split`` (1, 2 or 4) column slices of the
+    tile one after another (the whole tile's temporaries beside its accumulator would spill), ``num_warps`` warps,
+    ``num_stages`` pipelined loads."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    split: int = 4
+    num_warps: int = 8
+    num_stages: int = 4
+
+    def kwargs(self) -> dict:
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m,
+                    SPLIT=self.split)
+
+
+#: The GPU's autotuning candidates: the gradient epilogue's shape (:data:`.logits_epilogues.CONFIG`) and its
+#: neighbours; every ``block_n`` a multiple of :data:`MIN_BLOCK_N`, which sizes the partials.
+CONFIGS = (
+    StatsConfig(128, 256, 64, split=4, num_warps=8, num_stages=4),
+    StatsConfig(128, 256, 64, split=4, num_warps=8, num_stages=3),
+    StatsConfig(128, 256, 64, split=2, num_warps=8, num_stages=3),
+    StatsConfig(256, 128, 64, split=2, num_warps=8, num_stages=3),
+    StatsConfig(128, 128, 64, split=2, num_warps=8, num_stages=4),
+    StatsConfig(128, 128, 64, split=1, num_warps=4, num_stages=4),
+)
+MIN_BLOCK_N = min(c.block_n for c in CONFIGS)
+
+#: Under the interpreter (whose cost is per program and per call of a jitted function, not per element): tiles
+#: that cover the tests' shapes in few programs, yet several column tiles with ragged edges.
+INTERPRETER_CONFIG = StatsConfig(64, 128, 32, group_m=2, split=4, num_warps=4, num_stages=1)
+
+# What a ``forced`` block set: None (the rule of :func:`enabled`), True or False.
+_FORCED: dict = {}
+
+
+@contextlib.contextmanager
+def forced(enabled: bool):
+    """Within the block the plan's ``fp32_logits`` choice is ``enabled`` for every call whose operands the kernel
+    can read (tests: True runs the kernel under Triton's interpreter on CPU; benchmarks: True or False to time
+    either). Process-wide, not per thread."""
+    previous = dict(_FORCED)
+    _FORCED["enabled"] = bool(enabled)
+    try:
+        yield
+    finally:
+        _FORCED.clear()
+        _FORCED.update(previous)
+
+
+def enabled() -> bool:
+    """Whether the fp32 statistics are asked for: a :func:`forced` block's answer, else the environment's
+    (:data:`ENV` ``=1`` or ``=0``), else :data:`DEFAULT_ENABLED`.
+
+    Raises:
+        ValueError: for a value of :data:`ENV` other than ``0`` or ``1``.
+    """
+    if "enabled" in _FORCED:
+        return _FORCED["enabled"]
+    value = os.environ.get(ENV)
+    if value is None or value == "":
+        return DEFAULT_ENABLED
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV} must be 0 or 1 (the fp32 log-prob statistics off or on), got {value!r}")
+    return value == "1"
+
+
+def runs_on(weight: torch.Tensor) -> bool:
+    """Whether the kernel runs with ``weight`` (``[N, H]``, the matmul's operand) for this call: :func:`enabled`,
+    row-major with TMA-aligned rows (base address and row stride multiples of 16 bytes), and bf16 on a CUDA device of
+    compute capability ≥ 9.0 (an fp32 matmul stays cuBLAS's: Triton's fp32 ``tl.dot`` is TF32 or slow) or, on CPU
+    (Triton's interpreter, tests), bf16 or fp32. The rows operand must then be :func:`readable` beside it."""
+    if not enabled() or weight.dim() != 2:
+        return False
+    if weight.is_cuda:
+        if weight.dtype != torch.bfloat16 or torch.cuda.get_device_capability(weight.device) < (9, 0):
+            return False
+    elif weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    return readable(weight, weight)
+
+
+def readable(h: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel can read ``h [M, H]`` beside ``weight``: its dtype and device, row-major, TMA-aligned."""
+    return (h.dim() == 2 and h.dtype == weight.dtype and h.device == weight.device and h.stride(-1) == 1
+            and tma_operand(h) is None)
+
+
+def applies(h: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`logits_statistics_` runs on ``h [M, H]`` and ``weight [N, H]`` for this call (:func:`runs_on`
+    and :func:`readable`)."""
+    return runs_on(weight) and readable(h, weight)
+
+
+@triton.jit
+def _fold_slice(raw, n0, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, Z, stride_z,
+                logit_scale, softcap, inv_temperature, SLICE: tl.constexpr, ROUND: tl.constexpr,
+                STORE_TILE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr,
+                ENTROPY: tl.constexpr, SUM_Z: tl.constexpr, ARGMAX: tl.constexpr, SUM_SQ: tl.constexpr):
+    """One column slice ``raw [len(rm), SLICE]`` of the accumulator (columns ``n0 …`` of this launch) folded into
+    the rows' running (max, Σexp(z−m), Σexp(z−m)·z, label logit, Σz, first arg-max, Σexp(2(z−m))); with
+    ``STORE_TILE`` the raw slice is also stored into ``Z``, rounded to its dtype (``ROUND``: 1 on the bit pattern,
+    for the interpreter, whose conversion truncates; 2 the GPU's conversion)."""
+    rn = n0 + tl.arange(0, SLICE)
+    col_ok = rn < N
+    if STORE_TILE:
+        stored = raw
+        if ROUND == 1:
+            stored, _ = round_bf16(raw)
+        mask = (rm < M)[:, None] & col_ok[None, :]
+        tl.store(Z + rm[:, None].to(tl.int64) * stride_z + rn[None, :], stored.to(Z.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        raw += tl.load(Bias + col_offset + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    z, _ = apply_transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
+    valid = col_ok[None, :]
+    z_max = tl.where(valid, z, _NO_MAX)
+    m_slice = tl.max(z_max, axis=1)
+    m_new = tl.maximum(m, m_slice)  # finite: every tile's first slice holds a valid column
+    alpha = tl.exp(m - m_new)  # 0 before the first slice (m = _NO_MAX: no overflow), 1 while the max holds
+    e = tl.where(valid, tl.exp2((z - m_new[:, None]) * _LOG2E), 0.0)
+    s = s * alpha + tl.sum(e, axis=1)
+    if ENTROPY:
+        t = t * alpha + tl.sum(e * z, axis=1)
+    # the label's logit: at most one column of the row matches (a column past N is never stored as it)
+    zy += tl.sum(tl.where((rn + col_offset)[None, :] == labels[:, None], z, 0.0), axis=1)
+    if SUM_Z:
+        zsum += tl.sum(tl.where(valid, z, 0.0), axis=1)
+    if ARGMAX:
+        # the slice's first maximum, taken over only by a strictly larger one: the row's first maximum (torch's)
+        first = n0 + tl.argmax(z_max, axis=1, tie_break_left=True)
+        arg = tl.where(m_slice > m, first, arg)
+    if SUM_SQ:
+        s2 = s2 * (alpha * alpha) + tl.sum(e * e, axis=1)
+    return m_new, s, t, zy, zsum, arg, s2
+
+
+@triton.jit
+def _statistics_kernel(
+    A_DESC, B_DESC, M, N, K, col_offset, Bias, Labels, ZY,
+    P_MAX, P_SUM, P_ZP, P_ZSUM, P_ARG, P_SQ, n_part, Z, stride_z,
+    logit_scale, softcap, inv_temperature,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WIDEN_DOT: tl.constexpr, ROUND: tl.constexpr,
+    STORE_TILE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr,
+    ENTROPY: tl.constexpr, SUM_Z: tl.constexpr, ARGMAX: tl.constexpr, SUM_SQ: tl.constexpr,
+):
+    """Tiles ``pid, pid + NUM_PROGRAMS, …`` of ``h [M, K] @ w [N, K]ᵀ`` (``A_DESC``/``B_DESC``: TMA descriptors
+    whose zero fill past the shapes stands in for masks) in :func:`~.matmul.tile_order`'s order; each tile's
+    per-row partials go to column ``pid_n`` of the ``[M, n_part]`` partials, its rows' label logits (where the
+    label is one of its columns, ``col_offset`` added) to ``ZY``."""
+    start = tl.program_id(0)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    # a separate tile counter for the epilogue, so that the flattened loop issues the next tile's loads while
+    # this tile's epilogue runs (as in Triton's persistent matmul tutorial and .logits_epilogues)
+    tile_c = start - NUM_PROGRAMS
+    for tile in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = tile_order(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tma_tile_product(A_DESC, B_DESC, pid_m * BLOCK_M, pid_n * BLOCK_N, k_tiles, BLOCK_M, BLOCK_N,
+                               BLOCK_K, False, True, WIDEN_DOT)
+        tile_c += NUM_PROGRAMS
+        pid_m_c, pid_n_c = tile_order(tile_c, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m_c * BLOCK_M
+        off_n = pid_n_c * BLOCK_N
+        rm = off_m + tl.arange(0, BLOCK_M)
+        m_ok = rm < M
+        labels = tl.load(Labels + rm, mask=m_ok, other=-1)
+        m = tl.full([BLOCK_M], _NO_MAX, tl.float32)
+        s = tl.zeros([BLOCK_M], tl.float32)
+        t = tl.zeros([BLOCK_M], tl.float32)
+        zy = tl.zeros([BLOCK_M], tl.float32)
+        zsum = tl.zeros([BLOCK_M], tl.float32)
+        arg = tl.zeros([BLOCK_M], tl.int32)
+        s2 = tl.zeros([BLOCK_M], tl.float32)
+        if SPLIT == 1:
+            m, s, t, zy, zsum, arg, s2 = _fold_slice(
+                acc, off_n, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, Z, stride_z,
+                logit_scale, softcap, inv_temperature, BLOCK_N, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
+                ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+        elif SPLIT == 2:
+            HALF: tl.constexpr = BLOCK_N // 2
+            left, right = halves(acc, BLOCK_M, HALF)
+            m, s, t, zy, zsum, arg, s2 = _fold_slice(
+                left, off_n, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, Z, stride_z,
+                logit_scale, softcap, inv_temperature, HALF, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
+                ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+            m, s, t, zy, zsum, arg, s2 = _fold_slice(
+                right, off_n + HALF, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, Z, stride_z,
+                logit_scale, softcap, inv_temperature, HALF, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
+                ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+        else:
+            QUARTER: tl.constexpr = BLOCK_N // 4
+            left, right = halves(acc, BLOCK_M, BLOCK_N // 2)
+            q0, q1 = halves(left, BLOCK_M, QUARTER)
+            q2, q3 = halves(right, BLOCK_M, QUARTER)
+            m, s, t, zy, zsum, arg, s2 = _fold_slice(
+                q0, off_n, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, Z, stride_z,
+                logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
+                ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+            m, s, t, zy, zsum, arg, s2 = _fold_slice(
+                q1, off_n + QUARTER, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, Z, stride_z,
+                logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
+                ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+            m, s, t, zy, zsum, arg, s2 = _fold_slice(
+                q2, off_n + 2 * QUARTER, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, Z,
+                stride_z, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
+                SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+            m, s, t, zy, zsum, arg, s2 = _fold_slice(
+                q3, off_n + 3 * QUARTER, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, Z,
+                stride_z, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
+                SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+        part = rm.to(tl.int64) * n_part + pid_n_c
+        tl.store(P_MAX + part, m, mask=m_ok)
+        tl.store(P_SUM + part, s, mask=m_ok)
+        if ENTROPY:
+            tl.store(P_ZP + part, t, mask=m_ok)
+        if SUM_Z:
+            tl.store(P_ZSUM + part, zsum, mask=m_ok)
+        if ARGMAX:
+            tl.store(P_ARG + part, arg, mask=m_ok)
+        if SUM_SQ:
+            tl.store(P_SQ + part, s2, mask=m_ok)
+        in_tile = m_ok & (labels >= col_offset + off_n) & (labels < col_offset + tl.minimum(off_n + BLOCK_N, N))
+        tl.store(ZY + rm, zy, mask=in_tile)
+
+
+def _set_block_shapes(nargs: dict) -> None:
+    """Autotuning pre-hook: the TMA descriptors' boxes for the config being run."""
+    nargs["A_DESC"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    nargs["B_DESC"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
+_tuned_statistics_kernel = triton.autotune(
+    configs=[triton.Config(c.kwargs(), num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_set_block_shapes)
+             for c in CONFIGS],
+    key=["N", "K"],
+)(_statistics_kernel)
+
+
+def partial_row_bytes(vocab_size: int, statistics: int = 3) -> int:
+    """Bytes per row of the partials one launch over ``vocab_size`` columns holds, with ``statistics`` partials per
+    tile (:func:`~.statistics_partials.partials_bytes`): what the plan counts per row."""
+    return partials_bytes(triton.cdiv(vocab_size, min(MIN_BLOCK_N, INTERPRETER_CONFIG.block_n)), statistics)
+
+
+def logits_statistics_(
+    h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, stats: tuple, scalars: dict, *, return_entropy: bool,
+    col_offset: int = 0, bias: Optional[torch.Tensor] = None, tile: Optional[torch.Tensor] = None,
+    config: Optional[StatsConfig] = None,
+) -> None:
+    """Fold the statistics of the logits ``h @ w.T`` (columns ``col_offset …`` of the vocabulary), computed from the
+    matmul's fp32 accumulator, into ``stats`` as ``triton_kernels.stats_kernel`` folds a stored tile's: the running
+    max, Σexp(z − m), Σexp(z − m)·z (with ``return_entropy``), the label logit where the label is one of these
+    columns, and the token statistics ``stats`` holds (:func:`~.tiles.new_row_stats`). The bias (whole ``[V]``)
+    and the logit transform (``scalars``: :func:`~.tiles.kernel_scalars`) are applied to the accumulator.
+
+    Args:
+        h: ``[M, H]`` row-major, bf16 (bf16 or fp32 under the interpreter); w: ``[N, H]`` row-major, ``h``'s dtype.
+            Both must be :func:`readable` (row-major, TMA-aligned rows).
+        labels: ``[M]`` int64. stats: :data:`~.tiles.RowStats` of ``M`` rows.
+        tile: ``[M, N]`` in ``h``'s dtype, unit column stride, or None: where given, the raw logits are stored into
+            it, rounded once (the tile cuBLAS would write).
+        config: the launch shape (default: autotuned over :data:`CONFIGS` on a GPU, :data:`INTERPRETER_CONFIG`
+            under the interpreter).
+
+    Raises:
+        ValueError: for a ``config`` whose ``split`` is not 1, 2 or 4 or does not divide ``block_n``.
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m_rows, k = h.shape
+    n = w.shape[0]
+    if m_rows == 0 or n == 0:
+        return
+    if config is not None and (config.split not in (1, 2, 4) or config.block_n % config.split):
+        raise ValueError(f"logits_statistics_: split must be 1, 2 or 4 and divide block_n, got {config}")
+    run_max, run_sum, run_zp, label_logit, z_sum, arg, sum_sq = stats
+    if config is None and not h.is_cuda:
+        config = INTERPRETER_CONFIG
+    min_block_n = MIN_BLOCK_N if config is None else config.block_n
+    n_part = triton.cdiv(n, min_block_n)
+    parts = new_partials(m_rows, n_part, h.device, return_entropy, z_sum is not None, arg is not None,
+                         sum_sq is not None)
+    box = config or CONFIGS[0]
+    a_desc = TensorDescriptor(h, [m_rows, k], [h.stride(0), 1], [box.block_m, box.block_k])
+    b_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [box.block_n, box.block_k])
+    programs = multiprocessors(h.device)
+    flags = dict(
+        WIDEN_DOT=not h.is_cuda and h.dtype == torch.bfloat16,
+        ROUND=(2 if h.is_cuda else 1) if (tile is not None and tile.dtype == torch.bfloat16) else 0,
+        STORE_TILE=tile is not None, ENTROPY=return_entropy, SUM_Z=z_sum is not None, ARGMAX=arg is not None,
+        SUM_SQ=sum_sq is not None, **scalars,
+    )
+    args = (a_desc, b_desc, m_rows, n, k, col_offset, bias if bias is not None else run_max, labels, label_logit,
+            *parts, n_part, tile if tile is not None else run_max, tile.stride(0) if tile is not None else 0)
+    with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
+        if config is None:
+            def grid(meta):
+                return (min(programs, triton.cdiv(m_rows, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
+
+            _tuned_statistics_kernel[grid](*args, NUM_PROGRAMS=programs, **flags)
+            block_n = _tuned_statistics_kernel.best_config.kwargs["BLOCK_N"]
+        else:
+            tiles = triton.cdiv(m_rows, config.block_m) * triton.cdiv(n, config.block_n)
+            _statistics_kernel[(min(tiles, programs),)](*args, NUM_PROGRAMS=programs, num_warps=config.num_warps,
+                                                         num_stages=config.num_stages, **config.kwargs(), **flags)
+            block_n = config.block_n
+        merge_partials_(parts, triton.cdiv(n, block_n), col_offset, stats, return_entropy)
+
+
+__all__ = ["CONFIGS", "DEFAULT_ENABLED", "ENV", "INTERPRETER_CONFIG", "StatsConfig", "applies", "enabled", "forced",
+           "logits_statistics_", "partial_row_bytes", "readable", "runs_on"]

@@ -1,0 +1,190 @@
+"""The logits matmul with the statistics in its epilogue (``backends/triton_cublas/fused_matmul.py``): log-probs,
+entropy and token statistics from the fp32 accumulator, never from a bf16 tile.
+
+On CPU the kernels run under Triton's interpreter inside ``fused_matmul.forced(True)`` (by default they are off,
+and on a GPU they run only on sm_90+); the ``gpu`` tests run them on the GPU against fp32-accumulated and float64
+references.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hf_fused.ops import linear_cross_entropy, linear_logprobs  # noqa: E402
+from hf_fused.ops.backends.triton_cublas import fused_matmul as FM  # noqa: E402
+from hf_fused.ops.backends.triton_cublas import logits_epilogues as L  # noqa: E402
+from hf_fused.ops.backends.triton_cublas.tiles import finish_row_stats, kernel_scalars, new_row_stats  # noqa: E402
+from hf_fused.ops.logit_transform import LogitTransform  # noqa: E402
+
+from references import KERNEL_TRANSFORMS as TRANSFORMS  # noqa: E402
+from references import apply_transform, check_triton_matches_float64  # noqa: E402
+
+TOKEN_STATISTICS = ("mean_logits", "is_top1", "log_sum_sq_probs")
+
+
+def _bf16_operands(m, n, k, *, seed=0, std=4.0, bias=False):
+    """bf16 ``h [m, k]``, ``w [n, k]`` whose logits have a standard deviation of about ``std`` (a trained head's),
+    a bf16 bias or None, and labels with some outside ``[0, n)`` (another chunk's, or ignored)."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen) * std / k**0.5).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    y = torch.randint(0, n, (m,), generator=gen)
+    y[::9] = n + 3
+    return h, w, b, y
+
+
+def _kernel_statistics(h, w, y, bias, kw, *, config=None, statistics=TOKEN_STATISTICS, tile=None):
+    """``(logp, entropy, lse, token statistics)`` of ``h @ w.T`` from :func:`FM.logits_statistics_` (one launch)."""
+    stats = new_row_stats(h.shape[0], h.device, statistics)
+    with FM.forced(True):
+        assert FM.applies(h, w)
+        FM.logits_statistics_(h, w, y, stats, kernel_scalars(LogitTransform(**kw), bias), return_entropy=True,
+                              bias=bias, tile=tile, config=config)
+    return finish_row_stats(stats, y, w.shape[0], True, statistics)
+
+
+def _reference(z, y):
+    """``(logp, entropy, lse, token statistics)`` of logits ``z [m, n]`` in their dtype (rows whose label is outside
+    the columns: logp not compared)."""
+    logp_all = torch.log_softmax(z, -1)
+    inside = (y >= 0) & (y < z.shape[1])
+    logp = logp_all.gather(1, y.clamp(0, z.shape[1] - 1)[:, None])[:, 0]
+    stats = {"mean_logits": z.mean(-1), "is_top1": z.argmax(-1) == y,
+             "log_sum_sq_probs": torch.logsumexp(2 * logp_all, -1)}
+    return logp, -(logp_all.exp() * logp_all).sum(-1), torch.logsumexp(z, -1), stats, inside
+
+
+@pytest.mark.parametrize("kw", TRANSFORMS, ids=["plain", "softcap", "scale-temperature", "softcap-temperature"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_statistics_are_those_of_the_fp32_accumulator(kw, bias):
+    """bf16 operands, ragged rows and columns (45 × 700 against 64 × 128 tiles): every statistic within fp32
+    rounding of float64 on the same operands (per-token log-probs within 1e-5 nats), while the same statistics
+    from the bf16-rounded logits (what cuBLAS's tile holds) are 1e-3 to 1e-2 nats off: the test tells them apart."""
+    h, w, b, y = _bf16_operands(45, 700, 64, bias=bias)
+    logp, ent, lse, stats = _kernel_statistics(h, w, y, b, kw)
+    raw = h.double() @ w.double().t() + (b.double() if bias else 0)
+    ref_logp, ref_ent, ref_lse, ref_stats, inside = _reference(apply_transform(raw, kw), y)
+    rounded = (h.double() @ w.double().t()).to(torch.bfloat16).double() + (b.double() if bias else 0)
+    bf16_logp = _reference(apply_transform(rounded, kw), y)[0]
+    assert (logp - ref_logp)[inside].abs().max() <= 1e-5
+    assert (bf16_logp - ref_logp)[inside].abs().max() >= 1e-3
+    assert (ent - ref_ent).abs().max() <= 1e-5 and (lse - ref_lse).abs().max() <= 1e-5
+    assert (stats["mean_logits"] - ref_stats["mean_logits"]).abs().max() <= 1e-5
+    assert (stats["log_sum_sq_probs"] - ref_stats["log_sum_sq_probs"]).abs().max() <= 1e-5
+    assert torch.equal(stats["is_top1"], ref_stats["is_top1"] & inside)
+
+
+@pytest.mark.parametrize("config", [FM.StatsConfig(16, 64, 32, group_m=3, split=1, num_stages=1),
+                                    FM.StatsConfig(32, 32, 16, group_m=1, split=2, num_stages=1)],
+                         ids=["one-slice", "two-slices"])
+def test_every_epilogue_split_and_tile_order_folds_the_same_statistics(config):
+    """The epilogue on one or two column slices, several row tiles in grouped order (40 rows in 16-row tiles), a
+    last column tile of 4 columns: the statistics of the default four slices, within fp32 rounding."""
+    h, w, b, y = _bf16_operands(40, 260, 48, seed=1, bias=True)
+    kw = {"softcap": 3.0}
+    expected = _kernel_statistics(h, w, y, b, kw)
+    got = _kernel_statistics(h, w, y, b, kw, config=config)
+    for a, e in zip(got[:3], expected[:3]):
+        torch.testing.assert_close(a, e, rtol=0, atol=2e-6)
+    assert torch.equal(got[3]["is_top1"], expected[3]["is_top1"])
+    with pytest.raises(ValueError, match="split"):
+        _kernel_statistics(h, w, y, b, kw, config=FM.StatsConfig(16, 64, 16, split=3))
+
+
+def test_ties_keep_the_first_maximum_and_chunks_fold_online():
+    """Integer-valued operands put equal maxima in several tiles of a row: the arg-max is the first one
+    (``torch.argmax``'s rule), in one launch and over two vocabulary chunks folded one after the other
+    (``col_offset``), whose statistics equal the single launch's; the stored tile is the fp32 product rounded to
+    bf16 as torch's, bit for bit (many entries above 256, where bf16 rounds integers)."""
+    gen = torch.Generator().manual_seed(2)
+    m, n, k = 30, 520, 64
+    h = torch.randint(-3, 4, (m, k), generator=gen).to(torch.bfloat16)
+    w = torch.randint(-3, 4, (n, k), generator=gen).to(torch.bfloat16)
+    w[300:] = w[:220]  # every row's maximum, if in the first 220 columns, again 300 columns later
+    y = torch.randint(0, n, (m,), generator=gen)
+    z = h.float() @ w.float().t()
+    h, w, z = h * 8, w * 8, z * 64  # logits up to a few thousand: rounded to bf16 in the stored tile
+    assert (z.abs() > 256).float().mean() > 0.5
+    first = z.argmax(-1)
+    assert (first < 220).sum() >= 10
+    stats = new_row_stats(m, h.device, TOKEN_STATISTICS)
+    scalars = kernel_scalars(LogitTransform(temperature=50.0), None)
+    tile = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    with FM.forced(True):
+        FM.logits_statistics_(h, w, y, stats, scalars, return_entropy=True, tile=tile)
+        chunked = new_row_stats(m, h.device, TOKEN_STATISTICS)
+        for v0, v1 in ((0, 300), (300, n)):  # the second chunk holds the tied maxima: it must not take over
+            FM.logits_statistics_(h, w[v0:v1], y, chunked, scalars, return_entropy=True, col_offset=v0)
+    assert torch.equal(stats[5], first)
+    assert torch.equal(chunked[5], first)
+    for a, e in zip(chunked, stats):
+        torch.testing.assert_close(a, e, rtol=2e-6, atol=0)
+    assert torch.equal(tile.view(torch.int16), (h.float() @ w.float().t()).to(torch.bfloat16).view(torch.int16))
+
+
+def test_log_probs_of_bf16_heads_are_fp32_faithful_through_the_ops():
+    """``linear_logprobs`` (the statistics pass) and ``linear_cross_entropy`` (the one pass's statistics) on bf16
+    operands with the fp32 statistics on: per-token log-probs within 1e-4 nats of an fp32-accumulated computation on
+    the same operands, where cuBLAS's bf16 tiles (the default) are over 1e-3 nats off."""
+    h, w, _, y = _bf16_operands(37, 900, 64, seed=3, std=6.0)
+    y[::9] = -100
+    kept = y != -100
+    z32 = h.float() @ w.float().t()  # fp32 sums of the exact bf16 products
+    ref = torch.log_softmax(z32.double(), -1).gather(1, y.clamp_min(0)[:, None])[:, 0][kept]
+    ref_loss = -ref.mean()
+    errors = {}
+    for fp32 in (True, False):
+        with FM.forced(fp32):
+            lp, _ = linear_logprobs(h, w, y, backend="triton")
+            loss = linear_cross_entropy(h, w, y, backend="triton")
+        errors[fp32] = ((lp[kept].double() - ref).abs().max().item(), abs(loss.double().item() - ref_loss.item()))
+    assert errors[True][0] <= 1e-4 and errors[True][1] <= 1e-5, errors
+    assert errors[False][0] >= 1e-3, errors
+
+
+def _counted(monkeypatch, module, name):
+    calls = []
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: (calls.append(k), original(*a, **k))[1])
+    return calls
+
+
+@pytest.mark.parametrize("budget", [None, 300 * 4 * 10], ids=["default-one-pass", "lean-row-blocks"])
+def test_ops_with_fp32_statistics_match_float64(monkeypatch, budget):
+    """Cross-entropy and log-probs + entropy through the GPU backend with the fp32 statistics on: loss, log-probs,
+    entropies and every gradient (hidden, weight, bias) within the cuBLAS-tile path's tolerance of float64, with the
+    fused statistics in the forward (the one pass's and the statistics pass's) and, in the two passes' gradient,
+    ``dz`` from the unrounded accumulator."""
+    stats_calls = _counted(monkeypatch, FM, "logits_statistics_")
+    grad_calls = _counted(monkeypatch, L, "logits_grad_")
+    with FM.forced(True):
+        check_triton_matches_float64("cpu", torch.float32, n=29, h=16, v=300, kw=TRANSFORMS[3], bias=True,
+                                     budget=budget, tol=1e-5)
+    assert any(k.get("tile") is not None for k in stats_calls) == (budget is None)  # the one pass's tiles
+    assert any(k.get("tile") is None for k in stats_calls)  # the statistics pass
+    assert grad_calls and all(k["round_logits"] is False for k in grad_calls)
+
+
+def test_runs_only_where_asked_and_where_it_can(monkeypatch):
+    """Off by default (until measured) and outside a forced block on CPU; on under ``HF_FUSED_FP32_LOGITS=1`` or a
+    forced block, for bf16 or fp32 operands it can read; a clear error for another value of the variable."""
+    h, w = torch.zeros(64, 16, dtype=torch.bfloat16), torch.zeros(300, 16, dtype=torch.bfloat16)
+    monkeypatch.delenv(FM.ENV, raising=False)
+    assert FM.DEFAULT_ENABLED is False and not FM.applies(h, w)
+    monkeypatch.setenv(FM.ENV, "1")
+    assert FM.applies(h, w)
+    with FM.forced(False):
+        assert not FM.applies(h, w)
+    monkeypatch.setenv(FM.ENV, "0")
+    assert not FM.applies(h, w)
+    with FM.forced(True):
+        assert FM.applies(h.float(), w.float())
+        assert not FM.applies(h.half(), w.half())
+        assert not FM.applies(h.float(), w)  # mixed dtypes
+        assert not FM.applies(h.t().contiguous().t(), w)  # column-major rows
+        assert not FM.applies(torch.zeros(64, 15, dtype=torch.bfloat16), torch.zeros(300, 15, dtype=torch.bfloat16))
+    monkeypatch.setenv(FM.ENV, "yes")
+    with pytest.raises(ValueError, match="HF_FUSED_FP32_LOGITS must be 0 or 1"):
+        FM.enabled()
