@@ -55,7 +55,11 @@ def test_notebook_is_saved_with_outputs_and_imports_only_libraries(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs(path):
+def test_notebook_runs(path, monkeypatch):
+    # The kernel is a process of its own, outside conftest's one-thread rule: without this, its OpenMP workers
+    # spin-wait for cores that the other pytest worker and the distributed tests' ranks hold (a notebook then took
+    # 2-3x its CPU time of wall time in CI). The saved figures do not depend on the thread count.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     saved = nbformat.read(path, as_version=4)
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
