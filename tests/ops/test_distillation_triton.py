@@ -230,7 +230,7 @@ def test_op_through_the_triton_pass_bf16_leaves_no_bias_num_items(monkeypatch):
     ref, div64, _ = _dense64(student[:2] + [None], teacher[:2] + [None], mask, 0.1, kw)
     (div64.sum() / 7).backward()
     kept = int((mask != 0).sum())
-    assert calls == [min(5, kept - r0) for r0 in range(0, kept, 5)]
+    assert max(calls) <= 5 and len(calls) == -(-kept // 5) and sum(calls) == kept  # balanced tiles
     assert rel_err(out.divergence, div64) <= RTOL
     for name, ours, exact in zip(("hidden", "weight"), student, ref):
         assert ours.grad.dtype == torch.bfloat16
@@ -262,10 +262,9 @@ def test_tile_rows_rule_under_an_explicit_budget_counts_ten_bytes_per_column():
 @pytest.mark.parametrize("transform", ["identity", "scaled_capped"])
 @pytest.mark.parametrize("beta", [0.0, 1.0, 0.5, 0.1])
 def test_cuda_triton_pass_no_further_from_float64_than_the_plain_pass(monkeypatch, beta, transform):
-    """bf16 heads on CUDA, a vocabulary that is no multiple of the column blocks, biases, a mask, 96-row tiles
-    (uneven against 1000 tokens): the Triton pass (which the op takes) and the plain-PyTorch pass compute from the
-    same fp32 logits and round ``dz`` once to bf16, so their errors against float64 agree; the divergence and
-    entropy within ``RTOL`` of float64 (fp32 logits from bf16 operands are exact products up to fp32 rounding)."""
+    """bf16 heads on CUDA, a vocabulary that is no multiple of the column blocks, biases, a mask, tiles of at most
+    96 rows (balanced over the ~700 kept tokens): the Triton pass (which the op takes) and the plain-PyTorch pass
+    compute from the same fp32 logits and round ``dz`` once to bf16, so their errors against float64 agree."""
     from hf_fused.ops import linear_distillation_loss
 
     calls = _spy_on_pass(monkeypatch)
@@ -291,7 +290,8 @@ def test_cuda_triton_pass_no_further_from_float64_than_the_plain_pass(monkeypatc
         out.loss.backward()
         errors[backend] = [rel_err(out.divergence, div64), rel_err(out.entropy, ent64)] + [
             rel_err(p.grad, r.grad) for p, r in zip(params, ref)]
-    assert calls and max(calls) == 96
+    kept = int((mask != 0).sum())
+    assert max(calls) <= 96 and len(calls) == -(-kept // 96) and sum(calls) == kept  # balanced tiles
     for i, what in enumerate(["divergence", "entropy", "d_hidden", "d_weight", "d_bias"]):
         ours, plain = errors["triton"][i], errors["torch"][i]
         assert ours <= 1.1 * plain + 1e-6, f"{what}: triton pass {ours:.3g} from float64, plain pass {plain:.3g}"

@@ -160,6 +160,17 @@ def distillation_tile_rows(student: TileHead, need: NeededGrads, dz_bytes: int) 
     return max(1, budget // (vocab_size * col_bytes))
 
 
+def balanced_rows(m: int, rows: int) -> int:
+    """Rows per tile for ``m`` rows in tiles of at most ``rows``: as many tiles as ``rows`` needs, of equal size (a
+    multiple of 8 where that stays within ``rows``), so that the last tile is not a small remainder whose matmuls
+    run at a fraction of their speed."""
+    if m <= rows:
+        return max(rows if m == 0 else m, 1)
+    even = -(-m // -(-m // rows))
+    aligned = -(-even // 8) * 8
+    return aligned if aligned <= rows else even
+
+
 def run_distillation_pass(
     student: HeadInputs,
     teacher: HeadInputs,
@@ -178,7 +189,8 @@ def run_distillation_pass(
     # the bf16 dz of the gradient matmuls in its own buffer; fp32 dz (fp32 products, or a bias gradient to sum
     # before the rounding) in place of the student's logits
     separate_dz = with_grads and s.half
-    step = distillation_tile_rows(s, need if with_grads else _NO_GRADS, s.weight.element_size() if separate_dz else 0)
+    step = balanced_rows(m, distillation_tile_rows(s, need if with_grads else _NO_GRADS,
+                                                   s.weight.element_size() if separate_dz else 0))
     cap = min(step, max(m, 1))
     f32 = dict(dtype=torch.float32, device=device)
     divergence, entropy = torch.empty(m, **f32), torch.empty(m, **f32)
