@@ -150,3 +150,41 @@ def distillation_divergence(student_logits: torch.Tensor, teacher_logits: torch.
         return (s.exp() * (s - t)).sum(-1)
     log_m = torch.logaddexp(s + math.log(1 - beta), t + math.log(beta))
     return beta * (t.exp() * (t - log_m)).sum(-1) + (1 - beta) * (s.exp() * (s - log_m)).sum(-1)
+
+
+def sparse_divergence(student_logits: torch.Tensor, support_ids: torch.Tensor, teacher_logprobs: torch.Tensor,
+                      support_mask: torch.Tensor, beta: float = 0.0, add_tail_bucket: bool = True) -> torch.Tensor:
+    """Per-row divergence ``[...]`` between a student known by its logits ``[..., V]`` and a teacher known by its
+    log-probs ``[..., K]`` at the candidate ids ``support_ids`` (valid where ``support_mask``), with TRL 1.16's
+    semantics (``trl/experimental/async_distillation``'s ``_jsd_loss_chunk``, its ``_add_tail_bucket`` and
+    ``_jsd_divergence``, the same ops): both made distributions on the support with a tail bucket ``log(1 − Σ p)``
+    (``add_tail_bucket``) or renormalized over the valid slots; β as :func:`distillation_divergence`'s. Computed in
+    the logits' dtype; differentiable in the student's logits."""
+    student = torch.log_softmax(student_logits, dim=-1).gather(-1, support_ids.clamp_min(0))
+    neg_inf = torch.full((), float("-inf"), dtype=student.dtype, device=student.device)
+    student = torch.where(support_mask, student, neg_inf)
+    teacher = torch.where(support_mask, teacher_logprobs.to(student.dtype), neg_inf)
+    valid = support_mask
+    if add_tail_bucket:
+        def tail(logp):
+            log_sum = torch.logsumexp(logp, dim=-1, keepdim=True).clamp(max=-1e-7)
+            return torch.cat([logp, torch.log(-torch.expm1(log_sum))], dim=-1)
+
+        student, teacher = tail(student), tail(teacher)
+        valid = torch.cat([valid, torch.ones_like(valid[..., :1])], dim=-1)
+    else:
+        student = student - torch.logsumexp(student, dim=-1, keepdim=True)
+        teacher = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
+    zero = torch.zeros_like(student)
+    s, t = torch.where(valid, student, zero), torch.where(valid, teacher, zero)
+    ps, pt = torch.where(valid, student.exp(), zero), torch.where(valid, teacher.exp(), zero)
+    if beta == 0:
+        terms = torch.nan_to_num(pt * (t - s), nan=0.0)
+    elif beta == 1:
+        terms = torch.nan_to_num(ps * (s - t), nan=0.0)
+    else:
+        log_m = torch.where(valid, torch.log(((1 - beta) * ps + beta * pt).clamp_min(torch.finfo(ps.dtype).tiny)),
+                            zero)
+        terms = beta * torch.nan_to_num(pt * (t - log_m), nan=0.0) + (1 - beta) * torch.nan_to_num(ps * (s - log_m),
+                                                                                                     nan=0.0)
+    return terms.sum(-1)

@@ -7,7 +7,9 @@ the way that implementation is meant to be used:
 * ``grpo(inputs)``: ``(loss, logps [B, T] or None, entropy [B, T] or None)``; by default the peer's per-token
   log-probs (``logprobs``) feed the shared :func:`~benchmarks.losses.grpo_loss` (TRL's loss, on- or off-policy
   with its KL term, as the problem says);
-* ``distill(inputs)``: the mean divergence over the kept tokens (TRL's ``DistillationTrainer`` loss).
+* ``distill(inputs)``: the mean divergence over the kept tokens (TRL's ``DistillationTrainer`` loss);
+* ``sparse(inputs)``: the mean divergence from a teacher's top-K log-probs over the kept tokens (TRL's
+  ``AsyncDistillationTrainer`` loss, :func:`~benchmarks.losses.sparse_divergence`).
 
 ``load()`` imports the peer (any exception: the run records it as ``skipped``); ``unavailable(kind)`` says why an
 installed peer lacks a kind's entry point in this version (also ``skipped``); ``unsupported(kind, device)`` and
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 
 from .losses import (
     CISPO_EPSILON_HIGH, EPSILON_HIGH, EPSILON_LOW, IGNORE_INDEX, distillation_divergence, grpo_loss,
-    normalizer_weights, token_weights_at_ratio_one, trl_per_token_loss,
+    normalizer_weights, sparse_divergence, token_weights_at_ratio_one, trl_per_token_loss,
 )
 from .problems import Inputs, Problem
 
@@ -82,6 +84,8 @@ class Peer:
             return "no per-token log-probs"
         if kind == "distill" and type(self).distill is Peer.distill:
             return "no distillation entry point"
+        if kind == "sparse" and type(self).sparse is Peer.sparse:
+            return "no sparse-teacher distillation entry point"
         return None
 
     def unsupported_problem(self, problem: Problem) -> Optional[str]:
@@ -105,6 +109,9 @@ class Peer:
     def distill(self, inp: Inputs) -> torch.Tensor:
         raise NotImplementedError
 
+    def sparse(self, inp: Inputs) -> torch.Tensor:
+        raise NotImplementedError
+
 
 def _flat(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     return inp.hidden.reshape(-1, inp.hidden.shape[-1]), inp.labels.reshape(-1)
@@ -121,7 +128,9 @@ class EagerPeer(Peer):
     def describe(self):
         return ("ce: F.cross_entropy((hidden @ weight.T).float(), labels); grpo: (hidden @ weight.T).float() "
                 "→ log_softmax → gather, entropy under no_grad in 128-row chunks (TRL entropy_from_logits); distill: "
-                "both models' (hidden @ weight.T).float() → benchmarks.losses.distillation_divergence, masked mean")
+                "both models' (hidden @ weight.T).float() → benchmarks.losses.distillation_divergence, masked mean; "
+                "sparse: (hidden @ weight.T).float() → benchmarks.losses.sparse_divergence (TRL's _jsd_loss_chunk math "
+                "on the whole logits), masked mean")
 
     def ce_loss(self, inp):
         hidden, labels = _flat(inp)
@@ -146,6 +155,12 @@ class EagerPeer(Peer):
             teacher = (inp.teacher_hidden @ inp.teacher_weight.t()).float()
         student = (inp.hidden @ inp.weight.t()).float()
         per_token = distillation_divergence(student, teacher, inp.divergence_beta, inp.temperature)
+        return _mean_over(per_token * inp.mask, inp.mask)
+
+    def sparse(self, inp):
+        student = (inp.hidden @ inp.weight.t()).float()
+        per_token = sparse_divergence(student, inp.support_ids, inp.teacher_logprobs, inp.support_mask,
+                                      inp.divergence_beta, inp.add_tail_bucket)
         return _mean_over(per_token * inp.mask, inp.mask)
 
 
@@ -379,6 +394,32 @@ class TRLDivergencePeer(Peer):
         return divergence.sum() / mask.sum().clamp(min=1)
 
 
+class TRLSparsePeer(Peer):
+    """TRL 1.16's sparse-teacher loss: ``AsyncDistillationTrainer._compute_loss``'s ``_chunked_jsd_loss`` on the kept
+    rows (256-row chunks of fp32 logits from fp32 copies of the operands, each under activation checkpointing:
+    recomputed in backward), divided by the kept count."""
+
+    key, label, dist = "trl_sparse", "TRL chunked sparse", "trl"
+
+    def load(self):
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        from trl.experimental.async_distillation import async_distillation_trainer as module
+
+        self._fn, self._chunk = module._chunked_jsd_loss, module._CHUNKED_LM_HEAD_CHUNK_SIZE
+
+    def describe(self):
+        return ("trl.experimental.async_distillation.async_distillation_trainer._chunked_jsd_loss(hidden[mask], "
+                "weight, None, 1.0, None, ids[mask], teacher_logprobs[mask], support_mask[mask], β, 1.0, "
+                "add_tail_bucket, None, 1, 256)[0] / n_kept")
+
+    def sparse(self, inp):
+        mask = inp.mask
+        loss = self._fn(inp.hidden[mask], inp.weight, None, 1.0, None, inp.support_ids[mask],
+                        inp.teacher_logprobs[mask], inp.support_mask[mask], inp.divergence_beta, inp.temperature,
+                        inp.add_tail_bucket, None, 1, self._chunk)[0]
+        return loss / mask.sum().clamp(min=1)
+
+
 class TorchPeer(Peer):
     key, label, dist = "torch", "torch F.linear_cross_entropy", "torch"
 
@@ -424,6 +465,7 @@ class HFFusedPeer(Peer):
 
         self._ce, self._lp = ops.linear_cross_entropy, ops.linear_logprobs
         self._distill = getattr(ops, "linear_distillation_loss", None)
+        self._sparse = getattr(ops, "sparse_distillation_loss", None)
 
     def backend_name(self, device: torch.device) -> str:
         from hf_fused.ops import get_backend
@@ -433,11 +475,14 @@ class HFFusedPeer(Peer):
 
     def describe(self):
         return (f"hf_fused.ops.linear_cross_entropy / linear_logprobs(return_entropy=True) / linear_distillation_loss"
+                f" / sparse_distillation_loss"
                 f"(..., tile_budget_bytes={self.tile_budget_bytes}, backend={self.backend!r})")
 
     def unavailable(self, kind):
         if kind == "distill" and getattr(self, "_distill", None) is None:
             return "this hf_fused has no hf_fused.ops.linear_distillation_loss (no fused distillation op yet)"
+        if kind == "sparse" and getattr(self, "_sparse", None) is None:
+            return "this hf_fused has no hf_fused.ops.sparse_distillation_loss (no sparse-teacher op yet)"
         return None
 
     def ce_loss(self, inp):
@@ -452,6 +497,12 @@ class HFFusedPeer(Peer):
         return self._distill(inp.hidden, inp.weight, inp.teacher_hidden, inp.teacher_weight, mask=inp.mask,
                              beta=inp.divergence_beta, temperature=inp.temperature,
                              tile_budget_bytes=self.tile_budget_bytes, backend=self.backend).loss
+
+    def sparse(self, inp):
+        return self._sparse(inp.hidden, inp.weight, inp.support_ids, inp.teacher_logprobs,
+                            support_mask=inp.support_mask, mask=inp.mask, beta=inp.divergence_beta,
+                            temperature=inp.temperature, add_tail_bucket=inp.add_tail_bucket,
+                            tile_budget_bytes=self.tile_budget_bytes, backend=self.backend).loss
 
 
 class HFFusedLeanPeer(HFFusedPeer):
@@ -550,7 +601,7 @@ class HFFusedTokenLossPeer(HFFusedPeer):
 
 #: Every adapter, in table order.
 ALL_PEERS = [EagerPeer, LigerPeer, LigerGRPOPeer, LigerJSDPeer, CCEPeer, CCEExactPeer, QuackPeer, TRLPeer,
-             TRLDivergencePeer, TorchPeer, HFFusedPeer, HFFusedLeanPeer, HFFusedLargeBudgetPeer, HFFusedHintGRPOPeer,
+             TRLDivergencePeer, TRLSparsePeer, TorchPeer, HFFusedPeer, HFFusedLeanPeer, HFFusedLargeBudgetPeer, HFFusedHintGRPOPeer,
              HFFusedTokenLossPeer]
 #: Run when ``--peers`` is not given (``cce_exact`` only on request).
 DEFAULT_PEERS = [p.key for p in ALL_PEERS if p.key != "cce_exact"]

@@ -20,6 +20,13 @@ Three kinds:
   ``DistillationTrainer`` loss (:func:`benchmarks.losses.distillation_divergence`: forward KL at ``β = 0``,
   reverse KL at ``β = 1``, the generalized JSD between), mean over the kept tokens (:data:`CE_IGNORED_FRACTION`
   masked at random); backward gives the student's gradients.
+* ``sparse``: distillation from a teacher known only by its top-``K`` log-probs per token (served or precomputed),
+  TRL 1.16's experimental ``AsyncDistillationTrainer`` loss (:func:`benchmarks.losses.sparse_divergence`: forward KL
+  on the support with the tail bucket, its defaults), mean over the kept tokens (:data:`CE_IGNORED_FRACTION` masked);
+  backward gives the student's gradients. The teacher is a head of the same width whose logits correlate with the
+  student's by :data:`DISTILL_LOGIT_CORRELATION`; its top-``K`` ids and fp32 log-probs are computed once with the
+  inputs. ``--shapes sparse`` runs ``K`` ∈ :data:`SPARSE_KS` and the cross-entropy of the same head and tokens (the
+  cost the fused op aims at).
 
 Logits look like a trained head's: standard deviation :data:`LOGIT_STD` (random logits of standard deviation 0.5
 are near-uniform over 150k tokens, and a peer that skips small probabilities then skips almost all of its work).
@@ -54,13 +61,15 @@ REF_LOGP_NOISE = 0.1
 DISTILL_LOGIT_CORRELATION = 0.95
 #: The divergences of the distillation problems: forward KL, reverse KL (TRL's default), the JSD halfway.
 DISTILL_BETAS = (0.0, 1.0, 0.5)
-KINDS = ("ce", "grpo", "distill")
+#: Candidates per token of the sparse-teacher problems.
+SPARSE_KS = (1, 8, 64, 256)
+KINDS = ("ce", "grpo", "distill", "sparse")
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One benchmark case. ``kind`` is ``"ce"``, ``"grpo"`` (``B``/``T`` set) or ``"distill"`` (``H_t``, ``beta``
-    and ``temperature`` set; ``H`` is the student's width)."""
+    """One benchmark case. ``kind`` is ``"ce"``, ``"grpo"`` (``B``/``T`` set), ``"distill"`` (``H_t``, ``beta``
+    and ``temperature`` set; ``H`` is the student's width) or ``"sparse"`` (``K`` candidates per token, ``beta``)."""
 
     name: str
     kind: str
@@ -74,14 +83,16 @@ class Problem:
     H_t: Optional[int] = None
     beta: Optional[float] = None
     temperature: float = 1.0
+    K: Optional[int] = None
 
     def flops(self, n_kept: int) -> float:
         """The useful FLOPs of one forward+backward over ``n_kept`` kept tokens: 6·n·H·V for cross-entropy (logits,
         dX, dW), 8·n·H·V for GRPO's log-probs (logits in forward, recomputed in backward, dX, dW), (6·H + 2·H_t)·n·V
-        for distillation (the student's logits, dX, dW and the teacher's logits, each once)."""
+        for distillation (the student's logits, dX, dW and the teacher's logits, each once), 6·n·H·V for a sparse
+        teacher (the student's logits, dX, dW: the teacher's log-probs are inputs)."""
         if self.kind == "distill":
             return (6 * self.H + 2 * self.H_t) * n_kept * self.V
-        return (6 if self.kind == "ce" else 8) * n_kept * self.H * self.V
+        return (6 if self.kind in ("ce", "sparse") else 8) * n_kept * self.H * self.V
 
     def describe(self) -> str:
         if self.kind == "ce":
@@ -89,6 +100,10 @@ class Problem:
         if self.kind == "distill":
             what = {0.0: "forward KL", 1.0: "reverse KL"}.get(self.beta, f"JSD β={self.beta:g}")
             return f"distillation ({what}, T={self.temperature:g}) N×H×H_t×V = {self.N}×{self.H}×{self.H_t}×{self.V}"
+        if self.kind == "sparse":
+            what = {0.0: "forward KL", 1.0: "reverse KL"}.get(self.beta, f"JSD β={self.beta:g}")
+            return (f"sparse teacher (top-{self.K} log-probs, {what}, tail bucket) N×H×V = "
+                    f"{self.N}×{self.H}×{self.V}")
         loss = f"cispo, ε_high={CISPO_EPSILON_HIGH}" if self.loss_type == "cispo" else self.loss_type
         extra = f", off-policy, KL β={BETA} (k3)" if self.off_policy_kl else ""
         return f"GRPO ({loss}{extra}) B×T×H×V = {self.B}×{self.T}×{self.H}×{self.V}"
@@ -109,6 +124,10 @@ def _grpo(b: int, t: int, h: int, v: int, loss_type: str = "dapo", off_policy_kl
 
 def _distill(n: int, h: int, h_t: int, v: int, beta: float) -> Problem:
     return Problem(f"distill-{_k(n)}-h{h}-t{h_t}-v{_k(v)}-beta{beta:g}", "distill", n, h, v, H_t=h_t, beta=beta)
+
+
+def _sparse(n: int, h: int, v: int, k: int, beta: float = 0.0) -> Problem:
+    return Problem(f"sparse-{_k(n)}-h{h}-v{_k(v)}-k{k}", "sparse", n, h, v, beta=beta, K=k)
 
 
 #: The full-size problems (bf16 on one GPU): Qwen3-1.7B's head (H 2048, V 151936), Llama-3-8B's (4096, 128256);
@@ -138,13 +157,17 @@ PROBLEM_GROUPS = {
     "grpo-loss-types-offpolicy-kl": (
         [_grpo(16, 2048, 2048, 151936, lt, off_policy_kl=True) for lt in TRL_LOSS_TYPES[1:]],
         [_grpo(2, 64, 64, 1000, lt, off_policy_kl=True) for lt in TRL_LOSS_TYPES[1:]]),
+    # a teacher's top-K log-probs on Qwen3-1.7B's head, and the cross-entropy of the same head and tokens
+    "sparse": ([_ce(16384, 2048, 151936), *(_sparse(16384, 2048, 151936, k) for k in SPARSE_KS)],
+               [_ce(128, 64, 1000), *(_sparse(128, 64, 1000, k) for k in SPARSE_KS)]),
 }
 
 
 def all_problems(quick: bool) -> list[Problem]:
-    """Every problem ``--shapes`` can name: the default ones, then the groups'."""
+    """Every problem ``--shapes`` can name, once each: the default ones, then the groups' (a group may repeat a
+    default problem, e.g. the cross-entropy a sparse problem is compared with)."""
     extra = [p for full, small in PROBLEM_GROUPS.values() for p in (small if quick else full)]
-    return (QUICK_PROBLEMS if quick else FULL_PROBLEMS) + extra
+    return list(dict.fromkeys((QUICK_PROBLEMS if quick else FULL_PROBLEMS) + extra))
 
 
 def select_problems(spec: Optional[str], quick: bool) -> list[Problem]:
@@ -183,7 +206,9 @@ class Inputs:
     old_logps, ref_logps: ``[B, T]`` fp32 old-policy and reference log-probs of ``token_ids`` (off-policy problems;
         ``None`` otherwise: on-policy, no KL term). beta: the KL coefficient (0 without ``ref_logps``).
     teacher_hidden, teacher_weight: ``[N, H_t]``, ``[V, H_t]`` without gradient (distill).
-    divergence_beta, temperature: the divergence's β and the softmax temperature (distill).
+    divergence_beta, temperature: the divergence's β and the softmax temperature (distill, sparse).
+    support_ids, teacher_logprobs, support_mask: ``[N, K]`` the teacher's top-K ids (int64), its fp32 log-probs at
+        them and their validity (bool) (sparse). add_tail_bucket: TRL's tail bucket (sparse).
     """
 
     hidden: torch.Tensor
@@ -200,6 +225,10 @@ class Inputs:
     teacher_weight: Optional[torch.Tensor] = None
     divergence_beta: Optional[float] = None
     temperature: float = 1.0
+    support_ids: Optional[torch.Tensor] = None
+    teacher_logprobs: Optional[torch.Tensor] = None
+    support_mask: Optional[torch.Tensor] = None
+    add_tail_bucket: bool = True
 
     @property
     def valid(self) -> torch.Tensor:
@@ -216,6 +245,8 @@ def make_inputs(problem: Problem, device: torch.device, dtype: torch.dtype, seed
     gen = torch.Generator(device=device).manual_seed(seed)
     if problem.kind == "distill":
         return _distillation_inputs(problem, device, dtype, gen)
+    if problem.kind == "sparse":
+        return _sparse_inputs(problem, device, dtype, gen)
     n, h, v = problem.N, problem.H, problem.V
     # hidden ~ N(0, 1), weight ~ N(0, LOGIT_STD² / H): logits ~ N(0, LOGIT_STD²).
     hidden = torch.randn(n, h, generator=gen, device=device, dtype=torch.float32).to(dtype)
@@ -263,3 +294,33 @@ def _distillation_inputs(problem: Problem, device: torch.device, dtype: torch.dt
     mask[torch.randperm(n, generator=gen, device=device)[: round(CE_IGNORED_FRACTION * n)]] = False
     return Inputs(hidden[0].requires_grad_(), weight[0].requires_grad_(), mask=mask, teacher_hidden=hidden[1],
                   teacher_weight=weight[1], divergence_beta=problem.beta, temperature=problem.temperature)
+
+
+#: Rows of the teacher's logits computed at once for its top-K (fp32 ``[rows, V]``).
+_TEACHER_ROWS = 1024
+
+
+def _sparse_inputs(problem: Problem, device: torch.device, dtype: torch.dtype, gen) -> Inputs:
+    """A student head as the cross-entropy problems' (logits of standard deviation ``LOGIT_STD``) and a teacher head
+    of the same width, ``√ρ·W + √(1 − ρ)·R`` (``R`` independent, same scale: logits correlated by ``ρ`` =
+    :data:`DISTILL_LOGIT_CORRELATION`), whose top-``K`` ids and fp32 log-probs per token (from its fp32 logits) are
+    the teacher's side; every slot valid, :data:`CE_IGNORED_FRACTION` of the tokens masked."""
+    n, h, v, rho = problem.N, problem.H, problem.V, DISTILL_LOGIT_CORRELATION
+    hidden = torch.randn(n, h, generator=gen, device=device, dtype=torch.float32)
+    weight = torch.randn(v, h, generator=gen, device=device, dtype=torch.float32) * (LOGIT_STD / h**0.5)
+    own = torch.randn(v, h, generator=gen, device=device, dtype=torch.float32) * (LOGIT_STD / h**0.5)
+    teacher_weight = rho**0.5 * weight + (1 - rho) ** 0.5 * own
+    del own
+    ids = torch.empty((n, problem.K), dtype=torch.long, device=device)
+    logprobs = torch.empty((n, problem.K), dtype=torch.float32, device=device)
+    for r0 in range(0, n, _TEACHER_ROWS):
+        top = torch.topk(torch.log_softmax(hidden[r0 : r0 + _TEACHER_ROWS] @ teacher_weight.t(), dim=-1), problem.K,
+                         dim=-1)
+        ids[r0 : r0 + _TEACHER_ROWS], logprobs[r0 : r0 + _TEACHER_ROWS] = top.indices, top.values
+        del top
+    del teacher_weight
+    mask = torch.ones(n, dtype=torch.bool, device=device)
+    mask[torch.randperm(n, generator=gen, device=device)[: round(CE_IGNORED_FRACTION * n)]] = False
+    return Inputs(hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_(), mask=mask,
+                  divergence_beta=problem.beta, support_ids=ids, teacher_logprobs=logprobs,
+                  support_mask=torch.ones_like(ids, dtype=torch.bool))

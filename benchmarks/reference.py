@@ -10,6 +10,8 @@ Per tile of kept rows, float64 logits against the whole vocabulary, then:
   and its gradient in the log-probs in float64 autograd on ``[B, T]``; a second pass turns that into ``dh``/``dW``.
 * ``distill``: both models' logits, :func:`benchmarks.losses.distillation_divergence` and its gradient in the
   student's logits by float64 autograd on the tile, mean over the kept rows; ``dh``/``dW`` of the student only.
+* ``sparse``: the student's logits, :func:`benchmarks.losses.sparse_divergence` against the teacher's top-K
+  log-probs and its gradient by float64 autograd on the tile, mean over the kept rows.
 
 Only the inputs' attributes are read (duck typing): this module sits below :mod:`benchmarks.problems`, which uses
 :func:`float64_logprobs` to make its off-policy inputs.
@@ -23,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from .losses import distillation_divergence, grpo_loss
+from .losses import distillation_divergence, grpo_loss, sparse_divergence
 
 #: Memory for one tile's float64 temporaries.
 REFERENCE_TILE_BYTES = 3 * 1024**3
@@ -134,9 +136,29 @@ def _distillation(inputs, hidden, rows, w64, dh, dw, tile_bytes) -> float:
     return float(loss_sum / n_valid)
 
 
+def _sparse(inputs, hidden, rows, w64, dh, dw, tile_bytes) -> float:
+    n_valid = max(rows.numel(), 1)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    # about eight [rows, V] float64 arrays alive at once: the logits, the log-softmax, autograd's buffers, the gradient
+    for idx in _row_tiles(rows, w64.shape[0], tile_bytes, arrays=8):
+        h64 = hidden.index_select(0, idx).double()
+        with torch.enable_grad():
+            zs = (h64 @ w64.t()).requires_grad_()
+            tile_sum = sparse_divergence(zs, inputs.support_ids.index_select(0, idx),
+                                         inputs.teacher_logprobs.index_select(0, idx).double(),
+                                         inputs.support_mask.index_select(0, idx), inputs.divergence_beta,
+                                         inputs.add_tail_bucket).sum()
+            (dz,) = torch.autograd.grad(tile_sum / n_valid, zs)
+        loss_sum += tile_sum.detach()
+        dh.index_copy_(0, idx, dz @ w64)
+        dw.addmm_(dz.t(), h64)
+        del zs, dz
+    return float(loss_sum / n_valid)
+
+
 @torch.no_grad()
 def compute_reference(problem, inputs, tile_bytes: int = REFERENCE_TILE_BYTES) -> Reference:
-    """float64 loss and gradients of ``problem`` (its ``kind``: ``ce``, ``grpo`` or ``distill``) on ``inputs`` (a
+    """float64 loss and gradients of ``problem`` (its ``kind``: ``ce``, ``grpo``, ``distill`` or ``sparse``) on ``inputs`` (a
     :class:`benchmarks.problems.Inputs`), plus the log-probs and entropies for GRPO.
 
     Raises:
@@ -156,8 +178,10 @@ def compute_reference(problem, inputs, tile_bytes: int = REFERENCE_TILE_BYTES) -
         loss, logps, entropy = _grpo(inputs, hidden, inputs.labels.reshape(-1), rows, w64, dh, dw, tile_bytes)
     elif problem.kind == "distill":
         loss = _distillation(inputs, hidden, rows, w64, dh, dw, tile_bytes)
+    elif problem.kind == "sparse":
+        loss = _sparse(inputs, hidden, rows, w64, dh, dw, tile_bytes)
     else:
-        raise ValueError(f"unknown problem kind {problem.kind!r}; choose from ce, grpo, distill")
+        raise ValueError(f"unknown problem kind {problem.kind!r}; choose from ce, grpo, distill, sparse")
     del w64
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -15,7 +15,8 @@ from .measure import GIB, load_json, plot_panels, save_json, text_table
 from .peers import peer_order
 
 TITLES = {"ce": "cross-entropy fwd+bwd", "grpo": "GRPO (log-probs + TRL's loss) fwd+bwd",
-          "distill": "distillation (student fwd+bwd, teacher fwd)"}
+          "distill": "distillation (student fwd+bwd, teacher fwd)",
+          "sparse": "sparse teacher (top-K log-probs; student fwd+bwd)"}
 
 
 def _records(doc: dict) -> dict[str, list[dict]]:
@@ -138,14 +139,16 @@ def _panels(doc: dict) -> list[dict]:
     groups = _records(doc)
     problems = doc["problems"]
     panels = []
-    for kind in ("ce", "grpo", "distill"):
+    for kind in ("ce", "grpo", "distill", "sparse"):
         names = sorted((p for p in groups if problems[p]["kind"] == kind),
-                       key=lambda p: (problems[p]["N"], problems[p]["H"] * problems[p]["V"], problems[p].get("beta")))
+                       key=lambda p: (problems[p]["N"], problems[p]["H"] * problems[p]["V"], problems[p].get("beta"),
+                                      problems[p].get("K") or 0))
         if not names:
             continue
         xs = {p: i for i, p in enumerate(names)}
         ticks = [f"{problems[p]['N']} tok\nH{problems[p]['H']} V{problems[p]['V']}"
                  + (f"\nteacher H{problems[p]['H_t']}, β {problems[p]['beta']:g}" if kind == "distill" else "")
+                 + (f"\nK {problems[p].get('K')}" if kind == "sparse" else "")
                  for p in names]
         time_series, mem_series, marks = {}, {}, []
         for r in sorted((r for p in names for r in groups[p]), key=lambda r: peer_order(r["peer"])):

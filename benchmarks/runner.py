@@ -25,7 +25,8 @@ from .reference import Reference, compute_reference
 
 FLOP_CONVENTION = (
     "useful FLOPs = 6·N·H·V for cross-entropy (logits, dX, dW), 8·N·H·V for GRPO (logits in forward, recomputed "
-    "logits, dX, dW) and (6·H + 2·H_t)·N·V for distillation (student logits, dX, dW; teacher logits), N = the KEPT "
+    "logits, dX, dW), (6·H + 2·H_t)·N·V for distillation (student logits, dX, dW; teacher logits) and 6·N·H·V for a "
+    "sparse teacher (its top-K log-probs are inputs), N = the KEPT "
     "tokens only (the same count for every peer, so TFLOP/s is proportional to 1/time; peers that also compute "
     "ignored rows get no credit for them)"
 )
@@ -78,6 +79,8 @@ def _step(peer: Peer, problem: Problem, inp: Inputs, autocast: Optional[torch.dt
             loss = peer.ce_loss(inp)
         elif problem.kind == "distill":
             loss = peer.distill(inp)
+        elif problem.kind == "sparse":
+            loss = peer.sparse(inp)
         else:
             loss, logps, entropy = peer.grpo(inp)
         loss.backward()
@@ -160,7 +163,7 @@ def run_pair(peer: Peer, problem: Problem, inp: Inputs, ref: Optional[Reference]
 
 def _problem_info(problem: Problem) -> dict:
     return {"kind": problem.kind, "N": problem.N, "H": problem.H, "V": problem.V, "B": problem.B, "T": problem.T,
-            "H_t": problem.H_t, "beta": problem.beta, "description": problem.describe()}
+            "H_t": problem.H_t, "beta": problem.beta, "K": problem.K, "description": problem.describe()}
 
 
 def run(cfg: RunConfig) -> dict:
