@@ -15,6 +15,8 @@ that raises leaves its traceback in ``<dir>/error.txt``. Rank 0 writes ``<dir>/r
                 (:func:`layouts`).
                 "fsdp_shard_refused": ``LinearCrossEntropyLoss`` outside the forward of a model FSDP2 shards:
                 refused (:func:`fsdp_shard_refused`).
+                "trl": TRL's ``SFTTrainer`` or ``DPOTrainer`` (``trl``: "sft" or "dpo") for 3 SGD steps on the
+                model as "trainer" loads it (:func:`trl_trainer`); DPO's reference model from ``ref_dir``.
     model_dir   the tiny model (saved with ``save_pretrained``)
     fsdp        "trainer": FSDP2 over this many ranks × tensor parallelism over the rest
                 (``DistributedConfig(tp_size=world // fsdp, fsdp_size=fsdp)``), the global batch kept at 4 rows
@@ -28,7 +30,8 @@ whole vocabulary as last dimension: gathered logits), ``collectives`` (every col
 its tensors, from training), ``shards`` (each rank's lm_head rows), ``tied`` (lm_head's weight is the input
 embeddings'), ``head_layouts`` (the placements and mesh shape of lm_head's weight where hf_fused read it, and the
 rows read; "colwise": ``head_reads``, how many times),
-``wrapper`` (the Trainer's wrapped model's class), ``error`` (lora_refused, fsdp_shard_refused: the message).
+``wrapper`` (the Trainer's wrapped model's class), ``error`` (lora_refused, fsdp_shard_refused: the message);
+"trl": ``logs`` (every logged row without timings) and ``head_reads`` (lm_head weights read as a vocabulary shard).
 
 Accelerate allows a ``ParallelismConfig`` (which ``Trainer`` builds for a tensor-parallel model) only on accelerators;
 on CPU ranks :func:`allow_parallelism_config_on_cpu_ranks` lets it through, as ``cpu_fsdp/sitecustomize.py`` lets
@@ -124,6 +127,10 @@ def record_head_layouts() -> list:
 
     recorded._recorded = True
     forward.vocab_parallel_head = head_loss.vocab_parallel_head = recorded
+    if "trl" in sys.modules:  # TRL's fused-head calls read lm_head through hf_fused's TRL integration
+        from hf_fused.integrations.trl import head as trl_head
+
+        trl_head.vocab_parallel_head = recorded
     return HEAD_LAYOUTS
 
 
@@ -294,8 +301,77 @@ def fsdp_shard_refused(case: dict, out: str) -> dict:
     return {"error": None}
 
 
+def _sentence(i: int, n: int) -> str:
+    from models import WORDS
+
+    g = torch.Generator().manual_seed(i)
+    return " ".join(WORDS[j] for j in torch.randint(0, len(WORDS), (n,), generator=g).tolist())
+
+
+def _is_timing(key: str) -> bool:
+    return "runtime" in key or "per_second" in key or key.endswith("time") or "/time" in key
+
+
+def trl_trainer(case: dict, out: str) -> dict:
+    """TRL's ``SFTTrainer`` or ``DPOTrainer`` (``case["trl"]``) for 3 SGD steps on the tensor-parallel model (one
+    process: no tensor parallelism), global batch 4, fp32; patched by ``apply_fused_loss`` first when ``fused``.
+    DPO's reference model is ``case["ref_dir"]`` (the model perturbed, so that no reward is exactly 0 at the first
+    step, where a comparison ``chosen > rejected`` of two zeros would flip on the last bit), loaded as the policy
+    is (tensor-parallel, patched when ``fused``)."""
+    from datasets import Dataset
+
+    from models import make_tokenizer
+
+    allow_parallelism_config_on_cpu_ranks()
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    model = load(case, tensor_parallel=True)
+    if case.get("fused"):
+        from hf_fused import apply_fused_loss
+
+        apply_fused_loss(model)
+    initial = full_parameters(model)
+    tokenizer = make_tokenizer()
+    common = dict(
+        output_dir=os.path.join(os.path.dirname(out), "trainer"), per_device_train_batch_size=4, max_steps=3,
+        learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
+        logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0, bf16=False, use_cpu=True,
+        dataloader_num_workers=0, disable_tqdm=True,
+    )
+    if case["trl"] == "sft":
+        from trl import SFTConfig, SFTTrainer
+
+        tokenizer.padding_side = "right"
+        data = Dataset.from_dict({"text": [_sentence(i, 4 + i % 5) for i in range(16)]})
+        trainer = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=data, processing_class=tokenizer)
+    else:
+        from trl import DPOConfig, DPOTrainer
+
+        data = Dataset.from_dict({
+            "prompt": [_sentence(i, 2 + i % 3) for i in range(16)],
+            "chosen": [" " + _sentence(200 + i, 2 + i % 4) for i in range(16)],
+            "rejected": [" " + _sentence(300 + i, 1 + i % 5) for i in range(16)],
+        })
+        ref_model = load({**case, "model_dir": case["ref_dir"]}, tensor_parallel=True)
+        if case.get("fused"):
+            from hf_fused import apply_fused_loss
+
+            apply_fused_loss(ref_model)
+        trainer = DPOTrainer(model=model, ref_model=ref_model, args=DPOConfig(**common), train_dataset=data,
+                             processing_class=tokenizer)
+    layouts = record_head_layouts()
+    head_calls = count_fused_head_calls()
+    tracker, recorder = VocabWidthTracker(model.config.vocab_size, model.config.hidden_size), CollectiveRecorder()
+    with tracker.mode, recorder:
+        trainer.train()
+    logs = [{k: v for k, v in entry.items() if not _is_timing(k)} for entry in trainer.state.log_history]
+    return {"losses": [e["loss"] for e in logs if "loss" in e], "logs": logs, "initial": initial,
+            "params": full_parameters(trainer.model), "head_calls": head_calls["all"],
+            "max_vocab_rows": tracker.max_rows, "collectives": sorted(recorder.calls), "shards": shards(model),
+            "head_layouts": sorted(set(layouts)), "head_reads": len(layouts)}
+
+
 KINDS = {"trainer": train, "colwise": colwise, "lora_refused": lora_refused, "layouts": layouts,
-         "fsdp_shard_refused": fsdp_shard_refused}
+         "fsdp_shard_refused": fsdp_shard_refused, "trl": trl_trainer}
 
 
 def main(batch_file: str) -> None:

@@ -4,8 +4,9 @@
 transformers forward all-gathers the logits) trained by ``transformers.Trainer``, on 2 ranks launched with
 examples/distributed/tp2.yaml and 3 under torchrun (a vocabulary of 131: shards 66/65 and 44/44/43), tied and untied,
 fp32 and bf16, and FSDP2 × TP on 4 ranks launched with examples/distributed/fsdp2_tp2.yaml; and a custom loop on a
-model whose lm_head torch's ``ColwiseParallel`` shards. Each against the single-process unpatched run on the same
-global batch: every logged loss and every updated parameter (``parity.py``), with no collective moving anything of
+model whose lm_head torch's ``ColwiseParallel`` shards; TRL's ``SFTTrainer`` and ``DPOTrainer`` on the patched
+tensor-parallel model (2 and 3 ranks, every logged metric too). Each against the single-process unpatched run on the
+same global batch: every logged loss and every updated parameter (``parity.py``), with no collective moving anything of
 the vocabulary's width (the unpatched tensor-parallel run all-gathers its logits shards) and no tensor of the whole
 vocabulary's width made. Runs of one rank count share one launch (``launch.SharedLaunches``).
 """
@@ -13,6 +14,7 @@ vocabulary's width made. Runs of one rank count share one launch (``launch.Share
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -22,6 +24,7 @@ import torch
 from launch import HERE, Run, SharedLaunches, accelerate_launch, launch_timeout, planned_runs, run
 from parity import assert_bf16_twin, assert_matches_reference
 from ranks import CUDA
+from references import logp_difference_tol
 
 pytestmark = [
     pytest.mark.distributed,
@@ -109,6 +112,17 @@ def fsdp_shard_runs() -> list[Run]:
     return [tensor_parallel(dict(kind="fsdp_shard_refused", model="untied"), 2)]
 
 
+#: name → (ranks, TRL trainer, model)
+TRL_PARITY = {"tp2-sft": (2, "sft", "untied"), "tp2-dpo": (2, "dpo", "untied"), "tp3-sft-tied": (3, "sft", "tied"),
+              "tp3-dpo": (3, "dpo", "untied")}
+
+
+def trl_runs(name: str) -> list[Run]:
+    ranks, trainer, model = TRL_PARITY[name]
+    case = dict(kind="trl", trl=trainer, model=model, fused=True)
+    return [tensor_parallel(case, ranks), reference(case)]
+
+
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory) -> SharedLaunches:
     root = tmp_path_factory.mktemp("tensor_parallel")
@@ -116,12 +130,17 @@ def runs(request, tmp_path_factory) -> SharedLaunches:
     for name, tied in (("untied", False), ("tied", True)):
         models[name] = root / f"model-{name}"
         make_model(tied).save_pretrained(models[name])
+    models["reference"] = root / "model-reference"  # DPO's reference model: the untied model perturbed
+    perturbed(make_model(False)).save_pretrained(models["reference"])
 
     def launch(batch_runs: list[Run], dirs: list[Path]) -> None:
         entries = []
         for r, d in zip(batch_runs, dirs):
             case = json.loads(r.case)
-            entries.append({"case": {**case, "model_dir": str(models[case["model"]])}, "dir": str(d)})
+            case["model_dir"] = str(models[case["model"]])
+            if case.get("trl") == "dpo":
+                case["ref_dir"] = str(models["reference"])
+            entries.append({"case": case, "dir": str(d)})
         batch = dirs[0] / "batch.json"
         batch.write_text(json.dumps(entries))
         config, ranks, timeout_s = batch_runs[0].config, batch_runs[0].processes, launch_timeout(len(batch_runs))
@@ -139,9 +158,19 @@ def runs(request, tmp_path_factory) -> SharedLaunches:
              "test_lora_on_a_tensor_parallel_head_is_refused": lora_runs,
              "test_fsdp2_times_tensor_parallel": fsdp_runs,
              "test_layouts_on_a_two_dimensional_mesh": layout_runs,
+             "test_trl_trainers_under_tensor_parallelism_match_single_process": trl_runs,
              "test_fsdp2_shard_outside_the_call_is_not_read_as_a_vocabulary_split": fsdp_shard_runs}
     return SharedLaunches(root, planned_runs(request, plans), launch,
                           lambda r, d: torch.load(d / "result.pt", weights_only=False))
+
+
+def perturbed(model, seed: int = 99, scale: float = 0.05):
+    """``model`` with every parameter moved by Gaussian noise (DPO's reference, apart from the policy)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return model
 
 
 def chunk_shards(ranks: int) -> list[tuple[int, int]]:
@@ -240,3 +269,31 @@ def test_fsdp2_shard_outside_the_call_is_not_read_as_a_vocabulary_split(runs):
     unrelated tokens; it is refused, saying where to compute the loss instead."""
     (got,) = (runs(r) for r in fsdp_shard_runs())
     assert got["error"] and "FSDP2's shard" in got["error"] and "apply_fused_loss" in got["error"], got
+
+
+@pytest.mark.parametrize("name", list(TRL_PARITY))
+def test_trl_trainers_under_tensor_parallelism_match_single_process(name, runs):
+    """TRL's ``SFTTrainer`` and ``DPOTrainer`` (its reference model tensor-parallel and patched too) on transformers'
+    tensor-parallel model patched by ``apply_fused_loss``, under accelerate's ``ParallelismConfig(tp_size=n)`` (2
+    ranks: examples/distributed/tp2.yaml; 3: torchrun), 3 SGD steps: every logged loss and metric and every updated
+    parameter as TRL's single-process unpatched run on the same global batch. TRL's fused-head calls ran through
+    hf_fused on each rank's rows of lm_head (every step, the policy's and DPO's reference's), with no collective of
+    the vocabulary's width and no tensor of the whole vocabulary's width."""
+    tp, ref = (runs(r) for r in trl_runs(name))
+    ranks, trainer, _ = TRL_PARITY[name]
+    assert_matches_reference(tp, ref, ranks)
+    assert len(tp["logs"]) == len(ref["logs"]) == 4  # 3 steps and the summary
+    for step, (got, want) in enumerate(zip(tp["logs"], ref["logs"])):
+        assert got.keys() == want.keys(), (step, got.keys() ^ want.keys())
+        for key, value in want.items():
+            if key == "total_flos":  # Trainer adds every rank's count of the one replica's FLOPs
+                assert got[key] == ranks * value, (step, got[key], value)
+                continue
+            assert math.isclose(got[key], value, rel_tol=1e-5,
+                                abs_tol=2e-6 if "loss" in key else logp_difference_tol(key, want)), \
+                (step, key, got[key], value)
+    calls = 3 if trainer == "sft" else 6  # DPO: the policy's and the reference model's head at every step
+    assert tp["head_calls"] == calls and tp["head_reads"] == calls and tp["max_vocab_rows"] == 0
+    assert tp["shards"] == chunk_shards(ranks)
+    assert tp["head_layouts"] == [(("S(0)",), (ranks,), tp["shards"][0])]
+    assert not vocabulary_collectives(tp, ranks), vocabulary_collectives(tp, ranks)

@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...model import FusedRequest, as_kwargs, head_operands, intercept_lm_head, op_options
+from ...model.tensor_parallel import check_tensor_parallel_head, vocab_parallel_head
 from ...ops import TokenLossHint, linear_logprobs
 from .hooks import refused_reason
 from .protocol import OPTIONS_ATTR, STATISTICS_FIELDS, TrlHeadOptions, TrlProtocolError
@@ -87,10 +88,14 @@ def trl_fused_forward(model: nn.Module, *args, **kwargs):
 
 def _head(lm_head: nn.Module, hidden: torch.Tensor, *, labels, options: TrlHeadOptions, state, grad_hint):
     """Every per-token field TRL's head returns, from the states lm_head received (``[B, T, H]``): the log-probs,
-    entropy and requested metrics (``is_top1``, ``mean_logits``, ``log_sum_sq_probs``) in one pass over the logits."""
+    entropy and requested metrics (``is_top1``, ``mean_logits``, ``log_sum_sq_probs``) in one pass over the logits.
+    A tensor-parallel lm_head (sharded over the vocabulary) computes on this rank's rows, the per-row statistics
+    merged over its group (:func:`~hf_fused.model.tensor_parallel.vocab_parallel_head`): no logits gathered."""
+    check_tensor_parallel_head(lm_head)
     head_hidden, weight, bias, labels, precision = head_operands(
         lm_head, hidden, labels, fp32=options.cast_lm_head_to_fp32  # TRL: the projection in fp32, outside autocast
     )
+    weight, bias, shard = vocab_parallel_head(weight, bias)
     statistics = [name for name in STATISTICS_FIELDS if name in options.outputs]
     if statistics and isinstance(grad_hint, TokenLossHint):
         # No TRL trainer asks for both (GRPO/RLOO log no such metric); the statistics forward + recompute backward
@@ -100,7 +105,7 @@ def _head(lm_head: nn.Module, hidden: torch.Tensor, *, labels, options: TrlHeadO
         log_probs, entropy, stats = linear_logprobs(
             head_hidden, weight, labels, bias, return_entropy="entropy" in options.outputs, backend=state.backend,
             grad_hint=None if grad_hint is None else grad_hint.to(weight.device), statistics=statistics,
-            **op_options(state), temperature=options.temperature,
+            vocab_parallel=shard, **op_options(state), temperature=options.temperature,
         )
     return {"log_probs": log_probs, "entropy": entropy, **{name: stats.get(name) for name in STATISTICS_FIELDS}}
 
