@@ -155,14 +155,6 @@ def test_trl_sft_script_under_bf16_matches_unpatched_bf16(engine, runs):
 #: TRL's preference scripts with the policy through ``apply_fused_loss`` (examples/distributed/).
 PREFERENCE_SCRIPTS = {"dpo": CONFIGS / "trl_dpo.py", "kto": CONFIGS / "trl_kto.py"}
 
-#: Fails identically on the code before this layout (2a577d8) with the packages a fresh install takes on 2026-11-29
-#: (transformers 5.24, huggingface-hub 2.4, peft 0.21, datasets 5.2; DeepSpeed 0.19.8): stock DPO/SFT under ZeRO-3
-#: moved away from its one-process / fp32 reference in a parameter far from the head (input_layernorm: 2.75e-5 of
-#: the update against 2e-5; a bf16 twin 0.252 against its bound), the same numbers with and without hf_fused's
-#: changes. Known, not yet explained: the next change compares these against stock under the same engine.
-ZERO3_STACK_DRIFT = pytest.mark.xfail(reason="stock ZeRO-3 drifts from its reference under today's package versions "
-                                      "(see ZERO3_STACK_DRIFT)", strict=False)
-
 
 def single_process_run(script: str, *args: str) -> Run:
     """``script`` with ``ARGS`` and ``args`` in one process on both ranks' batch."""
@@ -171,7 +163,7 @@ def single_process_run(script: str, *args: str) -> Run:
 
 @pytest.mark.parametrize("engine", ["zero3", "zero2", "fsdp2", "fsdp1", "ddp"])
 @pytest.mark.parametrize("script", list(PREFERENCE_SCRIPTS))
-def test_trl_preference_script_matches_unpatched(script, engine, runs, request):
+def test_trl_preference_script_matches_unpatched(script, engine, runs):
     """TRL's DPO and KTO scripts with the policy through ``apply_fused_loss`` under each engine, gradient
     accumulation 2, against the unpatched script: every logged metric (the rewards, margins, accuracies or KL
     estimate, the chosen and rejected log-probabilities and mean logits, entropy) and every parameter. DPO against
@@ -181,8 +173,6 @@ def test_trl_preference_script_matches_unpatched(script, engine, runs, request):
     reference model the trainer builds (under ZeRO-3 a DeepSpeed inference engine of its own) is patched alongside
     the policy in the fused run; hf_fused computed the heads on every rank, under ZeRO-3 from partitioned
     lm_heads."""
-    if (script, engine) == ("dpo", "zero3"):
-        request.applymarker(ZERO3_STACK_DRIFT)
     _needs_deepspeed(engine)
     reference, got = (runs(run) for run in preference_runs(script, engine))
     assert_hf_fused_ran(got, reference, engine)
@@ -263,7 +253,6 @@ def test_trl_sft_script_under_trls_own_fsdp2_config_matches_stock_under_it(runs)
     assert_bf16_twins(_twins_under(runs, TRL_FSDP2, ga=2), ranks=RANKS, stock_ranks=RANKS)
 
 
-@ZERO3_STACK_DRIFT
 def test_trl_sft_script_under_trls_own_zero3_config_matches_stock_under_it(runs):
     """TRL's SFT script launched with TRL's own ZeRO-3 config (zero.Init, the 16-bit model gathered and saved at
     the end, DeepSpeed's gradient accumulation fixed at 1, which the script's arguments must then match), against

@@ -75,7 +75,12 @@ class TinyDataset(Dataset):
 
 def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as a whole fp32 CPU tensor: gathered from ZeRO-3 partitions, FSDP1 flat shards or FSDP2
-    DTensors (collective: every rank must call it)."""
+    DTensors (collective: every rank must call it). Under DeepSpeed's bf16/fp16, once its optimizer exists, the
+    fp32 master weights it updates rather than the model's low-precision copies of them: a copy only moves where an
+    update crosses the spacing of the weight's value (2^-8 for a LayerNorm weight near 1), so two runs whose
+    gradients agree within bf16's rounding stand a whole spacing apart wherever one rounding fell the other way
+    (TRL's SFT script under TRL's ZeRO-3 config, patched against unpatched: the bf16 copies of a LayerNorm weight
+    whose updates were 0, ±2^-8 and ±2^-7 were 0.25 of that update apart)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     if isinstance(model, FullyShardedDataParallel):
@@ -83,7 +88,10 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             return {_canonical(n): p.detach().float().cpu().clone() for n, p in model.named_parameters()}
     out = {}
     for name, p in model.named_parameters():
-        if hasattr(p, "ds_status"):
+        master = _deepspeed_master(p)
+        if master is not None:
+            out[name] = master.detach().float().cpu().clone()
+        elif hasattr(p, "ds_status"):
             import deepspeed
 
             with deepspeed.zero.GatheredParameters([p]):
@@ -93,6 +101,20 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         else:
             out[name] = p.detach().float().cpu().clone()
     return {_canonical(n): t for n, t in out.items()}
+
+
+def _deepspeed_master(p: torch.nn.Parameter) -> torch.Tensor | None:
+    """``p``'s whole fp32 master weight when DeepSpeed's optimizer keeps one for a bf16/fp16 ``p`` (ZeRO-3:
+    ``_z3_optimizer``; ZeRO-1/2: ``_hp_mapping``, set on every rank, None where another rank holds the fragment;
+    collective), else None (fp32 training, or no optimizer yet: the masters start as the low-precision weights'
+    exact values)."""
+    if p.dtype == torch.float32 or not p.requires_grad:
+        return None
+    if not hasattr(p, "_z3_optimizer") and not hasattr(p, "_hp_mapping"):
+        return None
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return safe_get_full_fp32_param(p)
 
 
 def _canonical(name: str) -> str:
