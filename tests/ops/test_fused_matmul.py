@@ -23,6 +23,10 @@ from references import apply_transform, check_triton_matches_float64  # noqa: E4
 TOKEN_STATISTICS = ("mean_logits", "is_top1", "log_sum_sq_probs")
 
 
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
 def _bf16_operands(m, n, k, *, seed=0, std=4.0, bias=False):
     """bf16 ``h [m, k]``, ``w [n, k]`` whose logits have a standard deviation of about ``std`` (a trained head's),
     a bf16 bias or None, and labels with some outside ``[0, n)`` (another chunk's, or ignored)."""
@@ -97,7 +101,8 @@ def test_ties_keep_the_first_maximum_and_chunks_fold_online():
     """Integer-valued operands put equal maxima in several tiles of a row: the arg-max is the first one
     (``torch.argmax``'s rule), in one launch and over two vocabulary chunks folded one after the other
     (``col_offset``), whose statistics equal the single launch's; the stored tile is the fp32 product rounded to
-    bf16 as torch's, bit for bit (many entries above 256, where bf16 rounds integers)."""
+    bf16 as torch's, bit for bit (many entries above 256, where bf16 rounds integers), and its own log-sum-exp comes
+    with it."""
     gen = torch.Generator().manual_seed(2)
     m, n, k = 30, 520, 64
     h = torch.randint(-3, 4, (m, k), generator=gen).to(torch.bfloat16)
@@ -112,8 +117,9 @@ def test_ties_keep_the_first_maximum_and_chunks_fold_online():
     stats = new_row_stats(m, h.device, TOKEN_STATISTICS)
     scalars = kernel_scalars(LogitTransform(temperature=50.0), None)
     tile = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    rounded_sum = torch.zeros(m)
     with FM.forced(True):
-        FM.logits_statistics_(h, w, y, stats, scalars, return_entropy=True, tile=tile)
+        FM.logits_statistics_(h, w, y, stats, scalars, return_entropy=True, tile=tile, rounded_sum=rounded_sum)
         chunked = new_row_stats(m, h.device, TOKEN_STATISTICS)
         for v0, v1 in ((0, 300), (300, n)):  # the second chunk holds the tied maxima: it must not take over
             FM.logits_statistics_(h, w[v0:v1], y, chunked, scalars, return_entropy=True, col_offset=v0)
@@ -122,6 +128,11 @@ def test_ties_keep_the_first_maximum_and_chunks_fold_online():
     for a, e in zip(chunked, stats):
         torch.testing.assert_close(a, e, rtol=2e-6, atol=0)
     assert torch.equal(tile.view(torch.int16), (h.float() @ w.float().t()).to(torch.bfloat16).view(torch.int16))
+    # the stored tile's own normalizer, for the probabilities the gradient kernel computes from it
+    torch.testing.assert_close(stats[0] + rounded_sum.log(), torch.logsumexp(tile.double() / 50.0, -1).float(),
+                               rtol=2e-6, atol=0)
+    with pytest.raises(ValueError, match="rounded_sum"):
+        FM.logits_statistics_(h, w, y, stats, scalars, return_entropy=True, tile=tile)
 
 
 def test_log_probs_of_bf16_heads_are_fp32_faithful_through_the_ops():
@@ -142,6 +153,28 @@ def test_log_probs_of_bf16_heads_are_fp32_faithful_through_the_ops():
         errors[fp32] = ((lp[kept].double() - ref).abs().max().item(), abs(loss.double().item() - ref_loss.item()))
     assert errors[True][0] <= 1e-4 and errors[True][1] <= 1e-5, errors
     assert errors[False][0] >= 1e-3, errors
+
+
+def test_one_pass_gradients_keep_the_stored_tiles_normalizer():
+    """The one pass with the fp32 statistics: the cross-entropy within 1e-6 of float64 (from the accumulator) where
+    cuBLAS's bf16 tiles are 1e-5 off, and the gradients, computed from the stored bf16 tile with that tile's own
+    log-sum-exp (probabilities that sum to 1, as the default path's), as close to float64 as the default path's and
+    equal to them but for a few logits whose two fp32 sums round one bf16 step apart."""
+    h, w, _, y = _bf16_operands(40, 1200, 64, seed=4, std=6.0)
+    y = torch.where(y < 1200, y, -100)
+    h, w = h.requires_grad_(), w.requires_grad_()
+    ref = [t.detach().double().requires_grad_() for t in (h, w)]
+    ce64 = torch.nn.functional.cross_entropy(ref[0] @ ref[1].t(), y, ignore_index=-100)
+    grads64 = torch.autograd.grad(ce64, ref)
+    results = {}
+    for fp32 in (True, False):
+        with FM.forced(fp32):
+            loss = linear_cross_entropy(h, w, y, backend="triton")
+            results[fp32] = (abs(loss.item() - ce64.item()) / ce64.item(), torch.autograd.grad(loss, (h, w)))
+    assert results[True][0] <= 1e-6 and results[False][0] >= 1e-5, (results[True][0], results[False][0])
+    for on, off, g64 in zip(results[True][1], results[False][1], grads64):
+        assert _rel(on, g64) <= 1.01 * _rel(off, g64), (_rel(on, g64), _rel(off, g64))
+        assert _rel(on, off) <= 1e-3
 
 
 def _counted(monkeypatch, module, name):
@@ -188,3 +221,107 @@ def test_runs_only_where_asked_and_where_it_can(monkeypatch):
     monkeypatch.setenv(FM.ENV, "yes")
     with pytest.raises(ValueError, match="HF_FUSED_FP32_LOGITS must be 0 or 1"):
         FM.enabled()
+
+
+# -- on the GPU -------------------------------------------------------------------------------------------------
+
+def _gpu_head(n, h, v, seed=0):
+    """bf16 CUDA ``(hidden [n, h], weight [v, h], labels [n])``: logits of standard deviation ~4, 10% ignored."""
+    from references import bf16_cuda_head
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the fused statistics run on sm_90 and later")
+    return bf16_cuda_head(n, h, v, seed=seed, ignore_every=10)
+
+
+@pytest.mark.gpu
+def test_gpu_log_probs_and_statistics_are_fp32_faithful():
+    """bf16 at 4096 × 2048 × 32000 on the GPU: the statistics pass's log-probs within 1e-4 nats of an
+    fp32-accumulated matmul of the same operands (cuBLAS writing fp32) and of float64, entropies and token
+    statistics likewise; cuBLAS's bf16 tiles (the fp32 statistics off) are more than 1e-3 nats off."""
+    from hf_fused.ops.backends.triton_cublas.matmul import mm_f32_
+
+    hid, w, y = _gpu_head(4096, 2048, 32000)
+    kept = y != -100
+    z32 = torch.empty(hid.shape[0], w.shape[0], dtype=torch.float32, device="cuda")
+    mm_f32_(z32, hid.detach(), w.detach().t())
+    z64 = hid.detach().double() @ w.detach().double().t()
+    refs = {}
+    for name, z in (("fp32", z32.double()), ("float64", z64)):
+        logp = torch.log_softmax(z, -1)
+        refs[name] = (logp.gather(1, y.clamp_min(0)[:, None])[:, 0], -(logp.exp() * logp).sum(-1),
+                      torch.logsumexp(2 * logp, -1), z.mean(-1))
+    del z32, z64
+    names = list(TOKEN_STATISTICS)
+    for fp32 in (True, False):
+        with torch.no_grad(), FM.forced(fp32):
+            lp, ent, stats = linear_logprobs(hid, w, y, return_entropy=True, statistics=names)
+        err = {name: (lp - ref[0])[kept].abs().max().item() for name, ref in refs.items()}
+        if not fp32:
+            assert err["fp32"] >= 1e-3, err
+            continue
+        assert err["fp32"] <= 1e-4 and err["float64"] <= 1e-4, err
+        ref_lp, ref_ent, ref_sq, ref_mean = refs["float64"]
+        assert (ent - ref_ent)[kept].abs().max() <= 1e-4
+        assert (stats["log_sum_sq_probs"] - ref_sq)[kept].abs().max() <= 1e-4
+        assert (stats["mean_logits"] - ref_mean)[kept].abs().max() <= 1e-5
+        with torch.no_grad():
+            top1 = (hid.detach().double() @ w.detach().double().t()).argmax(-1) == y
+        assert (stats["is_top1"] == top1)[kept].float().mean() >= 0.999  # a near-tie may fall either way in fp32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", [None, 64 * 2**20], ids=["default", "lean"])
+def test_gpu_losses_and_gradients_with_fp32_statistics(budget):
+    """Cross-entropy (the one pass by default, the two passes under 64 MiB) and a log-probs + entropy objective (the
+    two passes) on bf16 at 4096 × 2048 × 32000 with the fp32 statistics on and off: the loss within 2e-6 of float64
+    with them on, and every gradient no further from float64 than with them off (the two passes' ``dz`` then comes
+    from the accumulator too)."""
+    hid, w, y = _gpu_head(4096, 2048, 32000, seed=1)
+    ref = [t.detach().double().requires_grad_() for t in (hid, w)]
+    z64 = ref[0] @ ref[1].t()
+    kept = y != -100
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    w1, w2 = torch.randn(y.shape, device="cuda", generator=gen), torch.randn(y.shape, device="cuda", generator=gen)
+    logp64 = torch.log_softmax(z64, -1)
+    ce64 = torch.nn.functional.cross_entropy(z64, y, ignore_index=-100)
+    rl64 = ((logp64.gather(1, y.clamp_min(0)[:, None])[:, 0] * w1 - (logp64.exp() * logp64).sum(-1) * w2)
+            * kept).sum()
+    grads64 = [torch.autograd.grad(obj, ref, retain_graph=True) for obj in (ce64, rl64)]
+    del z64, logp64
+    results = {}
+    for fp32 in (True, False):
+        with FM.forced(fp32):
+            ce = linear_cross_entropy(hid, w, y, tile_budget_bytes=budget)
+            lp, ent = linear_logprobs(hid, w, y, return_entropy=True, tile_budget_bytes=budget)
+            rl = (lp * w1).sum() + (ent * w2).sum()
+            results[fp32] = [(obj.item(), torch.autograd.grad(obj, (hid, w))) for obj in (ce, rl)]
+    assert abs(results[True][0][0] - ce64.item()) <= 2e-6 * abs(ce64.item()), (results[True][0][0], ce64.item())
+    for i, g64 in enumerate(grads64):
+        for on, off, gr in zip(results[True][i][1], results[False][i][1], g64):
+            assert _rel(on, gr) <= 1.02 * _rel(off, gr) + 1e-7, (i, _rel(on, gr), _rel(off, gr))
+
+
+@pytest.mark.gpu
+def test_gpu_every_launch_shape_folds_the_autotuned_statistics():
+    """Each of the autotuning candidates, run on its own, folds the autotuned launch's statistics (fp32 summation
+    order apart); the stored tile is cuBLAS's bf16 product up to one bf16 step where the two fp32 sums fall on
+    either side of a rounding boundary."""
+    hid, w, y = _gpu_head(2048, 2048, 32000, seed=3)
+    h, w = hid.detach(), w.detach()
+    y = y.clamp_min(0)
+
+    def run(config, tile=None):
+        return _kernel_statistics(h, w, y, None, {}, config=config, tile=tile)
+
+    expected = run(None)
+    for config in FM.CONFIGS:
+        got = run(config)
+        for a, e in zip(got[:3], expected[:3]):
+            torch.testing.assert_close(a, e, rtol=0, atol=2e-5)
+    tile = torch.empty(h.shape[0], w.shape[0], dtype=torch.bfloat16, device="cuda")
+    run(None, tile)
+    cublas = h @ w.t()
+    ulp = (cublas.float().abs().clamp_min(2**-100).log2().floor() - 7).exp2()
+    assert ((tile.float() - cublas.float()).abs() <= ulp).all()
+    assert (tile != cublas).float().mean() <= 1e-3

@@ -11,14 +11,15 @@ that holds a row's label stores its logit. A second kernel then folds each row's
 statistics of :mod:`.tiles` with the log-sum-exp rule (:mod:`.statistics_partials`), so
 :func:`~.tiles.finish_row_stats` reads them as it reads the statistics kernel's. No ``[rows, V]`` tile is written,
 unless asked (``tile``: the one pass, whose gradient kernel reads it), and then as the bf16 copy cuBLAS would
-write, the statistics still from the accumulator.
+write, the statistics still from the accumulator, with the stored logits' own normalizer beside them (the
+gradient kernel's probabilities from the stored tile then sum to 1).
 
 The per-token log-probs are then those of an fp32-accumulated matmul of the same bf16 operands, not of its bf16
 rounding: the statistics pass and the one pass's statistics run it where :func:`applies` (the plan's
 ``fp32_logits`` choice, :func:`~.plan.fp32_logits`).
 
-On a GPU the launch shape is autotuned over :data:`CONFIGS` (keyed on ``V`` and ``H``); under Triton's interpreter
-(CPU, tests) it runs :data:`INTERPRETER_CONFIG` or the one given.
+On a GPU the launch shape is autotuned over :data:`CONFIGS` (keyed on ``V``, ``H`` and whether the tile is stored);
+under Triton's interpreter (CPU, tests) it runs :data:`INTERPRETER_CONFIG` or the one given.
 """
 
 from __future__ import annotations
@@ -68,15 +69,15 @@ class StatsConfig:
                     SPLIT=self.split)
 
 
-#: The GPU's autotuning candidates: the gradient epilogue's shape (:data:`.logits_epilogues.CONFIG`) and its
-#: neighbours; every ``block_n`` a multiple of :data:`MIN_BLOCK_N`, which sizes the partials.
+#: The GPU's autotuning candidates: the gradient epilogue's shape (:data:`.logits_epilogues.CONFIG`) with 4 and 3
+#: stages, and 128 × 128 tiles, whose epilogue compiles for sm_90 without spills with every flag (Triton 3.9; the
+#: 128 × 256 tiles spill 32–72 bytes with the statistics alone, ~400 with the stored tile); every ``block_n`` a
+#: multiple of :data:`MIN_BLOCK_N`, which sizes the partials.
 CONFIGS = (
     StatsConfig(128, 256, 64, split=4, num_warps=8, num_stages=4),
     StatsConfig(128, 256, 64, split=4, num_warps=8, num_stages=3),
-    StatsConfig(128, 256, 64, split=2, num_warps=8, num_stages=3),
-    StatsConfig(256, 128, 64, split=2, num_warps=8, num_stages=3),
     StatsConfig(128, 128, 64, split=2, num_warps=8, num_stages=4),
-    StatsConfig(128, 128, 64, split=1, num_warps=4, num_stages=4),
+    StatsConfig(128, 128, 64, split=2, num_warps=8, num_stages=3),
 )
 MIN_BLOCK_N = min(c.block_n for c in CONFIGS)
 
@@ -147,24 +148,32 @@ def applies(h: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _fold_slice(raw, n0, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, Z, stride_z,
+def _fold_slice(raw, n0, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
                 logit_scale, softcap, inv_temperature, SLICE: tl.constexpr, ROUND: tl.constexpr,
                 STORE_TILE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr,
                 ENTROPY: tl.constexpr, SUM_Z: tl.constexpr, ARGMAX: tl.constexpr, SUM_SQ: tl.constexpr):
     """One column slice ``raw [len(rm), SLICE]`` of the accumulator (columns ``n0 …`` of this launch) folded into
     the rows' running (max, Σexp(z−m), Σexp(z−m)·z, label logit, Σz, first arg-max, Σexp(2(z−m))); with
     ``STORE_TILE`` the raw slice is also stored into ``Z``, rounded to its dtype (``ROUND``: 1 on the bit pattern,
-    for the interpreter, whose conversion truncates; 2 the GPU's conversion)."""
+    for the interpreter, whose conversion truncates; 2 the GPU's conversion), and ``sr`` is the running
+    Σexp(z̃−m) of the logits ``z̃`` of the stored values: the normalizer of the probabilities that the gradient
+    kernel computes from the stored tile (they sum to 1 with it, not with the accumulator's)."""
     rn = n0 + tl.arange(0, SLICE)
     col_ok = rn < N
+    bias = tl.zeros([SLICE], tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(Bias + col_offset + rn, mask=col_ok, other=0.0).to(tl.float32)
+    rounded = raw
     if STORE_TILE:
         stored = raw
         if ROUND == 1:
-            stored, _ = round_bf16(raw)
+            stored, rounded = round_bf16(raw)
+        elif ROUND == 2:
+            rounded = raw.to(tl.bfloat16).to(tl.float32)
         mask = (rm < M)[:, None] & col_ok[None, :]
         tl.store(Z + rm[:, None].to(tl.int64) * stride_z + rn[None, :], stored.to(Z.dtype.element_ty), mask=mask)
     if HAS_BIAS:
-        raw += tl.load(Bias + col_offset + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        raw += bias[None, :]
     z, _ = apply_transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
     valid = col_ok[None, :]
     z_max = tl.where(valid, z, _NO_MAX)
@@ -185,13 +194,18 @@ def _fold_slice(raw, n0, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, 
         arg = tl.where(m_slice > m, first, arg)
     if SUM_SQ:
         s2 = s2 * (alpha * alpha) + tl.sum(e * e, axis=1)
-    return m_new, s, t, zy, zsum, arg, s2
+    if STORE_TILE:
+        if HAS_BIAS:
+            rounded += bias[None, :]
+        z_r, _ = apply_transform(rounded, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
+        sr = sr * alpha + tl.sum(tl.where(valid, tl.exp2((z_r - m_new[:, None]) * _LOG2E), 0.0), axis=1)
+    return m_new, s, t, zy, zsum, arg, s2, sr
 
 
 @triton.jit
 def _statistics_kernel(
     A_DESC, B_DESC, M, N, K, col_offset, Bias, Labels, ZY,
-    P_MAX, P_SUM, P_ZP, P_ZSUM, P_ARG, P_SQ, n_part, Z, stride_z,
+    P_MAX, P_SUM, P_ZP, P_ZSUM, P_ARG, P_SQ, P_SR, n_part, Z, stride_z,
     logit_scale, softcap, inv_temperature,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WIDEN_DOT: tl.constexpr, ROUND: tl.constexpr,
@@ -226,20 +240,21 @@ def _statistics_kernel(
         zsum = tl.zeros([BLOCK_M], tl.float32)
         arg = tl.zeros([BLOCK_M], tl.int32)
         s2 = tl.zeros([BLOCK_M], tl.float32)
+        sr = tl.zeros([BLOCK_M], tl.float32)
         if SPLIT == 1:
-            m, s, t, zy, zsum, arg, s2 = _fold_slice(
-                acc, off_n, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, Z, stride_z,
+            m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
+                acc, off_n, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
                 logit_scale, softcap, inv_temperature, BLOCK_N, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
                 ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
         elif SPLIT == 2:
             HALF: tl.constexpr = BLOCK_N // 2
             left, right = halves(acc, BLOCK_M, HALF)
-            m, s, t, zy, zsum, arg, s2 = _fold_slice(
-                left, off_n, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, Z, stride_z,
+            m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
+                left, off_n, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
                 logit_scale, softcap, inv_temperature, HALF, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
                 ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
-            m, s, t, zy, zsum, arg, s2 = _fold_slice(
-                right, off_n + HALF, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, Z, stride_z,
+            m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
+                right, off_n + HALF, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
                 logit_scale, softcap, inv_temperature, HALF, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
                 ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
         else:
@@ -247,20 +262,20 @@ def _statistics_kernel(
             left, right = halves(acc, BLOCK_M, BLOCK_N // 2)
             q0, q1 = halves(left, BLOCK_M, QUARTER)
             q2, q3 = halves(right, BLOCK_M, QUARTER)
-            m, s, t, zy, zsum, arg, s2 = _fold_slice(
-                q0, off_n, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, Z, stride_z,
+            m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
+                q0, off_n, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
                 logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
                 ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
-            m, s, t, zy, zsum, arg, s2 = _fold_slice(
-                q1, off_n + QUARTER, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, Z, stride_z,
+            m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
+                q1, off_n + QUARTER, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
                 logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
                 ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
-            m, s, t, zy, zsum, arg, s2 = _fold_slice(
-                q2, off_n + 2 * QUARTER, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, Z,
+            m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
+                q2, off_n + 2 * QUARTER, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
                 stride_z, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
                 SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
-            m, s, t, zy, zsum, arg, s2 = _fold_slice(
-                q3, off_n + 3 * QUARTER, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, Z,
+            m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
+                q3, off_n + 3 * QUARTER, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
                 stride_z, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
                 SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
         part = rm.to(tl.int64) * n_part + pid_n_c
@@ -274,6 +289,8 @@ def _statistics_kernel(
             tl.store(P_ARG + part, arg, mask=m_ok)
         if SUM_SQ:
             tl.store(P_SQ + part, s2, mask=m_ok)
+        if STORE_TILE:
+            tl.store(P_SR + part, sr, mask=m_ok)
         in_tile = m_ok & (labels >= col_offset + off_n) & (labels < col_offset + tl.minimum(off_n + BLOCK_N, N))
         tl.store(ZY + rm, zy, mask=in_tile)
 
@@ -287,7 +304,8 @@ def _set_block_shapes(nargs: dict) -> None:
 _tuned_statistics_kernel = triton.autotune(
     configs=[triton.Config(c.kwargs(), num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_set_block_shapes)
              for c in CONFIGS],
-    key=["N", "K"],
+    # the stored tile's epilogue takes many more registers (its best shape is another)
+    key=["N", "K", "STORE_TILE"],
 )(_statistics_kernel)
 
 
@@ -300,7 +318,7 @@ def partial_row_bytes(vocab_size: int, statistics: int = 3) -> int:
 def logits_statistics_(
     h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, stats: tuple, scalars: dict, *, return_entropy: bool,
     col_offset: int = 0, bias: Optional[torch.Tensor] = None, tile: Optional[torch.Tensor] = None,
-    config: Optional[StatsConfig] = None,
+    rounded_sum: Optional[torch.Tensor] = None, config: Optional[StatsConfig] = None,
 ) -> None:
     """Fold the statistics of the logits ``h @ w.T`` (columns ``col_offset …`` of the vocabulary), computed from the
     matmul's fp32 accumulator, into ``stats`` as ``triton_kernels.stats_kernel`` folds a stored tile's: the running
@@ -313,12 +331,15 @@ def logits_statistics_(
             Both must be :func:`readable` (row-major, TMA-aligned rows).
         labels: ``[M]`` int64. stats: :data:`~.tiles.RowStats` of ``M`` rows.
         tile: ``[M, N]`` in ``h``'s dtype, unit column stride, or None: where given, the raw logits are stored into
-            it, rounded once (the tile cuBLAS would write).
+            it, rounded once (the tile cuBLAS would write), and ``rounded_sum`` (fp32 ``[M]``, running like the
+            statistics: 0 before the first launch) folds Σexp(z̃ − m) of the stored logits ``z̃`` (through bias and
+            transform), so that ``m + log(rounded_sum)`` normalizes the probabilities of the stored tile.
         config: the launch shape (default: autotuned over :data:`CONFIGS` on a GPU, :data:`INTERPRETER_CONFIG`
             under the interpreter).
 
     Raises:
-        ValueError: for a ``config`` whose ``split`` is not 1, 2 or 4 or does not divide ``block_n``.
+        ValueError: for a ``config`` whose ``split`` is not 1, 2 or 4 or does not divide ``block_n``; for a
+            ``tile`` without ``rounded_sum`` or the reverse.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -328,13 +349,15 @@ def logits_statistics_(
         return
     if config is not None and (config.split not in (1, 2, 4) or config.block_n % config.split):
         raise ValueError(f"logits_statistics_: split must be 1, 2 or 4 and divide block_n, got {config}")
+    if (tile is None) != (rounded_sum is None):
+        raise ValueError("logits_statistics_: a stored tile and its rounded_sum come together; pass both or neither")
     run_max, run_sum, run_zp, label_logit, z_sum, arg, sum_sq = stats
     if config is None and not h.is_cuda:
         config = INTERPRETER_CONFIG
     min_block_n = MIN_BLOCK_N if config is None else config.block_n
     n_part = triton.cdiv(n, min_block_n)
     parts = new_partials(m_rows, n_part, h.device, return_entropy, z_sum is not None, arg is not None,
-                         sum_sq is not None)
+                         sum_sq is not None, tile is not None)
     box = config or CONFIGS[0]
     a_desc = TensorDescriptor(h, [m_rows, k], [h.stride(0), 1], [box.block_m, box.block_k])
     b_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [box.block_n, box.block_k])
@@ -359,7 +382,7 @@ def logits_statistics_(
             _statistics_kernel[(min(tiles, programs),)](*args, NUM_PROGRAMS=programs, num_warps=config.num_warps,
                                                          num_stages=config.num_stages, **config.kwargs(), **flags)
             block_n = config.block_n
-        merge_partials_(parts, triton.cdiv(n, block_n), col_offset, stats, return_entropy)
+        merge_partials_(parts, triton.cdiv(n, block_n), col_offset, stats, return_entropy, rounded_sum)
 
 
 __all__ = ["CONFIGS", "DEFAULT_ENABLED", "ENV", "INTERPRETER_CONFIG", "StatsConfig", "applies", "enabled", "forced",

@@ -97,21 +97,27 @@ def weight_accumulator(plan: OnePassPlan, head: HeadInputs, need: NeededGrads, g
 
 class TileStatistics:
     """Each tile's logits and statistics: with ``fp32`` from :mod:`.fused_matmul`'s matmul (the tile stored rounded
-    as cuBLAS's, the statistics from the fp32 accumulator); else from QuACK's matmul epilogue while it runs
-    (:attr:`fused`: only the log-sum-exp and label logit asked, :func:`~.quack_bridge.fuses_statistics`; a tile it
-    cannot take turns it off for the rest of the call), else cuBLAS's tile and the statistics kernel."""
+    as cuBLAS's, the statistics from the fp32 accumulator, and the stored tile's own normalizer); else from QuACK's
+    matmul epilogue while it runs (:attr:`fused`: only the log-sum-exp and label logit asked,
+    :func:`~.quack_bridge.fuses_statistics`; a tile it cannot take turns it off for the rest of the call), else
+    cuBLAS's tile and the statistics kernel."""
 
     def __init__(self, fused: bool, weight: torch.Tensor, bias: Optional[torch.Tensor], scalars: dict,
-                 return_entropy: bool, fp32: bool = False) -> None:
+                 return_entropy: bool, fp32: bool = False, tile_rows: int = 0) -> None:
         self.fused, self.weight, self.bias, self.scalars, self.return_entropy = (
             fused and not fp32, weight, bias, scalars, return_entropy)
-        self.fp32 = fp32
+        self.rounded_sum = torch.empty(tile_rows, dtype=torch.float32, device=weight.device) if fp32 else None
 
-    def __call__(self, h: torch.Tensor, y: torch.Tensor, dz: torch.Tensor, row_stats) -> None:
-        if self.fp32:
+    def __call__(self, h: torch.Tensor, y: torch.Tensor, dz: torch.Tensor, row_stats) -> Optional[torch.Tensor]:
+        """Fills ``dz`` with the tile's logits and ``row_stats`` with their statistics; returns the log-sum-exp that
+        normalizes the stored tile's probabilities where it is not the statistics' own (``fp32``), else None."""
+        if self.rounded_sum is not None:
+            rounded_sum = self.rounded_sum[: h.shape[0]].zero_()
             fused_matmul.logits_statistics_(h, self.weight, y, row_stats, self.scalars,
-                                            return_entropy=self.return_entropy, bias=self.bias, tile=dz)
-            return
+                                            return_entropy=self.return_entropy, bias=self.bias, tile=dz,
+                                            rounded_sum=rounded_sum)
+            # p = exp(z̃ − lse) sums to 1 over the stored logits z̃ with their own normalizer: dz's row sums stay 0
+            return row_stats[0] + rounded_sum.log()
         run_max, run_sum, _, label_logit = row_stats[:4]
         self.fused = self.fused and quack_bridge.logits_with_statistics(h, self.weight, y, dz, run_max, label_logit)
         if self.fused:
@@ -138,11 +144,14 @@ class TileGradients:
             grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
 
     def __call__(self, r0: int, r1: int, h: torch.Tensor, y: torch.Tensor, dz: torch.Tensor, row_stats,
-                 fused: bool) -> None:
+                 fused: bool, tile_lse: Optional[torch.Tensor] = None) -> None:
+        """``tile_lse``: the log-sum-exp of the stored tile's logits where it is not the statistics' own (which the
+        loss's gradients read), for the probabilities of ``dz``."""
         run_max, run_sum, run_zp, label_logit = row_stats[:4]
         lse = run_max + run_sum.log()
         ent = lse - run_zp / run_sum if self.entropy_in_grads and self.return_entropy and not fused else None
         g_lp, g_ent = self.tile_grads(r0, r1, label_logit - lse, ent)
+        lse = lse if tile_lse is None else tile_lse
         # fused statistics with an entropy asked for: Σ p·z into run_zp (run_sum is 1), for finish_row_stats
         gradient_tile(dz, 0, self.bias, y, lse, lse if ent is None else ent, g_lp, lse if g_ent is None else g_ent,
                       self.scalars, True, g_ent is not None, sum_pz=run_zp if self.return_entropy and fused else None)
@@ -185,12 +194,12 @@ def run_one_pass(head: HeadInputs, tile_grads: Optional[TileGrads], need: Needed
     fp32 = fp32_logits(head) and fused_matmul.readable(rows_operand, weight) and tile_buf.stride(-1) == 1
     tile_statistics = TileStatistics(
         quack_bridge.fuses_statistics(head, rows_operand, return_entropy and not late_entropy, statistics), weight,
-        bias, scalars, return_entropy, fp32)
+        bias, scalars, return_entropy, fp32, tile_buf.shape[0])
     for r0, r1, h in blocks:  # h: the tile's kept hidden rows [r1 − r0, H], in weight's dtype
         dz, row_stats = tile_buf[: r1 - r0], row_slice(stats, r0, r1)
-        tile_statistics(h, y[r0:r1], dz, row_stats)
+        tile_lse = tile_statistics(h, y[r0:r1], dz, row_stats)
         if tile_grads is not None:
-            gradients(r0, r1, h, y[r0:r1], dz, row_stats, tile_statistics.fused)
+            gradients(r0, r1, h, y[r0:r1], dz, row_stats, tile_statistics.fused, tile_lse)
     grads = gradients.finish()
     logp, entropy, lse, token_stats = finish_row_stats(stats, y, vocab_size, return_entropy, statistics)
     return HeadPass(logp, entropy, lse, grads if tile_grads is not None else None, token_stats)
