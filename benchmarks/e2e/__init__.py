@@ -1,11 +1,11 @@
 """End-to-end training benchmark: whole training steps of real-shaped models, not the loss alone.
 
-``python -m benchmarks.e2e [--parts sft,grpo] [--seq-lens 4096,16384,32768] [--steps 3] --out DIR``
+``python -m benchmarks.e2e [--parts sft,grpo,distill] [--seq-lens 4096,16384,32768] [--steps 3] --out DIR``
 
-Modules: :mod:`.models` (shapes, model and data), :mod:`.sft` (part A), :mod:`.grpo` (part B),
-:mod:`.report` (the table and plot), :mod:`.__main__` (command line), :mod:`.distributed` (part A under each
-distributed engine); timing, memory, environment and output come from :mod:`benchmarks.measure`, shared with the ops
-benchmark.
+Modules: :mod:`.models` (shapes, model and data), :mod:`.sft` (part A), :mod:`.grpo` (part B), :mod:`.distill`
+(part C), :mod:`.report` (the table and plot), :mod:`.__main__` (command line), :mod:`.distributed` (part A under
+each distributed engine); timing, memory, environment and output come from :mod:`benchmarks.measure`, shared with
+the ops benchmark.
 
 Part A, SFT: a Qwen3-1.7B-shaped model (random init from ``transformers.Qwen3Config``, bf16 weights,
 tied embeddings, SDPA attention, gradient checkpointing, batch size 1, random token ids) trained by
@@ -59,6 +59,17 @@ Variants: ``trl``, ``hf_fused`` (default budget) and ``hf_fused_one_pass`` (``fu
 ``grad_hint`` gives the head's gradients in the forward pass). ``--grpo-precision trl-default`` builds the model
 in float32 and runs each step under bf16 autocast, as ``GRPOTrainer`` trains a model it loads itself
 (``GRPOConfig.bf16=True``); the default is bf16 weights.
+
+Part C, distillation (``--parts distill``, not run by default): TRL's ``DistillationTrainer`` (TRL 1.16, ``beta``
+``--distill-beta``, default 1.0: reverse KL) with a Qwen3-1.7B-shaped student and a Qwen3-8B-shaped teacher (hidden
+4096, 36 layers, untied head; both random init from ``Qwen3Config``, bf16), variants ``trl`` (stock: TRL's
+``ChunkedDivergenceFunction``) and ``hf_fused`` (``apply_fused_loss(student)`` before the trainer is built: the
+divergence from :func:`hf_fused.ops.linear_distillation_loss`). No generation: like part B, each step calls
+``trainer.compute_loss(model, inputs)`` + ``backward()`` on a synthetic batch with the keys TRL's generation step
+returns (``--distill-completions`` completions of ``--grpo-prompt-len`` + ``--grpo-completion-len`` tokens, every
+completion token valid: 8 x 2048 = 16,384 head rows by default, the ops benchmark's distillation shape). Records the
+median step, tokens/s, peak memory, the losses, the logged entropy, the gradient norm and how many loss calls went
+through hf_fused's op.
 
 Writes ``DIR/e2e.json`` after every run (a command cut short keeps what it measured), ``DIR/e2e.txt`` (the table
 printed last) and ``DIR/e2e.png`` (SFT tokens/s and peak memory by sequence length). ``--time-budget`` (seconds since start) skips the runs that

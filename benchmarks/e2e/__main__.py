@@ -13,6 +13,7 @@ import torch
 
 from ..measure import device_name, progress, save_json, versions
 from . import __doc__ as PACKAGE_DOC
+from .distill import DISTILL_VARIANTS, distill_part, distill_setting, distill_table
 from .grpo import GRPO_MODELS, GRPO_VARIANTS, grpo_part, grpo_setting
 from .models import SFT_MODELS, SHAPES, attn_implementation, is_gemma2
 from .report import plot, table
@@ -43,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=PACKAGE_DOC.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("e2e_out"), help="output directory (default e2e_out)")
-    p.add_argument("--parts", type=lambda s: parse_list(s, ("sft", "grpo"), "part"), default=["sft", "grpo"],
-                   help="comma-separated, run in this order (default sft,grpo)")
+    p.add_argument("--parts", type=lambda s: parse_list(s, ("sft", "grpo", "distill"), "part"),
+                   default=["sft", "grpo"], help="comma-separated, run in this order (default sft,grpo; also distill)")
     p.add_argument("--seq-lens", type=parse_ints, default=None,
                    help="SFT sequence lengths (default 4096,16384,32768; --tiny: 64,128,256)")
     p.add_argument("--sft-variants", type=lambda s: parse_list(s, ALL_SFT_VARIANTS, "SFT variant"),
@@ -69,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpo-completions", type=int, default=None, help="completions per step (default 8; --tiny 4)")
     p.add_argument("--grpo-prompt-len", type=int, default=None, help="prompt tokens (default 512; --tiny 16)")
     p.add_argument("--grpo-completion-len", type=int, default=None, help="completion tokens (default 2048; --tiny 32)")
+    p.add_argument("--distill-variants", type=lambda s: parse_list(s, DISTILL_VARIANTS, "distillation variant"),
+                   default=list(DISTILL_VARIANTS), help=f"default {','.join(DISTILL_VARIANTS)}")
+    p.add_argument("--distill-beta", type=float, default=1.0,
+                   help="DistillationConfig.beta (default 1.0, TRL's: reverse KL; 0 forward KL, between: JSD)")
+    p.add_argument("--distill-completions", type=int, default=None,
+                   help="distillation completions per step (default 8; --tiny 4), of --grpo-prompt-len prompt and "
+                        "--grpo-completion-len completion tokens")
     p.add_argument("--position-ids", action="store_true",
                    help="SFT rows carry position_ids (DeepSpeed's Ulysses sequence parallelism requires them; "
                         "benchmarks.e2e.distributed passes it under such a config)")
@@ -114,6 +122,9 @@ def resolve_args(args, parser) -> argparse.Namespace:
     args.grpo_completions = args.grpo_completions or (4 if tiny else 8)
     args.grpo_prompt_len = args.grpo_prompt_len or (16 if tiny else 512)
     args.grpo_completion_len = args.grpo_completion_len or (32 if tiny else 2048)
+    # part C: a Qwen3-1.7B-shaped student and a Qwen3-8B-shaped teacher (hidden 4096) over the same vocabulary
+    args.distill_student, args.distill_teacher = ("tiny", "tiny") if tiny else ("qwen3-1.7b", "qwen3-8b")
+    args.distill_completions = args.distill_completions or (4 if tiny else 8)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     return args
@@ -142,6 +153,12 @@ def new_doc(args, argv) -> dict:
             "shape": SHAPES[args.grpo_shape],
             "runs": [],
         },
+        "distill": {
+            "model": (f"DistillationTrainer, {args.distill_student}-shaped Qwen3 student (random init, tied, {dt}, "
+                      f"sdpa), {args.distill_teacher}-shaped Qwen3 teacher (untied)"),
+            "setup": distill_setting(args),
+            "runs": [],
+        },
     }
 
 
@@ -163,7 +180,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         save_json(doc, args.out / name)
 
     runs = (len(args.sft_variants) * len(args.seq_lens) if "sft" in args.parts else 0) + (
-        len(args.grpo_variants) if "grpo" in args.parts else 0)
+        len(args.grpo_variants) if "grpo" in args.parts else 0) + (
+        len(args.distill_variants) if "distill" in args.parts else 0)
     # Under a launcher every rank's output goes to one log: no bars there, the per-run lines say enough.
     bar = progress(runs, "e2e", not args.no_progress and args.world_size == 1)
     bar.write(f"e2e: {doc['env']}")
@@ -172,13 +190,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.set_num_threads(1)  # tiny matmuls: extra threads only add contention on a shared CPU
     try:
         for part in args.parts:
-            (sft_part if part == "sft" else grpo_part)(args, args.device, doc, save, deadline, bar)
+            {"sft": sft_part, "grpo": grpo_part, "distill": distill_part}[part](args, args.device, doc, save,
+                                                                                 deadline, bar)
     finally:
         torch.set_num_threads(threads)
         bar.close()
     save()
     if args.rank == 0:  # one table per launch; the other ranks' numbers are in their JSON files
-        text = table(doc)
+        text = "\n".join([table(doc)] + ([""] + distill_table(doc) if distill_table(doc) else []))
         (args.out / "e2e.txt").write_text(text + "\n")
         plot(doc, args.out / "e2e.png")
         print("\n" + text, flush=True)

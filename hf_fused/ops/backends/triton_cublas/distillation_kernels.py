@@ -83,7 +83,8 @@ def stats_kernel(
     ss = tl.zeros([LANES], tl.float32)  # Σ e^{z_s − m_s}
     st = tl.zeros([LANES], tl.float32)  # Σ e^{z_t − m_t}
     es = tl.zeros([LANES], tl.float32)  # Σ e^{z_s − m_s} z_s
-    acc = tl.zeros([LANES], tl.float32)  # forward: Σ e^{z_t − m_t}(z_t − z_s); reverse: Σ e^{z_s − m_s}(z_s − z_t)
+    # forward KL: Σ e^{z_t − m_t}(z_t − z_s); reverse KL: Σ e^{z_s − m_s}(z_s − z_t)
+    acc = tl.zeros([LANES], tl.float32)
     lane_cols = tl.arange(0, LANES)[:, None] * _VEC + tl.arange(0, _VEC)[None, :]
     n_full = n_cols // BLOCK_V * BLOCK_V
     for start in range(0, n_cols, BLOCK_V):
@@ -181,9 +182,9 @@ def grad_kernel(
     MODE: tl.constexpr, DZ_BF16: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Per row: ``DZ = G[row] · ∂D/∂raw_s`` (module docstring) in ``DZ``'s dtype (``DZ_BF16``: bf16, rounded to
-    nearest even by :func:`~.matmul.round_bf16`, as ``torch``'s cast rounds, in the interpreter too). ``KL``: the reverse KL
-    (``MODE`` 1) or ``KL(p_s ‖ m)`` (``MODE`` 2), unread for ``MODE`` 0; ``G``: per-row upstream gradients
-    (``stride_g`` 0 for one value for every row). ``DZ`` may be ``S`` itself (same dtype and strides): each
+    nearest even by :func:`~.matmul.round_bf16`, as ``torch``'s cast rounds, in the interpreter too). ``KL``: the
+    reverse KL (``MODE`` 1) or ``KL(p_s ‖ m)`` (``MODE`` 2), unread for ``MODE`` 0; ``G``: per-row upstream
+    gradients (``stride_g`` 0 for one value for every row). ``DZ`` may be ``S`` itself (same dtype and strides): each
     element is read before it is written, by the same thread."""
     row = tl.program_id(0).to(tl.int64)
     S_row, T_row, DZ_row = S + row * stride_s, T + row * stride_t, DZ + row * stride_dz

@@ -131,8 +131,8 @@ def distillation_tile(
         g = torch.as_tensor(1.0 if row_grads is None else row_grads, **f32)
         g = g.expand(rows) if g.dim() == 0 else g.contiguous()
         kernels.grad_kernel[(rows,)](*tiles, dz, dz.stride(0), n_cols, bias_s, bias_t, lse_s, lse_t, kl, g,
-                                     g.stride(0), MODE=mode, DZ_BF16=dz.dtype == torch.bfloat16, BLOCK_V=GRAD_BLOCK_V, num_warps=GRAD_WARPS, **mixture,
-                                     **scal)
+                                     g.stride(0), MODE=mode, DZ_BF16=dz.dtype == torch.bfloat16,
+                                     BLOCK_V=GRAD_BLOCK_V, num_warps=GRAD_WARPS, **mixture, **scal)
     return out
 
 
