@@ -294,7 +294,10 @@ def test_cuda_triton_pass_no_further_from_float64_than_the_plain_pass(monkeypatc
     assert max(calls) <= 96 and len(calls) == -(-kept // 96) and sum(calls) == kept  # balanced tiles
     for i, what in enumerate(["divergence", "entropy", "d_hidden", "d_weight", "d_bias"]):
         ours, plain = errors["triton"][i], errors["torch"][i]
-        assert ours <= 1.1 * plain + 1e-6, f"{what}: triton pass {ours:.3g} from float64, plain pass {plain:.3g}"
+        # fp32 statistics: both at fp32 rounding, from products cuBLAS may sum in another order; the gradients: the
+        # same bf16 rounding of the same fp32 dz dominates both
+        slack = RTOL if i < 2 else 1e-6
+        assert ours <= 1.1 * plain + slack, f"{what}: triton pass {ours:.3g} from float64, plain pass {plain:.3g}"
         assert ours <= (1e-4 if i < 2 else 2.0**-8), f"{what}: triton pass {ours:.3g} from float64"
 
 
