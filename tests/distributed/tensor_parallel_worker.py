@@ -17,6 +17,8 @@ that raises leaves its traceback in ``<dir>/error.txt``. Rank 0 writes ``<dir>/r
                 refused (:func:`fsdp_shard_refused`).
                 "trl": TRL's ``SFTTrainer`` or ``DPOTrainer`` (``trl``: "sft" or "dpo") for 3 SGD steps on the
                 model as "trainer" loads it (:func:`trl_trainer`); DPO's reference model from ``ref_dir``.
+                "rollouts_refused": GRPO and RLOO trainers on the patched tensor-parallel model: refused
+                (:func:`rollouts_refused`).
     model_dir   the tiny model (saved with ``save_pretrained``)
     fsdp        "trainer": FSDP2 over this many ranks × tensor parallelism over the rest
                 (``DistributedConfig(tp_size=world // fsdp, fsdp_size=fsdp)``), the global batch kept at 4 rows
@@ -370,8 +372,49 @@ def trl_trainer(case: dict, out: str) -> dict:
             "head_layouts": sorted(set(layouts)), "head_reads": len(layouts)}
 
 
+def rollouts_refused(case: dict, out: str) -> dict:
+    """TRL's ``GRPOTrainer`` and ``RLOOTrainer`` on the patched tensor-parallel model, and ``FusedGRPOTrainer`` on the
+    unpatched one, built on the scripted rollouts of tests/grpo_harness.py: ``{trainer: the message it raised, or
+    None}``."""
+    import grpo_harness
+    from pathlib import Path
+
+    from hf_fused import FusedGRPOTrainer, apply_fused_loss
+
+    allow_parallelism_config_on_cpu_ranks()
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl import GRPOTrainer, RLOOTrainer
+
+    from datasets import Dataset
+    from trl import RLOOConfig
+
+    from models import make_tokenizer
+
+    errors = {}
+    for cls in (GRPOTrainer, RLOOTrainer, FusedGRPOTrainer):
+        model = load(case, tensor_parallel=True)
+        if cls is not FusedGRPOTrainer:
+            apply_fused_loss(model)
+        overrides = dict(max_steps=1, per_device_train_batch_size=4, num_generations=4, beta=0.0, save_strategy="no")
+        try:
+            if cls is RLOOTrainer:  # no rollout_func: built, never run
+                args = RLOOConfig(output_dir=os.path.join(os.path.dirname(out), "rloo"), use_cpu=True, bf16=False,
+                                  report_to=[], **overrides)
+                cls(model=model, reward_funcs=grpo_harness.length_reward, args=args,
+                    train_dataset=Dataset.from_dict({"prompt": grpo_harness.PROMPTS}),
+                    processing_class=make_tokenizer())
+            else:
+                grpo_harness.build_trainer(cls, grpo_harness.Case(config=overrides), Path(os.path.dirname(out)),
+                                           model=model)
+        except NotImplementedError as e:
+            errors[cls.__name__] = str(e)
+        else:
+            errors[cls.__name__] = None
+    return {"errors": errors}
+
+
 KINDS = {"trainer": train, "colwise": colwise, "lora_refused": lora_refused, "layouts": layouts,
-         "fsdp_shard_refused": fsdp_shard_refused, "trl": trl_trainer}
+         "fsdp_shard_refused": fsdp_shard_refused, "trl": trl_trainer, "rollouts_refused": rollouts_refused}
 
 
 def main(batch_file: str) -> None:

@@ -117,6 +117,10 @@ TRL_PARITY = {"tp2-sft": (2, "sft", "untied"), "tp2-dpo": (2, "dpo", "untied"), 
               "tp3-dpo": (3, "dpo", "untied")}
 
 
+def rollout_runs() -> list[Run]:
+    return [tensor_parallel(dict(kind="rollouts_refused", model="untied"), 2)]
+
+
 def trl_runs(name: str) -> list[Run]:
     ranks, trainer, model = TRL_PARITY[name]
     case = dict(kind="trl", trl=trainer, model=model, fused=True)
@@ -159,6 +163,7 @@ def runs(request, tmp_path_factory) -> SharedLaunches:
              "test_fsdp2_times_tensor_parallel": fsdp_runs,
              "test_layouts_on_a_two_dimensional_mesh": layout_runs,
              "test_trl_trainers_under_tensor_parallelism_match_single_process": trl_runs,
+             "test_grpo_and_rloo_under_tensor_parallelism_are_refused": rollout_runs,
              "test_fsdp2_shard_outside_the_call_is_not_read_as_a_vocabulary_split": fsdp_shard_runs}
     return SharedLaunches(root, planned_runs(request, plans), launch,
                           lambda r, d: torch.load(d / "result.pt", weights_only=False))
@@ -297,3 +302,15 @@ def test_trl_trainers_under_tensor_parallelism_match_single_process(name, runs):
     assert tp["shards"] == chunk_shards(ranks)
     assert tp["head_layouts"] == [(("S(0)",), (ranks,), tp["shards"][0])]
     assert not vocabulary_collectives(tp, ranks), vocabulary_collectives(tp, ranks)
+
+
+def test_grpo_and_rloo_under_tensor_parallelism_are_refused(runs):
+    """TRL 1.16's ``GRPOTrainer`` and ``RLOOTrainer`` count each tensor-parallel rank as a data-parallel process (they
+    gather every process's rewards and slice them by process index), so they would not train their objective: built
+    on a patched tensor-parallel model (and ``FusedGRPOTrainer``, which patches it), each raises, saying why and what
+    to do instead."""
+    (got,) = (runs(r) for r in rollout_runs())
+    assert set(got["errors"]) == {"GRPOTrainer", "RLOOTrainer", "FusedGRPOTrainer"}
+    for trainer, error in got["errors"].items():
+        assert error and "under tensor parallelism (tp_size=2)" in error and "data parallelism" in error, (trainer,
+                                                                                                         error)

@@ -34,6 +34,7 @@ import torch.nn as nn
 from ...model import apply_fused_loss, find_causal_lm, is_fused
 from ..patching import ThirdPartyPatch
 from .protocol import OPTIONS_ATTR, TrlHeadOptions, protocol_mismatch, trl_head_options_in
+from .tensor_parallel import refuse_tensor_parallel_rollouts
 
 #: TRL 1.16 trainers that refuse a PEFT adapter on lm_head (their head would read the bare weight); the ones that
 #: add a fused head to a reference model are among them.
@@ -172,6 +173,8 @@ def _wrap_trainer_init(module: types.ModuleType, patch: ThirdPartyPatch) -> None
                 init(self, *args, **kwargs)
         finally:
             _TRAINER_BEING_BUILT.reset(token)
+        if isinstance(model, nn.Module) and is_fused(model):
+            refuse_tensor_parallel_rollouts(self)
 
     __init__.__hf_fused__ = True
     patch.rebind(cls, "__init__", __init__)
