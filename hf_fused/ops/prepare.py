@@ -289,7 +289,7 @@ def _flatten(hidden, weight, labels, bias, ignore_index, num_items_in_batch, sha
     kept = flat_labels != ignore_index
     layout = None
     if shard is not None:
-        layout = resolve_vocab_shard(shard, weight, kept)
+        layout = resolve_vocab_shard(shard, weight, kept, flat_labels)
         vocab_size = layout.vocab_size  # labels are global ids
     bad = kept & ((flat_labels < 0) | (flat_labels >= vocab_size))
     counts = [kept.sum(), bad.sum()]

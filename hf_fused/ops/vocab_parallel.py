@@ -149,32 +149,46 @@ class VocabLayout:
         return self.ranks > 1
 
 
-def resolve_vocab_shard(shard: VocabShard, weight: torch.Tensor, kept: torch.Tensor) -> VocabLayout:
+def resolve_vocab_shard(shard: VocabShard, weight: torch.Tensor, kept: torch.Tensor,
+                        labels: Optional[torch.Tensor] = None) -> VocabLayout:
     """Check ``shard`` against ``weight`` (``[stop − start, H]``) and the group's other shards, and return the
-    layout. Every rank of the group must call it with its own shard (a collective: one all-gather of four ints per
+    layout. Every rank of the group must call it with its own shard (a collective: one all-gather of five ints per
     rank and one host sync): each rank's weight must have its shard's rows, the shards must tile ``[0, V)``, and
-    every rank must score the same tokens (``kept``: the ``[N]`` bool mask of non-ignored labels; their count is
-    compared), or the tile loops would pair unrelated collectives. Every rank sees every rank's numbers, so a bad
-    layout raises on all of them (none is left waiting at a collective). A group of one rank needs no collective.
+    every rank must score the same tokens (``kept``: the ``[N]`` bool mask of non-ignored labels, whose count is
+    compared; ``labels``: the ``[N]`` int64 labels, whose position-weighted sum is compared), or the tile loops would
+    pair unrelated collectives or merge unrelated rows. Every rank sees every rank's numbers, so a bad layout raises
+    on all of them (none is left waiting at a collective). A group of one rank needs no collective.
 
     Raises:
         ValueError: a rank's weight rows differ from its shard's width; the group's shards leave a gap or overlap
-            or do not start at 0; the ranks score different numbers of tokens (the tensor-parallel ranks of one
-            data-parallel replica see the same batch: a rank of another replica is in the group).
+            or do not start at 0; the ranks score different numbers of tokens or different labels (the
+            tensor-parallel ranks of one data-parallel replica see the same batch: a rank of another replica is in
+            the group, or a trainer handed the ranks different rows).
     """
     ranks = group_size(shard.group)
     if ranks == 1:
-        bounds = [(shard.start, shard.stop, 0, weight.shape[0])]
+        bounds = [(shard.start, shard.stop, 0, weight.shape[0], 0)]
     else:
-        mine = torch.tensor([shard.start, shard.stop, 0, weight.shape[0]], dtype=torch.int64, device=kept.device)
+        mine = torch.tensor([shard.start, shard.stop, 0, weight.shape[0], 0], dtype=torch.int64, device=kept.device)
         mine[2] = kept.sum()
+        if labels is not None:
+            mine[4] = _labels_fingerprint(labels, kept)
         bounds = torch.stack(_all_gather(mine, shard.group)).tolist()  # the one host sync
     return _layout(shard, bounds, ranks)
 
 
+def _labels_fingerprint(labels: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``Σ_i y_i·(i mod 1021 + 1)`` over the ``[N]`` labels (−1 where ignored), int64: equal on ranks holding the
+    same labels, and it differs where one label moves or changes (< 2^63 for N·V < 2^53)."""
+    weights = torch.arange(labels.numel(), device=labels.device).remainder_(1021).add_(1)
+    return (torch.where(kept, labels, -1) * weights).sum()
+
+
 def _layout(shard: VocabShard, bounds: Sequence[Sequence[int]], ranks: int) -> VocabLayout:
-    """The layout from every rank's ``(start, stop, kept tokens, weight rows)``; raises as
+    """The layout from every rank's ``(start, stop, kept tokens, weight rows, labels' fingerprint)``; raises as
     :func:`resolve_vocab_shard`."""
+    fingerprints = [b[4] for b in bounds]
+    bounds = [tuple(b[:4]) for b in bounds]
     wrong = [(r, start, stop, rows) for r, (start, stop, _, rows) in enumerate(bounds) if rows != stop - start]
     if wrong:
         r, start, stop, rows = wrong[0]
@@ -189,6 +203,12 @@ def _layout(shard: VocabShard, bounds: Sequence[Sequence[int]], ranks: int) -> V
             f"vocab_parallel: the ranks of the tensor-parallel group score different numbers of tokens {counts}; "
             "every rank of a vocabulary-sharded head must get the same hidden states and labels (pass the "
             "tensor-parallel group, not one spanning data-parallel replicas)"
+        )
+    if len(set(fingerprints)) > 1:
+        raise ValueError(
+            "vocab_parallel: the ranks of the tensor-parallel group score different labels (as many tokens, other "
+            "ids or positions); every rank of a vocabulary-sharded head must get the same hidden states and labels "
+            "(pass the tensor-parallel group, not one spanning data-parallel replicas, and give its ranks one batch)"
         )
     position = 0
     for start, stop in sorted((start, stop) for start, stop, _, _ in bounds):

@@ -372,7 +372,7 @@ def test_one_rank_is_the_plain_op_bit_for_bit():
 
 @pytest.mark.parametrize("op", ["cross_entropy", "logprobs", "token_loss"])
 def test_collectives_are_per_row_statistics_and_one_hidden_gradient(op):
-    """What the ranks exchange: one gather of four numbers per rank (the layout check); per tile one MAX of
+    """What the ranks exchange: one gather of five numbers per rank (the layout check); per tile one MAX of
     ``[rows]`` and one SUM of ``[k ≤ 7, rows]``; in backward one SUM of the ``[N, H]`` hidden gradient. Nothing the
     size of the weight or of a logits tile ``[rows, V/tp]``."""
     inputs = make_inputs(29, seed=8)
@@ -382,7 +382,7 @@ def test_collectives_are_per_row_statistics_and_one_hidden_gradient(op):
     kept = int((inputs[3] != -100).sum())
     tiles = -(-kept // tile_rows)
     for calls in group.calls:
-        assert calls[0] == ("gather", (4,))
+        assert calls[0] == ("gather", (5,))
         forward = calls[1: 1 + 2 * tiles]
         for i in range(tiles):
             rows = min(tile_rows, kept - i * tile_rows)
@@ -394,13 +394,16 @@ def test_collectives_are_per_row_statistics_and_one_hidden_gradient(op):
 
 def test_bad_shards_are_refused_on_every_rank():
     """Shards with a gap or an overlap or not starting at 0, one rank's weight of another width than its shard, ranks
-    scoring different tokens, labels outside the whole vocabulary, a backend without a vocabulary-parallel schedule:
-    every rank raises the same error (each sees every rank's layout: none is left waiting at a collective)."""
+    scoring different numbers of tokens or as many but different labels, labels outside the whole vocabulary, a
+    backend without a vocabulary-parallel schedule: every rank raises the same error (each sees every rank's layout:
+    none is left waiting at a collective)."""
     hidden, weight, _, labels = make_inputs(10, seed=1)
     bad = labels.clone()
     bad[0, 4] = 10
     fewer = labels.clone()
     fewer[0, 3] = -100
+    other = labels.clone()  # as many tokens, one label another id
+    other[0, 3] = (other[0, 3] + 1) % 10
 
     def errors(bounds, labels_of=lambda r: labels, rows_of=lambda r, bounds: bounds, **kw) -> list:
         def rank(r, group):
@@ -419,6 +422,7 @@ def test_bad_shards_are_refused_on_every_rank():
         r"rank 0's weight has 4 rows but its VocabShard is \[0, 5\)": errors(
             [(0, 5), (5, 10)], rows_of=lambda r, rows: (0, 4) if r == 0 else rows),
         "different numbers of tokens": errors([(0, 5), (5, 10)], labels_of=lambda r: fewer if r else labels),
+        "score different labels": errors([(0, 5), (5, 10)], labels_of=lambda r: other if r else labels),
         "labels contain 10, outside \\[0, 10\\)": errors([(0, 5), (5, 10)], labels_of=lambda r: bad),
         "backend='quack' has no vocabulary-parallel schedule": errors([(0, 5), (5, 10)], backend="quack"),
     }
