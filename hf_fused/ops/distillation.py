@@ -133,14 +133,18 @@ class TileHead(NamedTuple):
         z, tanh = self.head.transform.forward(raw)
         return h, z, tanh
 
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Kept rows ``start:stop`` of the hidden states in the products' operand dtype."""
+        h = self.head.hidden.index_select(0, self.head.rows[start:stop])
+        return h if self.half else h.float()
+
     def raw_into(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
         """Write the raw products (no bias, no transform) of kept rows ``start:stop`` into the fp32 ``[r, V]``
-        ``out`` on this head's device; return the rows in the products' operand dtype (for the weight gradient)."""
-        h = self.head.hidden.index_select(0, self.head.rows[start:stop])
+        ``out`` on this head's device; return the rows (:meth:`rows`, for the weight gradient)."""
+        h = self.rows(start, stop)
         if self.half:
             torch.addmm(out, h, self.weight.t(), beta=0, out_dtype=torch.float32, out=out)
         else:
-            h = h.float()
             torch.mm(h, self.weight.t(), out=out)
         return h
 
@@ -406,16 +410,18 @@ def linear_distillation_loss(
         num_items_in_batch: with ``"mean"``/``"sum"``, divide the sum by it instead (one finite number > 0, a
             Python number or a one-element tensor: the kept-token count of the whole accumulated batch).
         tile_budget_bytes: bound on one tile's working set (the plain-PyTorch pass: ``DISTILLATION_TILE_BUFFERS`` fp32
-            ``[rows, V]`` arrays, :func:`distillation_rows_per_tile`; the GPU backend's: 10 bytes per row and
-            vocabulary column); ``None``: ``DEFAULT_TILE_BUDGET_BYTES`` (the GPU backend's default rule: above). Each
-            pass also holds the student's gradient accumulators; the plain-PyTorch pass also
+            ``[rows, V]`` arrays, :func:`distillation_rows_per_tile`; the GPU backend's: 12 bytes per row and
+            vocabulary column, under ``backend`` below); ``None``: ``DEFAULT_TILE_BUDGET_BYTES`` (the GPU backend's
+            default rule: under ``backend``). Each pass also holds the student's gradient accumulators; the
+            plain-PyTorch pass also
             holds the student's fp32 gradients and, for a model whose products are not computed from bf16 operands
             on CUDA (CPU, fp32 or fp16 operands), an fp32 copy of its weight.
         backend: as the other ops (:func:`~hf_fused.ops.backends.get_backend`): the GPU backend (``"triton"``, CUDA's
             default) runs its own ``distillation_pass`` (:class:`DistillationBackend`: Triton kernels for each tile's
-            elementwise work; its tiles hold two fp32 logits rows and a bf16 gradient row per token, 10 bytes per
-            vocabulary column against the plain pass's 24, ``DISTILLATION_TILE_ROWS`` rows under the default rule
-            when they fit in a quarter of the free memory); a backend without one (``"torch"``) runs the
+            elementwise work; its tiles hold two fp32 logits rows per token and two tiles' bf16 logits gradients for
+            the gradient matmuls, 12 bytes per row and vocabulary column against the plain pass's 24 (16 for fp32
+            operands), ``DISTILLATION_TILE_ROWS`` rows under the default rule when they fit in a quarter of the
+            free memory; fp16 operands take the plain pass); a backend without one (``"torch"``) runs the
             plain-PyTorch pass on the tensors' device.
 
     Returns:

@@ -5,16 +5,18 @@ buffers.
 Per tile of kept token rows: both models' raw logits written in fp32 by cuBLAS from their operands (no fp32 copy
 of a bf16 weight: :class:`~hf_fused.ops.distillation.TileHead`, the teacher's on its own device, then moved), the
 kernels' two passes over both tiles for a KL (three for the JSD) giving each row's divergence and student entropy
-and writing the student's logits gradient ``dz`` in the operand dtype, then ``dh = dz·W_s`` and the weight
-gradient's accumulation (the one pass's accumulators, :func:`~.one_pass.weight_accumulator`: for a bf16 gradient
-the fp32 accumulator split over the gradient's own bytes and a buffer). A student bias's gradient sums the fp32
-``dz`` (the kernel then writes it in fp32 in place of the student's logits, and it is rounded after the sum).
+and writing the student's logits gradient ``dz`` in the products' operand dtype (bf16 from bf16 products, fp32 from
+the fp32 products of CPU or fp32 operands), then ``dh = dz·W_s`` and the weight gradient's accumulation (the one
+pass's accumulators, :func:`~.one_pass.weight_accumulator`: for a bf16 gradient the fp32 accumulator split over the
+gradient's own bytes and a buffer). A student bias's gradient sums the fp32 ``dz`` (a bf16 ``dz`` is then written in
+fp32 over the student's logits first, and rounded after the sum).
 
-Tile rows (:func:`distillation_tile_rows`): per row the two fp32 logits rows and the bf16 ``dz`` row (10 bytes per
-vocabulary column, against the plain-PyTorch pass's 24). Under the default rule on CUDA ``DISTILLATION_TILE_ROWS``
-rows when the working set fits in ``ONE_PASS_FREE_SHARE`` of the free memory (the weight-gradient accumulation's
-K dimension is the tile's rows: small tiles make it memory-bound); an explicit ``tile_budget_bytes`` bounds the
-tile arrays, as for the plain-PyTorch pass.
+The gradient matmuls take ``DZ_GROUP`` tiles' ``dz`` at once (their rows are the weight-gradient accumulation's K:
+the fewer the calls, the fewer reads and writes of its fp32 ``[V, H]`` accumulator). Tile rows
+(:func:`distillation_tile_rows`): per row the two fp32 logits rows and ``DZ_GROUP`` ``dz`` rows (12 bytes per
+vocabulary column in bf16, against the plain-PyTorch pass's 24). Under the default rule on CUDA
+``DISTILLATION_TILE_ROWS`` rows when the working set fits in ``ONE_PASS_FREE_SHARE`` of the free memory; an explicit
+``tile_budget_bytes`` bounds the tile arrays, as for the plain-PyTorch pass.
 
 fp16 operands run the plain-PyTorch pass (:func:`runs_triton_pass`): its fp32-copy products keep ``dz`` in fp32
 (:mod:`hf_fused.ops.distillation`'s module docstring).
@@ -39,9 +41,13 @@ from .one_pass_rule import (ACCUMULATOR_BYTES, ONE_PASS_FREE_SHARE, OnePassPlan,
                             one_pass_accumulators)
 from .scaled_round import mul_into
 
-#: Rows per tile under the default rule on CUDA: 10 bytes per vocabulary column each (1.5 MB at V = 151,936), so
-#: 1.45 GiB of tiles; the weight gradient's accumulation GEMM has K = the tile's rows.
+#: Rows per tile under the default rule on CUDA (balanced: :func:`balanced_rows`).
 DISTILLATION_TILE_ROWS = 1024
+#: Tiles whose bf16 ``dz`` the gradient matmuls take at once: the weight gradient's accumulation GEMM has
+#: K = their rows, and reads and writes the fp32 ``[V, H]`` accumulator once per group (0.44 ms of the 1.29 ms a
+#: 1024-row, 151,936 × 2048 accumulation took on an H200, docs/performance.md, 2026-11-29). Per row and vocabulary
+#: column, the tiles hold 8 bytes of fp32 logits and the group ``DZ_GROUP`` elements of ``dz``.
+DZ_GROUP = 2
 #: Launch shapes: the statistics kernel's lanes of 4 fp32 columns, 1024 columns per block; the JSD sums and the
 #: gradient kernel 2048 columns per block.
 STATS_BLOCK_V, STATS_WARPS = 1024, 4
@@ -186,18 +192,18 @@ def run_distillation_pass(
     device = head.hidden.device
     m, (vocab_size, hidden_size) = head.rows.numel(), s.weight.shape
     with_grads = row_grads is not None and need.any
-    # the bf16 dz of the gradient matmuls in its own buffer; fp32 dz (fp32 products, or a bias gradient to sum
-    # before the rounding) in place of the student's logits
-    separate_dz = with_grads and s.half
-    step = balanced_rows(m, distillation_tile_rows(s, need if with_grads else _NO_GRADS,
-                                                   s.weight.element_size() if separate_dz else 0))
+    # dz in the products' operand dtype (bf16 from bf16 products, else fp32), DZ_GROUP tiles of it for the gradient
+    # matmuls; a bf16 dz whose bias gradient sums the fp32 values is first written over the student's logits
+    dz_dtype = s.weight.dtype if s.half else torch.float32
+    dz_bytes = DZ_GROUP * dz_dtype.itemsize if with_grads else 0
+    step = balanced_rows(m, distillation_tile_rows(s, need if with_grads else _NO_GRADS, dz_bytes))
     cap = min(step, max(m, 1))
     f32 = dict(dtype=torch.float32, device=device)
     divergence, entropy = torch.empty(m, **f32), torch.empty(m, **f32)
     zs_buf, zt_buf = torch.empty((cap, vocab_size), **f32), torch.empty((cap, vocab_size), **f32)
     t_device = t.weight.device
     zt_far = None if t_device == device else torch.empty((cap, vocab_size), dtype=torch.float32, device=t_device)
-    dz_buf = torch.empty((cap, vocab_size), dtype=s.weight.dtype, device=device) if separate_dz else None
+    dz_buf = torch.empty((DZ_GROUP * cap, vocab_size), dtype=dz_dtype, device=device) if with_grads else None
     t_bias = None if t.bias is None else t.bias.to(device)
 
     grads = d_weight = d_hidden = None
@@ -210,6 +216,7 @@ def run_distillation_pass(
             grads.bias = torch.zeros(vocab_size, **f32)
         g_rows = torch.as_tensor(row_grads, **f32)
         g_rows = g_rows.expand(m) if g_rows.dim() == 0 else g_rows
+    block = start_of_block = 0  # tiles whose dz waits in dz_buf, from row start_of_block
     for start in range(0, m, step):
         stop = min(start + step, m)
         r = stop - start
@@ -221,9 +228,10 @@ def run_distillation_pass(
             else:
                 t.raw_into(start, stop, zt_far[:r])
                 zt_buf[:r].copy_(zt_far[:r])
-        dz = None
+        dz = slot = None
         if with_grads:
-            dz = dz_buf[:r] if separate_dz and not need.bias else zs
+            slot = dz_buf[start - start_of_block : stop - start_of_block]
+            dz = zs if need.bias and dz_dtype != torch.float32 else slot
         distillation_tile(zs, zt_buf[:r], beta, head.transform, t.head.transform, student_bias=s.bias,
                           teacher_bias=t_bias, dz=dz, row_grads=None if g_rows is None else g_rows[start:stop],
                           out=TileStats(divergence[start:stop], entropy[start:stop]))
@@ -231,12 +239,17 @@ def run_distillation_pass(
             continue
         if need.bias:
             grads.bias += dz.sum(0)  # the fp32 dz, before its rounding
-            if separate_dz:
-                dz = dz_buf[:r].copy_(dz)
-        if d_hidden is not None:  # each row's dh is complete within its tile
-            mm_f32_(d_hidden[start:stop], dz, s.weight)
+            if dz is not slot:
+                slot.copy_(dz)
+        block += 1
+        if block < DZ_GROUP and stop < m:
+            continue  # the gradient matmuls wait for the group's next tile
+        dz = dz_buf[: stop - start_of_block]
+        if d_hidden is not None:  # each row's dh is complete within its group
+            mm_f32_(d_hidden[start_of_block:stop], dz, s.weight)
         if d_weight is not None:
-            d_weight.add(start, dz, h)
+            d_weight.add(start_of_block, dz, h if block == 1 else s.rows(start_of_block, stop))
+        block, start_of_block = 0, stop
     if grads is not None:
         grads.hidden = d_hidden
         if d_weight is not None:
