@@ -88,6 +88,15 @@ def _mode(beta: float) -> int:
     return kernels.FORWARD_KL if beta == 0.0 else kernels.REVERSE_KL if beta == 1.0 else kernels.JSD
 
 
+def _row_values(values: Union[float, torch.Tensor], rows: int, device: torch.device) -> torch.Tensor:
+    """fp32 ``[rows]`` on ``device`` (any stride) from a number (filled on the device: a Python number copied from
+    the host would wait for the queue), a 0-d tensor (expanded) or ``[rows]`` values."""
+    if not isinstance(values, torch.Tensor):
+        return torch.full((rows,), float(values), dtype=torch.float32, device=device)
+    values = values.to(device=device, dtype=torch.float32)
+    return values.expand(rows) if values.dim() == 0 else values
+
+
 def distillation_tile(
     zs: torch.Tensor, zt: torch.Tensor, beta: float, student: LogitTransform, teacher: LogitTransform, *,
     student_bias: Optional[torch.Tensor] = None, teacher_bias: Optional[torch.Tensor] = None,
@@ -134,8 +143,7 @@ def distillation_tile(
         kernels.jsd_sums_kernel[(rows,)](*tiles, n_cols, bias_s, bias_t, lse_s, lse_t, out.divergence, kl,
                                          BLOCK_V=SUMS_BLOCK_V, num_warps=SUMS_WARPS, **mixture, **scal)
     if dz is not None:
-        g = torch.as_tensor(1.0 if row_grads is None else row_grads, **f32)
-        g = g.expand(rows) if g.dim() == 0 else g.contiguous()
+        g = _row_values(1.0 if row_grads is None else row_grads, rows, device)
         kernels.grad_kernel[(rows,)](*tiles, dz, dz.stride(0), n_cols, bias_s, bias_t, lse_s, lse_t, kl, g,
                                      g.stride(0), MODE=mode, DZ_BF16=dz.dtype == torch.bfloat16,
                                      BLOCK_V=GRAD_BLOCK_V, num_warps=GRAD_WARPS, **mixture, **scal)
@@ -214,8 +222,7 @@ def run_distillation_pass(
         d_hidden = torch.empty((m, hidden_size), **f32) if need.hidden else None
         if need.bias:
             grads.bias = torch.zeros(vocab_size, **f32)
-        g_rows = torch.as_tensor(row_grads, **f32)
-        g_rows = g_rows.expand(m) if g_rows.dim() == 0 else g_rows
+        g_rows = _row_values(row_grads, m, device)
     block = start_of_block = 0  # tiles whose dz waits in dz_buf, from row start_of_block
     for start in range(0, m, step):
         stop = min(start + step, m)
