@@ -148,7 +148,7 @@ def applies(h: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _fold_slice(raw, n0, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
+def _fold_slice(raw, n0, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
                 logit_scale, softcap, inv_temperature, SLICE: tl.constexpr, ROUND: tl.constexpr,
                 STORE_TILE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr,
                 ENTROPY: tl.constexpr, SUM_Z: tl.constexpr, ARGMAX: tl.constexpr, SUM_SQ: tl.constexpr):
@@ -163,46 +163,52 @@ def _fold_slice(raw, n0, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, 
     bias = tl.zeros([SLICE], tl.float32)
     if HAS_BIAS:
         bias = tl.load(Bias + col_offset + rn, mask=col_ok, other=0.0).to(tl.float32)
-    rounded = raw
+    z_r = raw
     if STORE_TILE:
         stored = raw
+        rounded = raw
         if ROUND == 1:
             stored, rounded = round_bf16(raw)
         elif ROUND == 2:
             rounded = raw.to(tl.bfloat16).to(tl.float32)
         mask = (rm < M)[:, None] & col_ok[None, :]
-        tl.store(Z + rm[:, None].to(tl.int64) * stride_z + rn[None, :], stored.to(Z.dtype.element_ty), mask=mask)
-    if HAS_BIAS:
-        raw += bias[None, :]
-    z, _ = apply_transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
+        # 32-bit offsets from the tile's first row (a [BLOCK_M, SLICE] block of 64-bit addresses spills)
+        tile_rows = Z + off_m.to(tl.int64) * stride_z
+        local = (rm - off_m)[:, None] * stride_z + rn[None, :]
+        tl.store(tile_rows + local, stored.to(Z.dtype.element_ty), mask=mask)
+        z_r, _ = apply_transform(rounded + bias[None, :] if HAS_BIAS else rounded, logit_scale, softcap,
+                                 inv_temperature, SOFTCAP, SCALED)
+    z, _ = apply_transform(raw + bias[None, :] if HAS_BIAS else raw, logit_scale, softcap, inv_temperature, SOFTCAP,
+                           SCALED)
     valid = col_ok[None, :]
-    z_max = tl.where(valid, z, _NO_MAX)
-    m_slice = tl.max(z_max, axis=1)
+    # past the last column −inf: below every logit, and exp2(−inf) = 0 adds nothing (no mask on e: fewer registers)
+    z = tl.where(valid, z, float("-inf"))
+    m_slice = tl.max(z, axis=1)
     m_new = tl.maximum(m, m_slice)  # finite: every tile's first slice holds a valid column
     alpha = tl.exp(m - m_new)  # 0 before the first slice (m = _NO_MAX: no overflow), 1 while the max holds
-    e = tl.where(valid, tl.exp2((z - m_new[:, None]) * _LOG2E), 0.0)
+    e = tl.exp2((z - m_new[:, None]) * _LOG2E)
     s = s * alpha + tl.sum(e, axis=1)
     if ENTROPY:
-        t = t * alpha + tl.sum(e * z, axis=1)
+        t = t * alpha + tl.sum(e * tl.where(valid, z, 0.0), axis=1)  # 0·(−inf) would be NaN
     # the label's logit: at most one column of the row matches (a column past N is never stored as it)
     zy += tl.sum(tl.where((rn + col_offset)[None, :] == labels[:, None], z, 0.0), axis=1)
     if SUM_Z:
         zsum += tl.sum(tl.where(valid, z, 0.0), axis=1)
     if ARGMAX:
         # the slice's first maximum, taken over only by a strictly larger one: the row's first maximum (torch's)
-        first = n0 + tl.argmax(z_max, axis=1, tie_break_left=True)
+        first = n0 + tl.argmax(z, axis=1, tie_break_left=True)
         arg = tl.where(m_slice > m, first, arg)
     if SUM_SQ:
         s2 = s2 * (alpha * alpha) + tl.sum(e * e, axis=1)
     if STORE_TILE:
-        if HAS_BIAS:
-            rounded += bias[None, :]
-        z_r, _ = apply_transform(rounded, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
-        sr = sr * alpha + tl.sum(tl.where(valid, tl.exp2((z_r - m_new[:, None]) * _LOG2E), 0.0), axis=1)
+        z_r = tl.where(valid, z_r, float("-inf"))
+        sr = sr * alpha + tl.sum(tl.exp2((z_r - m_new[:, None]) * _LOG2E), axis=1)
     return m_new, s, t, zy, zsum, arg, s2, sr
 
 
-@triton.jit
+# Sizes are not specialized (Triton would compile again for each divisibility by 16 of a row count): one binary per
+# launch shape and flags, whose autotuning for one (V, H) then costs no compilation for another.
+@triton.jit(do_not_specialize=["M", "N", "K", "col_offset", "n_part"])
 def _statistics_kernel(
     A_DESC, B_DESC, M, N, K, col_offset, Bias, Labels, ZY,
     P_MAX, P_SUM, P_ZP, P_ZSUM, P_ARG, P_SQ, P_SR, n_part, Z, stride_z,
@@ -243,18 +249,18 @@ def _statistics_kernel(
         sr = tl.zeros([BLOCK_M], tl.float32)
         if SPLIT == 1:
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                acc, off_n, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
+                acc, off_n, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
                 logit_scale, softcap, inv_temperature, BLOCK_N, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
                 ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
         elif SPLIT == 2:
             HALF: tl.constexpr = BLOCK_N // 2
             left, right = halves(acc, BLOCK_M, HALF)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                left, off_n, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
+                left, off_n, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
                 logit_scale, softcap, inv_temperature, HALF, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
                 ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                right, off_n + HALF, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
+                right, off_n + HALF, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
                 logit_scale, softcap, inv_temperature, HALF, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
                 ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
         else:
@@ -263,19 +269,19 @@ def _statistics_kernel(
             q0, q1 = halves(left, BLOCK_M, QUARTER)
             q2, q3 = halves(right, BLOCK_M, QUARTER)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                q0, off_n, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
+                q0, off_n, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
                 logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
                 ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                q1, off_n + QUARTER, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
+                q1, off_n + QUARTER, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
                 logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
                 ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                q2, off_n + 2 * QUARTER, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
+                q2, off_n + 2 * QUARTER, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
                 stride_z, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
                 SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                q3, off_n + 3 * QUARTER, M, N, col_offset, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
+                q3, off_n + 3 * QUARTER, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
                 stride_z, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
                 SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
         part = rm.to(tl.int64) * n_part + pid_n_c

@@ -45,7 +45,7 @@ def new_partials(m_rows: int, n_part: int, device: torch.device, entropy: bool, 
             new(torch.int32) if argmax else p_max, new() if sum_sq else p_max, new() if rounded_sum else p_max)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_part", "n_tiles", "n_rows", "col_offset"])
 def _merge_kernel(
     P_MAX, P_SUM, P_ZP, P_ZSUM, P_ARG, P_SQ, P_SR, n_part, n_tiles, n_rows, col_offset,
     RUN_MAX, RUN_SUM, RUN_ZP, ZSUM, ARG, S2, RUN_SR,
