@@ -99,11 +99,12 @@ def test_tile_epilogue_each_models_scale_softcap_and_bias(beta):
 @pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
 def test_tile_epilogue_bf16_dz_is_the_fp32_dz_rounded_once_and_in_place_dz_is_the_same(beta):
     """The bf16 ``dz`` of the gradient matmuls is the fp32 one rounded once (bit for bit); ``dz`` written over the
-    student's logits, and the statistics without ``dz``, give the same bits."""
+    student's logits, and the statistics without ``dz``, give the same bits. A vocabulary beyond the gradient
+    kernel's first column block (2048): its unmasked full blocks too."""
     from hf_fused.ops.backends.triton_cublas.distillation_pass import distillation_tile
 
     s_tf, t_tf = _transform(0.5, 5.0, 0.7), _transform(temperature=0.7)
-    zs, zt, bs, bt, g, out, dz = _check_tile(beta, s_tf, t_tf, biases=True, seed=5)
+    zs, zt, bs, bt, g, out, dz = _check_tile(beta, s_tf, t_tf, biases=True, seed=5, rows=2, vocab=2100)
     dz16 = torch.empty(zs.shape, dtype=torch.bfloat16)
     distillation_tile(zs, zt, beta, s_tf, t_tf, student_bias=bs, teacher_bias=bt, dz=dz16, row_grads=g)
     assert torch.equal(dz16, dz.bfloat16())

@@ -191,32 +191,55 @@ def grad_kernel(
     lse_s = tl.load(LSE_S + row)
     lse_t = tl.load(LSE_T + row)
     kl = tl.load(KL + row)
-    g = tl.load(G + row * stride_g)
+    g = tl.load(G + row * stride_g)  # times the transform's constant factors, once per row
     if MODE == 2:
         g = g * (1.0 - beta)
+    if SCALED_S:
+        g = g * s_inv_t * s_scale
+    n_full = n_cols // BLOCK_V * BLOCK_V
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        valid = cols < n_cols
-        zs, th, zt = _pair(S_row, T_row, cols, valid, BiasS, BiasT, s_scale, s_cap, s_inv_t, t_scale, t_cap,
-                           t_inv_t, True, HAS_BIAS_S, SOFTCAP_S, SCALED_S, HAS_BIAS_T, SOFTCAP_T, SCALED_T)
-        s = zs - lse_s
-        t = zt - lse_t
-        ps = tl.exp(s)
-        if MODE == 0:  # p_s − p_t
-            dz = ps - tl.exp(t)
-        elif MODE == 1:  # p_s ∘ (s − t − KL(p_s ‖ p_t))
-            dz = ps * (s - t - kl)
-        else:  # (1 − β)·p_s ∘ (s − log m − KL(p_s ‖ m)); the (1 − β) is in g
-            dz = ps * (s - _log_mixture(s, t, log_1m_beta, log_beta) - kl)
-        dz = dz * g
-        if SCALED_S:
-            dz = dz * s_inv_t
-        if SOFTCAP_S:
-            dz = dz * (1.0 - th * th)
-        if SCALED_S:
-            dz = dz * s_scale
-        if DZ_BF16:
-            stored, _ = round_bf16(dz)
-            tl.store(DZ_row + cols, stored, mask=valid)
+        if start < n_full:  # full blocks without masks
+            zs, th, zt = _pair(S_row, T_row, cols, cols < n_cols, BiasS, BiasT, s_scale, s_cap, s_inv_t, t_scale,
+                               t_cap, t_inv_t, False, HAS_BIAS_S, SOFTCAP_S, SCALED_S, HAS_BIAS_T, SOFTCAP_T,
+                               SCALED_T)
+            dz = _student_grad(zs, th, zt, lse_s, lse_t, kl, g, log_1m_beta, log_beta, SOFTCAP_S, MODE)
+            _store(DZ_row + cols, dz, cols < n_cols, False, DZ_BF16)
         else:
-            tl.store(DZ_row + cols, dz.to(DZ_row.dtype.element_ty), mask=valid)
+            valid = cols < n_cols
+            zs, th, zt = _pair(S_row, T_row, cols, valid, BiasS, BiasT, s_scale, s_cap, s_inv_t, t_scale, t_cap,
+                               t_inv_t, True, HAS_BIAS_S, SOFTCAP_S, SCALED_S, HAS_BIAS_T, SOFTCAP_T, SCALED_T)
+            dz = _student_grad(zs, th, zt, lse_s, lse_t, kl, g, log_1m_beta, log_beta, SOFTCAP_S, MODE)
+            _store(DZ_row + cols, dz, valid, True, DZ_BF16)
+
+
+@triton.jit
+def _student_grad(zs, th, zt, lse_s, lse_t, kl, g, log_1m_beta, log_beta, SOFTCAP_S: tl.constexpr,
+                  MODE: tl.constexpr):
+    """``g · ∂D/∂z_s`` times the soft-cap's ``1 − tanh²`` (``g`` carries the rest of the chain rule)."""
+    s = zs - lse_s
+    t = zt - lse_t
+    ps = tl.exp(s)
+    if MODE == 0:  # p_s − p_t
+        dz = ps - tl.exp(t)
+    elif MODE == 1:  # p_s ∘ (s − t − KL(p_s ‖ p_t))
+        dz = ps * (s - t - kl)
+    else:  # (1 − β)·p_s ∘ (s − log m − KL(p_s ‖ m)); the (1 − β) is in g
+        dz = ps * (s - _log_mixture(s, t, log_1m_beta, log_beta) - kl)
+    dz = dz * g
+    if SOFTCAP_S:
+        dz = dz * (1.0 - th * th)
+    return dz
+
+
+@triton.jit
+def _store(ptr, dz, valid, MASKED: tl.constexpr, DZ_BF16: tl.constexpr):
+    """Store ``dz`` in ``ptr``'s dtype (bf16: rounded to nearest even on the bit pattern)."""
+    if DZ_BF16:
+        value, _ = round_bf16(dz)
+    else:
+        value = dz.to(ptr.dtype.element_ty)
+    if MASKED:
+        tl.store(ptr, value, mask=valid)
+    else:
+        tl.store(ptr, value)
