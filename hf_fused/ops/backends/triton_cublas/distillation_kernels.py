@@ -158,16 +158,26 @@ def jsd_sums_kernel(
     lse_t = tl.load(LSE_T + row)
     kl_t = tl.zeros([BLOCK_V], tl.float32)
     kl_s = tl.zeros([BLOCK_V], tl.float32)
+    n_full = n_cols // BLOCK_V * BLOCK_V
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         valid = cols < n_cols
-        zs, _, zt = _pair(S_row, T_row, cols, valid, BiasS, BiasT, s_scale, s_cap, s_inv_t, t_scale, t_cap,
-                          t_inv_t, True, HAS_BIAS_S, SOFTCAP_S, SCALED_S, HAS_BIAS_T, SOFTCAP_T, SCALED_T)
-        s = zs - lse_s
-        t = zt - lse_t
-        log_m = _log_mixture(s, t, log_1m_beta, log_beta)
-        kl_t += tl.where(valid, tl.exp(t) * (t - log_m), 0.0)
-        kl_s += tl.where(valid, tl.exp(s) * (s - log_m), 0.0)
+        if start < n_full:  # full blocks without masks
+            zs, _, zt = _pair(S_row, T_row, cols, valid, BiasS, BiasT, s_scale, s_cap, s_inv_t, t_scale, t_cap,
+                              t_inv_t, False, HAS_BIAS_S, SOFTCAP_S, SCALED_S, HAS_BIAS_T, SOFTCAP_T, SCALED_T)
+            s = zs - lse_s
+            t = zt - lse_t
+            log_m = _log_mixture(s, t, log_1m_beta, log_beta)
+            kl_t += tl.exp(t) * (t - log_m)
+            kl_s += tl.exp(s) * (s - log_m)
+        else:
+            zs, _, zt = _pair(S_row, T_row, cols, valid, BiasS, BiasT, s_scale, s_cap, s_inv_t, t_scale, t_cap,
+                              t_inv_t, True, HAS_BIAS_S, SOFTCAP_S, SCALED_S, HAS_BIAS_T, SOFTCAP_T, SCALED_T)
+            s = zs - lse_s
+            t = zt - lse_t
+            log_m = _log_mixture(s, t, log_1m_beta, log_beta)
+            kl_t += tl.where(valid, tl.exp(t) * (t - log_m), 0.0)
+            kl_s += tl.where(valid, tl.exp(s) * (s - log_m), 0.0)
     kl_student = tl.sum(kl_s, axis=0)
     tl.store(KL_S + row, kl_student)
     tl.store(DIV + row, beta * tl.sum(kl_t, axis=0) + (1.0 - beta) * kl_student)
