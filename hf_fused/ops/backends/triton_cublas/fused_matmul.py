@@ -315,10 +315,11 @@ _tuned_statistics_kernel = triton.autotune(
 )(_statistics_kernel)
 
 
-def partial_row_bytes(vocab_size: int, statistics: int = 3) -> int:
-    """Bytes per row of the partials one launch over ``vocab_size`` columns holds, with ``statistics`` partials per
-    tile (:func:`~.statistics_partials.partials_bytes`): what the plan counts per row."""
-    return partials_bytes(triton.cdiv(vocab_size, min(MIN_BLOCK_N, INTERPRETER_CONFIG.block_n)), statistics)
+def partial_row_bytes(vocab_size: int, statistics: int, device: torch.device) -> int:
+    """Bytes per row of the partials one launch over ``vocab_size`` columns on ``device`` holds, with ``statistics``
+    partials per tile (:func:`~.statistics_partials.partials_bytes`): what the plan counts per row."""
+    block_n = MIN_BLOCK_N if device.type == "cuda" else INTERPRETER_CONFIG.block_n
+    return partials_bytes(triton.cdiv(vocab_size, block_n), statistics)
 
 
 def logits_statistics_(

@@ -147,7 +147,7 @@ def plan_fp32_statistics_pass(head: HeadInputs, statistics: int) -> LeanPlan:
     (:func:`plan_statistics_pass`), their gathered hidden rows."""
     vocab_size, hidden_size = head.weight.shape
     gather = plan_statistics_pass(head).gather_rows
-    row_bytes = fused_matmul.partial_row_bytes(vocab_size, statistics)
+    row_bytes = fused_matmul.partial_row_bytes(vocab_size, statistics, head.weight.device)
     row_bytes += hidden_size * head.operand_dtype.itemsize if gather else 0
     budget = DEFAULT_TILE_BUDGET_BYTES if head.tile_budget_bytes is None else head.tile_budget_bytes
     rows = max(1, min(head.rows.numel(), budget // row_bytes))

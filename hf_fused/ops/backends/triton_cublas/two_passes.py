@@ -235,6 +235,8 @@ def run_gradient_pass(head: HeadInputs, lse: torch.Tensor, entropy: Optional[tor
     gradient_plan = plan_gradient_pass(head, need)
     plan = gradient_plan.tile
     h, buf, y = rows_source(head, plan)
+    if fp32_logits(head) and h is not None and not fused_matmul.readable(h, weight):
+        h = h.clone(memory_format=torch.contiguous_format)  # as the statistics pass read it: dz from the accumulator
     d_hidden = hidden_accumulator(head, gradient_plan, need)
     if need.weight:
         # In the given weight's dtype: fp32 for an fp32 weight under autocast (cuBLAS writes fp32 from the bf16
