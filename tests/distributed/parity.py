@@ -146,11 +146,12 @@ def assert_bf16_twins(runs: list[tuple[dict, dict, dict]], ranks: int = 2, stock
 
 
 #: bf16 mixed precision per engine, and where its unpatched twin runs under the same bf16 setting, as
-#: ``(config, processes)``: DeepSpeed (``bf16.enabled``) keeps bf16 weights and fp32 master weights, so the same
-#: config in one process; DDP autocasts an fp32 model, as one plain process with ``bf16=True`` does; accelerate's
-#: FSDP1 and FSDP2 plugins also hold bf16 parameters and reduce gradients in bf16 (``param_dtype`` and
-#: ``reduce_dtype``, beside autocast), which one process does not reproduce: the same config on as many ranks (2).
-BF16_STOCK = {"zero3": ("zero3", 1), "zero2": ("zero2", 1), "fsdp2": ("fsdp2", 2), "fsdp1": ("fsdp1", 2),
+#: ``(config, processes)``: DeepSpeed (``bf16.enabled``) holds bf16 weights beside fp32 master weights, and
+#: accelerate's FSDP1 and FSDP2 plugins hold bf16 parameters and reduce gradients in bf16 (``param_dtype`` and
+#: ``reduce_dtype``, beside autocast), which one plain process does not reproduce: the same config on as many ranks
+#: (2; also the same split of the batch, and the launch the patched run is in); DDP autocasts an fp32 model, as one
+#: plain process with ``bf16=True`` does.
+BF16_STOCK = {"zero3": ("zero3", 2), "zero2": ("zero2", 2), "fsdp2": ("fsdp2", 2), "fsdp1": ("fsdp1", 2),
               "ddp": (None, 1)}
 
 #: A tile budget of 4 rows of a 128-token vocabulary (``rows_per_tile(128, 6144)``): a loss call over a micro-batch

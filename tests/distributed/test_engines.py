@@ -87,8 +87,7 @@ HARNESS = ("fused", "tile_budget_bytes", "count_head_events", "track_vocab_tenso
 
 def reference_run(model: str, engine: str | None = None, ranks: int = RANKS, **options) -> Run:
     """The single-process unpatched Trainer run for a run on ``ranks`` ranks: one process on ``ranks`` times the
-    per-rank batch. ``engine``: None for a plain process, or an engine config launched with one process (DeepSpeed's
-    bf16 keeps bf16 weights, so its single-process bf16 reference is DeepSpeed's too)."""
+    per-rank batch. ``engine``: None for a plain process, or an engine config launched with one process."""
     return Run.of(engine, 1, dict(model=model, trainer="Trainer", batch=BATCH * ranks, **options))
 
 
@@ -161,7 +160,7 @@ def ulysses_bf16_runs() -> list[Run]:
 
 PLANS = {
     "test_engine_training_matches_single_process_reference": engine_runs,
-    "test_bf16_training_matches_single_process_unpatched_bf16": bf16_runs,
+    "test_bf16_training_matches_unpatched_bf16": bf16_runs,
     "test_context_parallel_bf16_matches_stock_under_it": context_parallel_runs,
     "test_ulysses_sequence_parallel_matches_single_process_reference": ulysses_runs,
     "test_ulysses_sequence_parallel_gradient_accumulation_matches_stock_under_it": ulysses_ga_runs,
@@ -210,7 +209,7 @@ def assert_no_full_vocabulary_logits(got: dict) -> None:
 
 
 @pytest.mark.parametrize("config", list(BF16_STOCK))
-def test_bf16_training_matches_single_process_unpatched_bf16(config, runs):
+def test_bf16_training_matches_unpatched_bf16(config, runs):
     """bf16 twin of the fp32 cases: ``FusedTrainer(bf16=True)`` under the engine (2 ranks) against the
     unpatched ``Trainer(bf16=True)`` under the same bf16 setting (``BF16_STOCK``), and both against the fp32
     reference (``parity.assert_bf16_twin``: losses within 2^-8, parameters no further from fp32 than stock

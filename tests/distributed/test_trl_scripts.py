@@ -141,8 +141,8 @@ def _with_bf16(args: list) -> list:
 @pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp2", "fsdp1", "ddp"])
 def test_trl_sft_script_under_bf16_matches_unpatched_bf16(engine, runs):
     """TRL's SFT script as users run it, with TRL's default ``bf16=True``, under the engine (2 ranks), against the
-    same script unpatched (TRL's own head) under the same bf16 setting (DeepSpeed's config in one process, one plain
-    process for DDP, the FSDP config on the same ranks: ``test_engines.BF16_STOCK``), and both against the fp32
+    same script unpatched (TRL's own head) under the same bf16 setting (one plain process for DDP, the DeepSpeed or FSDP
+    config on the same ranks: ``parity.BF16_STOCK``), and both against the fp32
     reference: ``parity.assert_bf16_twin`` (losses within 2^-8 of stock's, the parameters no further from fp32's
     than stock's within 1.25×, every tensor within 0.25 of stock's update; why those bounds: there)."""
     _needs_deepspeed(engine)
