@@ -5,7 +5,8 @@
 * :mod:`hf_fused.integrations.trl`: TRL's trainers call ``model(..., fused_lm_head=True)`` (their own fused LM head);
   on a model patched by :func:`hf_fused.apply_fused_loss` hf_fused's ops answer that call. For a patched student,
   ``DistillationTrainer``'s divergence and ``GKDTrainer``'s loss come from
-  :func:`hf_fused.ops.linear_distillation_loss`.
+  :func:`hf_fused.ops.linear_distillation_loss`; the experimental ``AsyncDistillationTrainer``'s loss against a
+  teacher's top-k log-probs from :func:`hf_fused.ops.sparse_distillation_loss`.
 
 They plug into the model layer through its extension point (:mod:`hf_fused.model.extensions`; registered when
 ``hf_fused`` is imported): the fused-head keyword is answered by :func:`~hf_fused.integrations.trl.trl_fused_forward`,
@@ -29,6 +30,7 @@ applied when the module in the second column is imported (at once if it is).
 | ``TRL_HEAD_ADAPTER_CHECKS`` (5) | ``trl.trainer.{sft,dpo,kto,rloo,grpo}_trainer`` | ``__init__`` of ``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer``, ``RLOOTrainer``, ``GRPOTrainer`` | TRL refuses a PEFT adapter on lm_head, which hf_fused computes with; names the trainer being built (its reference model is patched like its policy) | TRL 1.16 | unpatched models: TRL's ``__init__`` and check |
 | ``TRL_DISTILLATION`` | ``trl.trainer.distillation_trainer`` | ``_chunked_divergence_loss`` (the name ``DistillationTrainer._compute_loss`` calls) and ``DistillationTrainer.__init__`` | TRL's kernel reads ``lm_head.weight`` and bypasses the patched forward (and TRL refuses a PEFT adapter on lm_head): hf_fused answers a patched student's divergence in one pass, the adapter included | TRL 1.16 (the function's parameters checked at install; another shape: nothing rebound, a warning) | a student that is not patched: TRL's function and kernel; unpatched models: TRL's ``__init__`` and check |
 | ``TRL_GKD`` | ``trl.experimental.gkd.gkd_trainer`` | ``GKDTrainer.compute_loss`` | GKD computes its divergence from both models' full logits: hf_fused computes it from hidden states for a patched student | TRL 1.16 (``generalized_jsd_loss``'s parameters and ``compute_loss``'s calls checked at install; another shape: nothing wrapped, a warning) | an unpatched student: TRL's method; a subclass's own ``generalized_jsd_loss``, ``return_outputs=True``, an unreadable teacher: TRL's method and a one-time warning saying why and what to do |
+| ``TRL_ASYNC_DISTILLATION`` | ``trl.experimental.async_distillation.async_distillation_trainer`` | ``_chunked_jsd_loss`` (the name ``AsyncDistillationTrainer._compute_loss`` calls) and ``AsyncDistillationTrainer._compute_loss`` (names the student of the call) | TRL computes the student's loss against the teacher's top-k log-probs from fp32 ``[chunk, V]`` logits of ``lm_head.weight``, recomputed in backward: hf_fused answers a patched student's in one pass (:mod:`~hf_fused.integrations.trl.async_distillation`) | TRL 1.16 (both signatures checked at install; another shape: nothing rebound, a warning) | a student that is not patched: TRL's function |
 | the import hook | any watched module above | a finder first on ``sys.meta_path`` (:mod:`~hf_fused.integrations.import_hooks`) | apply the entries above when their module is imported, without importing it | Python's ``importlib.abc`` | other imports: it answers for the watched names only; modules keep their loader; gone once none is pending |
 
 A wrapper that someone else has wrapped since cannot be taken out of their chain on uninstall: it then

@@ -6,6 +6,7 @@ from __future__ import annotations
 from .import_hooks import finder_installed
 from .patching import Rebind, ThirdPartyPatch
 from .transformers_trainer import LIGER_KERNEL, PREDICTION_STEP
+from .trl.async_distillation import TRL_ASYNC_DISTILLATION
 from .trl.distillation import TRL_DISTILLATION
 from .trl.gkd import TRL_GKD
 from .trl.hooks import TRL_FUSED_HEAD, TRL_HEAD_ADAPTER_CHECKS
@@ -13,6 +14,7 @@ from .trl.hooks import TRL_FUSED_HEAD, TRL_HEAD_ADAPTER_CHECKS
 #: The inventory, in installation order (TRL's head first: the trainer entries skip a refused protocol).
 PATCHES: tuple[ThirdPartyPatch, ...] = (
     PREDICTION_STEP, LIGER_KERNEL, TRL_FUSED_HEAD, *TRL_HEAD_ADAPTER_CHECKS, TRL_DISTILLATION, TRL_GKD,
+    TRL_ASYNC_DISTILLATION,
 )
 
 
