@@ -1,7 +1,7 @@
 """The logits matmul with the statistics in its epilogue (``backends/triton_cublas/fused_matmul.py``): log-probs,
 entropy and token statistics from the fp32 accumulator, never from a bf16 tile.
 
-On CPU the kernels run under Triton's interpreter inside ``fused_matmul.forced(True)`` (by default they are off,
+On CPU the kernels run under Triton's interpreter inside ``fp32_logits_rule.forced(True)`` (by default they are off,
 and on a GPU they run only on sm_90+); the ``gpu`` tests run them on the GPU against fp32-accumulated and float64
 references.
 """
@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from hf_fused.ops import linear_cross_entropy, linear_logprobs  # noqa: E402
+from hf_fused.ops.backends.triton_cublas import fp32_logits_rule as R  # noqa: E402
 from hf_fused.ops.backends.triton_cublas import fused_matmul as FM  # noqa: E402
 from hf_fused.ops.backends.triton_cublas import logits_epilogues as L  # noqa: E402
 from hf_fused.ops.backends.triton_cublas.tiles import finish_row_stats, kernel_scalars, new_row_stats  # noqa: E402
@@ -43,8 +44,8 @@ def _kernel_statistics(h, w, y, bias, kw, *, config=None, statistics=TOKEN_STATI
     """``(logp, entropy, lse, token statistics)`` of ``h @ w.T`` from :func:`FM.logits_statistics_` (one launch)."""
     stats = new_row_stats(h.shape[0], h.device, statistics)
     rounded_sum = None if tile is None else torch.zeros(h.shape[0], device=h.device)
-    with FM.forced(True):
-        assert FM.applies(h, w)
+    with R.forced(True):
+        assert R.applies(h, w)
         FM.logits_statistics_(h, w, y, stats, kernel_scalars(LogitTransform(**kw), bias), return_entropy=True,
                               bias=bias, tile=tile, rounded_sum=rounded_sum, config=config)
     return finish_row_stats(stats, y, w.shape[0], True, statistics)
@@ -119,7 +120,7 @@ def test_ties_keep_the_first_maximum_and_chunks_fold_online():
     scalars = kernel_scalars(LogitTransform(temperature=50.0), None)
     tile = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
     rounded_sum = torch.zeros(m)
-    with FM.forced(True):
+    with R.forced(True):
         FM.logits_statistics_(h, w, y, stats, scalars, return_entropy=True, tile=tile, rounded_sum=rounded_sum)
         chunked = new_row_stats(m, h.device, TOKEN_STATISTICS)
         for v0, v1 in ((0, 300), (300, n)):  # the second chunk holds the tied maxima: it must not take over
@@ -148,7 +149,7 @@ def test_log_probs_of_bf16_heads_are_fp32_faithful_through_the_ops():
     ref_loss = -ref.mean()
     errors = {}
     for fp32 in (True, False):
-        with FM.forced(fp32):
+        with R.forced(fp32):
             lp, _ = linear_logprobs(h, w, y, backend="triton")
             loss = linear_cross_entropy(h, w, y, backend="triton")
         errors[fp32] = ((lp[kept].double() - ref).abs().max().item(), abs(loss.double().item() - ref_loss.item()))
@@ -169,7 +170,7 @@ def test_one_pass_gradients_keep_the_stored_tiles_normalizer():
     grads64 = torch.autograd.grad(ce64, ref)
     results = {}
     for fp32 in (True, False):
-        with FM.forced(fp32):
+        with R.forced(fp32):
             loss = linear_cross_entropy(h, w, y, backend="triton")
             results[fp32] = (abs(loss.item() - ce64.item()) / ce64.item(), torch.autograd.grad(loss, (h, w)))
     assert results[True][0] <= 1e-6 and results[False][0] >= 1e-5, (results[True][0], results[False][0])
@@ -193,7 +194,7 @@ def test_ops_with_fp32_statistics_match_float64(monkeypatch, budget):
     ``dz`` from the unrounded accumulator."""
     stats_calls = _counted(monkeypatch, FM, "logits_statistics_")
     grad_calls = _counted(monkeypatch, L, "logits_grad_")
-    with FM.forced(True):
+    with R.forced(True):
         check_triton_matches_float64("cpu", torch.float32, n=29, h=16, v=300, kw=TRANSFORMS[3], bias=True,
                                      budget=budget, tol=1e-5)
     assert any(k.get("tile") is not None for k in stats_calls) == (budget is None)  # the one pass's tiles
@@ -209,7 +210,7 @@ def test_statistics_pass_in_row_blocks_within_the_budget(monkeypatch):
     y = torch.where(y < 300, y, -100)
     h, w, b = h.float(), w.float(), b.float()
     row_bytes = FM.partial_row_bytes(300, 3, h.device)  # max, Σexp and Σexp·z of each output tile
-    with FM.forced(True):
+    with R.forced(True):
         lp, ent = linear_logprobs(h, w, y, b, backend="triton", return_entropy=True, tile_budget_bytes=10 * row_bytes)
     kept = y != -100
     z = h.double() @ w.double().t() + b.double()
@@ -220,26 +221,33 @@ def test_statistics_pass_in_row_blocks_within_the_budget(monkeypatch):
 
 
 def test_runs_only_where_asked_and_where_it_can(monkeypatch):
-    """Off by default (until measured) and outside a forced block on CPU; on under ``HF_FUSED_FP32_LOGITS=1`` or a
-    forced block, for bf16 or fp32 operands it can read; a clear error for another value of the variable."""
+    """Off by default in both schedules (until measured), outside a forced block; on under
+    ``HF_FUSED_FP32_LOGITS=1`` or a forced block, for bf16 or fp32 operands it can read; clear errors for another
+    value of the variable or an unknown schedule."""
     h, w = torch.zeros(64, 16, dtype=torch.bfloat16), torch.zeros(300, 16, dtype=torch.bfloat16)
-    monkeypatch.delenv(FM.ENV, raising=False)
-    assert FM.DEFAULT_ENABLED is False and not FM.applies(h, w)
-    monkeypatch.setenv(FM.ENV, "1")
-    assert FM.applies(h, w)
-    with FM.forced(False):
-        assert not FM.applies(h, w)
-    monkeypatch.setenv(FM.ENV, "0")
-    assert not FM.applies(h, w)
-    with FM.forced(True):
-        assert FM.applies(h.float(), w.float())
-        assert not FM.applies(h.half(), w.half())
-        assert not FM.applies(h.float(), w)  # mixed dtypes
-        assert not FM.applies(h.t().contiguous().t(), w)  # column-major rows
-        assert not FM.applies(torch.zeros(64, 15, dtype=torch.bfloat16), torch.zeros(300, 15, dtype=torch.bfloat16))
-    monkeypatch.setenv(FM.ENV, "yes")
+    monkeypatch.delenv(R.ENV, raising=False)
+    assert R.DEFAULT_ENABLED == {"two_passes": False, "one_pass": False}
+    assert not R.applies(h, w, "two_passes") and not R.applies(h, w, "one_pass")
+    monkeypatch.setitem(R.DEFAULT_ENABLED, "one_pass", True)
+    assert R.applies(h, w, "one_pass") and not R.applies(h, w, "two_passes")
+    monkeypatch.setitem(R.DEFAULT_ENABLED, "one_pass", False)
+    monkeypatch.setenv(R.ENV, "1")
+    assert R.applies(h, w, "two_passes") and R.applies(h, w, "one_pass")
+    with R.forced(False):
+        assert not R.applies(h, w)
+    monkeypatch.setenv(R.ENV, "0")
+    assert not R.applies(h, w)
+    with R.forced(True):
+        assert R.applies(h.float(), w.float())
+        assert not R.applies(h.half(), w.half())
+        assert not R.applies(h.float(), w)  # mixed dtypes
+        assert not R.applies(h.t().contiguous().t(), w)  # column-major rows
+        assert not R.applies(torch.zeros(64, 15, dtype=torch.bfloat16), torch.zeros(300, 15, dtype=torch.bfloat16))
+    monkeypatch.setenv(R.ENV, "yes")
     with pytest.raises(ValueError, match="HF_FUSED_FP32_LOGITS must be 0 or 1"):
-        FM.enabled()
+        R.enabled()
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        R.enabled("three_passes")
 
 
 # -- on the GPU -------------------------------------------------------------------------------------------------
@@ -273,7 +281,7 @@ def test_gpu_log_probs_and_statistics_are_fp32_faithful():
     del z32, z64
     names = list(TOKEN_STATISTICS)
     for fp32 in (True, False):
-        with torch.no_grad(), FM.forced(fp32):
+        with torch.no_grad(), R.forced(fp32):
             lp, ent, stats = linear_logprobs(hid, w, y, return_entropy=True, statistics=names)
         err = {name: (lp - ref[0])[kept].abs().max().item() for name, ref in refs.items()}
         if not fp32:
@@ -310,7 +318,7 @@ def test_gpu_losses_and_gradients_with_fp32_statistics(budget):
     del z64, logp64
     results = {}
     for fp32 in (True, False):
-        with FM.forced(fp32):
+        with R.forced(fp32):
             ce = linear_cross_entropy(hid, w, y, tile_budget_bytes=budget)
             lp, ent = linear_logprobs(hid, w, y, return_entropy=True, tile_budget_bytes=budget)
             rl = (lp * w1).sum() + (ent * w2).sum()
@@ -364,7 +372,7 @@ def test_gpu_log_probs_match_an_fp32_head():
         finally:
             torch.backends.cuda.matmul.allow_tf32 = previous
         eager = torch.log_softmax((hid @ w.t()).float(), -1).gather(1, y[:, None])[:, 0]
-        with FM.forced(True):
+        with R.forced(True):
             ours, _ = linear_logprobs(hid, w, y)
     diff, eager_diff = (ours - fp32_head).abs(), (eager - fp32_head).abs()
     assert diff.max() <= 1e-4 and diff.square().mean().sqrt() <= 1e-5, (diff.max(), diff.square().mean().sqrt())

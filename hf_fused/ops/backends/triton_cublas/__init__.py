@@ -12,7 +12,9 @@ Where each piece lives:
 - Kernels: ``triton_kernels.py`` (statistics and gradient epilogues), ``logits_epilogues.py`` (``dz`` in the
   logits matmul's epilogue), ``scaled_round.py`` (the gradients' one rounding), ``compensated.py`` (the
   compensated accumulator, a bf16 gradient plus an int8 residual), ``matmul.py`` (the matmul toolkit:
-  fp32-output cuBLAS products, launch shapes, Triton building blocks).
+  fp32-output cuBLAS products, launch shapes, Triton building blocks), ``fused_matmul.py`` (the logits matmul with
+  the statistics in its epilogue, from the fp32 accumulator) and ``statistics_partials.py`` (its per-tile partials
+  and their merge), chosen per call by ``fp32_logits_rule.py``.
 - The optional QuACK kernels: ``quack_epilogues.py`` (the epilogues) and ``quack_bridge.py`` (whether a call runs
   them).
 

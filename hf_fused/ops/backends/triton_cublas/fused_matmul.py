@@ -15,8 +15,8 @@ write, the statistics still from the accumulator, with the stored logits' own no
 gradient kernel's probabilities from the stored tile then sum to 1).
 
 The per-token log-probs are then those of an fp32-accumulated matmul of the same bf16 operands, not of its bf16
-rounding: the statistics pass and the one pass's statistics run it where :func:`applies` (the plan's
-``fp32_logits`` choice, :func:`~.plan.fp32_logits`).
+rounding: the statistics pass and the one pass's statistics run it where the plan chooses it
+(:func:`~.plan.fp32_logits`, :mod:`.fp32_logits_rule`).
 
 On a GPU the launch shape is autotuned over :data:`CONFIGS` (keyed on ``V``, ``H`` and whether the tile is stored);
 under Triton's interpreter (CPU, tests) it runs :data:`INTERPRETER_CONFIG` or the one given.
@@ -26,28 +26,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from .matmul import halves, multiprocessors, round_bf16, tile_order, tma_operand, tma_tile_product
+from .matmul import halves, multiprocessors, round_bf16, tile_order, tma_tile_product
 from .statistics_partials import merge_partials_, new_partials, partials_bytes
 from .triton_kernels import apply_transform
 
 _NO_MAX = tl.constexpr(-3.4028234663852886e38)  # below every finite fp32 value (the statistics kernel's)
 _LOG2E = tl.constexpr(1.4426950408889634)
-
-#: The environment variable that turns the fp32 statistics on (``1``) or off (``0``) for the process; unset, the
-#: plan's default (:data:`DEFAULT_ENABLED`) holds.
-ENV = "HF_FUSED_FP32_LOGITS"
-
-#: Whether the GPU backend takes its statistics from this kernel by default where it runs. Off until measured
-#: against cuBLAS's tiles on an H200 (docs/performance.md).
-DEFAULT_ENABLED = False
-
 
 @dataclasses.dataclass(frozen=True)
 class StatsConfig:
@@ -85,71 +75,9 @@ MIN_BLOCK_N = min(c.block_n for c in CONFIGS)
 #: that cover the tests' shapes in few programs, yet several column tiles with ragged edges.
 INTERPRETER_CONFIG = StatsConfig(64, 128, 32, group_m=2, split=4, num_warps=4, num_stages=1)
 
-# What a ``forced`` block set: None (the rule of :func:`enabled`), True or False.
-_FORCED: dict = {}
-
-
-@contextlib.contextmanager
-def forced(enabled: bool):
-    """Within the block the plan's ``fp32_logits`` choice is ``enabled`` for every call whose operands the kernel
-    can read (tests: True runs the kernel under Triton's interpreter on CPU; benchmarks: True or False to time
-    either). Process-wide, not per thread."""
-    previous = dict(_FORCED)
-    _FORCED["enabled"] = bool(enabled)
-    try:
-        yield
-    finally:
-        _FORCED.clear()
-        _FORCED.update(previous)
-
-
-def enabled() -> bool:
-    """Whether the fp32 statistics are asked for: a :func:`forced` block's answer, else the environment's
-    (:data:`ENV` ``=1`` or ``=0``), else :data:`DEFAULT_ENABLED`.
-
-    Raises:
-        ValueError: for a value of :data:`ENV` other than ``0`` or ``1``.
-    """
-    if "enabled" in _FORCED:
-        return _FORCED["enabled"]
-    value = os.environ.get(ENV)
-    if value is None or value == "":
-        return DEFAULT_ENABLED
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1 (the fp32 log-prob statistics off or on), got {value!r}")
-    return value == "1"
-
-
-def runs_on(weight: torch.Tensor) -> bool:
-    """Whether the kernel runs with ``weight`` (``[N, H]``, the matmul's operand) for this call: :func:`enabled`,
-    row-major with TMA-aligned rows (base address and row stride multiples of 16 bytes), and bf16 on a CUDA device of
-    compute capability ≥ 9.0 (an fp32 matmul stays cuBLAS's: Triton's fp32 ``tl.dot`` is TF32 or slow) or, on CPU
-    (Triton's interpreter, tests), bf16 or fp32. The rows operand must then be :func:`readable` beside it."""
-    if not enabled() or weight.dim() != 2:
-        return False
-    if weight.is_cuda:
-        if weight.dtype != torch.bfloat16 or torch.cuda.get_device_capability(weight.device) < (9, 0):
-            return False
-    elif weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
-        return False
-    return readable(weight, weight)
-
-
-def readable(h: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel can read ``h [M, H]`` beside ``weight``: its dtype and device, row-major, TMA-aligned."""
-    return (h.dim() == 2 and h.dtype == weight.dtype and h.device == weight.device and h.stride(-1) == 1
-            and tma_operand(h) is None)
-
-
-def applies(h: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`logits_statistics_` runs on ``h [M, H]`` and ``weight [N, H]`` for this call (:func:`runs_on`
-    and :func:`readable`)."""
-    return runs_on(weight) and readable(h, weight)
-
-
 @triton.jit
-def _fold_slice(raw, n0, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
-                logit_scale, softcap, inv_temperature, SLICE: tl.constexpr, ROUND: tl.constexpr,
+def _fold_slice(raw, n0, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
+                stride_z, logit_scale, softcap, inv_temperature, SLICE: tl.constexpr, ROUND: tl.constexpr,
                 STORE_TILE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr,
                 ENTROPY: tl.constexpr, SUM_Z: tl.constexpr, ARGMAX: tl.constexpr, SUM_SQ: tl.constexpr):
     """One column slice ``raw [len(rm), SLICE]`` of the accumulator (columns ``n0 …`` of this launch) folded into
@@ -247,42 +175,43 @@ def _statistics_kernel(
         arg = tl.zeros([BLOCK_M], tl.int32)
         s2 = tl.zeros([BLOCK_M], tl.float32)
         sr = tl.zeros([BLOCK_M], tl.float32)
+        # the epilogue's state: (max, Σexp, Σexp·z, label logit, Σz, arg-max, Σexp(2(z−m)), Σexp(z̃−m)) per row
         if SPLIT == 1:
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                acc, off_n, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
-                logit_scale, softcap, inv_temperature, BLOCK_N, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
-                ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+                acc, off_n, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
+                stride_z, logit_scale, softcap, inv_temperature, BLOCK_N, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
+                SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
         elif SPLIT == 2:
             HALF: tl.constexpr = BLOCK_N // 2
             left, right = halves(acc, BLOCK_M, HALF)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                left, off_n, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
-                logit_scale, softcap, inv_temperature, HALF, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
-                ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+                left, off_n, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
+                stride_z, logit_scale, softcap, inv_temperature, HALF, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
+                SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                right, off_n + HALF, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
-                logit_scale, softcap, inv_temperature, HALF, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
-                ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+                right, off_n + HALF, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
+                stride_z, logit_scale, softcap, inv_temperature, HALF, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
+                SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
         else:
             QUARTER: tl.constexpr = BLOCK_N // 4
             left, right = halves(acc, BLOCK_M, BLOCK_N // 2)
             q0, q1 = halves(left, BLOCK_M, QUARTER)
             q2, q3 = halves(right, BLOCK_M, QUARTER)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                q0, off_n, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
-                logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
-                ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
-            m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                q1, off_n + QUARTER, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z, stride_z,
-                logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP, SCALED,
-                ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
-            m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                q2, off_n + 2 * QUARTER, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
+                q0, off_n, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
                 stride_z, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
                 SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                q3, off_n + 3 * QUARTER, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
+                q1, off_n + QUARTER, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
                 stride_z, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
+                SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+            m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
+                q2, off_n + 2 * QUARTER, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr,
+                Z, stride_z, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
+                SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+            m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
+                q3, off_n + 3 * QUARTER, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr,
+                Z, stride_z, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
                 SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
         part = rm.to(tl.int64) * n_part + pid_n_c
         tl.store(P_MAX + part, m, mask=m_ok)
@@ -335,7 +264,7 @@ def logits_statistics_(
 
     Args:
         h: ``[M, H]`` row-major, bf16 (bf16 or fp32 under the interpreter); w: ``[N, H]`` row-major, ``h``'s dtype.
-            Both must be :func:`readable` (row-major, TMA-aligned rows).
+            Both must be :func:`~.fp32_logits_rule.readable` (row-major, TMA-aligned rows).
         labels: ``[M]`` int64. stats: :data:`~.tiles.RowStats` of ``M`` rows.
         tile: ``[M, N]`` in ``h``'s dtype, unit column stride, or None: where given, the raw logits are stored into
             it, rounded once (the tile cuBLAS would write), and ``rounded_sum`` (fp32 ``[M]``, running like the
@@ -392,5 +321,4 @@ def logits_statistics_(
         merge_partials_(parts, triton.cdiv(n, block_n), col_offset, stats, return_entropy, rounded_sum)
 
 
-__all__ = ["CONFIGS", "DEFAULT_ENABLED", "ENV", "INTERPRETER_CONFIG", "StatsConfig", "applies", "enabled", "forced",
-           "logits_statistics_", "partial_row_bytes", "readable", "runs_on"]
+__all__ = ["CONFIGS", "INTERPRETER_CONFIG", "MIN_BLOCK_N", "StatsConfig", "logits_statistics_", "partial_row_bytes"]

@@ -19,7 +19,7 @@ import torch
 from ...grads import HeadGrads, split_accumulator
 from ...head_inputs import HeadInputs, NeededGrads
 from ..protocol import HeadPass, TileGrads
-from . import fused_matmul, quack_bridge
+from . import fp32_logits_rule, fused_matmul, quack_bridge
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_, compensated_scale_, one_pass_config
 from .matmul import addmm_f32_, mm_f32_
 from .one_pass_rule import OnePassPlan
@@ -191,7 +191,7 @@ def run_one_pass(head: HeadInputs, tile_grads: Optional[TileGrads], need: Needed
     stats = new_row_stats(m_rows, weight.device, statistics)
     tile_buf = torch.empty((min(plan.rows, max(m_rows, 1)), vocab_size), dtype=weight.dtype, device=weight.device)
     late_entropy = return_entropy and tile_grads is not None and not entropy_in_grads
-    fp32 = fp32_logits(head) and fused_matmul.readable(rows_operand, weight) and tile_buf.stride(-1) == 1
+    fp32 = fp32_logits(head, "one_pass") and fp32_logits_rule.readable(rows_operand, weight) and tile_buf.stride(-1) == 1
     tile_statistics = TileStatistics(
         quack_bridge.fuses_statistics(head, rows_operand, return_entropy and not late_entropy, statistics), weight,
         bias, scalars, return_entropy, fp32, tile_buf.shape[0])

@@ -7,10 +7,10 @@ otherwise the two passes (:mod:`.two_pass_rule`) with a ``DEFAULT_TILE_BUDGET_BY
 ``tile_budget_bytes`` is a hard bound instead, on everything the pass holds. On other devices the default is that
 bound at ``DEFAULT_TILE_BUDGET_BYTES``.
 
-**Where the logits' statistics come from** (:func:`fp32_logits`): cuBLAS's bf16 tiles read back by the Triton
-kernels, or, where :mod:`.fused_matmul` runs and is enabled (``HF_FUSED_FP32_LOGITS=1``; off by default until its
-H200 measurement), the logits matmul's fp32 accumulator: fp32-faithful log-probs, and in the two passes ``dz`` from
-the accumulator too.
+**Where the logits' statistics come from** (:func:`fp32_logits`, per schedule): cuBLAS's bf16 tiles read back by
+the Triton kernels, or, where :mod:`.fused_matmul` runs and is enabled (``HF_FUSED_FP32_LOGITS=1``; off by default
+until its H200 measurement), the logits matmul's fp32 accumulator: fp32-faithful log-probs, and in the two passes
+``dz`` from the accumulator too.
 
 The loops ask :func:`plan_one_pass`, :func:`plan_statistics_pass` (:func:`plan_fp32_statistics_pass`) and
 :func:`plan_gradient_pass`;
@@ -29,7 +29,7 @@ import torch
 from ...head_inputs import HeadInputs, NeededGrads
 from ...logit_transform import LogitTransform
 from ...tiling import DEFAULT_TILE_BUDGET_BYTES
-from . import fused_matmul
+from . import fp32_logits_rule, fused_matmul
 from .matmul import wave_rows
 from .one_pass_rule import OnePassPlan, one_pass_accumulators, one_pass_plan, one_pass_working_set
 from .operands import compact_bytes, one_pass_gather_row_bytes
@@ -129,15 +129,16 @@ def plan_statistics_pass(head: HeadInputs) -> LeanPlan:
     return plan_two_passes(head)
 
 
-def fp32_logits(head: HeadInputs) -> bool:
-    """Whether the call's logits matmuls take the statistics (and, in the gradient pass, ``dz``) from their fp32
-    accumulator (:mod:`.fused_matmul`) rather than from cuBLAS's tiles rounded to bf16: where that kernel
-    :func:`~.fused_matmul.runs_on` the weight as the matmuls read it (not cast chunk by chunk under autocast) and
-    the hidden rows have its row stride (the kept rows are then readable beside it)."""
+def fp32_logits(head: HeadInputs, schedule: str) -> bool:
+    """Whether the call's logits matmuls in ``schedule`` (``"two_passes"`` or ``"one_pass"``) take the statistics
+    (and, in the gradient pass, ``dz``) from their fp32 accumulator (:mod:`.fused_matmul`) rather than from cuBLAS's
+    tiles rounded to bf16: where that kernel :func:`~.fp32_logits_rule.runs_on` the weight as the matmuls read it
+    (not cast chunk by chunk under autocast) and is enabled for the schedule (its ``DEFAULT_ENABLED``, or
+    ``HF_FUSED_FP32_LOGITS``)."""
     weight = head.weight
     if head.casts_weight() or head.hidden.shape[-1] != weight.shape[1]:
         return False
-    return fused_matmul.runs_on(weight)
+    return fp32_logits_rule.runs_on(weight, schedule)
 
 
 def plan_fp32_statistics_pass(head: HeadInputs, statistics: int) -> LeanPlan:

@@ -21,7 +21,7 @@ import torch
 from ...grads import HeadGrads
 from ...head_inputs import HeadInputs, NeededGrads
 from ..protocol import HeadPass
-from . import fused_matmul, logits_epilogues, quack_bridge
+from . import fp32_logits_rule, fused_matmul, logits_epilogues, quack_bridge
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_
 from .matmul import addmm_f32_, mm_f32_
 from .operands import operand_bias, row_blocks, rows_source, weight_chunk_buffer
@@ -35,7 +35,7 @@ def run_statistics_pass(head: HeadInputs, return_entropy: bool, statistics: Sequ
     """:meth:`~.backend.TritonCublasBackend.logprobs_forward`: per vocabulary chunk and row block, cuBLAS's logits
     tile folded into the rows' running statistics (the token statistics are online reductions across chunks like
     the log-sum-exp); or, where :func:`~.plan.fp32_logits`, :func:`run_fp32_statistics_pass`."""
-    if fp32_logits(head):
+    if fp32_logits(head, "two_passes"):
         return run_fp32_statistics_pass(head, return_entropy, statistics)
     weight, bias, dtype = head.weight, operand_bias(head), head.operand_dtype
     plan = plan_statistics_pass(head)
@@ -62,7 +62,7 @@ def run_fp32_statistics_pass(head: HeadInputs, return_entropy: bool, statistics:
     m_rows, vocab_size = head.rows.numel(), weight.shape[0]
     plan = plan_fp32_statistics_pass(head, 2 + return_entropy + len(statistics))
     h, buf, y = rows_source(head, plan)
-    if h is not None and not fused_matmul.readable(h, weight):  # hidden itself, strided or off 16-byte alignment
+    if h is not None and not fp32_logits_rule.readable(h, weight):  # hidden itself, strided or off 16-byte alignment
         h = h.clone(memory_format=torch.contiguous_format)
     stats = new_row_stats(m_rows, weight.device, statistics)
     scalars = kernel_scalars(head.transform, bias)
@@ -177,8 +177,8 @@ def dz_writer(head: HeadInputs, rows_operand, w_like, tile_buf, cublas: CublasDz
     (:func:`~.logits_epilogues.applies`), else ``cublas``."""
     epilogue = EpilogueDz(cublas.bias, cublas.y, cublas.lse, cublas.ent, cublas.g_lp, cublas.g_ent, cublas.scalars,
                           cublas.has_g_lp, cublas.has_g_ent)
-    if (fp32_logits(head) and fused_matmul.readable(rows_operand, w_like) and tile_buf.dtype == w_like.dtype
-            and tile_buf.stride(-1) == 1):
+    if (fp32_logits(head, "two_passes") and fp32_logits_rule.readable(rows_operand, w_like)
+            and tile_buf.dtype == w_like.dtype and tile_buf.stride(-1) == 1):
         epilogue.round_logits = False
         return epilogue
     if not logits_epilogues.applies(rows_operand, w_like, tile_buf):
@@ -235,7 +235,7 @@ def run_gradient_pass(head: HeadInputs, lse: torch.Tensor, entropy: Optional[tor
     gradient_plan = plan_gradient_pass(head, need)
     plan = gradient_plan.tile
     h, buf, y = rows_source(head, plan)
-    if fp32_logits(head) and h is not None and not fused_matmul.readable(h, weight):
+    if fp32_logits(head, "two_passes") and h is not None and not fp32_logits_rule.readable(h, weight):
         h = h.clone(memory_format=torch.contiguous_format)  # as the statistics pass read it: dz from the accumulator
     d_hidden = hidden_accumulator(head, gradient_plan, need)
     if need.weight:

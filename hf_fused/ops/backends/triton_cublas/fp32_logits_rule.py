@@ -1,0 +1,90 @@
+"""Whether a call takes the logits' statistics from the matmul's fp32 accumulator (:mod:`.fused_matmul`): asked for
+(per schedule, :data:`DEFAULT_ENABLED`; the environment's :data:`ENV`; a :func:`forced` block) and possible (the
+device, the dtypes and the operands' layout). :func:`~.plan.fp32_logits` decides with it for each call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from .matmul import tma_operand
+
+#: The environment variable that turns the fp32 statistics on (``1``) or off (``0``) for the process, in both
+#: schedules; unset, the plan's default (:data:`DEFAULT_ENABLED`) holds.
+ENV = "HF_FUSED_FP32_LOGITS"
+
+#: Whether the GPU backend takes its statistics from the fused matmul by default where it runs, per schedule: the two
+#: passes (the statistics pass, and ``dz`` from the accumulator in the gradient pass) and the one pass (statistics
+#: and the stored tile from one matmul). Off until measured against cuBLAS's tiles on an H200.
+DEFAULT_ENABLED = {"two_passes": False, "one_pass": False}
+
+# What a ``forced`` block set: None (the rule of :func:`enabled`), True or False.
+_FORCED: dict = {}
+
+
+@contextlib.contextmanager
+def forced(enabled: bool):
+    """Within the block the plan's ``fp32_logits`` choice is ``enabled`` for every call whose operands the kernel
+    can read (tests: True runs the kernel under Triton's interpreter on CPU; benchmarks: True or False to time
+    either). Process-wide, not per thread."""
+    previous = dict(_FORCED)
+    _FORCED["enabled"] = bool(enabled)
+    try:
+        yield
+    finally:
+        _FORCED.clear()
+        _FORCED.update(previous)
+
+
+def enabled(schedule: str = "two_passes") -> bool:
+    """Whether the fp32 statistics are asked for in ``schedule`` (``"two_passes"`` or ``"one_pass"``): a
+    :func:`forced` block's answer, else the environment's (:data:`ENV` ``=1`` or ``=0``), else
+    :data:`DEFAULT_ENABLED`'s.
+
+    Raises:
+        ValueError: for another ``schedule``, or a value of :data:`ENV` other than ``0`` or ``1``.
+    """
+    if schedule not in DEFAULT_ENABLED:
+        raise ValueError(f"schedule must be one of {sorted(DEFAULT_ENABLED)}, got {schedule!r}")
+    if "enabled" in _FORCED:
+        return _FORCED["enabled"]
+    value = os.environ.get(ENV)
+    if value is None or value == "":
+        return DEFAULT_ENABLED[schedule]
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV} must be 0 or 1 (the fp32 log-prob statistics off or on), got {value!r}")
+    return value == "1"
+
+
+def runs_on(weight: torch.Tensor, schedule: str = "two_passes") -> bool:
+    """Whether the fused matmul runs with ``weight`` (``[N, H]``, the matmul's operand) for a call in ``schedule``:
+    :func:`enabled` there, row-major with TMA-aligned rows (base address and row stride multiples of 16 bytes), and
+    bf16 on a CUDA device of compute capability ≥ 9.0 (an fp32 matmul stays cuBLAS's: Triton's fp32 ``tl.dot`` is
+    TF32 or slow) or, on CPU (Triton's interpreter, tests), bf16 or fp32. The rows operand must then be
+    :func:`readable` beside it."""
+    if not enabled(schedule) or weight.dim() != 2:
+        return False
+    if weight.is_cuda:
+        if weight.dtype != torch.bfloat16 or torch.cuda.get_device_capability(weight.device) < (9, 0):
+            return False
+    elif weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    return readable(weight, weight)
+
+
+def readable(h: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the fused matmul can read ``h [M, H]`` beside ``weight``: its dtype and device, row-major, TMA-aligned."""
+    return (h.dim() == 2 and h.dtype == weight.dtype and h.device == weight.device and h.stride(-1) == 1
+            and tma_operand(h) is None)
+
+
+def applies(h: torch.Tensor, weight: torch.Tensor, schedule: str = "two_passes") -> bool:
+    """Whether :func:`~.fused_matmul.logits_statistics_` runs on ``h [M, H]`` and ``weight [N, H]`` for a call in
+    ``schedule`` (:func:`runs_on` and :func:`readable`)."""
+    return runs_on(weight, schedule) and readable(h, weight)
+
+
+__all__ = ["DEFAULT_ENABLED", "ENV", "applies", "enabled", "forced", "readable", "runs_on"]
