@@ -15,6 +15,7 @@ from hf_fused.ops import linear_cross_entropy, linear_logprobs  # noqa: E402
 from hf_fused.ops.backends.triton_cublas import fp32_logits_rule as R  # noqa: E402
 from hf_fused.ops.backends.triton_cublas import fused_matmul as FM  # noqa: E402
 from hf_fused.ops.backends.triton_cublas import logits_epilogues as L  # noqa: E402
+from hf_fused.ops.backends.triton_cublas.plan import describe  # noqa: E402
 from hf_fused.ops.backends.triton_cublas.tiles import finish_row_stats, kernel_scalars, new_row_stats  # noqa: E402
 from hf_fused.ops.logit_transform import LogitTransform  # noqa: E402
 
@@ -243,6 +244,9 @@ def test_runs_only_where_asked_and_where_it_can(monkeypatch):
         assert not R.applies(h.float(), w)  # mixed dtypes
         assert not R.applies(h.t().contiguous().t(), w)  # column-major rows
         assert not R.applies(torch.zeros(64, 15, dtype=torch.bfloat16), torch.zeros(300, 15, dtype=torch.bfloat16))
+    with R.forced(True):  # the plan's one line says so
+        assert describe(w, n_rows=64).endswith("; log-prob statistics from the matmul's fp32 accumulator")
+    assert "fp32 accumulator" not in describe(w, n_rows=64)
     monkeypatch.setenv(R.ENV, "yes")
     with pytest.raises(ValueError, match="HF_FUSED_FP32_LOGITS must be 0 or 1"):
         R.enabled()

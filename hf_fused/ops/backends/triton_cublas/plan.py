@@ -191,8 +191,9 @@ def describe(weight: torch.Tensor, *, n_rows: int, tile_budget_bytes: Optional[i
              need_weight: Optional[bool] = None, n_tokens: Optional[int] = None) -> str:
     """One line saying which schedule a call with ``weight`` (``[V, H]``, on its device), ``n_rows`` kept tokens
     out of ``n_tokens`` (default: all kept) and hidden states in the weight's dtype that need a gradient would take
-    now, and its working set: the answers of :func:`plan_one_pass` and :func:`plan_gradient_pass` for such a call
-    (a call that can take the one pass: cross-entropy, a token loss, hinted log-probs)."""
+    now, its working set, and where the statistics come from when it is the fp32 accumulator: the answers of
+    :func:`plan_one_pass`, :func:`plan_gradient_pass` and :func:`fp32_logits` for such a call (a call that can take
+    the one pass: cross-entropy, a token loss, hinted log-probs)."""
     vocab_size, hidden_size = weight.shape
     n_tokens = n_rows if n_tokens is None else n_tokens
     need = NeededGrads(True, weight.requires_grad if need_weight is None else need_weight, False)
@@ -209,7 +210,7 @@ def describe(weight: torch.Tensor, *, n_rows: int, tile_budget_bytes: Optional[i
                                     min(plan.rows, max(n_rows, 1)), one_pass_extra_bytes(head, need),
                                     one_pass_gather_row_bytes(head))
         return (f"one pass (6·N·H·V): {plan.rows} rows per tile, {size / 2**30:.2f} GiB working set with the "
-                f"weight-gradient accumulator {plan.accumulator!r}")
+                f"weight-gradient accumulator {plan.accumulator!r}" + _statistics_source(weight, "one_pass"))
     gradient = plan_gradient_pass(head, need)
     tile, copy = gradient.tile, compact_bytes(head)
     size = tile.bytes
@@ -218,4 +219,11 @@ def describe(weight: torch.Tensor, *, n_rows: int, tile_budget_bytes: Optional[i
     rows_how = "gathered per block" if tile.gather_rows else "a compact copy" if copy else "in place"
     return (f"two passes (8·N·H·V): {tile.block_rows}×{tile.cols} tile, {size / 2**30:.2f} GiB working set with the "
             f"hidden-state gradient's accumulator ({gradient.hidden_accumulator}, for {weight.dtype} hidden states), "
-            f"kept rows {rows_how}")
+            f"kept rows {rows_how}" + _statistics_source(weight, "two_passes"))
+
+
+def _statistics_source(weight: torch.Tensor, schedule: str) -> str:
+    """What :func:`describe` adds where the schedule takes the statistics from the fp32 accumulator."""
+    if not fp32_logits_rule.runs_on(weight, schedule):
+        return ""
+    return "; log-prob statistics from the matmul's fp32 accumulator"
