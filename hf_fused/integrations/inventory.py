@@ -10,11 +10,12 @@ from .trl.async_distillation import TRL_ASYNC_DISTILLATION
 from .trl.distillation import TRL_DISTILLATION
 from .trl.gkd import TRL_GKD
 from .trl.hooks import TRL_FUSED_HEAD, TRL_HEAD_ADAPTER_CHECKS
+from .trl.server_distillation import TRL_SERVER_DISTILLATION
 
 #: The inventory, in installation order (TRL's head first: the trainer entries skip a refused protocol).
 PATCHES: tuple[ThirdPartyPatch, ...] = (
     PREDICTION_STEP, LIGER_KERNEL, TRL_FUSED_HEAD, *TRL_HEAD_ADAPTER_CHECKS, TRL_DISTILLATION, TRL_GKD,
-    TRL_ASYNC_DISTILLATION,
+    TRL_ASYNC_DISTILLATION, TRL_SERVER_DISTILLATION,
 )
 
 

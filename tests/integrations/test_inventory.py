@@ -36,13 +36,15 @@ def _targets() -> list[tuple[object, str]]:
     import trl.trainer.distillation_trainer as distillation_module
     import trl.trainer.utils as trl_utils
     import trl.experimental.async_distillation.async_distillation_trainer as async_module
+    from trl.experimental.server_distillation.server_distillation_trainer import ServerDistillationTrainer
     from trl.experimental.gkd.gkd_trainer import GKDTrainer
     from trl.trainer.distillation_trainer import DistillationTrainer
 
     targets = [(transformers.Trainer, "prediction_step"), (trainer_module, "apply_liger_kernel"),
                (trl_utils, "add_fused_lm_head"), (DistillationTrainer, "__init__"),
                (distillation_module, "_chunked_divergence_loss"), (GKDTrainer, "compute_loss"),
-               (async_module, "_chunked_jsd_loss"), (async_module.AsyncDistillationTrainer, "_compute_loss")]
+               (async_module, "_chunked_jsd_loss"), (async_module.AsyncDistillationTrainer, "_compute_loss"),
+               (ServerDistillationTrainer, "compute_loss")]
     for module_name, cls in _TRAINER_CLASSES().items():
         module = importlib.import_module(module_name)
         targets += [(module, "add_fused_lm_head"), (cls, "__init__")]
@@ -64,7 +66,7 @@ def test_every_entry_is_in_the_table_with_every_column():
         assert patch.name.split(".")[0] in integrations.__doc__, patch.name
         for column in (patch.target, patch.trigger, patch.versions, patch.why, patch.passes_through):
             assert isinstance(column, str) and column, patch.name
-    assert len({patch.name for patch in integrations.PATCHES}) == len(integrations.PATCHES) == 11
+    assert len({patch.name for patch in integrations.PATCHES}) == len(integrations.PATCHES) == 12
 
 
 def test_remove_on_the_last_patched_model_restores_every_original(only_this_tests_models):
