@@ -111,28 +111,28 @@ HEAD_LAYOUTS: list = []
 
 
 def record_head_layouts() -> list:
-    """From now on (:data:`HEAD_LAYOUTS`, cleared), record each lm_head weight hf_fused's patched forward and
-    ``LinearCrossEntropyLoss`` read as a vocabulary shard (installed once per process)."""
+    """From now on (:data:`HEAD_LAYOUTS`, cleared), record each lm_head weight hf_fused's patched forward,
+    ``LinearCrossEntropyLoss`` and, once TRL is imported, hf_fused's answer to TRL's fused head read as a vocabulary
+    shard (installed once per process, and in the TRL head once TRL is loaded)."""
     HEAD_LAYOUTS.clear()
     from hf_fused.model import forward, head_loss
 
-    if getattr(forward.vocab_parallel_head, "_recorded", False):
-        return HEAD_LAYOUTS
-    original = forward.vocab_parallel_head
+    if not getattr(forward.vocab_parallel_head, "_recorded", False):
+        original = forward.vocab_parallel_head
 
-    def recorded(weight, bias=None):
-        out = original(weight, bias)
-        if out[2] is not None:
-            HEAD_LAYOUTS.append((tuple(str(p) for p in weight.placements), tuple(weight.device_mesh.shape),
-                                 (out[2].start, out[2].stop)))
-        return out
+        def recorded(weight, bias=None):
+            out = original(weight, bias)
+            if out[2] is not None:
+                HEAD_LAYOUTS.append((tuple(str(p) for p in weight.placements), tuple(weight.device_mesh.shape),
+                                     (out[2].start, out[2].stop)))
+            return out
 
-    recorded._recorded = True
-    forward.vocab_parallel_head = head_loss.vocab_parallel_head = recorded
+        recorded._recorded = True
+        forward.vocab_parallel_head = head_loss.vocab_parallel_head = recorded
     if "trl" in sys.modules:  # TRL's fused-head calls read lm_head through hf_fused's TRL integration
         from hf_fused.integrations.trl import head as trl_head
 
-        trl_head.vocab_parallel_head = recorded
+        trl_head.vocab_parallel_head = forward.vocab_parallel_head
     return HEAD_LAYOUTS
 
 
