@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Optional
 
 import torch
 
@@ -21,17 +22,34 @@ ENV = "HF_FUSED_FP32_LOGITS"
 #: and the stored tile from one matmul). Off until measured against cuBLAS's tiles on an H200.
 DEFAULT_ENABLED = {"two_passes": False, "one_pass": False}
 
+#: How the one pass with the fp32 statistics makes ``dz``: ``"tile"``, the fused matmul also stores the bf16 tile (and
+#: its own normalizer) and the gradient kernel turns it into ``dz`` (6·N·H·V, the gradients of cuBLAS's tiles); or
+#: ``"recompute"``, the statistics alone, then the logits matmul again with ``dz`` from its fp32 accumulator
+#: (:func:`~.logits_epilogues.logits_grad_`; 8·N·H·V, no bf16 logits anywhere). :data:`DZ_ENV` overrides it.
+ONE_PASS_DZ = "tile"
+DZ_ENV = "HF_FUSED_FP32_ONE_PASS_DZ"
+_DZ_MODES = ("tile", "recompute")
+
 # What a ``forced`` block set: None (the rule of :func:`enabled`), True or False.
 _FORCED: dict = {}
 
 
 @contextlib.contextmanager
-def forced(enabled: bool):
+def forced(enabled: bool, one_pass_dz: Optional[str] = None):
     """Within the block the plan's ``fp32_logits`` choice is ``enabled`` for every call whose operands the kernel
     can read (tests: True runs the kernel under Triton's interpreter on CPU; benchmarks: True or False to time
-    either). Process-wide, not per thread."""
+    either), and the one pass's ``dz`` is made as ``one_pass_dz`` says (:data:`ONE_PASS_DZ`'s values; None: the
+    rule of :func:`one_pass_dz`). Process-wide, not per thread.
+
+    Raises:
+        ValueError: for another ``one_pass_dz``.
+    """
+    if one_pass_dz is not None and one_pass_dz not in _DZ_MODES:
+        raise ValueError(f"one_pass_dz must be one of {_DZ_MODES} or None, got {one_pass_dz!r}")
     previous = dict(_FORCED)
     _FORCED["enabled"] = bool(enabled)
+    if one_pass_dz is not None:
+        _FORCED["one_pass_dz"] = one_pass_dz
     try:
         yield
     finally:
@@ -59,6 +77,22 @@ def enabled(schedule: str = "two_passes") -> bool:
     return value == "1"
 
 
+def one_pass_dz() -> str:
+    """How the one pass with the fp32 statistics makes ``dz`` (:data:`ONE_PASS_DZ`): a :func:`forced` block's
+    answer, else the environment's (:data:`DZ_ENV`), else :data:`ONE_PASS_DZ`.
+
+    Raises:
+        ValueError: for a value of :data:`DZ_ENV` other than ``tile`` or ``recompute``.
+    """
+    if "one_pass_dz" in _FORCED:
+        return _FORCED["one_pass_dz"]
+    value = os.environ.get(DZ_ENV) or ONE_PASS_DZ
+    if value not in _DZ_MODES:
+        raise ValueError(f"{DZ_ENV} must be tile or recompute (how the one pass makes the logits gradient from the "
+                         f"fp32 statistics), got {value!r}")
+    return value
+
+
 def runs_on(weight: torch.Tensor, schedule: str = "two_passes") -> bool:
     """Whether the fused matmul runs with ``weight`` (``[N, H]``, the matmul's operand) for a call in ``schedule``:
     :func:`enabled` there, row-major with TMA-aligned rows (base address and row stride multiples of 16 bytes), and
@@ -76,7 +110,8 @@ def runs_on(weight: torch.Tensor, schedule: str = "two_passes") -> bool:
 
 
 def readable(h: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the fused matmul can read ``h [M, H]`` beside ``weight``: its dtype and device, row-major, TMA-aligned."""
+    """Whether the fused matmul can read ``h [M, H]`` beside ``weight``: its dtype and device, row-major,
+    TMA-aligned."""
     return (h.dim() == 2 and h.dtype == weight.dtype and h.device == weight.device and h.stride(-1) == 1
             and tma_operand(h) is None)
 
@@ -87,4 +122,5 @@ def applies(h: torch.Tensor, weight: torch.Tensor, schedule: str = "two_passes")
     return runs_on(weight, schedule) and readable(h, weight)
 
 
-__all__ = ["DEFAULT_ENABLED", "ENV", "applies", "enabled", "forced", "readable", "runs_on"]
+__all__ = ["DEFAULT_ENABLED", "DZ_ENV", "ENV", "ONE_PASS_DZ", "applies", "enabled", "forced", "one_pass_dz", "readable",
+           "runs_on"]

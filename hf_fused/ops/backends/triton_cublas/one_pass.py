@@ -19,7 +19,7 @@ import torch
 from ...grads import HeadGrads, split_accumulator
 from ...head_inputs import HeadInputs, NeededGrads
 from ..protocol import HeadPass, TileGrads
-from . import fp32_logits_rule, fused_matmul, quack_bridge
+from . import fp32_logits_rule, fused_matmul, logits_epilogues, quack_bridge
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_, compensated_scale_, one_pass_config
 from .matmul import addmm_f32_, mm_f32_
 from .one_pass_rule import OnePassPlan
@@ -103,14 +103,21 @@ class TileStatistics:
     cuBLAS's tile and the statistics kernel."""
 
     def __init__(self, fused: bool, weight: torch.Tensor, bias: Optional[torch.Tensor], scalars: dict,
-                 return_entropy: bool, fp32: bool = False, tile_rows: int = 0) -> None:
+                 return_entropy: bool, fp32: bool = False, tile_rows: int = 0, store_tile: bool = True) -> None:
         self.fused, self.weight, self.bias, self.scalars, self.return_entropy = (
             fused and not fp32, weight, bias, scalars, return_entropy)
-        self.rounded_sum = torch.empty(tile_rows, dtype=torch.float32, device=weight.device) if fp32 else None
+        self.fp32 = fp32
+        self.rounded_sum = (torch.empty(tile_rows, dtype=torch.float32, device=weight.device) if fp32 and store_tile
+                            else None)
 
     def __call__(self, h: torch.Tensor, y: torch.Tensor, dz: torch.Tensor, row_stats) -> Optional[torch.Tensor]:
-        """Fills ``dz`` with the tile's logits and ``row_stats`` with their statistics; returns the log-sum-exp that
-        normalizes the stored tile's probabilities where it is not the statistics' own (``fp32``), else None."""
+        """Fills ``dz`` with the tile's logits (but with ``fp32`` and no ``store_tile``) and ``row_stats`` with their
+        statistics; returns the log-sum-exp that normalizes the stored tile's probabilities where it is not the
+        statistics' own (``fp32`` with ``store_tile``), else None."""
+        if self.fp32 and self.rounded_sum is None:  # dz from the accumulator later (TileGradients' recompute)
+            fused_matmul.logits_statistics_(h, self.weight, y, row_stats, self.scalars,
+                                            return_entropy=self.return_entropy, bias=self.bias)
+            return None
         if self.rounded_sum is not None:
             rounded_sum = self.rounded_sum[: h.shape[0]].zero_()
             fused_matmul.logits_statistics_(h, self.weight, y, row_stats, self.scalars,
@@ -129,14 +136,16 @@ class TileStatistics:
 
 class TileGradients:
     """Each tile's gradients once its statistics are in: ``tile_grads(r0, r1, logp, entropy) -> (g_lp, g_ent or
-    None)`` on the tile's rows, the gradient kernel turning the same tile into ``dz``, then ``dh`` (complete within
-    the tile), the weight accumulator's ``dW`` (:func:`weight_accumulator`) and the bias's."""
+    None)`` on the tile's rows, the gradient kernel turning the same tile into ``dz`` (or, with ``recompute``, the
+    logits matmul again with ``dz`` from its fp32 accumulator, :func:`~.logits_epilogues.logits_grad_`), then ``dh``
+    (complete within the tile), the weight accumulator's ``dW`` (:func:`weight_accumulator`) and the bias's."""
 
     def __init__(self, head: HeadInputs, plan: OnePassPlan, need: NeededGrads, tile_grads: TileGrads,
-                 grads: HeadGrads, scalars: dict, return_entropy: bool, entropy_in_grads: bool) -> None:
+                 grads: HeadGrads, scalars: dict, return_entropy: bool, entropy_in_grads: bool,
+                 recompute: bool = False) -> None:
         weight, bias = head.weight, head.bias
         self.weight, self.bias, self.scalars, self.grads, self.tile_grads = weight, bias, scalars, grads, tile_grads
-        self.return_entropy, self.entropy_in_grads = return_entropy, entropy_in_grads
+        self.return_entropy, self.entropy_in_grads, self.recompute = return_entropy, entropy_in_grads, recompute
         self.d_weight = weight_accumulator(plan, head, need, grads)
         self.d_hidden = (torch.empty((head.rows.numel(), weight.shape[1]), dtype=torch.float32, device=weight.device)
                          if need.hidden else None)
@@ -152,9 +161,17 @@ class TileGradients:
         ent = lse - run_zp / run_sum if self.entropy_in_grads and self.return_entropy and not fused else None
         g_lp, g_ent = self.tile_grads(r0, r1, label_logit - lse, ent)
         lse = lse if tile_lse is None else tile_lse
-        # fused statistics with an entropy asked for: Σ p·z into run_zp (run_sum is 1), for finish_row_stats
-        gradient_tile(dz, 0, self.bias, y, lse, lse if ent is None else ent, g_lp, lse if g_ent is None else g_ent,
-                      self.scalars, True, g_ent is not None, sum_pz=run_zp if self.return_entropy and fused else None)
+        if self.recompute:
+            zeros = torch.zeros_like(lse)
+            logits_epilogues.logits_grad_(
+                h, self.weight, dz, y, lse, zeros if ent is None else ent, g_lp.float().contiguous(),
+                zeros if g_ent is None else g_ent.float().contiguous(), has_g_lp=True, has_g_ent=g_ent is not None,
+                col_offset=0, bias=self.bias, scalars=self.scalars, round_logits=False)
+        else:
+            # fused statistics with an entropy asked for: Σ p·z into run_zp (run_sum is 1), for finish_row_stats
+            gradient_tile(dz, 0, self.bias, y, lse, lse if ent is None else ent, g_lp,
+                          lse if g_ent is None else g_ent, self.scalars, True, g_ent is not None,
+                          sum_pz=run_zp if self.return_entropy and fused else None)
         if self.d_hidden is not None:  # each row's dh is complete within its tile
             mm_f32_(self.d_hidden[r0:r1], dz, self.weight)
         if self.d_weight is not None:
@@ -186,15 +203,16 @@ def run_one_pass(head: HeadInputs, tile_grads: Optional[TileGrads], need: Needed
     m_rows, vocab_size = head.rows.numel(), weight.shape[0]
     y, rows_operand, blocks = one_pass_rows(head, plan.rows)
     scalars = kernel_scalars(head.transform, bias)
-    gradients = TileGradients(head, plan, need, tile_grads, HeadGrads(mul_into=mul_into), scalars, return_entropy,
-                              entropy_in_grads)
     stats = new_row_stats(m_rows, weight.device, statistics)
     tile_buf = torch.empty((min(plan.rows, max(m_rows, 1)), vocab_size), dtype=weight.dtype, device=weight.device)
     late_entropy = return_entropy and tile_grads is not None and not entropy_in_grads
-    fp32 = fp32_logits(head, "one_pass") and fp32_logits_rule.readable(rows_operand, weight) and tile_buf.stride(-1) == 1
+    fp32 = fp32_logits(head, "one_pass") and fp32_logits_rule.readable(rows_operand, weight)
+    recompute = fp32 and fp32_logits_rule.one_pass_dz() == "recompute"
+    gradients = TileGradients(head, plan, need, tile_grads, HeadGrads(mul_into=mul_into), scalars, return_entropy,
+                              entropy_in_grads, recompute)
     tile_statistics = TileStatistics(
         quack_bridge.fuses_statistics(head, rows_operand, return_entropy and not late_entropy, statistics), weight,
-        bias, scalars, return_entropy, fp32, tile_buf.shape[0])
+        bias, scalars, return_entropy, fp32, tile_buf.shape[0], store_tile=not recompute)
     for r0, r1, h in blocks:  # h: the tile's kept hidden rows [r1 − r0, H], in weight's dtype
         dz, row_stats = tile_buf[: r1 - r0], row_slice(stats, r0, r1)
         tile_lse = tile_statistics(h, y[r0:r1], dz, row_stats)
