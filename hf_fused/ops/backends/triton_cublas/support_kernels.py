@@ -13,8 +13,8 @@ kernels of their own, which touch ``[rows, K]`` elements, never ``[rows, V]``:
   so duplicate ids add up), through the transform's derivative, rounded once into the tile. Duplicates store the
   same value.
 
-One program per row; the ``K`` slots in one block (``K`` up to a few thousand). Run on CPU tensors under
-``TRITON_INTERPRET=1`` (CI).
+One program per row; the ``K`` slots in one block (compiled for sm_90 without spills up to ``K = 1024``). Run on CPU
+tensors under ``TRITON_INTERPRET=1`` (CI).
 """
 
 from __future__ import annotations
@@ -30,6 +30,14 @@ from .triton_kernels import apply_transform
 
 #: Slots compared at once when summing ``g`` over duplicate ids: a ``[K, DUP_BLOCK]`` block per step.
 DUP_BLOCK = 32
+
+
+def _scatter_launch(block_k: int) -> tuple[int, int]:
+    """``(DUP, num_warps)`` of the gradient-columns kernel for ``block_k`` slots: compiled for sm_90 (Triton 3.9)
+    without spills up to 1024 slots (4 warps to 256: at most 167 registers; 8 above, 16-slot steps at 1024)."""
+    if block_k <= 256:
+        return min(DUP_BLOCK, block_k), 4
+    return (DUP_BLOCK if block_k <= 512 else 16), 8
 
 
 @triton.jit
@@ -140,12 +148,13 @@ def scatter_support_grad_(dz: torch.Tensor, ids: torch.Tensor, valid: torch.Tens
     if rows == 0:
         return
     kernel_scalars = {name: value for name, value in scalars.items() if name != "HAS_BIAS"}
+    dup, warps = _scatter_launch(_block_k(k))
     with torch.cuda.device(dz.device) if dz.is_cuda else contextlib.nullcontext():
         _scatter_support_grad_kernel[(rows,)](
             dz, dz.stride(0), ids, valid.view(torch.uint8), ids.stride(0), raw, g, lse, ent,
             lse if g_ent is None else g_ent, k, HAS_G_ENT=g_ent is not None,
-            ROUND=1 if (dz.dtype == torch.bfloat16 and not dz.is_cuda) else 0, BLOCK_K=_block_k(k),
-            DUP=min(DUP_BLOCK, _block_k(k)), num_warps=4, **kernel_scalars,
+            ROUND=1 if (dz.dtype == torch.bfloat16 and not dz.is_cuda) else 0, BLOCK_K=_block_k(k), DUP=dup,
+            num_warps=warps, **kernel_scalars,
         )
 
 
