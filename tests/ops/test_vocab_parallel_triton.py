@@ -94,6 +94,26 @@ def test_ranks_match_float64_and_the_unsharded_op(op, schedule):
 
 
 @interpreted
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("op", ["cross_entropy", "logprobs", "token_loss"])
+def test_fp32_accumulator_statistics(op, schedule):
+    """Where the GPU backend takes the statistics from the matmul's fp32 accumulator (``fp32_logits_rule.forced``):
+    the two passes' statistics pass over each rank's rows from the fused matmul, merged (``dz`` from the accumulator
+    too), and the one pass's calls run as the two passes; against float64 and the unsharded op in the same mode."""
+    from hf_fused.ops.backends.triton_cublas import fp32_logits_rule
+
+    inputs = make_inputs(29, seed=9)
+    bounds = chunk_bounds(29, 2)
+    ref = dense_op(op, inputs)
+    with forced_plans(**SCHEDULES[schedule]), fp32_logits_rule.forced(True):
+        whole = run_triton(op, inputs)
+        got, _ = run_ranks(2, lambda r, group: run_triton(op, inputs, bounds[r], group))
+    for r, rank_result in enumerate(got):
+        assert_rank_matches(rank_result, ref, bounds[r], f"{op} {schedule} fp32, rank {r} vs float64")
+        assert_rank_matches(rank_result, whole, bounds[r], f"{op} {schedule} fp32, rank {r} vs unsharded")
+
+
+@interpreted
 def test_ties_across_slices_keep_the_first_maximum():
     """Integer logits tied between the ranks' slices: ``is_top1`` from the merged arg-max is the unsharded op's,
     bit for bit, in both schedules."""

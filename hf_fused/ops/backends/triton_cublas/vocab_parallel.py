@@ -8,11 +8,12 @@ it). The kernels' running statistics (:data:`~.tiles.RowStats`: running max ``m`
 common maximum, so one all-reduce MAX of ``[rows]`` and one all-reduce SUM of ``[k, rows]`` merge them
 (:func:`merge_row_stats_`, the formulas of :mod:`hf_fused.ops.vocab_parallel`):
 
-* the two passes: the statistics pass over the rank's rows, merged once per call; the gradient pass is local (the
-  merged log-sum-exp and entropy are all it reads);
+* the two passes: the statistics pass over the rank's rows (from cuBLAS's tiles, or from the matmul's fp32
+  accumulator where the GPU backend takes them from there: :func:`~.plan.fp32_logits`), merged once per call; the
+  gradient pass is local (the merged log-sum-exp and entropy are all it reads);
 * the one pass: every tile's statistics merged before its gradient kernel runs, so every rank of the group runs the
   same tiles: the tile rows are agreed once per call (the smallest any rank's plan allows; two passes if any rank's
-  plan has no one pass).
+  plan has no one pass; the two passes also where the one pass would take fp32-accumulator statistics).
 
 The weight gradient of a rank's rows stays on the rank; the hidden states' gradient is the rank's part, summed over
 the group in fp32 by the op (:func:`~hf_fused.ops.vocab_parallel.sum_gradient_over`). Used for every rank holding
@@ -34,7 +35,8 @@ from ..protocol import HeadPass, TileGrads
 from .one_pass import TileGradients
 from .one_pass_rule import OnePassPlan
 from .operands import one_pass_rows, operand_bias, row_blocks, rows_source, weight_chunk_buffer
-from .plan import plan_one_pass, plan_statistics_pass
+from . import fp32_logits_rule, fused_matmul
+from .plan import fp32_logits, plan_fp32_statistics_pass, plan_one_pass, plan_statistics_pass
 from .scaled_round import mul_into
 from .tiles import RowStats, finish_row_stats, kernel_scalars, new_row_stats, row_slice, statistics_tile
 from .two_passes import run_gradient_pass
@@ -71,21 +73,11 @@ class TritonVocabParallelBackend:
 
     def logprobs_forward(self, head: HeadInputs, *, return_entropy: bool = False,
                          statistics: Sequence[str] = ()) -> HeadPass:
-        """The statistics pass over this rank's rows (vocabulary chunks outside), merged once over the group."""
+        """The statistics pass over this rank's rows, merged once over the group: from cuBLAS's tiles (vocabulary
+        chunks outside), or from the logits matmul's fp32 accumulator where the GPU backend's two passes take them
+        from there (:func:`~.plan.fp32_logits`: the gradient pass then computes ``dz`` from it too)."""
         local = local_head(head, self.layout)
-        weight, bias, dtype = local.weight, operand_bias(local), local.operand_dtype
-        plan = plan_statistics_pass(local)
-        h, buf, y = rows_source(local, plan)
-        stats = new_row_stats(local.rows.numel(), weight.device, statistics)
-        scalars = kernel_scalars(local.transform, bias)
-        tile_buf = torch.empty((plan.block_rows, plan.cols), dtype=dtype, device=weight.device)
-        w_buf = weight_chunk_buffer(local, plan.cols)
-        width = weight.shape[0]
-        for v0 in range(0, width, plan.cols):
-            w_chunk = local.weight_rows(v0, min(v0 + plan.cols, width), w_buf)
-            for r0, r1, h_rows in row_blocks(local, plan, h, buf):
-                z = torch.mm(h_rows, w_chunk.t(), out=tile_buf[: r1 - r0, : w_chunk.shape[0]])
-                statistics_tile(z, v0, bias, y[r0:r1], row_slice(stats, r0, r1), scalars, return_entropy)
+        stats, y = _local_statistics(local, return_entropy, statistics)
         top1 = merge_row_stats_(stats, y, self.layout, return_entropy)
         return _finish(stats, y, self.layout, return_entropy, statistics, top1)
 
@@ -100,7 +92,10 @@ class TritonVocabParallelBackend:
     def _one_pass(self, head: HeadInputs, tile_grads: Optional[TileGrads], need: NeededGrads, return_entropy: bool,
                   statistics: Sequence[str], *, entropy_in_grads: bool) -> Optional[HeadPass]:
         local = local_head(head, self.layout)
-        plan = agreed_one_pass(plan_one_pass(local, need), self.layout, local.weight.device)
+        # Where the one pass would take its statistics from the fp32 accumulator, the two passes do (the merge of
+        # the stored tile's own normalizer is not implemented); every rank decides alike, from the same settings.
+        plan = None if fp32_logits(local, "one_pass") else plan_one_pass(local, need)
+        plan = agreed_one_pass(plan, self.layout, local.weight.device)
         if plan is None:
             return None
         local = local.computed()  # every tile reads the whole weight: one cast copy under autocast (planned)
@@ -127,6 +122,35 @@ class TritonVocabParallelBackend:
         out = _finish(stats, y, self.layout, return_entropy, statistics, top1)
         out.grads = grads if tile_grads is not None else None
         return out
+
+
+def _local_statistics(local: HeadInputs, return_entropy: bool, statistics: Sequence[str]):
+    """``(running statistics, kept rows' local labels)`` of this rank's rows (:data:`~.tiles.RowStats`, before the
+    merge): the two passes' statistics pass without its finish (:func:`~.two_passes.run_statistics_pass`,
+    :func:`~.two_passes.run_fp32_statistics_pass`)."""
+    weight, bias, dtype = local.weight, operand_bias(local), local.operand_dtype
+    stats = new_row_stats(local.rows.numel(), weight.device, statistics)
+    scalars = kernel_scalars(local.transform, bias)
+    if fp32_logits(local, "two_passes"):
+        plan = plan_fp32_statistics_pass(local, 2 + return_entropy + len(statistics))
+        h, buf, y = rows_source(local, plan)
+        if h is not None and not fp32_logits_rule.readable(h, weight):
+            h = h.clone(memory_format=torch.contiguous_format)
+        for r0, r1, h_rows in row_blocks(local, plan, h, buf):
+            fused_matmul.logits_statistics_(h_rows, weight, y[r0:r1], row_slice(stats, r0, r1), scalars,
+                                            return_entropy=return_entropy, bias=bias)
+        return stats, y
+    plan = plan_statistics_pass(local)
+    h, buf, y = rows_source(local, plan)
+    tile_buf = torch.empty((plan.block_rows, plan.cols), dtype=dtype, device=weight.device)
+    w_buf = weight_chunk_buffer(local, plan.cols)
+    width = weight.shape[0]
+    for v0 in range(0, width, plan.cols):
+        w_chunk = local.weight_rows(v0, min(v0 + plan.cols, width), w_buf)
+        for r0, r1, h_rows in row_blocks(local, plan, h, buf):
+            z = torch.mm(h_rows, w_chunk.t(), out=tile_buf[: r1 - r0, : w_chunk.shape[0]])
+            statistics_tile(z, v0, bias, y[r0:r1], row_slice(stats, r0, r1), scalars, return_entropy)
+    return stats, y
 
 
 def local_head(head: HeadInputs, layout: VocabLayout) -> HeadInputs:
