@@ -139,14 +139,15 @@ class SupportTileLoss:
 
 @runtime_checkable
 class SupportLossBackend(Protocol):
-    """A backend with its own support-loss pass, with the signature and contract of :func:`support_loss_pass`, or
-    returning ``None`` for a call it leaves to the plain-PyTorch pass (which the op runs for backends without it).
+    """A backend with its own support-loss pass, with the signature and contract of :func:`support_loss_pass` (its
+    result as a :class:`SupportPass` or the plain tuple of its fields), or returning ``None`` for a call it leaves
+    to the plain-PyTorch pass (which the op runs for backends without it).
     The GPU backend's: cuBLAS tiles, its statistics and gradient kernels, and two kernels for the candidate columns
     (:mod:`hf_fused.ops.backends.triton_cublas.support_pass`)."""
 
     def support_loss_pass(self, head: HeadInputs, support: Support, *, tile_loss: Optional[SupportTileLoss] = None,
                           row_grads: Optional[SupportRowGrads] = None, need: NeededGrads = _NO_GRADS,
-                          return_entropy: bool = False) -> Optional[SupportPass]: ...
+                          return_entropy: bool = False) -> Optional[tuple]: ...
 
 
 def support_loss_pass(
@@ -274,7 +275,7 @@ class _SupportLossCall:
                        return_entropy=self.return_entropy or self.need_entropy)
         backend_pass = getattr(self.prepared.backend, "support_loss_pass", None)
         out = None if backend_pass is None else backend_pass(head, self.support, **options)
-        return support_loss_pass(head, self.support, **options) if out is None else out
+        return support_loss_pass(head, self.support, **options) if out is None else SupportPass(*out)
 
 
 class LinearSupportLossFunction(torch.autograd.Function):

@@ -32,10 +32,9 @@ _NO_GRADS = NeededGrads(False, False, False)
 
 def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=None, need: NeededGrads = _NO_GRADS,
                      return_entropy: bool = False):
-    """:func:`hf_fused.ops.support_loss.support_loss_pass`'s contract on the GPU backend's one pass, or ``None`` where
+    """:func:`hf_fused.ops.support_loss.support_loss_pass`'s contract on the GPU backend's one pass: its
+    ``(support_logprobs, entropy, grads)`` as a plain tuple (backends sit below the op's module), or ``None`` where
     the planner chooses two passes (the op then runs the plain-PyTorch pass)."""
-    from ...support_loss import SupportPass  # the op's module imports the backends: bound at the call
-
     differentiates = (tile_loss is not None and tile_loss.differentiate) or row_grads is not None
     need = need if differentiates else _NO_GRADS
     plan = plan_one_pass(head, need)
@@ -107,7 +106,7 @@ def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=Non
         grads.hidden = d_hidden
         if d_weight is not None:
             d_weight.finish(grads)
-    return SupportPass(support_logprobs, entropy, grads)
+    return support_logprobs, entropy, grads
 
 
 __all__ = ["run_support_pass"]
