@@ -198,3 +198,28 @@ def test_missing_teacher_logprobs_raise_trls_error(teacher_server, tmp_path, mon
     for patch in (None, "before"):
         with pytest.raises(ValueError, match="missing actual-token logprobs"):
             _train(make_word_model(), tmp_path, monkeypatch, patch=patch, beta=1.0, max_steps=1)
+
+
+def test_a_subclass_loss_keeps_trls_method_with_one_warning(teacher_server, tmp_path, monkeypatch):
+    """A subclass with its own loss on the full log-probs: TRL's ``compute_loss`` runs (the subclass's loss is what
+    trains), and one warning says why and what to do."""
+    from trl.experimental.server_distillation import ServerDistillationConfig, ServerDistillationTrainer
+
+    from hf_fused.model import FusedLossBypassedWarning
+
+    class Doubled(ServerDistillationTrainer):
+        def _compute_server_forward_kl_loss(self, *args, **kwargs):
+            return 2 * super()._compute_server_forward_kl_loss(*args, **kwargs)
+
+    args = ServerDistillationConfig(output_dir=str(tmp_path / "sub"), bf16=False, max_steps=2,
+                                    per_device_train_batch_size=4, report_to=[], use_cpu=True, save_strategy="no",
+                                    disable_tqdm=True, max_completion_length=5, beta=0.0, loss_top_k=2,
+                                    teacher_model_server_url="http://teacher:8000")
+    model = hf_fused.apply_fused_loss(make_word_model())
+    trainer = Doubled(model=model, args=args, train_dataset=PROMPTS, processing_class=make_tokenizer())
+    counting = _Counting(monkeypatch)
+    with pytest.warns(FusedLossBypassedWarning, match="overrides _compute_server_forward_kl_loss") as caught:
+        trainer.train()
+    assert len([w for w in caught if issubclass(w.category, FusedLossBypassedWarning)]) == 1
+    assert counting.hf_fused == 0 and counting.trl == 2
+    hf_fused.remove_fused_loss(model)

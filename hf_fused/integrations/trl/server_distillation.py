@@ -15,9 +15,11 @@ in a forward; a LoRA adapter on lm_head included, as TRL's ``DistillationTrainer
 patched model), by calling the student through its wrappers with :data:`CALL_KEYWORD`, which the extension
 registered here answers (:func:`sparse_distillation_forward`).
 
-Where its options do not allow it, ``compute_loss`` is TRL's: ``return_outputs=True`` (the caller wants the student's
-logits), ``reverse_kl_top_1_mode="argmax"`` (the student's own top-1, which TRL's config refuses anyway), an
-unpatched student. TRL's own errors for a teacher that misses required log-probs are raised as TRL raises them.
+Where its options do not allow it, ``compute_loss`` is TRL's (full logits) and, while training, a one-time
+:class:`~hf_fused.model.FusedLossBypassedWarning` says why and what to do: ``return_outputs=True`` (the caller wants
+the student's logits), ``reverse_kl_top_1_mode="argmax"`` (the student's own top-1, which TRL's config refuses), a
+subclass overriding one of TRL's loss methods on the full log-probs (:data:`LOSS_METHODS`). An unpatched student gets
+TRL's method silently. TRL's own errors for a teacher that misses required log-probs are raised as TRL raises them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import torch
 import torch.nn as nn
 
 from ...model import (
-    FusedRequest, ModelExtension, as_kwargs, head_tensors, intercept_lm_head, is_fused, register_extension,
+    FusedLossBypassedWarning, FusedRequest, ModelExtension, as_kwargs, find_causal_lm, head_tensors,
+    intercept_lm_head, is_fused, register_extension,
 )
 from ...ops import sparse_distillation_loss
 from ..patching import ThirdPartyPatch
@@ -185,14 +188,45 @@ def _top1_and_realized(trainer, teacher: dict, tokens, required, beta: float):
     return ids, torch.stack([top1, actual], dim=-1), valid
 
 
-def _why_not_fused(trainer, model, return_outputs: bool) -> Optional[str]:
-    if not is_fused(model):
-        return "not patched"
+#: TRL's loss methods on the student's full log-probs: a subclass that overrides one keeps TRL's ``compute_loss``.
+LOSS_METHODS = ("_compute_server_forward_kl_loss", "_compute_server_sparse_top_1_divergence_loss",
+                "_compute_sparse_top_1_divergence_loss", "_reduce_divergence_loss")
+
+
+def _why_not_fused(trainer, trainer_cls: type, return_outputs: bool) -> Optional[str]:
+    """Why :func:`fused_server_loss` cannot answer this call for a patched student (``None`` when it can)."""
     if return_outputs:
-        return "return_outputs"
+        return ("the caller asked for the student's outputs (return_outputs=True), which hold its logits; call "
+                "compute_loss without return_outputs to train on hf_fused's loss")
     if getattr(trainer, "reverse_kl_top_1_mode", "sampled") != "sampled":
-        return "argmax"
+        return ("reverse_kl_top_1_mode is not 'sampled': the student's own top-1 token is not a support the teacher "
+                "server scored; use 'sampled' (TRL's config accepts no other)")
+    overridden = [name for name in LOSS_METHODS if _subclass_defines(type(trainer), trainer_cls, name)]
+    if overridden:
+        return (f"{type(trainer).__qualname__} overrides {', '.join(overridden)}, a loss of the student's full "
+                "log-probs that hf_fused cannot compute from hidden states; keep TRL's methods, or compute your loss "
+                "with hf_fused.ops.sparse_distillation_loss from model(..., fused_output='hidden_states')")
     return None
+
+
+def _subclass_defines(cls: type, trainer_cls: type, name: str) -> bool:
+    """Whether ``cls`` takes ``name`` from a subclass of ``trainer_cls`` (not from TRL's class itself)."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return klass is not trainer_cls and issubclass(klass, trainer_cls)
+    return False
+
+
+def _warn_once(model: nn.Module, why_not: str) -> None:
+    """Say once per student why the loss is computed from the full logits (and keep the patched forward's own
+    "called without labels" warning from repeating it)."""
+    state = find_causal_lm(model)._hf_fused
+    if state.warned_without_labels:
+        return
+    state.warned_without_labels = True
+    warnings.warn(f"hf_fused: ServerDistillationTrainer.compute_loss computes its loss from the student's full "
+                  f"[tokens, vocab] logits here, not from hidden states, because {why_not}.",
+                  FusedLossBypassedWarning, stacklevel=3)
 
 
 # -- the inventory's entry ---------------------------------------------------------------------------------------
@@ -226,10 +260,15 @@ def _install(module: types.ModuleType, patch: ThirdPartyPatch) -> None:
 
     @functools.wraps(original)
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if not live() or _why_not_fused(self, model, return_outputs) is not None:
+        if not (live() and isinstance(self, trainer_cls) and is_fused(model)):
             return original(self, model, inputs, return_outputs=return_outputs,
                             num_items_in_batch=num_items_in_batch)
-        return fused_server_loss(self, model, inputs)
+        why_not = _why_not_fused(self, trainer_cls, return_outputs)
+        if why_not is None:
+            return fused_server_loss(self, model, inputs)
+        if model.training and torch.is_grad_enabled():
+            _warn_once(model, why_not)
+        return original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     compute_loss.__hf_fused__ = True
     patch.rebind(trainer_cls, "compute_loss", compute_loss)
@@ -245,7 +284,8 @@ TRL_SERVER_DISTILLATION = ThirdPartyPatch(
              "a warning)",
     why="ServerDistillationTrainer builds the student's full [B, T, V] logits for a loss on the teacher's top-k; "
         "hf_fused computes a patched student's from its hidden states in one pass",
-    passes_through="an unpatched student, return_outputs=True, reverse_kl_top_1_mode='argmax': TRL's method",
+    passes_through="an unpatched student, and (with a one-time warning saying why and what to do) return_outputs=True, "
+                   "reverse_kl_top_1_mode='argmax' or a subclass's own loss methods: TRL's method",
     apply=_install,
 )
 
