@@ -266,6 +266,38 @@ def test_gpu_bf16_no_further_from_float64_than_eager(beta, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_gpu_fp32_matches_float64(reduction):
+    """The real kernels on fp32 operands (fp32 tiles, cuBLAS fp32 products): the generic loss with the entropy,
+    duplicate and invalid ids, bias, scale, soft-cap and temperature, uneven tiles, against float64 at ``RTOL``."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    tkw = TRANSFORMS["scaled_and_capped"]
+    v = 5003
+    leaves, support = _head(n=300, k=9, seed=8, v=v, h=64, device="cuda")
+    ids, valid, mask = support["support_ids"], support["support_mask"], support["mask"]
+    g = torch.Generator().manual_seed(9)
+    weights = torch.rand(ids.shape, generator=g).cuda()
+    alpha = (torch.randn(ids.shape[:-1], generator=g) * 0.1).cuda()
+    with _one_pass(64):
+        out = linear_support_loss(leaves[0], leaves[1], ids, _weighted_loss, leaves[2], support_mask=valid,
+                                  mask=mask, per_token={"weights": weights, "alpha": alpha}, need_entropy=True,
+                                  reduction=reduction, **tkw)
+        up = torch.randn(mask.shape, generator=g).cuda() if reduction == "none" else torch.tensor(1.6).cuda()
+        (out.loss * up).sum().backward()
+    ref = [leaf64(t) for t in leaves]
+    logp = dense_logits(*ref, **tkw).log_softmax(-1)
+    s = torch.where(valid, logp.gather(-1, ids.clamp(0, v - 1)), 0.0)
+    entropy = -(logp.exp() * logp).sum(-1)
+    per_token = torch.where(mask, -(weights.double() * s).sum(-1) - alpha.double() * entropy, 0.0)
+    expected = per_token.sum() if reduction == "sum" else per_token
+    (expected * up.double()).sum().backward()
+    assert rel_err(out.loss, expected) <= RTOL and rel_err(out.token_losses, per_token) <= RTOL
+    assert rel_err(out.entropy, torch.where(mask, entropy, 0.0)) <= RTOL
+    _assert_grads(leaves, ref)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("k", [8, 256])
 def test_gpu_pass_peak_below_one_logits_tensor(k):
     """The op's peak above its inputs and gradients stays below one bf16 ``[N, V]`` logits tensor (the eager path
