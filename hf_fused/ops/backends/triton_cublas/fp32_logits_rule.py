@@ -22,7 +22,7 @@ ENV = "HF_FUSED_FP32_LOGITS"
 #: gradient pass: on; per-token log-probs within 3e-6 nats of an fp32-accumulated matmul where cuBLAS's bf16 tiles
 #: are 6e-2 off, the forward −0.8 to +1.0 ms and forward + backward −0.3 to +2.5 ms of theirs at 8192–32768 ×
 #: 2048–4096 × 128256–151936, H200, 2026-11-29) and the one pass (statistics and the stored tile from one matmul:
-#: off, 4–16 % slower there than cuBLAS and the statistics kernel).
+#: off, 4–18 % slower there than cuBLAS and the statistics kernel).
 DEFAULT_ENABLED = {"two_passes": True, "one_pass": False}
 
 #: How the one pass with the fp32 statistics makes ``dz``: ``"tile"``, the fused matmul also stores the bf16 tile (and
