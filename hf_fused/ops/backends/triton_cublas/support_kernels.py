@@ -2,15 +2,16 @@
 
 A support loss (:func:`hf_fused.ops.linear_support_loss`) reads each row's log-probs at ``K`` candidate ids and has
 the logits gradient ``dz_j = Σ_k g_k·1[j = id_k] − p_j·Σ_k g_k − g_H·p_j·(log p_j + H)``: the cross-entropy
-gradient's shape with ``K`` scattered label columns. So the tile's bulk is the gradient kernel's
-(:func:`~.tiles.gradient_tile` with ``g_lp = Σ_k g_k`` and no label column), and only the ``K`` columns need
-kernels of their own, which touch ``[rows, K]`` elements, never ``[rows, V]``:
+gradient's shape with ``K`` scattered label columns. So the tile's bulk is the gradient kernel's (with
+``g_lp = Σ_k g_k`` and no label column; :func:`gradient_into_` runs it from the pass's fp32 logits tile into a bf16
+``dz`` written in the tile's own bytes), and only the ``K`` columns need kernels of their own, which touch
+``[rows, K]`` elements, never ``[rows, V]``:
 
 * :func:`gather_support_`: before the gradient overwrites the tile, each candidate's raw logit (plus bias) and its
   log-prob ``s_k = (z − max) − log Σ exp(z − max)`` from the row's running statistics (``-inf`` at invalid slots).
 * :func:`scatter_support_grad_`: after it, each valid candidate column's ``dz`` recomputed whole in fp32 from the
   gathered logit (``G_k − p·Σ_k g_k − g_H·p·(log p + H)``, ``G_k`` the sum of ``g`` over the slots with the same id,
-  so duplicate ids add up), through the transform's derivative, rounded once into the tile. Duplicates store the
+  so duplicate ids add up), through the transform's derivative, rounded once into ``dz``. Duplicates store the
   same value.
 
 One program per row; the ``K`` slots in one block (compiled for sm_90 without spills up to ``K = 1024``). Run on CPU
@@ -26,7 +27,8 @@ import triton
 import triton.language as tl
 
 from .matmul import round_bf16
-from .triton_kernels import apply_transform
+from .tiles import GRAD_BLOCK_V, GRAD_WARPS
+from .triton_kernels import apply_transform, grad_kernel
 
 #: Slots compared at once when summing ``g`` over duplicate ids: a ``[K, DUP_BLOCK]`` block per step.
 DUP_BLOCK = 32
@@ -108,6 +110,30 @@ def _block_k(k: int) -> int:
     return max(triton.next_power_of_2(k), 16)
 
 
+def gradient_into_(z: torch.Tensor, dz: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor,
+                   g_lp: torch.Tensor, g_ent, bias, scalars: dict) -> None:
+    """``dz [rows, V]`` ← the gradient kernel's ``g_lp·(1[c = label] − p) − g_ent·p·(log p + H)`` (through the
+    transform's derivative) of the fp32 raw logits ``z [rows, V]``, rounded once to ``dz``'s dtype
+    (:func:`~.triton_kernels.grad_kernel` with its own output). ``dz`` may be a bf16 view of ``z``'s own bytes whose
+    row ``r`` is the first half of ``z``'s row ``r`` (row stride ``2·V`` elements): each program reads a column block
+    before it stores that block, and its stores land on columns of its own row it has read already.
+
+    Args:
+        z: fp32 ``[rows, V]``, unit column stride.  dz: ``[rows, V]``, unit column stride.
+        labels: int64 ``[rows]`` (``-1``: no label column).  lse, ent, g_lp: fp32 ``[rows]``.
+        g_ent: fp32 ``[rows]`` or None.  bias: the whole ``[V]`` bias or None.  scalars: :func:`~.tiles.kernel_scalars`.
+    """
+    rows, vocab_size = z.shape
+    if rows == 0:
+        return
+    with torch.cuda.device(z.device) if z.is_cuda else contextlib.nullcontext():
+        grad_kernel[(rows,)](
+            z, z.stride(0), dz, dz.stride(0), vocab_size, 0, bias if bias is not None else lse, labels, lse, ent,
+            g_lp, lse if g_ent is None else g_ent, lse, HAS_G_LP=True, HAS_G_ENT=g_ent is not None, SUM_PZ=False,
+            BLOCK_V=GRAD_BLOCK_V, num_warps=GRAD_WARPS, **scalars,
+        )
+
+
 def gather_support_(z: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, bias, run_max: torch.Tensor,
                     run_sum: torch.Tensor, raw: torch.Tensor, s: torch.Tensor, scalars: dict) -> None:
     """Fill ``raw`` (fp32 ``[rows, K]``: each candidate's raw logit from the tile ``z [rows, V]``, plus the bias) and
@@ -158,4 +184,4 @@ def scatter_support_grad_(dz: torch.Tensor, ids: torch.Tensor, valid: torch.Tens
         )
 
 
-__all__ = ["gather_support_", "scatter_support_grad_"]
+__all__ = ["gather_support_", "gradient_into_", "scatter_support_grad_"]
