@@ -553,8 +553,9 @@ def linear_support_loss(
             with each token's upstream gradient).
         transform, temperature, softcap, logit_scale, tile_budget_bytes, backend: as in
             :func:`~hf_fused.ops.linear_cross_entropy`. The GPU backend runs its own one pass
-            (:class:`SupportLossBackend`: cuBLAS tiles in the operands' dtype, Triton kernels for the statistics, the
-            gradient and the candidate columns); the others run the plain-PyTorch pass on the tensors' device.
+            (:class:`SupportLossBackend`: fp32 cuBLAS tiles from the operands in their dtype, Triton kernels for the
+            statistics, the gradient and the candidate columns, the logits gradient rounded once to the operands'
+            dtype for its two matmuls); the others run the plain-PyTorch pass on the tensors' device.
         need_entropy: pass the entropy to ``support_loss`` (differentiable) and return it.
         return_entropy: return the entropy (a metric; no gradient) without passing it to ``support_loss``.
 
