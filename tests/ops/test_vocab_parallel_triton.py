@@ -21,6 +21,8 @@ from hf_fused.ops.vocab_parallel import VocabLayout, VocabShard
 from references import RTOL, rel_err
 from test_vocab_parallel import (
     BF16_GRAD_TOL,
+    B,
+    T,
     FUSED,
     assert_rank_matches,
     chunk_bounds,
@@ -181,7 +183,7 @@ GPU_TEST_DEVICE = "cuda"
 @pytest.mark.parametrize("schedule", [None, "two_passes"])
 @pytest.mark.parametrize("op", ["cross_entropy", "logprobs", "token_loss"])
 def test_gpu_ranks_match_the_unsharded_op(op, schedule):
-    """On a GPU, bf16, 2 and 3 ranks as threads on one device (a vocabulary of 1,001, 96 tokens, H 64): the
+    """On a GPU, bf16, 2 and 3 ranks as threads on one device (a vocabulary of 1,001, 14 tokens, H 64): the
     compiled kernels' outputs and each rank's weight and bias gradients within the unsharded op's own distance from
     float64 (plus one bf16 rounding of each gradient), for the plan's own schedule and the two passes. The hidden
     states take no gradient here: autograd runs the CUDA backward of every thread on one device thread, where the
@@ -190,12 +192,12 @@ def test_gpu_ranks_match_the_unsharded_op(op, schedule):
     import contextlib
 
     g = torch.Generator().manual_seed(0)
-    vocab, n, hidden_size = 1001, 96, 64
-    hidden = torch.randn(1, n, hidden_size, generator=g)
+    vocab, hidden_size = 1001, 64
+    hidden = torch.randn(B, T, hidden_size, generator=g)  # FUSED's per-token inputs are [B, T]
     weight = torch.randn(vocab, hidden_size, generator=g) * (4.0 / hidden_size**0.5)
     bias = torch.randn(vocab, generator=g) * 0.5
-    labels = torch.randint(0, vocab, (1, n), generator=g)
-    labels[0, :5] = -100
+    labels = torch.randint(0, vocab, (B, T), generator=g)
+    labels[0, :2] = -100
     inputs = (hidden, weight, bias, labels)
     rounded = tuple(t.to(torch.bfloat16).float() if t.is_floating_point() else t for t in inputs)
     ref = dense_op(op, rounded)
