@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from hf_fused.ops import linear_cross_entropy, linear_logprobs, linear_token_loss
 from hf_fused.ops.backends.triton_cublas.one_pass_rule import OnePassPlan
 from hf_fused.ops.backends.triton_cublas.plan import forced_plans
 from hf_fused.ops.backends.triton_cublas.two_pass_rule import LeanPlan
@@ -21,9 +22,13 @@ from hf_fused.ops.vocab_parallel import VocabLayout, VocabShard
 from references import RTOL, rel_err
 from test_vocab_parallel import (
     BF16_GRAD_TOL,
+    FUSED,
+    STATISTICS,
+    TRANSFORM,
     B,
     T,
-    FUSED,
+    _token_loss,
+    _upstream,
     assert_rank_matches,
     chunk_bounds,
     dense_op,
@@ -60,9 +65,10 @@ SCHEDULES = {"one_pass": dict(one_pass=OnePassPlan(4, "none", 0)),
 
 
 def run_triton(op: str, inputs, bounds=None, group=None, *, dtype=torch.float32, device="cpu",
-               hidden_grad: bool = True) -> dict:
-    """One rank's outputs and gradients of ``FUSED[op]`` on the GPU backend (``backend="triton"``), on its rows
-    ``bounds`` of the head (the whole head without); ``hidden_grad``: the hidden states require grad."""
+               hidden_grad: bool = True, ops=FUSED) -> dict:
+    """One rank's outputs and gradients of ``ops[op]`` (:data:`FUSED`'s calls) on the GPU backend
+    (``backend="triton"``), on its rows ``bounds`` of the head (the whole head without); ``hidden_grad``: the hidden
+    states require grad."""
     hidden, weight, bias, labels = (t.to(device) for t in inputs)
     start, stop = bounds if bounds is not None else (0, weight.shape[0])
     h, w, b = (t.to(dtype).clone().requires_grad_() for t in (hidden, weight[start:stop], bias[start:stop]))
@@ -70,7 +76,7 @@ def run_triton(op: str, inputs, bounds=None, group=None, *, dtype=torch.float32,
     kw = dict(backend="triton")
     if bounds is not None:
         kw["vocab_parallel"] = VocabShard(start, stop, group)
-    outputs, scalar = FUSED[op](h, w, b, labels, **kw)
+    outputs, scalar = ops[op](h, w, b, labels, **kw)
     if scalar is not None:
         scalar.backward()
     got = {k: v.detach().cpu() for k, v in outputs.items() if v is not None}
@@ -177,6 +183,30 @@ def test_the_backend_follows_the_named_one():
 
 #: Where test_gpu_ranks_match_the_unsharded_op runs ("cpu" under the interpreter: a check of the test itself).
 GPU_TEST_DEVICE = "cuda"
+#: The GPU test's two passes: 64 columns per chunk (a 2-byte gradient's last chunks may be up to 15 columns wide,
+#: :func:`~hf_fused.ops.backends.triton_cublas.weight_chunks.weight_gradient_chunks`, so the tile must be wider).
+GPU_TWO_PASSES = dict(one_pass=False, two_pass=LeanPlan(8, 64, False, 0))
+
+
+def device_ops(device) -> dict:
+    """:data:`FUSED`'s ``cross_entropy``, ``logprobs`` and ``token_loss`` with their per-token tensors (the same
+    values, from the same seeds) on ``device``."""
+    adv, up_lp, up_ent = (_upstream(seed).to(device) for seed in (3, 6, 7))
+
+    def cross_entropy(h, w, b, y, **kw):
+        loss = linear_cross_entropy(h, w, y, b, **TRANSFORM, **kw)
+        return {"loss": loss}, loss
+
+    def logprobs(h, w, b, y, **kw):
+        lp, ent, stats = linear_logprobs(h, w, y, b, return_entropy=True, statistics=STATISTICS, **TRANSFORM, **kw)
+        return {"logprobs": lp, "entropy": ent, **stats}, (lp * up_lp + ent * up_ent).sum()
+
+    def token_loss(h, w, b, y, **kw):
+        out = linear_token_loss(h, w, y, _token_loss, b, per_token={"advantages": adv}, need_entropy=True,
+                                **TRANSFORM, **kw)
+        return {"loss": out.loss, "logprobs": out.logprobs, "entropy": out.entropy}, out.loss
+
+    return {"cross_entropy": cross_entropy, "logprobs": logprobs, "token_loss": token_loss}
 
 
 @pytest.mark.gpu
@@ -203,8 +233,8 @@ def test_gpu_ranks_match_the_unsharded_op(op, schedule):
     ref = dense_op(op, rounded)
     for ranks in (2, 3):
         bounds = chunk_bounds(vocab, ranks)
-        kw = dict(dtype=torch.bfloat16, device=GPU_TEST_DEVICE, hidden_grad=False)
-        with forced_plans(**SCHEDULES[schedule]) if schedule else contextlib.nullcontext():
+        kw = dict(dtype=torch.bfloat16, device=GPU_TEST_DEVICE, hidden_grad=False, ops=device_ops(GPU_TEST_DEVICE))
+        with forced_plans(**GPU_TWO_PASSES) if schedule else contextlib.nullcontext():
             whole = run_triton(op, inputs, **kw)
             got, _ = run_ranks(ranks, lambda r, group: run_triton(op, inputs, bounds[r], group, **kw))
         for r, rank_result in enumerate(got):
