@@ -3,9 +3,10 @@ processes are refused on a patched model (:func:`refuse_tensor_parallel_rollouts
 
 TRL 1.16's ``GRPOTrainer`` and ``RLOOTrainer`` (and ``hf_fused.FusedGRPOTrainer``, a ``GRPOTrainer``) gather the
 rewards of every process and take each process's slice by ``accelerator.process_index``; ``GRPOTrainer`` also
-divides its loss's token normalizer by ``accelerator.num_processes``. Under accelerate's ``ParallelismConfig(tp_size=n)`` the ``n``
-ranks of one model replica are ``n`` processes holding the same prompts: each group's rewards are gathered ``n``
-times (its standard deviation, so the advantages, change) and the loss is divided by ``n``. Measured on 2 CPU ranks
+divides its loss's token normalizer by ``accelerator.num_processes``. Under accelerate's
+``ParallelismConfig(tp_size=n)`` the ``n`` ranks of one model replica are ``n`` processes holding the same prompts:
+each group's rewards are gathered ``n`` times (its standard deviation, so the advantages, change) and GRPO's loss is
+divided by ``n``. Measured on 2 CPU ranks
 over gloo (GRPO, 3 SGD steps, the tiny model of tests/distributed/test_tensor_parallel.py): the parameters ended 0.74
 of the update away from the single-process run, whatever computes the head. ``SFTTrainer`` and ``DPOTrainer``
 count tokens per batch and train exactly under tensor parallelism (tests/distributed/test_tensor_parallel.py).
