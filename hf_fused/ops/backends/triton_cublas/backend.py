@@ -76,12 +76,13 @@ class TritonCublasBackend:
                           row_grads: Union[None, float, torch.Tensor] = None,
                           need: NeededGrads = NeededGrads(False, False, False)):
         """:func:`hf_fused.ops.distillation.distillation_pass` with the tile epilogue in Triton
-        (:mod:`.distillation_pass`); fp16 operands take the plain-PyTorch pass."""
-        from ...distillation import distillation_pass
+        (:mod:`.distillation_pass`); ``None`` for fp16 operands, which the op then runs through its plain-PyTorch
+        pass."""
         from .distillation_pass import run_distillation_pass, runs_triton_pass
 
-        run = run_distillation_pass if runs_triton_pass(student) else distillation_pass
-        return run(student, teacher, beta, row_grads=row_grads, need=need)
+        if not runs_triton_pass(student):
+            return None
+        return run_distillation_pass(student, teacher, beta, row_grads=row_grads, need=need)
 
     def describe_plan(self, weight: torch.Tensor, *, n_rows: int, tile_budget_bytes: Optional[int] = None,
                       need_weight: Optional[bool] = None, n_tokens: Optional[int] = None) -> str:

@@ -3,7 +3,7 @@ the per-tile elementwise work in Triton (:mod:`.distillation_kernels`) instead o
 buffers.
 
 Per tile of kept token rows: both models' raw logits written in fp32 by cuBLAS from their operands (no fp32 copy
-of a bf16 weight: :class:`~hf_fused.ops.distillation.TileHead`, the teacher's on its own device, then moved), the
+of a bf16 weight: :class:`~hf_fused.ops.distillation_tiles.TileHead`, the teacher's on its own device, then moved), the
 kernels' two passes over both tiles for a KL (three for the JSD) giving each row's divergence and student entropy
 and writing the student's logits gradient ``dz`` in the products' operand dtype (bf16 from bf16 products, fp32 from
 the fp32 products of CPU or fp32 operands), then ``dh = dz·W_s`` and the weight gradient's accumulation (the one
@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from ...distillation import DistillationPass, TileHead
+from ...distillation_tiles import DistillationPass, TileHead
 from ...grads import HeadGrads
 from ...head_inputs import HeadInputs, NeededGrads
 from ...logit_transform import LogitTransform
