@@ -5,19 +5,17 @@ stock (TRL's ``ChunkedDivergenceFunction``), no generation: each step is ``train
 from __future__ import annotations
 
 import importlib
-import math
 import os
-import statistics
 import tempfile
 import time
-import traceback
 import warnings
 from typing import Optional
 
 import torch
 
-from ..measure import GIB, allocated_gib, free_memory, is_oom, peak_gib, reset_peak, short_error, synchronize
+from ..measure import allocated_gib, short_error, synchronize
 from .grpo import word_tokenizer
+from .runs import guarded_run, run_variants, step_record, timed_steps
 from .models import SHAPES, build_model, checkpointing_on, enable_checkpointing, n_params, quiet_run_kwargs
 
 DISTILL_VARIANTS = ("trl", "hf_fused")
@@ -116,59 +114,19 @@ def _distill_once(variant: str, args, device: torch.device) -> dict:
     synchronize(device)
     build_s = time.perf_counter() - t_build
     weights = allocated_gib(device)
-    times, losses = [], []
-    reset_peak(device)
     with _OpCalls() as calls:
-        for _ in range(args.warmup + args.steps):
-            model.zero_grad(set_to_none=True)
-            synchronize(device)
-            t0 = time.perf_counter()
-            loss = trainer.compute_loss(model, inputs)
-            loss.backward()
-            synchronize(device)
-            times.append(time.perf_counter() - t0)
-            losses.append(loss.item())
-    peak = peak_gib(device)
-    grad_norm = math.sqrt(sum(p.grad.float().pow(2).sum().item() for p in model.parameters() if p.grad is not None))
+        times, losses, peak, grad_norm = timed_steps(model, lambda: trainer.compute_loss(model, inputs), device,
+                                                     args.warmup + args.steps)
     entropy = trainer._metrics["train"]["entropy"][-1] if trainer._metrics["train"].get("entropy") else None
     model.zero_grad(set_to_none=True)
     trainer.accelerator.free_memory()
-    timed = times[args.warmup:]
     tokens = args.distill_completions * (args.grpo_prompt_len + args.grpo_completion_len)
-    return {
-        "status": "ok",
-        "step_s": timed,
-        "step_s_median": statistics.median(timed),
-        "warmup_step_s": times[: args.warmup],
-        "tokens_per_s": tokens / statistics.median(timed),
-        "peak_gib": peak,
-        "weights_gib": weights,
-        "peak_above_weights_gib": None if peak is None else peak - weights,
-        "losses": losses,
-        "entropy_last": entropy,
-        "grad_norm_last": grad_norm,
-        "checkpointing": checkpointing_on(model),
-        "build_s": build_s,
-        "params": n_params(model),
-        "teacher_params": n_params(teacher),
-        "hf_fused_op_calls": calls.count,
-    }
+    return step_record(times, args.warmup, tokens, peak, weights, losses, grad_norm, model, build_s,
+                       entropy_last=entropy, teacher_params=n_params(teacher), hf_fused_op_calls=calls.count)
 
 
 def run_distill(variant: str, args, device: torch.device) -> dict:
-    leftover = free_memory(device)
-    t0 = time.perf_counter()
-    try:
-        result = _distill_once(variant, args, device)
-    except Exception as e:  # noqa: BLE001
-        result = {"status": "OOM" if is_oom(e) else "error", "error": short_error(e)}
-        if result["status"] == "error":
-            result["traceback"] = traceback.format_exc()[-3000:]
-        result["peak_gib"] = peak_gib(device)
-    result.update(variant=variant, wall_s=time.perf_counter() - t0,
-                  allocated_before_gib=None if leftover is None else leftover / GIB)
-    free_memory(device)
-    return result
+    return guarded_run(lambda: _distill_once(variant, args, device), device, variant=variant)
 
 
 def distill_unavailable() -> Optional[str]:
@@ -182,20 +140,8 @@ def distill_unavailable() -> Optional[str]:
 
 def distill_part(args, device: torch.device, doc: dict, save, deadline: float, bar) -> None:
     """Run part C's runs into ``doc``, saving after each and advancing ``bar``."""
-    runs = doc["distill"]["runs"]
-    reason = distill_unavailable()
-    for variant in args.distill_variants:
-        if reason:
-            res = {"status": "skipped", "note": reason, "variant": variant}
-        elif time.perf_counter() > deadline:
-            res = {"status": "skipped", "note": "time budget", "variant": variant}
-        else:
-            bar.write(f"distill {variant:10s} ...")
-            res = run_distill(variant, args, device)
-            bar.write(f"    -> {describe_distill(res)}  ({res['wall_s']:.1f} s)")
-        runs.append(res)
-        save()
-        bar.update(1)
+    run_variants("distill", args.distill_variants, doc["distill"]["runs"], distill_unavailable(), deadline, bar,
+                 save, lambda variant: run_distill(variant, args, device), describe_distill)
 
 
 def describe_distill(r: dict) -> str:

@@ -5,20 +5,18 @@ inputs, as ``_generate_and_score_completions`` returns them for ``num_iterations
 from __future__ import annotations
 
 import importlib
-import math
-import statistics
 import tempfile
 import time
-import traceback
 import warnings
 from typing import Optional
 
 import torch
 
-from ..measure import GIB, allocated_gib, free_memory, is_oom, peak_gib, reset_peak, short_error, synchronize
+from ..measure import allocated_gib, short_error, synchronize
 from ..problems import BETA, OLD_LOGP_NOISE, REF_LOGP_NOISE
-from .models import build_model, checkpointing_on, enable_checkpointing, n_params, quiet_run_kwargs, qwen3_config
+from .models import build_model, checkpointing_on, enable_checkpointing, quiet_run_kwargs, qwen3_config
 from .report import describe_grpo
+from .runs import guarded_run, run_variants, step_record, timed_steps
 
 GRPO_VARIANTS = ("trl", "hf_fused", "hf_fused_one_pass")
 GRPO_MODELS = ("qwen3-0.6b", "qwen3-1.7b")
@@ -138,56 +136,22 @@ def _grpo_once(variant: str, args, device: torch.device) -> dict:
     synchronize(device)
     build_s = time.perf_counter() - t_build
     weights = allocated_gib(device)
-    times, losses = [], []
-    reset_peak(device)
-    for _ in range(args.warmup + args.steps):
-        model.zero_grad(set_to_none=True)
-        synchronize(device)
-        t0 = time.perf_counter()
+
+    def step():
         # Trainer.train() runs the forward under the autocast accelerate wraps the prepared model in; this loop
         # calls _compute_loss on the unprepared model, so it opens the same autocast itself.
         with torch.autocast(device.type, dtype=args.grpo_autocast, enabled=args.grpo_autocast is not None):
-            loss = trainer._compute_loss(model, inputs)
-        loss.backward()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-    peak = peak_gib(device)
-    grad_norm = math.sqrt(sum(p.grad.float().pow(2).sum().item() for p in model.parameters() if p.grad is not None))
+            return trainer._compute_loss(model, inputs)
+
+    times, losses, peak, grad_norm = timed_steps(model, step, device, args.warmup + args.steps)
     model.zero_grad(set_to_none=True)
     trainer.accelerator.free_memory()
-    timed = times[args.warmup:]
     tokens = args.grpo_completions * (args.grpo_prompt_len + args.grpo_completion_len)
-    return {
-        "status": "ok",
-        "step_s": timed,
-        "step_s_median": statistics.median(timed),
-        "warmup_step_s": times[: args.warmup],
-        "tokens_per_s": tokens / statistics.median(timed),
-        "peak_gib": peak,
-        "weights_gib": weights,
-        "peak_above_weights_gib": None if peak is None else peak - weights,
-        "losses": losses,
-        "grad_norm_last": grad_norm,
-        "checkpointing": checkpointing_on(model),
-        "build_s": build_s,
-        "params": n_params(model),
-    }
+    return step_record(times, args.warmup, tokens, peak, weights, losses, grad_norm, model, build_s)
 
 
 def run_grpo(variant: str, args, device: torch.device) -> dict:
-    leftover = free_memory(device)
-    t0 = time.perf_counter()
-    try:
-        result = _grpo_once(variant, args, device)
-    except Exception as e:  # noqa: BLE001
-        result = {"status": "OOM" if is_oom(e) else "error", "error": short_error(e)}
-        if result["status"] == "error":
-            result["traceback"] = traceback.format_exc()[-3000:]
-        result["peak_gib"] = peak_gib(device)
-    result.update(variant=variant, wall_s=time.perf_counter() - t0, allocated_before_gib=None if leftover is None else leftover / GIB)
-    free_memory(device)
-    return result
+    return guarded_run(lambda: _grpo_once(variant, args, device), device, variant=variant)
 
 
 def grpo_unavailable() -> Optional[str]:
@@ -201,17 +165,5 @@ def grpo_unavailable() -> Optional[str]:
 
 def grpo_part(args, device: torch.device, doc: dict, save, deadline: float, bar) -> None:
     """Run part B's runs into ``doc``, saving after each and advancing ``bar`` (:func:`benchmarks.measure.progress`)."""
-    runs = doc["grpo"]["runs"]
-    reason = grpo_unavailable()
-    for variant in args.grpo_variants:
-        if reason:
-            res = {"status": "skipped", "note": reason, "variant": variant}
-        elif time.perf_counter() > deadline:
-            res = {"status": "skipped", "note": "time budget", "variant": variant}
-        else:
-            bar.write(f"GRPO {variant:10s} ...")
-            res = run_grpo(variant, args, device)
-            bar.write(f"    -> {describe_grpo(res)}  ({res['wall_s']:.1f} s)")
-        runs.append(res)
-        save()
-        bar.update(1)
+    run_variants("GRPO", args.grpo_variants, doc["grpo"]["runs"], grpo_unavailable(), deadline, bar, save,
+                 lambda variant: run_grpo(variant, args, device), describe_grpo)
