@@ -9,8 +9,10 @@ Variants, each forward + backward of ``linear_cross_entropy`` and of ``linear_lo
 * ``tp-path``: the tensor-parallel schedules at ``tp = 1``'s work: this process holds every row ``[0, V)`` of a
   two-rank group whose other rank (:class:`IdleRank`) holds one row and contributes nothing, so every collective is
   the identity and the call runs what a rank of a real group runs (the GPU backend's vocabulary-parallel schedules
-  on CUDA, the merges, the hidden states' fp32 gradient sum) on the whole vocabulary.
-* ``tp-path-torch``: the same with ``backend="torch"`` (the torch tile loop over cuBLAS).
+  on CUDA, ``backend="triton"``; the torch loop on CPU; the merges, the hidden states' fp32 gradient sum) on the
+  whole vocabulary.
+* ``tp-path-torch``: the same with ``backend="torch"`` (the torch tile loop over cuBLAS, the default under tensor
+  parallelism).
 
 Time: the median of ``--repeats`` calls, the variants interleaved call by call (so that drift or order favours
 none). Memory: the peak above the inputs during one call (:func:`benchmarks.measure.peak_memory`). Error: relative
@@ -80,7 +82,7 @@ def call(op: str, variant: str, data: dict, group) -> tuple:
         kw = dict(vocab_parallel=VocabShard(0, vocab, group))
     elif variant.startswith("tp-path"):
         kw = dict(vocab_parallel=VocabShard(0, vocab, IdleRank(vocab)),
-                  backend="torch" if variant.endswith("torch") else None)
+                  backend="torch" if variant.endswith("torch") or device_type(h) != "cuda" else "triton")
     if op == "cross_entropy":
         value = linear_cross_entropy(h, w, data["labels"], **kw)
         value.backward()
@@ -89,6 +91,10 @@ def call(op: str, variant: str, data: dict, group) -> tuple:
         (lp * data["g_lp"] + ent * data["g_ent"]).sum().backward()
         value = torch.stack([lp.detach().float().sum(), ent.detach().float().sum()])
     return value.detach().float(), h.grad, w.grad
+
+
+def device_type(tensor: torch.Tensor) -> str:
+    return tensor.device.type
 
 
 def one_rank_group(device: torch.device):
