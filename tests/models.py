@@ -292,3 +292,15 @@ SAVED_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "qwen3-tied-odd-vocab": lambda: make_model("qwen3", tie_word_embeddings=True, vocab_size=131),
     "word-llama": lambda: make_word_model("llama"),
 }
+
+
+class GradRecorder(transformers.TrainerCallback):
+    """A trainer callback that records every trainable parameter's gradient at each optimizer step (after
+    accumulation, before clipping): what the trainer suites compare between a patched and a stock run."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
+                           if p.requires_grad and p.grad is not None})

@@ -26,13 +26,13 @@ import warnings
 import pytest
 import torch
 from datasets import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_fused
 import hf_fused.integrations.trl.divergence as divergence
 from hf_fused.model import FusedLossBypassedWarning
 from grpo_harness import VocabRows
-from models import EOS_ID, PAD_ID, WORD_VOCAB, WORDS, make_tokenizer, make_word_model
+from models import EOS_ID, GradRecorder, PAD_ID, WORDS, WORD_VOCAB, make_tokenizer, make_word_model
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 trl_distillation = pytest.importorskip("trl.trainer.distillation_trainer")
@@ -71,15 +71,6 @@ CONVERSATIONS = Dataset.from_dict({"messages": [
 ]})
 
 
-class _GradRecorder(TrainerCallback):
-    """Every trainable parameter's gradient at each optimizer step (after accumulation)."""
-
-    def __init__(self):
-        self.steps = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
-                           if p.requires_grad and p.grad is not None})
 
 
 class _Counting:
@@ -146,7 +137,7 @@ def _gkd_builder(tmp_path, teacher, trainer_cls=None, **config):
 def _train(build, model, *, patch, monkeypatch=None):
     """``build(model, callbacks)`` → trainer; ``patch``: None (stock), "before" or "after" the trainer is built.
     Returns ``(trainer, logs, grads per step, counting)``."""
-    recorder = _GradRecorder()
+    recorder = GradRecorder()
     if patch == "before":
         hf_fused.apply_fused_loss(model)
     trainer = build(model, [recorder])

@@ -34,11 +34,11 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_fused
 import hf_fused.integrations.trl.async_distillation as async_integration
-from models import EOS_ID, PAD_ID, WORD_VOCAB, WORDS, make_tokenizer, make_word_model
+from models import EOS_ID, GradRecorder, PAD_ID, WORDS, WORD_VOCAB, make_tokenizer, make_word_model
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 trainer_module = pytest.importorskip("trl.experimental.async_distillation.async_distillation_trainer")
@@ -171,15 +171,6 @@ def _prompts(n=12, teacher_ids=None) -> Dataset:
 # Harness
 
 
-class _GradRecorder(TrainerCallback):
-    """Every trainable parameter's gradient at each optimizer step (after accumulation)."""
-
-    def __init__(self):
-        self.steps = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
-                           if p.requires_grad and p.grad is not None})
 
 
 class _Counting:
@@ -226,7 +217,7 @@ def _train(student_dir, tmp_path, samples, monkeypatch, *, patch, teacher_ids=("
         disable_tqdm=True, **config)
     tokenizer = make_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
-    recorder = _GradRecorder()
+    recorder = GradRecorder()
     trainer = AsyncDistillationTrainer(model=student_dir, args=args, train_dataset=_prompts(len(samples)),
                                        processing_class=tokenizer, callbacks=[recorder],
                                        rollout_worker=_Worker(samples), weight_transfer=_NoWeightTransfer())

@@ -24,11 +24,11 @@ import os
 import pytest
 import torch
 from datasets import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_fused
 import hf_fused.integrations.trl.server_distillation as server_integration
-from models import EOS_ID, PAD_ID, WORD_VOCAB, WORDS, make_tokenizer, make_word_model
+from models import EOS_ID, GradRecorder, PAD_ID, WORDS, WORD_VOCAB, make_tokenizer, make_word_model
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 server_module = pytest.importorskip("trl.experimental.server_distillation.server_distillation_trainer")
@@ -92,13 +92,6 @@ def teacher_server(monkeypatch):
     return teacher
 
 
-class _GradRecorder(TrainerCallback):
-    def __init__(self):
-        self.steps = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
-                           if p.requires_grad and p.grad is not None})
 
 
 class _Counting:
@@ -132,7 +125,7 @@ def _train(model, tmp_path, monkeypatch, *, patch, **config):
                 learning_rate=1e-2, disable_tqdm=True, seed=0, dataloader_num_workers=0, optim="sgd",
                 max_completion_length=5, teacher_model_server_url="http://teacher:8000")
     args.update(config)
-    recorder = _GradRecorder()
+    recorder = GradRecorder()
     if patch == "before":
         hf_fused.apply_fused_loss(model)
     trainer = ServerDistillationTrainer(model=model, args=ServerDistillationConfig(**args), train_dataset=PROMPTS,

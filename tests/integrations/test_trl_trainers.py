@@ -19,14 +19,13 @@ import os
 import pytest
 import torch
 from datasets import Dataset
-from transformers import TrainerCallback
 
 import hf_fused
 import hf_fused.integrations.trl.head as trl_head
 from hf_fused.integrations.trl import TrlProtocolError
 import trl.trainer.utils as trl_utils
 from grpo_harness import VocabRows
-from models import WORDS, make_tokenizer
+from models import GradRecorder, WORDS, make_tokenizer
 from models import make_word_model as make_model
 from references import logp_difference_tol
 
@@ -44,15 +43,6 @@ def _sentence(i: int, n: int) -> str:
     return " ".join(WORDS[j] for j in torch.randint(0, len(WORDS), (n,), generator=g).tolist())
 
 
-class _GradRecorder(TrainerCallback):
-    """Every trainable parameter's gradient at each optimizer step (after accumulation, before clipping)."""
-
-    def __init__(self):
-        self.steps = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
-                           if p.requires_grad and p.grad is not None})
 
 
 class _Counting:
@@ -93,7 +83,7 @@ def _common_args(tmp_path, name, **overrides):
 
 def _train(build, model, *, patch: str | None, fused_options=None, monkeypatch=None):
     """``build(model, callbacks)`` → trainer; ``patch``: None (stock), "before" or "after" the trainer is built."""
-    recorder = _GradRecorder()
+    recorder = GradRecorder()
     if patch == "before":
         hf_fused.apply_fused_loss(model, **(fused_options or {}))
     trainer = build(model, [recorder])
