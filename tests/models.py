@@ -19,6 +19,7 @@ model with ``transformers.Trainer`` and returns its logged losses, grad norms an
 from __future__ import annotations
 
 import copy
+import math
 from typing import Callable, Optional
 
 import torch
@@ -304,3 +305,31 @@ class GradRecorder(transformers.TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
                            if p.requires_grad and p.grad is not None})
+
+
+def is_timing_metric(key: str) -> bool:
+    """A logged value that measures time (runtime, throughput): differs between two identical runs."""
+    return "runtime" in key or "per_second" in key or key.endswith("time") or "/time" in key
+
+
+def assert_same_training(got, ref, *, rtol: float = 1e-5, steps_at_rtol: int = 2) -> None:
+    """Two ``(trainer, logs, gradient steps, counters)`` runs of two optimizer steps trained alike: every logged
+    metric at every step, the first ``steps_at_rtol`` steps' gradients (each parameter's to ``rtol`` of its largest
+    entry) and, with both steps, the final parameters, to ``rtol`` (1e-7 absolute)."""
+    (trainer_a, logs_a, grads_a, _), (trainer_b, logs_b, grads_b, _) = got, ref
+    assert len(logs_a) == len(logs_b) and len(grads_a) == len(grads_b) == 2
+    for a, b in zip(logs_a, logs_b):
+        assert a.keys() == b.keys(), set(a) ^ set(b)
+        for key in a:
+            assert math.isclose(a[key], b[key], rel_tol=rtol, abs_tol=1e-7), (key, a[key], b[key])
+    for step, (ga, gb) in enumerate(zip(grads_a[:steps_at_rtol], grads_b[:steps_at_rtol])):
+        assert ga.keys() == gb.keys() and ga, set(ga) ^ set(gb)
+        for name in gb:
+            scale = gb[name].abs().max().item()
+            err = (ga[name] - gb[name]).abs().max().item()
+            assert err <= rtol * scale + 1e-7, f"step {step} grad {name}: {err:.3g} vs scale {scale:.3g}"
+    assert any(g.abs().sum() > 0 for g in grads_b[0].values())
+    if steps_at_rtol < 2:
+        return
+    for (name, a), (_, b) in zip(trainer_a.model.named_parameters(), trainer_b.model.named_parameters()):
+        assert (a - b).abs().max() <= rtol * b.abs().max() + 1e-7, name

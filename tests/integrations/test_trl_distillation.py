@@ -32,7 +32,7 @@ import hf_fused
 import hf_fused.integrations.trl.divergence as divergence
 from hf_fused.model import FusedLossBypassedWarning
 from grpo_harness import VocabRows
-from models import EOS_ID, GradRecorder, PAD_ID, WORDS, WORD_VOCAB, make_tokenizer, make_word_model
+from models import EOS_ID, GradRecorder, assert_same_training, is_timing_metric, PAD_ID, WORDS, WORD_VOCAB, make_tokenizer, make_word_model
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 trl_distillation = pytest.importorskip("trl.trainer.distillation_trainer")
@@ -145,30 +145,8 @@ def _train(build, model, *, patch, monkeypatch=None):
         hf_fused.apply_fused_loss(trainer.model)
     counting = _Counting(monkeypatch) if monkeypatch is not None else None
     trainer.train()
-    logs = [{k: v for k, v in entry.items() if not _is_timing(k)} for entry in trainer.state.log_history]
+    logs = [{k: v for k, v in entry.items() if not is_timing_metric(k)} for entry in trainer.state.log_history]
     return trainer, logs, recorder.steps, counting
-
-
-def _is_timing(key: str) -> bool:
-    return "runtime" in key or "per_second" in key or key.endswith("time") or "/time" in key
-
-
-def _assert_same_training(got, ref):
-    (trainer_a, logs_a, grads_a, _), (trainer_b, logs_b, grads_b, _) = got, ref
-    assert len(logs_a) == len(logs_b) and len(grads_a) == len(grads_b) == 2
-    for a, b in zip(logs_a, logs_b):
-        assert a.keys() == b.keys(), set(a) ^ set(b)
-        for key in a:
-            assert math.isclose(a[key], b[key], rel_tol=RTOL, abs_tol=1e-7), (key, a[key], b[key])
-    for step, (ga, gb) in enumerate(zip(grads_a, grads_b)):
-        assert ga.keys() == gb.keys() and ga, set(ga) ^ set(gb)
-        for name in gb:
-            scale = gb[name].abs().max().item()
-            err = (ga[name] - gb[name]).abs().max().item()
-            assert err <= RTOL * scale + 1e-7, f"step {step} grad {name}: {err:.3g} vs scale {scale:.3g}"
-    assert any(g.abs().sum() > 0 for g in grads_b[0].values())
-    for (name, a), (_, b) in zip(trainer_a.model.named_parameters(), trainer_b.model.named_parameters()):
-        assert (a - b).abs().max() <= RTOL * b.abs().max() + 1e-7, name
 
 
 def _parity(build, monkeypatch, *, patch="before", student=None):
@@ -177,7 +155,7 @@ def _parity(build, monkeypatch, *, patch="before", student=None):
     stock = _train(build, copy.deepcopy(base), patch=None, monkeypatch=monkeypatch)
     monkeypatch.undo()
     fused = _train(build, copy.deepcopy(base), patch=patch, monkeypatch=monkeypatch)
-    _assert_same_training(fused, stock)
+    assert_same_training(fused, stock)
     return stock, fused
 
 
@@ -385,7 +363,7 @@ def test_gkd_with_its_own_divergence_says_why_and_what_to_do(tmp_path, monkeypat
     assert len(said) == 1, said
     assert "SkewedGKD overrides generalized_jsd_loss" in said[0] and "DistillationTrainer" in said[0]
     assert fused[3].hf_fused == 0
-    _assert_same_training(fused, stock)
+    assert_same_training(fused, stock)
 
 
 def test_gkd_with_a_teacher_head_hf_fused_cannot_read_says_so(tmp_path, monkeypatch):
@@ -408,7 +386,7 @@ def test_gkd_with_a_teacher_head_hf_fused_cannot_read_says_so(tmp_path, monkeypa
     said = [str(w.message) for w in caught if issubclass(w.category, FusedLossBypassedWarning)]
     assert len(said) == 1 and "cannot read the teacher's head" in said[0] and "ScaledHead" in said[0], said
     assert fused[3].hf_fused == 0
-    _assert_same_training(fused, stock)
+    assert_same_training(fused, stock)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import math
 import os
 import queue
 import types
@@ -38,7 +37,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_fused
 import hf_fused.integrations.trl.async_distillation as async_integration
-from models import EOS_ID, GradRecorder, PAD_ID, WORDS, WORD_VOCAB, make_tokenizer, make_word_model
+from models import EOS_ID, GradRecorder, assert_same_training, PAD_ID, WORDS, WORD_VOCAB, make_tokenizer, make_word_model
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 trainer_module = pytest.importorskip("trl.experimental.async_distillation.async_distillation_trainer")
@@ -236,28 +235,6 @@ def _is_timing(key: str) -> bool:
             or "time_in_queue" in key or "total_flos" in key)
 
 
-def _assert_same_training(got, ref, *, steps_at_rtol=2):
-    """Every logged metric at every step, the first ``steps_at_rtol`` steps' gradients and (with both steps) the
-    final parameters, to ``RTOL``."""
-    (trainer_a, logs_a, grads_a, _), (trainer_b, logs_b, grads_b, _) = got, ref
-    assert len(logs_a) == len(logs_b) and len(grads_a) == len(grads_b) == 2
-    for a, b in zip(logs_a, logs_b):
-        assert a.keys() == b.keys(), set(a) ^ set(b)
-        for key in a:
-            assert math.isclose(a[key], b[key], rel_tol=RTOL, abs_tol=1e-7), (key, a[key], b[key])
-    for step, (ga, gb) in enumerate(zip(grads_a[:steps_at_rtol], grads_b[:steps_at_rtol])):
-        assert ga.keys() == gb.keys() and ga, set(ga) ^ set(gb)
-        for name in gb:
-            scale = gb[name].abs().max().item()
-            err = (ga[name] - gb[name]).abs().max().item()
-            assert err <= RTOL * scale + 1e-7, f"step {step} grad {name}: {err:.3g} vs scale {scale:.3g}"
-    assert any(g.abs().sum() > 0 for g in grads_b[0].values())
-    if steps_at_rtol < 2:
-        return
-    for (name, a), (_, b) in zip(trainer_a.model.named_parameters(), trainer_b.model.named_parameters()):
-        assert (a - b).abs().max() <= RTOL * b.abs().max() + 1e-7, name
-
-
 def _assert_no_further_from_fp32(got, stock, fp32, ratio=1.25):
     """The bf16 twins after a step: the patched run's second-step gradients and final parameters no further from
     the fp32 run's than the stock bf16 run's (``ratio`` times, in norm per tensor)."""
@@ -277,12 +254,12 @@ def _parity(student_dir, tmp_path, monkeypatch, samples, **config):
         # One step to RTOL; after it, bf16 autocast's rounding of the backbone's activations and gradients (a value
         # on a bf16 rounding boundary flips by 2⁻⁸ for a 1e-7 difference in fp32) moves both runs apart from the
         # fp32 run's: the patched one no further than the stock one.
-        _assert_same_training(fused, stock, steps_at_rtol=1)
+        assert_same_training(fused, stock, steps_at_rtol=1)
         monkeypatch.undo()
         fp32 = _train(student_dir, tmp_path, samples, monkeypatch, patch=False, **dict(config, bf16=False))
         _assert_no_further_from_fp32(fused, stock, fp32)
     else:
-        _assert_same_training(fused, stock)
+        assert_same_training(fused, stock)
     assert stock[3].hf_fused == 0 and stock[3].trl > 0
     assert fused[3].trl == 0 and fused[3].hf_fused == 4  # 2 steps × 2 micro-batches
     return stock, fused

@@ -28,7 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_fused
 import hf_fused.integrations.trl.server_distillation as server_integration
-from models import EOS_ID, GradRecorder, PAD_ID, WORDS, WORD_VOCAB, make_tokenizer, make_word_model
+from models import EOS_ID, GradRecorder, assert_same_training, is_timing_metric, PAD_ID, WORDS, WORD_VOCAB, make_tokenizer, make_word_model
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 server_module = pytest.importorskip("trl.experimental.server_distillation.server_distillation_trainer")
@@ -134,32 +134,10 @@ def _train(model, tmp_path, monkeypatch, *, patch, **config):
         hf_fused.apply_fused_loss(trainer.model)
     counting = _Counting(monkeypatch)
     trainer.train()
-    logs = [{k: v for k, v in entry.items() if not _is_timing(k)} for entry in trainer.state.log_history]
+    logs = [{k: v for k, v in entry.items() if not is_timing_metric(k)} for entry in trainer.state.log_history]
     if patch:
         hf_fused.remove_fused_loss(trainer.model)
     return trainer, logs, recorder.steps, counting
-
-
-def _is_timing(key: str) -> bool:
-    return "runtime" in key or "per_second" in key or key.endswith("time") or "/time" in key
-
-
-def _assert_same_training(got, ref):
-    (trainer_a, logs_a, grads_a, _), (trainer_b, logs_b, grads_b, _) = got, ref
-    assert len(logs_a) == len(logs_b) and len(grads_a) == len(grads_b) == 2
-    for a, b in zip(logs_a, logs_b):
-        assert a.keys() == b.keys(), set(a) ^ set(b)
-        for key in a:
-            assert math.isclose(a[key], b[key], rel_tol=RTOL, abs_tol=1e-7), (key, a[key], b[key])
-    for step, (ga, gb) in enumerate(zip(grads_a, grads_b)):
-        assert ga.keys() == gb.keys() and ga, set(ga) ^ set(gb)
-        for name in gb:
-            scale = gb[name].abs().max().item()
-            err = (ga[name] - gb[name]).abs().max().item()
-            assert err <= RTOL * scale + 1e-7, f"step {step} grad {name}: {err:.3g} vs scale {scale:.3g}"
-    assert any(g.abs().sum() > 0 for g in grads_b[0].values())
-    for (name, a), (_, b) in zip(trainer_a.model.named_parameters(), trainer_b.model.named_parameters()):
-        assert (a - b).abs().max() <= RTOL * b.abs().max() + 1e-7, name
 
 
 @pytest.mark.parametrize("patch", ["before", "after"])
@@ -174,7 +152,7 @@ def test_server_distillation_matches_trl(beta, top_k, tail, patch, teacher_serve
     base = make_word_model()
     stock = _train(copy.deepcopy(base), tmp_path, monkeypatch, patch=None, **config)
     fused = _train(copy.deepcopy(base), tmp_path, monkeypatch, patch=patch, **config)
-    _assert_same_training(fused, stock)
+    assert_same_training(fused, stock)
     assert stock[3].hf_fused == 0 and stock[3].trl == 4
     assert fused[3].hf_fused == 4 and fused[3].trl == 0  # 2 steps × 2 micro-batches, no full log-probs
 

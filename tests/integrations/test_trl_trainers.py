@@ -25,7 +25,7 @@ import hf_fused.integrations.trl.head as trl_head
 from hf_fused.integrations.trl import TrlProtocolError
 import trl.trainer.utils as trl_utils
 from grpo_harness import VocabRows
-from models import GradRecorder, WORDS, make_tokenizer
+from models import GradRecorder, WORDS, is_timing_metric, make_tokenizer
 from models import make_word_model as make_model
 from references import logp_difference_tol
 
@@ -93,12 +93,8 @@ def _train(build, model, *, patch: str | None, fused_options=None, monkeypatch=N
             hf_fused.apply_fused_loss(trainer.ref_model, **(fused_options or {}))
     counting = _Counting(monkeypatch) if monkeypatch is not None else None
     trainer.train()
-    logs = [{k: v for k, v in entry.items() if not _is_timing(k)} for entry in trainer.state.log_history]
+    logs = [{k: v for k, v in entry.items() if not is_timing_metric(k)} for entry in trainer.state.log_history]
     return trainer, logs, recorder.steps, counting
-
-
-def _is_timing(key: str) -> bool:
-    return "runtime" in key or "per_second" in key or key.endswith("time") or "/time" in key
 
 
 def _abs_floor(key: str, logged: dict) -> float:
@@ -541,7 +537,7 @@ def test_evaluate_matches_trl(trainer_name, tmp_path, monkeypatch):
         metrics = trainer.evaluate(eval_dataset=eval_dataset)
         assert (counting.hf_fused > 0 and counting.trl == 0) if patch else (counting.trl > 0)
         monkeypatch.undo()
-        results.append({k: v for k, v in metrics.items() if not _is_timing(k)})
+        results.append({k: v for k, v in metrics.items() if not is_timing_metric(k)})
     want, got = results
     assert got.keys() == want.keys() and "eval_loss" in want
     for key in want:
