@@ -64,6 +64,11 @@ def forced_plans(*, one_pass: Union[None, bool, OnePassPlan] = None, two_pass: O
         _FORCED.update(previous)
 
 
+def one_pass_is_forced() -> bool:
+    """Whether a :func:`forced_plans` block put a one-pass plan in place (its rows are then taken as given)."""
+    return isinstance(_FORCED.get("one_pass"), OnePassPlan)
+
+
 def forced_two_pass_plan() -> Optional[LeanPlan]:
     """The two passes' tile a :func:`forced_plans` block put in place (``None`` outside one)."""
     return _FORCED.get("two_pass")

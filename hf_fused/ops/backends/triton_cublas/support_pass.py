@@ -10,9 +10,9 @@ gradients), the gradient kernel turning the tile into ``−p·Σ_k g_k − g_H·
 once to the operands' dtype (:func:`~.support_kernels.gradient_into_`: for bf16 operands into the tile's own bytes,
 so the pass holds one fp32 tile and nothing else of its size), the candidate columns set whole
 (:func:`~.support_kernels.scatter_support_grad_`), then ``dh``, ``dW`` (the cross-entropy's accumulators) and
-``db`` (the sum of the rounded ``dz``). 6·N·H·V FLOPs. The default rule's tile (``ONE_PASS_TILE_ROWS`` rows) is taken
-as the plan gives it; under an explicit ``tile_budget_bytes`` a 2-byte operand's tile has half the plan's rows (the
-plan counts a tile in the operands' dtype).
+``db`` (the sum of the rounded ``dz``). 6·N·H·V FLOPs. The plan counts a tile in the operands' dtype, so a 2-byte
+operand's fp32 tile has half the plan's rows (the cross-entropy one pass's bytes: under the default rule 1,024 rows
+of fp32 where the cross-entropy holds 2,048 of bf16); a :func:`~.plan.forced_plans` block's rows are taken as given.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .matmul import mm_f32_
 from .one_pass import weight_accumulator
 from .one_pass_rule import ONE_PASS_ROW_ALIGN
 from .operands import one_pass_rows
-from .plan import plan_one_pass
+from .plan import one_pass_is_forced, plan_one_pass
 from .scaled_round import mul_into
 from .support_kernels import gather_support_, gradient_into_, scatter_support_grad_
 from .tiles import kernel_scalars, new_row_stats, row_slice, statistics_tile
@@ -54,7 +54,7 @@ def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=Non
     grads_read_entropy = need.any and row_grads is not None and row_grads.entropy is not None
     want_entropy = return_entropy or loss_reads_entropy or grads_read_entropy
     rows_per_tile = plan.rows
-    if head.tile_budget_bytes is not None and weight.element_size() < 4:
+    if weight.element_size() < 4 and not one_pass_is_forced():
         # the plan counted a tile in the operands' dtype; this one is fp32: as many bytes in half the rows
         half = plan.rows * weight.element_size() // 4
         rows_per_tile = max(ONE_PASS_ROW_ALIGN, half // ONE_PASS_ROW_ALIGN * ONE_PASS_ROW_ALIGN)
