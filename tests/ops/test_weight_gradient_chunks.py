@@ -29,14 +29,16 @@ def _check_schedule(vocab_size, hidden_size, plan, n_rows, elem=2, grad_elem=2):
     assert all(a.v1 == b.v0 for a, b in zip(chunks, chunks[1:])) and all(c.v1 > c.v0 for c in chunks)
     for c in chunks:
         width = c.v1 - c.v0
-        assert width <= plan.cols or c.accumulator == "buffer"
+        assert width <= plan.cols  # the chunk's dz is a view of the [block_rows, cols] tile
         if c.accumulator == "gradient":  # twice the chunk's rows, none of them written by an earlier chunk
             assert c.v0 + 2 * width <= vocab_size
         elif c.accumulator == "tile":  # the packed dz, then the fp32 accumulator, inside the tile buffer
             assert tile_accumulator_offset(plan.block_rows, width, elem) + 4 * width * hidden_size <= (
                 plan.block_rows * plan.cols * elem)
-        elif c.accumulator == "buffer":  # only a last sliver that neither holds
-            assert c is chunks[-1] and width < 2 * weight_chunks.TILE_ACCUMULATOR_ALIGN
+    buffers = [c for c in chunks if c.accumulator == "buffer"]
+    if buffers:  # only the last sliver that neither holds (several chunks where the tile is narrower than it)
+        assert buffers == chunks[-len(buffers):]
+        assert vocab_size - buffers[0].v0 < 2 * weight_chunks.TILE_ACCUMULATOR_ALIGN
     return chunks
 
 
@@ -75,6 +77,15 @@ def test_tiny_tile_leaves_a_sliver_to_a_buffer():
     # H = 4096 beside a 10×2048 tile: no fp32 row fits in the tile, so the halving ends in a buffer of < 16 columns
     chunks = _check_schedule(4300, 4096, LeanPlan(10, 2048, False, 0), 25)
     assert chunks[-1].accumulator == "buffer" and "tile" not in {c.accumulator for c in chunks}
+
+
+def test_a_tile_narrower_than_the_sliver_splits_it():
+    """A forced 8-column tile (fewer than ``2·TILE_ACCUMULATOR_ALIGN``) over several row blocks of a 2-byte gradient:
+    the last 13 columns, for which neither the gradient nor the tile holds an accumulator, go to buffers in chunks no
+    wider than the tile (one chunk of 13 wrote its dz past the tile)."""
+    chunks = _check_schedule(29, 16, LeanPlan(4, 8, False, 0), 10)
+    assert [(c.v0, c.v1, c.accumulator) for c in chunks] == [
+        (0, 8, "gradient"), (8, 16, "gradient"), (16, 24, "buffer"), (24, 29, "buffer")]
 
 
 # -- through the public ops on the triton backend ------------------------------------------------------------
@@ -145,6 +156,38 @@ def test_accumulators_in_the_gradient_and_tile_equal_a_buffer_of_their_own(monke
         assert got.dtype == want.dtype and torch.equal(got, want)
     # and the schedule matters: the weight gradient is not that of a run with no gradient at all
     assert placed[2].abs().sum() > 0 and placed[5].abs().sum() > 0
+
+
+@pytest.mark.filterwarnings("error")  # on CPU a matmul into a too small out= tile resizes it, with a UserWarning
+def test_a_narrow_forced_tile_writes_every_chunk_within_it():
+    """Cross-entropy and log-probs + entropy of bf16 operands through the two passes under a forced 8-column tile
+    in blocks of 4 of 10 rows (a vocabulary of 29: chunks 8, 8, then the last 13 columns in buffers of 8 and 5):
+    no matmul writes past the tile (a 13-column chunk made CUDA's addmm raise and CPU's resize the tile, warning),
+    and the losses and gradients are within float64's distance of the same call under a 32-column tile, plus one
+    bf16 rounding."""
+    from references import RTOL, dense_cross_entropy, dense_logprobs, leaf64, rel_err
+
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(10, 16, generator=g).bfloat16()
+    weight = (torch.randn(29, 16, generator=g) / 2).bfloat16()
+    labels = torch.randint(0, 29, (10,), generator=g)
+    labels[3] = -100
+    seed_weights = (torch.randn(10, generator=g), torch.randn(10, generator=g))
+    narrow = _run(hidden, weight, labels, LeanPlan(4, 8, False, 0), seed_weights)
+    wide = _run(hidden, weight, labels, LeanPlan(4, 32, False, 0), seed_weights)
+    exact = []
+    for op in ("ce", "lp"):
+        h, w = leaf64(hidden, True), leaf64(weight, True)
+        if op == "ce":
+            loss = dense_cross_entropy(h, w, labels, reduction="sum")
+        else:
+            lp, ent = dense_logprobs(h, w, labels)
+            loss = (lp * seed_weights[0].double()).sum() + (ent * seed_weights[1].double()).sum()
+        loss.backward()
+        exact += [loss.detach(), h.grad, w.grad]
+    for i, (got, theirs, want) in enumerate(zip(narrow, wide, exact)):
+        bound = 1.05 * rel_err(theirs, want) + 2.0**-8 + RTOL
+        assert rel_err(got, want) <= bound, (i, rel_err(got, want), bound)
 
 
 def test_rounding_a_gradient_chunk_in_place_in_small_blocks():

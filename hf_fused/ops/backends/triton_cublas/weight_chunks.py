@@ -30,8 +30,8 @@ class WeightChunk:
       ``[v0, v0 + 2·(v1 − v0))``, which no chunk has written yet, rounded into rows ``[v0, v1)`` at the chunk's end;
     - ``"tile"``: the accumulator in the tile buffer's bytes from :func:`tile_accumulator_offset`, the chunk's
       ``dz`` packed before it;
-    - ``"buffer"``: an fp32 buffer of its own (a last chunk of fewer than ``TILE_ACCUMULATOR_ALIGN`` columns
-      that neither holds).
+    - ``"buffer"``: an fp32 buffer of its own (the last fewer than ``2·TILE_ACCUMULATOR_ALIGN`` columns, which
+      neither holds: one chunk, or several no wider than the tile where a forced plan's tile is narrower).
     """
 
     v0: int
@@ -58,9 +58,10 @@ def weight_gradient_chunks(
     weight gradient accumulates (:class:`WeightChunk`) so that it needs no memory beyond the gradient and the
     tile: ``plan.cols`` wide while the fp32 accumulator fits in the gradient's unwritten rows (twice the chunk's),
     then, for the vocabulary's last ``2·cols``, the widest of half the rest (in the gradient again) and what the
-    tile buffer holds beside the chunk's ``dz``. ``elem_bytes``: the tile's element size; ``grad_elem_bytes``:
-    the weight gradient's (4: it is its own accumulator). With one row block, or an fp32 gradient, every chunk
-    is ``"direct"`` and ``plan.cols`` wide."""
+    tile buffer holds beside the chunk's ``dz``. No chunk is wider than ``plan.cols`` (its ``dz`` is a view of the
+    ``[block_rows, cols]`` tile). ``elem_bytes``: the tile's element size; ``grad_elem_bytes``: the weight
+    gradient's (4: it is its own accumulator). With one row block, or an fp32 gradient, every chunk is
+    ``"direct"`` and ``plan.cols`` wide."""
     cols, block_rows = plan.cols, plan.block_rows
     if block_rows >= n_rows or grad_elem_bytes >= 4:
         return [WeightChunk(v0, min(v0 + cols, vocab_size), "direct") for v0 in range(0, vocab_size, cols)]
@@ -79,8 +80,8 @@ def weight_gradient_chunks(
                 width, where = (rest if rest <= fit else fit if rest > 2 * fit else even), "tile"
             elif half:
                 width = half
-            else:  # fewer than 2·align columns left and no room in the tile
-                width, where = rest, "buffer"
+            else:  # fewer than 2·align columns left and no room in the tile; a forced tile may be narrower still
+                width, where = min(rest, cols), "buffer"
         chunks.append(WeightChunk(v0, v0 + width, where))
         v0 += width
     return chunks
