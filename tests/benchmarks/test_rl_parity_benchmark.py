@@ -57,3 +57,15 @@ def test_fused_equals_trl_with_fp32_products(tmp_path, capsys):
     assert "GRPOTrainer (TRL)" in capsys.readouterr().out and (tmp_path / "rl_parity.txt").exists()
     with pytest.raises(ValueError, match="unknown variants"):
         rl_parity.measure(torch.device("cpu"), SHAPE, variants=["no such row"])
+
+
+def test_fp32_statistics_rows_under_the_interpreter():
+    """FusedGRPOTrainer on the GPU backend's kernels (Triton's interpreter): its default one pass reads bf16 tiles,
+    as TRL's head does; with the fp32 statistics forced on, its log-probs are the fp32 head's to fp32 rounding."""
+    pytest.importorskip("triton")
+    default, *faithful = ("FusedGRPOTrainer (default)", "FusedGRPOTrainer fp32 statistics (dz tile)",
+                          "FusedGRPOTrainer fp32 statistics (dz recompute)")
+    rows = _rows(rl_parity.measure(torch.device("cpu"), SHAPE, backend="triton", variants=[default, *faithful]))
+    for name in faithful:
+        assert rows[name]["schedule"] == "one pass" and rows[name]["vs_fp32"]["max"] < FP32_NOISE, rows[name]
+    assert rows[default]["vs_fp32"]["max"] > 1e-3, rows[default]
