@@ -198,18 +198,26 @@ def head_logprobs(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, d
     ``rows`` rows at a time."""
     w = weight.to(dtype)
     out = []
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # an fp32 head is fp32, not TF32
-    try:
+    with _no_tf32():
         for r in range(0, h.shape[0], rows):
             z = F.linear(h[r:r + rows].to(dtype), w)
             if logits_dtype is not None:
                 z = z.to(logits_dtype)
             z = z.to(torch.float64 if dtype == torch.float64 else torch.float32) / temperature
             out.append(torch.log_softmax(z, -1).gather(1, labels[r:r + rows, None])[:, 0])
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
     return torch.cat(out)
+
+
+@contextlib.contextmanager
+def _no_tf32():
+    """An fp32 head is fp32, not TF32 (off by default in PyTorch; turned off here if a setting turned it on)."""
+    matmul = torch.backends.cuda.matmul
+    was = matmul.allow_tf32
+    matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = was
 
 
 def _distance(x: torch.Tensor, ref: torch.Tensor) -> dict:
