@@ -190,9 +190,9 @@ def test_the_backend_follows_the_named_one(monkeypatch):
 
 #: Where test_gpu_ranks_match_the_unsharded_op runs ("cpu" under the interpreter: a check of the test itself).
 GPU_TEST_DEVICE = "cuda"
-#: The GPU test's two passes: 64 columns per chunk (a 2-byte gradient's last chunks may be up to 15 columns wide,
-#: :func:`~hf_fused.ops.backends.triton_cublas.weight_chunks.weight_gradient_chunks`, so the tile must be wider).
-GPU_TWO_PASSES = dict(one_pass=False, two_pass=LeanPlan(8, 64, False, 0))
+#: The GPU test's two passes: the interpreted tests' [8, 8] tiles (two row blocks of a bf16 gradient: each rank's
+#: chunks hold their weight gradient's accumulators in the gradient's unwritten rows, the last columns in buffers).
+GPU_TWO_PASSES = SCHEDULES["two_passes"]
 
 
 def device_ops(device) -> dict:
@@ -222,10 +222,11 @@ def device_ops(device) -> dict:
 def test_gpu_ranks_match_the_unsharded_op(op, schedule):
     """On a GPU, bf16, 2 and 3 ranks as threads on one device (a vocabulary of 1,001, 14 tokens, H 64): the
     compiled kernels' outputs and each rank's weight and bias gradients within the unsharded op's own distance from
-    float64 (plus one bf16 rounding of each gradient), for the plan's own schedule and the two passes. The hidden
-    states take no gradient here: autograd runs the CUDA backward of every thread on one device thread, where the
-    sum of a rank's hidden gradient over the group would wait for a rank queued behind it (the ops on NCCL ranks,
-    hidden gradient included: .gpucheck/tp_ranks.py on 2 GPUs)."""
+    float64 (plus one bf16 rounding of each gradient), for the plan's own schedule and the two passes (on an H200
+    their statistics from the autotuned fp32-accumulator kernel, launched by the ranks' threads at once:
+    :func:`test_gpu_autotuned_statistics_from_threads_at_once`). The hidden states take no gradient here: autograd
+    runs the CUDA backward of every thread on one device thread, where the sum of a rank's hidden gradient over the
+    group would wait for a rank queued behind it (on CPU the interpreted tests above take it)."""
     import contextlib
 
     g = torch.Generator().manual_seed(0)
@@ -256,3 +257,54 @@ def test_gpu_ranks_match_the_unsharded_op(op, schedule):
                     exact, theirs = exact[start:stop], theirs[start:stop]
                 bound = 1.05 * rel_err(theirs, exact) + BF16_GRAD_TOL + RTOL
                 assert rel_err(mine, exact) <= bound, (op, schedule, ranks, r, name, rel_err(mine, exact), bound)
+
+
+@pytest.mark.gpu
+def test_gpu_autotuned_statistics_from_threads_at_once(monkeypatch):
+    """The fp32-accumulator statistics kernel (:func:`~hf_fused.ops.backends.triton_cublas.fused_matmul.
+    logits_statistics_`, autotuned on a GPU) launched from 5 threads at once, each on its own vocabulary width, with
+    the autotuner's cache cold: each thread's statistics equal, bit for bit, the same call's from one thread once
+    the shapes are tuned. Triton's autotuner keeps a call's arguments and its choice on the kernel object, so
+    unguarded concurrent launches ran one call's config on another's TMA descriptors or folded the partials at
+    another call's width (the thread-ranks of test_gpu_ranks_match_the_unsharded_op, ``nn.DataParallel``)."""
+    import threading
+
+    from hf_fused.ops.backends.triton_cublas import fused_matmul
+    from hf_fused.ops.backends.triton_cublas.tiles import new_row_stats
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the fused statistics kernel needs compute capability 9.0 (TMA)")
+    monkeypatch.setattr(fused_matmul._tuned_statistics_kernel, "cache", {})
+    scalars = dict(logit_scale=1.0, softcap=1.0, inv_temperature=1.0, HAS_BIAS=False, SOFTCAP=False, SCALED=False)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(14, 64, generator=g).to("cuda", torch.bfloat16)
+    cases = []
+    for width in (1001, 501, 500, 334, 333):
+        weight = (torch.randn(width, 64, generator=g) * 0.5).to("cuda", torch.bfloat16)
+        cases.append((weight, torch.randint(0, width, (14,), generator=g).cuda()))
+
+    def statistics(weight, labels):
+        stats = new_row_stats(14, hidden.device, ("mean_logits", "is_top1", "log_sum_sq_probs"))
+        fused_matmul.logits_statistics_(hidden, weight, labels, stats, scalars, return_entropy=True)
+        return [t.cpu() for t in stats]
+
+    start, got, errors = threading.Barrier(len(cases), timeout=120), [None] * len(cases), []
+
+    def run(i):
+        try:
+            start.wait()
+            got[i] = statistics(*cases[i])
+        except BaseException as e:  # noqa: BLE001 (re-raised below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    for (weight, labels), concurrent in zip(cases, got):
+        alone = statistics(weight, labels)
+        for k, (a, b) in enumerate(zip(concurrent, alone)):
+            assert torch.equal(a, b), (weight.shape[0], k)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from typing import Optional
 
 import torch
@@ -236,6 +237,12 @@ def _set_block_shapes(nargs: dict) -> None:
     nargs["B_DESC"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
+#: Held over a launch of the autotuned kernel and the read of its chosen shape. Triton's autotuner keeps a call's
+#: arguments (whose TMA boxes its pre-hook sets for each config) and its last choice on the shared kernel object, so
+#: two threads launching at once (ranks as threads on one GPU, ``nn.DataParallel``'s replicas) could run a config
+#: on the other call's descriptors or fold partials at the other call's width (triton-lang/triton#11494).
+_TUNED_LAUNCH = threading.Lock()
+
 _tuned_statistics_kernel = triton.autotune(
     configs=[triton.Config(c.kwargs(), num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_set_block_shapes)
              for c in CONFIGS],
@@ -311,8 +318,9 @@ def logits_statistics_(
             def grid(meta):
                 return (min(programs, triton.cdiv(m_rows, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
 
-            _tuned_statistics_kernel[grid](*args, NUM_PROGRAMS=programs, **flags)
-            block_n = _tuned_statistics_kernel.best_config.kwargs["BLOCK_N"]
+            with _TUNED_LAUNCH:
+                _tuned_statistics_kernel[grid](*args, NUM_PROGRAMS=programs, **flags)
+                block_n = _tuned_statistics_kernel.best_config.kwargs["BLOCK_N"]
         else:
             tiles = triton.cdiv(m_rows, config.block_m) * triton.cdiv(n, config.block_n)
             _statistics_kernel[(min(tiles, programs),)](*args, NUM_PROGRAMS=programs, num_warps=config.num_warps,
