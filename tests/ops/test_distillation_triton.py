@@ -60,13 +60,14 @@ def _tile(rows, vocab, *, seed, biases):
     return zs, zt, bs, bt
 
 
-def _check_tile(beta, s_tf, t_tf, *, biases, rows=3, vocab=1100, seed=0):
+def _check_tile(beta, s_tf, t_tf, *, biases, rows=3, vocab=1100, seed=0, launch=None):
     from hf_fused.ops.backends.triton_cublas.distillation_pass import distillation_tile
 
     zs, zt, bs, bt = _tile(rows, vocab, seed=seed, biases=biases)
     g = torch.rand(rows, generator=torch.Generator().manual_seed(seed + 1)) + 0.5
     dz = torch.empty(rows, vocab)
-    out = distillation_tile(zs, zt, beta, s_tf, t_tf, student_bias=bs, teacher_bias=bt, dz=dz, row_grads=g)
+    out = distillation_tile(zs, zt, beta, s_tf, t_tf, student_bias=bs, teacher_bias=bt, dz=dz, row_grads=g,
+                            launch=launch)
 
     def tempered(z, b, tf):
         z = z if b is None else z + b.double()
@@ -113,6 +114,32 @@ def test_tile_epilogue_bf16_dz_is_the_fp32_dz_rounded_once_and_in_place_dz_is_th
     in_place = zs.clone()
     distillation_tile(in_place, zt, beta, s_tf, t_tf, student_bias=bs, teacher_bias=bt, dz=in_place, row_grads=g)
     assert torch.equal(in_place, dz)
+
+
+def _chunked(stats, sums, grad, rows):
+    """Launch shapes of ``(block_v, warps, chunks)`` per kernel and ``rows`` per launch group."""
+    from hf_fused.ops.backends.triton_cublas.distillation_pass import EpilogueLaunch, KernelLaunch
+
+    return EpilogueLaunch(KernelLaunch(*stats), KernelLaunch(*sums), KernelLaunch(*grad), rows=rows)
+
+
+@interpreted
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
+def test_tile_epilogue_in_column_chunks_and_row_groups(beta):
+    """Each kernel's rows split into column chunks whose records the next kernels combine (over 1100 columns:
+    statistics 3 chunks of 384, 384 and 332 columns in blocks of 128, the JSD sums 768 and 332 in blocks of 256, the
+    gradient 4 × 256 and 76 in blocks of 64), launched in groups of 2 of the 3 rows: float64's values at the same
+    bound, and the bf16 ``dz`` the fp32 one rounded once."""
+    from hf_fused.ops.backends.triton_cublas.distillation_pass import distillation_tile
+
+    launch = _chunked((128, 4, 3), (256, 4, 2), (64, 4, 5), rows=2)
+    s_tf, t_tf = _transform(0.5, 5.0, 0.7), _transform(2.0, 8.0, 0.7)
+    zs, zt, bs, bt, g, out, dz = _check_tile(beta, s_tf, t_tf, biases=True, seed=13, launch=launch)
+    dz16 = torch.empty(zs.shape, dtype=torch.bfloat16)
+    again = distillation_tile(zs, zt, beta, s_tf, t_tf, student_bias=bs, teacher_bias=bt, dz=dz16, row_grads=g,
+                              launch=launch)
+    assert torch.equal(dz16, dz.bfloat16())
+    assert torch.equal(again.divergence, out.divergence) and torch.equal(again.entropy, out.entropy)
 
 
 @interpreted
@@ -304,6 +331,40 @@ def test_cuda_triton_pass_no_further_from_float64_than_the_plain_pass(monkeypatc
         slack = RTOL if i < 2 else 1e-6
         assert ours <= 1.1 * plain + slack, f"{what}: triton pass {ours:.3g} from float64, plain pass {plain:.3g}"
         assert ours <= (1e-4 if i < 2 else 2.0**-8), f"{what}: triton pass {ours:.3g} from float64"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.5, 0.1])
+def test_cuda_tile_epilogue_matches_float64_and_rounds_dz_once(beta, chunked):
+    """The compiled kernels (fast hardware exponentials and logarithms) on a 64-row tile of 9426 columns, each
+    model's transform and bias, the default launch shapes or column chunks in row groups: the divergence, entropy
+    and fp32 ``dz`` at float64's RTOL, and the bf16 ``dz`` (the hardware's round to nearest even) the fp32 one
+    rounded once by torch, bit for bit."""
+    from hf_fused.ops.backends.triton_cublas.distillation_pass import distillation_tile
+
+    launch = _chunked((1024, 4, 4), (1024, 4, 3), (2048, 8, 2), rows=24) if chunked else None
+    s_tf, t_tf = _transform(0.5, 5.0, 0.7), _transform(2.0, 8.0, 0.7)
+    zs, zt, bs, bt = (t.cuda() for t in _tile(64, 8192 + 1234, seed=17, biases=True))
+    g = torch.rand(64, device="cuda") + 0.5
+    dz, dz16 = torch.empty_like(zs), torch.empty(zs.shape, dtype=torch.bfloat16, device="cuda")
+    out = distillation_tile(zs, zt, beta, s_tf, t_tf, student_bias=bs, teacher_bias=bt, dz=dz, row_grads=g,
+                            launch=launch)
+    again = distillation_tile(zs, zt, beta, s_tf, t_tf, student_bias=bs, teacher_bias=bt, dz=dz16, row_grads=g,
+                              launch=launch)
+    assert torch.equal(dz16, dz.bfloat16())
+    assert torch.equal(again.divergence, out.divergence) and torch.equal(again.entropy, out.entropy)
+
+    def tempered(z, b, tf):
+        return apply_transform(z + b.double(), dict(logit_scale=tf.logit_scale, softcap=tf.softcap,
+                                                    temperature=tf.temperature))
+
+    raw64 = zs.double().requires_grad_()
+    div64, ent64 = _divergence64(tempered(raw64, bs, s_tf), tempered(zt.double(), bt, t_tf), beta)
+    (div64 * g.double()).sum().backward()
+    assert rel_err(out.divergence, div64) <= RTOL, "divergence"
+    assert rel_err(out.entropy, ent64.detach()) <= RTOL, "entropy"
+    assert rel_err(dz, raw64.grad) <= RTOL, "dz"
 
 
 @pytest.mark.gpu

@@ -24,7 +24,7 @@ fp16 operands run the plain-PyTorch pass (:func:`runs_triton_pass`): its fp32-co
 
 from __future__ import annotations
 
-import math
+import os
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -48,11 +48,33 @@ DISTILLATION_TILE_ROWS = 1024
 #: 1024-row, 151,936 × 2048 accumulation took on an H200, docs/performance.md, 2026-11-29). Per row and vocabulary
 #: column, the tiles hold 8 bytes of fp32 logits and the group ``DZ_GROUP`` elements of ``dz``.
 DZ_GROUP = 2
-#: Launch shapes: the statistics kernel's lanes of 4 fp32 columns, 1024 columns per block; the JSD sums and the
-#: gradient kernel 2048 columns per block.
-STATS_BLOCK_V, STATS_WARPS = 1024, 4
-SUMS_BLOCK_V, SUMS_WARPS = 2048, 8
-GRAD_BLOCK_V, GRAD_WARPS = 2048, 8
+
+
+class KernelLaunch(NamedTuple):
+    """One epilogue kernel's launch shape: ``block_v`` columns per block (a multiple of 4), ``warps`` per program,
+    and each row split into ``chunks`` column chunks of whole blocks (programs per row; fewer where the vocabulary
+    has fewer blocks)."""
+
+    block_v: int
+    warps: int
+    chunks: int = 1
+
+
+class EpilogueLaunch(NamedTuple):
+    """The tile epilogue's launch shapes (:func:`distillation_tile`): its statistics, JSD sums and gradient
+    kernels', and ``rows``: token rows per launch group, each group's kernels launched in turn (0: the whole tile
+    at once). Groups small enough for the GPU's L2 cache let the second and third passes over a row read it there,
+    at the cost of more, smaller launches."""
+
+    stats: KernelLaunch
+    sums: KernelLaunch
+    grad: KernelLaunch
+    rows: int = 0
+
+
+#: Launch shapes under the default rule: the statistics kernel's lanes of 4 fp32 columns, 1024 columns per block;
+#: the JSD sums and the gradient kernel 2048 columns per block; one program per row.
+EPILOGUE_LAUNCH = EpilogueLaunch(KernelLaunch(1024, 4), KernelLaunch(2048, 8), KernelLaunch(2048, 8))
 
 _NO_GRADS = NeededGrads(False, False, False)
 
@@ -97,11 +119,20 @@ def _row_values(values: Union[float, torch.Tensor], rows: int, device: torch.dev
     return values.expand(rows) if values.dim() == 0 else values
 
 
+def _chunking(n_cols: int, launch: KernelLaunch) -> tuple:
+    """``(columns per chunk, chunks, the power of two ≥ chunks that the readers' loads span)`` of a row of
+    ``n_cols`` columns under ``launch``: chunks of whole blocks, none empty."""
+    per_chunk = -(-n_cols // max(1, launch.chunks))
+    chunk_cols = -(-per_chunk // launch.block_v) * launch.block_v
+    chunks = -(-n_cols // chunk_cols)
+    return chunk_cols, chunks, max(2, 1 << (chunks - 1).bit_length())
+
+
 def distillation_tile(
     zs: torch.Tensor, zt: torch.Tensor, beta: float, student: LogitTransform, teacher: LogitTransform, *,
     student_bias: Optional[torch.Tensor] = None, teacher_bias: Optional[torch.Tensor] = None,
     dz: Optional[torch.Tensor] = None, row_grads: Union[None, float, torch.Tensor] = None,
-    out: Optional[TileStats] = None,
+    out: Optional[TileStats] = None, launch: Optional[EpilogueLaunch] = None,
 ) -> TileStats:
     """The distillation epilogue of one tile (:mod:`.distillation_kernels`).
 
@@ -116,6 +147,8 @@ def distillation_tile(
             ``row_grads · ∂D/∂(raw student logits)``; ``None``: the divergence and entropy only.
         row_grads: with ``dz``: a number or 0-d tensor for every row, or fp32 ``[r]``.
         out: fp32 ``[r]`` buffers to write the result into (else new ones).
+        launch: the kernels' launch shapes (default :data:`EPILOGUE_LAUNCH`); the same results up to the fp32
+            rounding of sums taken in another order.
 
     Returns:
         :class:`TileStats` (``out`` when given).
@@ -127,26 +160,42 @@ def distillation_tile(
         out = TileStats(torch.empty(rows, **f32), torch.empty(rows, **f32))
     if rows == 0:
         return out
+    launch = EPILOGUE_LAUNCH if launch is None else launch
     scal = _scalars(student, teacher, student_bias, teacher_bias)
     mode = _mode(beta)
-    lse_s, lse_t = torch.empty(rows, **f32), torch.empty(rows, **f32)
-    bias_s = student_bias if student_bias is not None else lse_s  # any valid pointer, never read
-    bias_t = teacher_bias if teacher_bias is not None else lse_s
-    tiles = (zs, zs.stride(0), zt, zt.stride(0))
-    kernels.stats_kernel[(rows,)](*tiles, n_cols, bias_s, bias_t, lse_s, lse_t, out.divergence, out.entropy,
-                                  MODE=mode, BLOCK_V=STATS_BLOCK_V, num_warps=STATS_WARPS, **scal)
-    mixture = dict(beta=float(beta), log_1m_beta=math.log1p(-beta) if beta < 1 else 0.0,
-                   log_beta=math.log(beta) if beta > 0 else 0.0)
-    kl = out.divergence
-    if mode == kernels.JSD:
-        kl = torch.empty(rows, **f32)  # KL(p_s ‖ m), for the gradient
-        kernels.jsd_sums_kernel[(rows,)](*tiles, n_cols, bias_s, bias_t, lse_s, lse_t, out.divergence, kl,
-                                         BLOCK_V=SUMS_BLOCK_V, num_warps=SUMS_WARPS, **mixture, **scal)
+    mixture = dict(beta=float(beta), one_m_beta=1.0 - float(beta))
+    s_cols, s_chunks, s_pow = _chunking(n_cols, launch.stats)
+    part = torch.empty((rows, s_chunks, kernels.STATS_FIELDS), **f32)
+    jsd = mode == kernels.JSD
+    j_cols, j_chunks, j_pow = _chunking(n_cols, launch.sums) if jsd else (n_cols, 1, 2)
+    sums = torch.empty((rows, j_chunks, kernels.SUMS_FIELDS), **f32) if jsd else part  # else never read
+    g_cols, g_chunks, _ = _chunking(n_cols, launch.grad)
+    bias_s = student_bias if student_bias is not None else part  # any valid pointer, never read
+    bias_t = teacher_bias if teacher_bias is not None else part
     if dz is not None:
         g = _row_values(1.0 if row_grads is None else row_grads, rows, device)
-        kernels.grad_kernel[(rows,)](*tiles, dz, dz.stride(0), n_cols, bias_s, bias_t, lse_s, lse_t, kl, g,
-                                     g.stride(0), MODE=mode, DZ_BF16=dz.dtype == torch.bfloat16,
-                                     BLOCK_V=GRAD_BLOCK_V, num_warps=GRAD_WARPS, **mixture, **scal)
+        dz_flags = dict(DZ_BF16=dz.dtype == torch.bfloat16,
+                        NATIVE_BF16=dz.is_cuda and os.environ.get("TRITON_INTERPRET") != "1")
+    group = launch.rows if launch.rows > 0 else rows
+    for r0 in range(0, rows, group):
+        r1 = min(r0 + group, rows)
+        r = r1 - r0
+        tiles = (zs[r0:r1], zs.stride(0), zt[r0:r1], zt.stride(0))
+        stats = (part[r0:r1], part.stride(0), s_chunks)
+        kernels.stats_kernel[(r, s_chunks)](*tiles, n_cols, s_cols, bias_s, bias_t, *stats[:2], MODE=mode,
+                                            BLOCK_V=launch.stats.block_v, num_warps=launch.stats.warps, **scal)
+        if jsd:
+            kernels.jsd_sums_kernel[(r, j_chunks)](*tiles, n_cols, j_cols, bias_s, bias_t, *stats, sums[r0:r1],
+                                                   sums.stride(0), STATS_CHUNKS=s_pow, BLOCK_V=launch.sums.block_v,
+                                                   num_warps=launch.sums.warps, **mixture, **scal)
+        if dz is not None:
+            kernels.grad_kernel[(r, g_chunks)](*tiles, dz[r0:r1], dz.stride(0), n_cols, g_cols, bias_s, bias_t,
+                                               *stats, sums[r0:r1], sums.stride(0), j_chunks, g[r0:r1],
+                                               g.stride(0), MODE=mode, STATS_CHUNKS=s_pow, SUMS_CHUNKS=j_pow,
+                                               BLOCK_V=launch.grad.block_v, num_warps=launch.grad.warps,
+                                               **dz_flags, **mixture, **scal)
+    kernels.finish_kernel[(rows,)](part, part.stride(0), s_chunks, sums, sums.stride(0), j_chunks, out.divergence,
+                                   out.entropy, MODE=mode, STATS_CHUNKS=s_pow, SUMS_CHUNKS=j_pow, **mixture)
     return out
 
 
