@@ -20,7 +20,7 @@ that raises leaves its traceback in ``<dir>/error.txt``. Rank 0 writes ``<dir>/r
                 "rollouts_refused": GRPO and RLOO trainers on the patched tensor-parallel model: refused
                 (:func:`rollouts_refused`).
     model_dir   the tiny model (saved with ``save_pretrained``)
-    fsdp        "trainer": FSDP2 over this many ranks × tensor parallelism over the rest
+    fsdp        "trainer", "trl": FSDP2 over this many ranks × tensor parallelism over the rest
                 (``DistributedConfig(tp_size=world // fsdp, fsdp_size=fsdp)``), the global batch kept at 4 rows
     fused       patch the model with ``hf_fused.apply_fused_loss`` first
     trainer     "Trainer" (default) or "FusedTrainer" (which patches the model itself)
@@ -33,7 +33,8 @@ its tensors, from training), ``shards`` (each rank's lm_head rows), ``tied`` (lm
 embeddings'), ``head_layouts`` (the placements and mesh shape of lm_head's weight where hf_fused read it, and the
 rows read; "colwise": ``head_reads``, how many times),
 ``wrapper`` (the Trainer's wrapped model's class), ``error`` (lora_refused, fsdp_shard_refused: the message);
-"trl": ``logs`` (every logged row without timings) and ``head_reads`` (lm_head weights read as a vocabulary shard).
+"trl": ``logs`` (every logged row without timings), ``head_reads`` (lm_head weights read as a vocabulary shard) and
+``wrapper``.
 
 Accelerate allows a ``ParallelismConfig`` (which ``Trainer`` builds for a tensor-parallel model) only on accelerators;
 on CPU ranks :func:`allow_parallelism_config_on_cpu_ranks` lets it through, as ``cpu_fsdp/sitecustomize.py`` lets
@@ -316,10 +317,11 @@ def _is_timing(key: str) -> bool:
 
 def trl_trainer(case: dict, out: str) -> dict:
     """TRL's ``SFTTrainer`` or ``DPOTrainer`` (``case["trl"]``) for 3 SGD steps on the tensor-parallel model (one
-    process: no tensor parallelism), global batch 4, fp32; patched by ``apply_fused_loss`` first when ``fused``.
-    DPO's reference model is ``case["ref_dir"]`` (the model perturbed, so that no reward is exactly 0 at the first
-    step, where a comparison ``chosen > rejected`` of two zeros would flip on the last bit), loaded as the policy
-    is (tensor-parallel, patched when ``fused``)."""
+    process: no tensor parallelism; ``case["fsdp"]``: FSDP2 × TP, as :func:`load` builds it), global batch 4, fp32;
+    patched by ``apply_fused_loss`` first when ``fused``. DPO's reference model is ``case["ref_dir"]`` (the model
+    perturbed, so that no reward is exactly 0 at the first step, where a comparison ``chosen > rejected`` of two
+    zeros would flip on the last bit), loaded as the policy is (tensor-parallel, FSDP2 too, patched when
+    ``fused``)."""
     from datasets import Dataset
 
     from models import make_tokenizer
@@ -334,8 +336,8 @@ def trl_trainer(case: dict, out: str) -> dict:
     initial = full_parameters(model)
     tokenizer = make_tokenizer()
     common = dict(
-        output_dir=os.path.join(os.path.dirname(out), "trainer"), per_device_train_batch_size=4, max_steps=3,
-        learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
+        output_dir=os.path.join(os.path.dirname(out), "trainer"), per_device_train_batch_size=4 // case.get("fsdp", 1),
+        max_steps=3, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
         logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0, bf16=False, use_cpu=True,
         dataloader_num_workers=0, disable_tqdm=True,
     )
@@ -369,7 +371,8 @@ def trl_trainer(case: dict, out: str) -> dict:
     return {"losses": [e["loss"] for e in logs if "loss" in e], "logs": logs, "initial": initial,
             "params": full_parameters(trainer.model), "head_calls": head_calls["all"],
             "max_vocab_rows": tracker.max_rows, "collectives": sorted(recorder.calls), "shards": shards(model),
-            "head_layouts": sorted(set(layouts)), "head_reads": len(layouts)}
+            "head_layouts": sorted(set(layouts)), "head_reads": len(layouts),
+            "wrapper": type(trainer.model_wrapped).__name__}
 
 
 def rollouts_refused(case: dict, out: str) -> dict:

@@ -5,7 +5,7 @@ transformers forward all-gathers the logits) trained by ``transformers.Trainer``
 examples/distributed/tp2.yaml and 3 under torchrun (a vocabulary of 131: shards 66/65 and 44/44/43), tied and untied,
 fp32 and bf16, and FSDP2 × TP on 4 ranks launched with examples/distributed/fsdp2_tp2.yaml; and a custom loop on a
 model whose lm_head torch's ``ColwiseParallel`` shards; TRL's ``SFTTrainer`` and ``DPOTrainer`` on the patched
-tensor-parallel model (2 and 3 ranks, every logged metric too). Each against the single-process unpatched run on the
+tensor-parallel model (2 and 3 ranks, and FSDP2 × TP on 4; every logged metric too). Each against the single-process unpatched run on the
 same global batch: every logged loss and every updated parameter (``parity.py``), with no collective moving anything of
 the vocabulary's width (the unpatched tensor-parallel run all-gathers its logits shards) and no tensor of the whole
 vocabulary's width made. Runs of one rank count share one launch (``launch.SharedLaunches``).
@@ -112,9 +112,10 @@ def fsdp_shard_runs() -> list[Run]:
     return [tensor_parallel(dict(kind="fsdp_shard_refused", model="untied"), 2)]
 
 
-#: name → (ranks, TRL trainer, model)
-TRL_PARITY = {"tp2-sft": (2, "sft", "untied"), "tp2-dpo": (2, "dpo", "untied"), "tp3-sft-tied": (3, "sft", "tied"),
-              "tp3-dpo": (3, "dpo", "untied")}
+#: name → (ranks, TRL trainer, model, FSDP2's data-parallel size: tensor parallelism over ranks // fsdp)
+TRL_PARITY = {"tp2-sft": (2, "sft", "untied", 1), "tp2-dpo": (2, "dpo", "untied", 1),
+              "tp3-sft-tied": (3, "sft", "tied", 1), "tp3-dpo": (3, "dpo", "untied", 1),
+              "fsdp2-tp2-sft": (4, "sft", "untied", 2), "fsdp2-tp2-dpo": (4, "dpo", "untied", 2)}
 
 
 def rollout_runs() -> list[Run]:
@@ -122,9 +123,12 @@ def rollout_runs() -> list[Run]:
 
 
 def trl_runs(name: str) -> list[Run]:
-    ranks, trainer, model = TRL_PARITY[name]
+    """The TRL run ``name`` and its single-process reference; under FSDP2 × TP, in the launch of
+    :func:`fsdp_runs`' 4 ranks, against the same reference as the tensor-parallel run of that trainer."""
+    ranks, trainer, model, fsdp = TRL_PARITY[name]
     case = dict(kind="trl", trl=trainer, model=model, fused=True)
-    return [tensor_parallel(case, ranks), reference(case)]
+    run = Run.of("fsdp2_tp2", ranks, {**case, "fsdp": fsdp}) if fsdp > 1 else tensor_parallel(case, ranks)
+    return [run, reference(case)]
 
 
 @pytest.fixture(scope="module")
@@ -280,28 +284,36 @@ def test_fsdp2_shard_outside_the_call_is_not_read_as_a_vocabulary_split(runs):
 def test_trl_trainers_under_tensor_parallelism_match_single_process(name, runs):
     """TRL's ``SFTTrainer`` and ``DPOTrainer`` (its reference model tensor-parallel and patched too) on transformers'
     tensor-parallel model patched by ``apply_fused_loss``, under accelerate's ``ParallelismConfig(tp_size=n)`` (2
-    ranks: examples/distributed/tp2.yaml; 3: torchrun), 3 SGD steps: every logged loss and metric and every updated
-    parameter as TRL's single-process unpatched run on the same global batch. TRL's fused-head calls ran through
-    hf_fused on each rank's rows of lm_head (every step, the policy's and DPO's reference's), with no collective of
-    the vocabulary's width and no tensor of the whole vocabulary's width."""
+    ranks: examples/distributed/tp2.yaml; 3: torchrun) and ``ParallelismConfig(dp_shard_size=2, tp_size=2)`` (4 ranks,
+    examples/distributed/fsdp2_tp2.yaml: FSDP2 over data-parallel pairs that each see half the global batch, as in
+    :func:`test_fsdp2_times_tensor_parallel`), 3 SGD steps: every logged loss and metric and every updated parameter
+    as TRL's single-process unpatched run on the same global batch. TRL's fused-head calls ran through hf_fused on
+    each rank's rows of lm_head (every step, the policy's and DPO's reference's), with no collective of the
+    vocabulary's width and no tensor of the whole vocabulary's width."""
     tp, ref = (runs(r) for r in trl_runs(name))
-    ranks, trainer, _ = TRL_PARITY[name]
+    ranks, trainer, _, fsdp = TRL_PARITY[name]
+    tp_size = ranks // fsdp
     assert_matches_reference(tp, ref, ranks)
+    if fsdp > 1:
+        assert tp["wrapper"].startswith("FSDP"), tp["wrapper"]
     assert len(tp["logs"]) == len(ref["logs"]) == 4  # 3 steps and the summary
     for step, (got, want) in enumerate(zip(tp["logs"], ref["logs"])):
         assert got.keys() == want.keys(), (step, got.keys() ^ want.keys())
         for key, value in want.items():
-            if key == "total_flos":  # Trainer adds every rank's count of the one replica's FLOPs
-                assert got[key] == ranks * value, (step, got[key], value)
+            if key == "total_flos":
                 continue
             assert math.isclose(got[key], value, rel_tol=1e-5,
                                 abs_tol=2e-6 if "loss" in key else logp_difference_tol(key, want)), \
                 (step, key, got[key], value)
+    # Trainer adds every rank's estimate for its own rows (6 · parameters · the padded batch's tokens): tp_size times
+    # the batch's; under FSDP2 each data-parallel pair pads its half of the batch to that half's longest row only
+    flos, want_flos = tp["logs"][-1]["total_flos"], ref["logs"][-1]["total_flos"]
+    assert flos == tp_size * want_flos if fsdp == 1 else 0 < flos <= tp_size * want_flos, (flos, want_flos)
     calls = 3 if trainer == "sft" else 6  # DPO: the policy's and the reference model's head at every step
     assert tp["head_calls"] == calls and tp["head_reads"] == calls and tp["max_vocab_rows"] == 0
-    assert tp["shards"] == chunk_shards(ranks)
-    assert tp["head_layouts"] == [(("S(0)",), (ranks,), tp["shards"][0])]
-    assert not vocabulary_collectives(tp, ranks), vocabulary_collectives(tp, ranks)
+    assert tp["shards"] == chunk_shards(tp_size) * fsdp  # ranks (fsdp, tp) in row-major order
+    assert tp["head_layouts"] == [(("S(0)",), (tp_size,), tp["shards"][0])]
+    assert not vocabulary_collectives(tp, tp_size), vocabulary_collectives(tp, tp_size)
 
 
 def test_grpo_and_rloo_under_tensor_parallelism_are_refused(runs):
