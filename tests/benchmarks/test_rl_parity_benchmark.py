@@ -43,6 +43,11 @@ def test_every_row_on_cpu_bf16():
         assert rows[name]["vs_fp32"]["max"] > 1e-3, rows[name]
     assert rows["FusedGRPOTrainer (default)"]["schedule"] == "one pass"  # the call the loss makes, hinted
     assert rows["GRPOTrainer (TRL)"]["schedule"] == "TRL chunked head"
+    ratios = {r["policy"]: r for r in record["log_ratio_same_weights"]}
+    assert set(ratios) == {"FusedGRPOTrainer (default)", "FusedGRPOTrainer fp32 statistics (dz tile)",
+                           "GRPOTrainer (TRL)"}, ratios
+    assert ratios["GRPOTrainer (TRL)"]["max"] == 0  # one computation, with and without gradient
+    assert all(r["max"] < FP32_NOISE for r in ratios.values()), ratios  # CPU: fp32 products in both calls
 
 
 def test_fused_equals_trl_with_fp32_products(tmp_path, capsys):

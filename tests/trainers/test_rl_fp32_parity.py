@@ -4,7 +4,8 @@ On bf16 operands the exact products sit in the logits matmul's fp32 accumulator:
 (:mod:`hf_fused.ops.backends.triton_cublas.fp32_logits_rule`) the log-probs the trainer's loss sees (the one pass,
 either way of making ``dz``) and the old / reference log-probs (the statistics pass, on by default) are within
 1e-4 nats of an fp32 head on the same weights and hidden states, at a Qwen3-1.7B head (H 2048, V 151,936) on
-completions the model sampled itself. The one pass's default (bf16 tiles) is reported beside them, not pinned.
+completions the model sampled itself, and the loss's log-probs then agree with the old ones on the same weights. The
+one pass's default (bf16 tiles) is reported beside them, not pinned.
 ``python -m benchmarks.rl_parity`` measures the same rows at the documented shape (docs/grpo.md).
 """
 
@@ -35,6 +36,9 @@ def test_fp32_faithful_logprobs_match_an_fp32_head():
         assert row["vs_fp32"]["max"] <= FP32_FAITHFUL_NATS, row  # on the hidden states that call computed
     for name in FAITHFUL[:2]:
         assert rows[name]["schedule"] == "one pass", rows[name]  # the loss's call, gradients in the forward
+    # The old log-probs (statistics pass) and the loss's (one pass) agree: the first off-policy iteration's ratio is 1.
+    ratios = {r["policy"]: r for r in record["log_ratio_same_weights"]}
+    assert ratios[FAITHFUL[0]]["max"] <= FP32_FAITHFUL_NATS, ratios
     # The default one pass reads bf16 tiles: reported (as TRL's head, also bf16 tiles), not pinned.
     for name in ("FusedGRPOTrainer (default)", "GRPOTrainer (TRL)"):
         assert 0 < rows[name]["vs_fp32"]["max"] < 1, rows[name]
