@@ -14,7 +14,8 @@ writes a transformed logit. With ``s = z_s − lse_s``, ``t = z_t − lse_t``, `
   reverse KL ``Σ p_s (s − t) = Σ e^{z_s − m_s}(z_s − z_t) / Σ e^{z_s − m_s} − lse_s + lse_t``;
 - :func:`jsd_sums_kernel` (the JSD only: ``log m`` needs both log-sum-exps first): per row and column chunk
   ``Σ p_s (s − log m)`` and ``Σ p_t (t − log m)`` in base 2, with ``m = (1 − β)·p_s + β·p_t`` formed from the two
-  exponentials the sums weigh by anyway (three transcendentals per column: ``2^x`` twice and one ``log2``);
+  exponentials the sums weigh by anyway (three transcendentals per column, each one hardware instruction in GPU
+  code: ``2^x`` twice and the ``log2`` of :func:`_log2`);
   ``KL(p_s ‖ m)`` and ``D = β·KL(p_t ‖ m) + (1 − β)·KL(p_s ‖ m)`` are their row sums times ``ln 2``;
 - :func:`grad_kernel` (with gradients): ``dz = g · ∂D/∂z_s`` through the transform's chain rule (``× 1/T``,
   ``× (1 − tanh²)``, ``× scale``), written in ``DZ``'s dtype (bf16 for the gradient matmuls, or fp32), where
@@ -186,7 +187,24 @@ def stats_kernel(
 
 
 @triton.jit
-def _mixture(zs, zt, lse_s, lse_t, one_m_beta, beta):
+def _log2(x, COMPILED: tl.constexpr):
+    """``log2 x`` of positive normal fp32 values. ``COMPILED`` (GPU code): the exponent read from the bit pattern
+    plus the hardware's approximate ``log2`` (one MUFU instruction) of the mantissa in ``[1, 2)``, where its absolute
+    error is below 2⁻²² (CUDA's ``__log2f``), where libdevice's ``log2f`` takes some twenty instructions; else
+    ``tl.log2`` (the interpreter's numpy)."""
+    if COMPILED:
+        bits = x.to(tl.int32, bitcast=True)
+        mantissa = ((bits & 0x007FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+        # the biased exponent E in the low bits of 2^23's pattern is the float 2^23 + E, exactly
+        exponent = ((bits >> 23) | 0x4B000000).to(tl.float32, bitcast=True) - 8388735.0  # 2^23 + 127
+        return exponent + tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [mantissa],
+                                                    dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _mixture(zs, zt, lse_s, lse_t, one_m_beta, beta, COMPILED: tl.constexpr):
     """``(p_s, p_t, log2 p_s − log2 m, log2 p_t − log2 m)`` with ``m = (1 − β)·p_s + β·p_t``: each log-probability
     is formed in nats (``z − lse``, exact where it matters: near 0, where the weights are large) before its change
     of base."""
@@ -194,7 +212,7 @@ def _mixture(zs, zt, lse_s, lse_t, one_m_beta, beta):
     t2 = (zt - lse_t) * _LOG2E
     ps = tl.exp2(s2)
     pt = tl.exp2(t2)
-    log2_m = tl.log2(tl.maximum(one_m_beta * ps + beta * pt, _TINY))
+    log2_m = _log2(tl.maximum(one_m_beta * ps + beta * pt, _TINY), COMPILED)
     return ps, pt, s2 - log2_m, t2 - log2_m
 
 
@@ -204,14 +222,14 @@ def jsd_sums_kernel(
     s_scale, s_cap, s_inv_t, t_scale, t_cap, t_inv_t, beta, one_m_beta,
     HAS_BIAS_S: tl.constexpr, SOFTCAP_S: tl.constexpr, SCALED_S: tl.constexpr,
     HAS_BIAS_T: tl.constexpr, SOFTCAP_T: tl.constexpr, SCALED_T: tl.constexpr,
-    STATS_CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr,
+    COMPILED: tl.constexpr, STATS_CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Per (row, column chunk): ``SUMS[row, chunk] = (Σ p_s (s − log m), Σ p_t (t − log m))`` in base 2 over the
     chunk, from the row's log-sum-exps (its ``n_stats`` statistics chunks in ``PART``)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     S_row, T_row = S + row * stride_s, T + row * stride_t
-    lse_s, lse_t, _, _ = _row_stats(PART + row * stride_part, n_stats, 2, STATS_CHUNKS)
+    lse_s, lse_t, _entropy, _kl = _row_stats(PART + row * stride_part, n_stats, 2, STATS_CHUNKS)
     kl_s = tl.zeros([BLOCK_V], tl.float32)
     kl_t = tl.zeros([BLOCK_V], tl.float32)
     first = chunk * chunk_cols
@@ -220,14 +238,14 @@ def jsd_sums_kernel(
         if start + BLOCK_V <= n_cols:  # full blocks without masks
             zs, _, zt = _pair(S_row, T_row, cols, cols < n_cols, BiasS, BiasT, s_scale, s_cap, s_inv_t, t_scale,
                               t_cap, t_inv_t, False, HAS_BIAS_S, SOFTCAP_S, SCALED_S, HAS_BIAS_T, SOFTCAP_T, SCALED_T)
-            ps, pt, ds, dt = _mixture(zs, zt, lse_s, lse_t, one_m_beta, beta)
+            ps, pt, ds, dt = _mixture(zs, zt, lse_s, lse_t, one_m_beta, beta, COMPILED)
             kl_s += ps * ds
             kl_t += pt * dt
         else:
             valid = cols < n_cols
             zs, _, zt = _pair(S_row, T_row, cols, valid, BiasS, BiasT, s_scale, s_cap, s_inv_t, t_scale, t_cap,
                               t_inv_t, True, HAS_BIAS_S, SOFTCAP_S, SCALED_S, HAS_BIAS_T, SOFTCAP_T, SCALED_T)
-            ps, pt, ds, dt = _mixture(zs, zt, lse_s, lse_t, one_m_beta, beta)
+            ps, pt, ds, dt = _mixture(zs, zt, lse_s, lse_t, one_m_beta, beta, COMPILED)
             kl_s += tl.where(valid, ps * ds, 0.0)
             kl_t += tl.where(valid, pt * dt, 0.0)
     P = SUMS + row * stride_sums + chunk * _SUMS_FIELDS
@@ -242,19 +260,19 @@ def grad_kernel(
     s_scale, s_cap, s_inv_t, t_scale, t_cap, t_inv_t, beta, one_m_beta,
     HAS_BIAS_S: tl.constexpr, SOFTCAP_S: tl.constexpr, SCALED_S: tl.constexpr,
     HAS_BIAS_T: tl.constexpr, SOFTCAP_T: tl.constexpr, SCALED_T: tl.constexpr,
-    MODE: tl.constexpr, DZ_BF16: tl.constexpr, NATIVE_BF16: tl.constexpr, STATS_CHUNKS: tl.constexpr,
+    MODE: tl.constexpr, DZ_BF16: tl.constexpr, COMPILED: tl.constexpr, STATS_CHUNKS: tl.constexpr,
     SUMS_CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Per (row, column chunk): ``DZ = G[row] · ∂D/∂raw_s`` (module docstring) in ``DZ``'s dtype, from the row's
     statistics chunks (``PART``) and, for the JSD, its sums chunks (``SUMS``: ``KL(p_s ‖ m)``). ``DZ_BF16``: bf16,
-    rounded to nearest even (``NATIVE_BF16``: the hardware conversion, compiled code only; else
-    :func:`~.matmul.round_bf16` on the bit pattern, as ``torch``'s cast rounds, in the interpreter too). ``G``:
+    rounded to nearest even (``COMPILED``, GPU code: the hardware's conversion; else :func:`~.matmul.round_bf16` on
+    the bit pattern, as ``torch``'s cast rounds: the interpreter's cast truncates). ``G``:
     per-row upstream gradients (``stride_g`` 0 for one value for every row). ``DZ`` may be ``S`` itself (same
     dtype and strides): each element is read before it is written, by the same thread."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     S_row, T_row, DZ_row = S + row * stride_s, T + row * stride_t, DZ + row * stride_dz
-    lse_s, lse_t, _, kl = _row_stats(PART + row * stride_part, n_stats, MODE, STATS_CHUNKS)
+    lse_s, lse_t, _entropy, kl = _row_stats(PART + row * stride_part, n_stats, MODE, STATS_CHUNKS)
     g = tl.load(G + row * stride_g)  # times the transform's constant factors, once per row
     if MODE == 2:  # KL(p_s ‖ m) in base 2; (1 − β)·ln 2 (the sums' base) into g
         kl = tl.sum(_chunk_field(SUMS + row * stride_sums, n_sums, 0, _SUMS_FIELDS, SUMS_CHUNKS, 0.0), axis=0)
@@ -268,18 +286,19 @@ def grad_kernel(
             zs, th, zt = _pair(S_row, T_row, cols, cols < n_cols, BiasS, BiasT, s_scale, s_cap, s_inv_t, t_scale,
                                t_cap, t_inv_t, False, HAS_BIAS_S, SOFTCAP_S, SCALED_S, HAS_BIAS_T, SOFTCAP_T,
                                SCALED_T)
-            dz = _student_grad(zs, th, zt, lse_s, lse_t, kl, g, beta, one_m_beta, SOFTCAP_S, MODE)
-            _store(DZ_row + cols, dz, cols < n_cols, False, DZ_BF16, NATIVE_BF16)
+            dz = _student_grad(zs, th, zt, lse_s, lse_t, kl, g, beta, one_m_beta, SOFTCAP_S, MODE, COMPILED)
+            _store(DZ_row + cols, dz, cols < n_cols, False, DZ_BF16, COMPILED)
         else:
             valid = cols < n_cols
             zs, th, zt = _pair(S_row, T_row, cols, valid, BiasS, BiasT, s_scale, s_cap, s_inv_t, t_scale, t_cap,
                                t_inv_t, True, HAS_BIAS_S, SOFTCAP_S, SCALED_S, HAS_BIAS_T, SOFTCAP_T, SCALED_T)
-            dz = _student_grad(zs, th, zt, lse_s, lse_t, kl, g, beta, one_m_beta, SOFTCAP_S, MODE)
-            _store(DZ_row + cols, dz, valid, True, DZ_BF16, NATIVE_BF16)
+            dz = _student_grad(zs, th, zt, lse_s, lse_t, kl, g, beta, one_m_beta, SOFTCAP_S, MODE, COMPILED)
+            _store(DZ_row + cols, dz, valid, True, DZ_BF16, COMPILED)
 
 
 @triton.jit
-def _student_grad(zs, th, zt, lse_s, lse_t, kl, g, beta, one_m_beta, SOFTCAP_S: tl.constexpr, MODE: tl.constexpr):
+def _student_grad(zs, th, zt, lse_s, lse_t, kl, g, beta, one_m_beta, SOFTCAP_S: tl.constexpr, MODE: tl.constexpr,
+                  COMPILED: tl.constexpr):
     """``g · ∂D/∂z_s`` times the soft-cap's ``1 − tanh²`` (``g`` carries the rest of the chain rule)."""
     if MODE == 0:  # p_s − p_t
         dz = tl.exp(zs - lse_s) - tl.exp(zt - lse_t)
@@ -287,7 +306,7 @@ def _student_grad(zs, th, zt, lse_s, lse_t, kl, g, beta, one_m_beta, SOFTCAP_S: 
         s = zs - lse_s
         dz = tl.exp(s) * (s - (zt - lse_t) - kl)
     else:  # (1 − β)·p_s ∘ (s − log m − KL(p_s ‖ m)), in base 2; (1 − β)·ln 2 is in g
-        ps, _, ds, _ = _mixture(zs, zt, lse_s, lse_t, one_m_beta, beta)
+        ps, _pt, ds, _dt = _mixture(zs, zt, lse_s, lse_t, one_m_beta, beta, COMPILED)
         dz = ps * (ds - kl)
     dz = dz * g
     if SOFTCAP_S:
@@ -296,10 +315,10 @@ def _student_grad(zs, th, zt, lse_s, lse_t, kl, g, beta, one_m_beta, SOFTCAP_S: 
 
 
 @triton.jit
-def _store(ptr, dz, valid, MASKED: tl.constexpr, DZ_BF16: tl.constexpr, NATIVE_BF16: tl.constexpr):
+def _store(ptr, dz, valid, MASKED: tl.constexpr, DZ_BF16: tl.constexpr, COMPILED: tl.constexpr):
     """Store ``dz`` in ``ptr``'s dtype (bf16: rounded to nearest even)."""
     if DZ_BF16:
-        if NATIVE_BF16:
+        if COMPILED:
             value = dz.to(tl.bfloat16)  # cvt.rn: round to nearest even
         else:
             value, _ = round_bf16(dz)
@@ -316,7 +335,7 @@ def finish_kernel(PART, stride_part, n_stats, SUMS, stride_sums, n_sums, DIV, EN
                   MODE: tl.constexpr, STATS_CHUNKS: tl.constexpr, SUMS_CHUNKS: tl.constexpr):
     """Per row: ``DIV`` (the divergence) and ``ENT`` (the student's entropy) from its chunks' records."""
     row = tl.program_id(0).to(tl.int64)
-    _, _, entropy, div = _row_stats(PART + row * stride_part, n_stats, MODE, STATS_CHUNKS)
+    _lse_s, _lse_t, entropy, div = _row_stats(PART + row * stride_part, n_stats, MODE, STATS_CHUNKS)
     if MODE == 2:
         P_row = SUMS + row * stride_sums
         kl_s = tl.sum(_chunk_field(P_row, n_sums, 0, _SUMS_FIELDS, SUMS_CHUNKS, 0.0), axis=0)

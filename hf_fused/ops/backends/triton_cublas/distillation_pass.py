@@ -172,10 +172,9 @@ def distillation_tile(
     g_cols, g_chunks, _ = _chunking(n_cols, launch.grad)
     bias_s = student_bias if student_bias is not None else part  # any valid pointer, never read
     bias_t = teacher_bias if teacher_bias is not None else part
+    compiled = zs.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"  # else Triton's interpreter
     if dz is not None:
         g = _row_values(1.0 if row_grads is None else row_grads, rows, device)
-        dz_flags = dict(DZ_BF16=dz.dtype == torch.bfloat16,
-                        NATIVE_BF16=dz.is_cuda and os.environ.get("TRITON_INTERPRET") != "1")
     group = launch.rows if launch.rows > 0 else rows
     for r0 in range(0, rows, group):
         r1 = min(r0 + group, rows)
@@ -186,14 +185,16 @@ def distillation_tile(
                                             BLOCK_V=launch.stats.block_v, num_warps=launch.stats.warps, **scal)
         if jsd:
             kernels.jsd_sums_kernel[(r, j_chunks)](*tiles, n_cols, j_cols, bias_s, bias_t, *stats, sums[r0:r1],
-                                                   sums.stride(0), STATS_CHUNKS=s_pow, BLOCK_V=launch.sums.block_v,
+                                                   sums.stride(0), COMPILED=compiled, STATS_CHUNKS=s_pow,
+                                                   BLOCK_V=launch.sums.block_v,
                                                    num_warps=launch.sums.warps, **mixture, **scal)
         if dz is not None:
             kernels.grad_kernel[(r, g_chunks)](*tiles, dz[r0:r1], dz.stride(0), n_cols, g_cols, bias_s, bias_t,
                                                *stats, sums[r0:r1], sums.stride(0), j_chunks, g[r0:r1],
                                                g.stride(0), MODE=mode, STATS_CHUNKS=s_pow, SUMS_CHUNKS=j_pow,
                                                BLOCK_V=launch.grad.block_v, num_warps=launch.grad.warps,
-                                               **dz_flags, **mixture, **scal)
+                                               DZ_BF16=dz.dtype == torch.bfloat16, COMPILED=compiled, **mixture,
+                                               **scal)
     kernels.finish_kernel[(rows,)](part, part.stride(0), s_chunks, sums, sums.stride(0), j_chunks, out.divergence,
                                    out.entropy, MODE=mode, STATS_CHUNKS=s_pow, SUMS_CHUNKS=j_pow, **mixture)
     return out
