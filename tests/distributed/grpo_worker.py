@@ -11,18 +11,14 @@ computations. SGD at a constant learning rate, β = 0 (no reference model), on-p
 
 from __future__ import annotations
 
-import gc
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 import transformers
 
 import grpo_harness
-from ranks import exit_rank
+from ranks import exit_rank, run_each
 from train_worker import count_fused_head_calls, full_parameters
 
 
@@ -57,19 +53,7 @@ def train(case: dict, out: Path) -> None:
 
 def main(batch_file: str) -> None:
     torch.set_num_threads(1)
-    with open(batch_file) as f:
-        runs = json.load(f)
-    for entry in runs:
-        environ = dict(os.environ)
-        try:
-            train(entry["case"], Path(entry["dir"]) / "result.pt")
-        except Exception:
-            with open(os.path.join(entry["dir"], "error.txt"), "a") as f:
-                f.write(f"rank {os.environ.get('RANK', '0')}:\n{traceback.format_exc()}\n")
-        finally:
-            os.environ.clear()
-            os.environ.update(environ)
-            gc.collect()
+    run_each(batch_file, lambda case, directory: train(case, Path(directory) / "result.pt"))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ outside the kernel's ephemeral range (:func:`free_port`), and is run again only 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -193,17 +194,46 @@ def _signal(pids: list[int], sig: int) -> None:
             pass
 
 
+def config_file(config: str | Path) -> Path:
+    """``config``: a config's name under examples/distributed/, or a config file's path."""
+    return config if isinstance(config, Path) else CONFIGS / f"{config}.yaml"
+
+
+#: The variables of a rank's environment that ``accelerate launch`` derives from a config file.
+_CONFIG_PREFIXES = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
+
+
+@functools.lru_cache(maxsize=None)
+def accelerate_environment(config: str | Path, processes: int) -> dict[str, str]:
+    """The variables ``accelerate launch --config_file <config> --num_processes <processes>`` gives each rank from the
+    config (the engine and its plugin's settings, mixed precision, the parallelism config), computed by accelerate's
+    own launch code, as its launchers call it."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config_file(config)), "--num_processes",
+                                               str(processes), "script.py"])
+    args, defaults, mixed_precision_from_config = _validate_launch_command(args)
+    if args.use_deepspeed:
+        fields = list(defaults.deepspeed_config) if defaults else []  # as accelerate's launch_command sets them
+        args.deepspeed_fields_from_accelerate_config = ",".join(
+            fields + (["mixed_precision"] if mixed_precision_from_config else []))
+        _, environment = prepare_deepspeed_cmd_env(args)
+    else:
+        environment = prepare_multi_gpu_env(args)
+    return {k: v for k, v in environment.items() if k.startswith(_CONFIG_PREFIXES)}
+
+
 def accelerate_launch(config: str | Path, script: Path, *args: str, processes: int = 2, cuda: bool = CUDA,
                       timeout_s: int | None = None) -> str:
     """``accelerate launch --config_file examples/distributed/<config>.yaml script args`` (``config`` a name
     there, or a config file's path); each rank's stderr also goes to a file of its own (torchrun's ``--log_dir`` /
     ``--tee``), shown when the launch fails. Returns the launch's output."""
-    config_file = config if isinstance(config, Path) else CONFIGS / f"{config}.yaml"
     for attempt in range(PORT_ATTEMPTS):
         with tempfile.TemporaryDirectory() as logs:
             try:
                 return run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                            str(config_file), "--num_processes", str(processes), "--main_process_port",
+                            str(config_file(config)), "--num_processes", str(processes), "--main_process_port",
                             str(free_port()), "--log_dir", logs, "--tee", "3", str(script), *args],
                            cuda=cuda, rank_logs=Path(logs), timeout_s=timeout_s)
             except AssertionError as e:
@@ -218,7 +248,7 @@ def launch_timeout(runs: int) -> int:
     return TIMEOUT_S + RUN_TIMEOUT_S * max(0, runs - 1)
 
 
-# -- runs shared between the tests of a module, one launch per engine ----------------------------------------------
+# -- runs shared between the tests of a module, one launch per launch key (an engine, a rank count) -----------------
 
 
 @dataclass(frozen=True)
@@ -238,6 +268,13 @@ class Run:
     def engine(self) -> tuple:
         return (str(self.config), self.processes)
 
+    @property
+    def rank_count(self) -> tuple:
+        """The launch key of :func:`run_cases`' launches: accelerate-launched runs of every config on ``processes``
+        ranks together (each rank takes its run's config's environment: ranks.launched_under), one plain process
+        apart."""
+        return (self.config is not None, self.processes)
+
     def unpatched_first(self) -> tuple:
         """Sort key: in a shared launch, runs that never touch hf_fused come first, so that an unpatched reference
         runs in a process in the state a launch of its own would give it."""
@@ -247,17 +284,18 @@ class Run:
 
 
 class SharedLaunches:
-    """The results of :class:`Run` s, each launch holding every planned run of one engine.
+    """The results of :class:`Run` s, each launch holding every planned run of one launch ``key`` (by default
+    :attr:`Run.engine`; :func:`run_cases`' launches take :attr:`Run.rank_count`).
 
-    ``planned``: every run the selected tests will ask for. The first request for a run of an engine launches,
-    at once, all of that engine's planned runs not yet done (``launch(runs, dirs)``: each run writes into its own
+    ``planned``: every run the selected tests will ask for. The first request for a run launches, at once, all the
+    planned runs of its key not yet done (``launch(runs, dirs)``: each run writes into its own
     directory; a run that raised writes its traceback to ``error.txt`` there); ``load(run, directory)`` reads
     a run's result. A test gets its own run's result (also when the launch failed after writing it), or an
     AssertionError with that run's traceback, or with the launch's failure when the run wrote nothing."""
 
     def __init__(self, root: Path, planned: Iterable[Run], launch: Callable[[list[Run], list[Path]], None],
-                 load: Callable[[Run, Path], dict]):
-        self.root, self.launch, self.load = root, launch, load
+                 load: Callable[[Run, Path], dict], key: Callable[[Run], tuple] = lambda run: run.engine):
+        self.root, self.launch, self.load, self.key = root, launch, load, key
         self.planned = list(dict.fromkeys(planned))
         self.dirs: dict[Run, Path] = {}
         self.launch_errors: dict[Run, str] = {}
@@ -281,7 +319,7 @@ class SharedLaunches:
         return self.results[run]
 
     def _launch_engine_of(self, run: Run) -> None:
-        runs = [r for r in self.planned if r.engine == run.engine and r not in self.dirs]
+        runs = [r for r in self.planned if self.key(r) == self.key(run) and r not in self.dirs]
         if run not in runs:
             runs.append(run)  # asked for without being planned: launched with the rest of its engine
         if str(run.config) in ONE_RUN_PER_LAUNCH:
@@ -312,16 +350,24 @@ def planned_runs(request, plans: dict[str, Callable[..., list[Run]]]) -> list[Ru
 
 def run_cases(runs: list[Run], dirs: list[Path], worker: Path = WORKER,
               model_dirs: Callable[[str], str] | None = None) -> None:
-    """Launch ``worker`` once for ``runs`` (one engine): it reads ``[{"case", "dir"}, ...]`` from the JSON file
-    named on its command line (train_worker.py, script_runner.py). ``model_dirs``: where the tiny model a case
+    """Launch ``worker`` once for ``runs`` (one plain process, or accelerate-launched ranks: then runs of several
+    configs of one rank count, :attr:`Run.rank_count`): it reads ``[{"case", "dir", "environment"}, ...]`` from the
+    JSON file named on its command line (train_worker.py, script_runner.py, grpo_worker.py) and runs each under its
+    own config's environment (:func:`accelerate_environment`, ranks.run_each). ``model_dirs``: where the tiny model a case
     names (``"model"``) was saved, given to the worker as the case's ``"model_dir"``."""
     config, processes = runs[0].config, runs[0].processes
+    environments = {r.config: accelerate_environment(r.config, processes) for r in runs if r.config is not None}
+    variables = {key for environment in environments.values() for key in environment}
     entries = []
     for r, d in zip(runs, dirs):
         case = {"cuda": CUDA, **json.loads(r.case)}
         if model_dirs is not None and "model" in case:
             case["model_dir"] = model_dirs(case["model"])
-        entries.append({"case": case, "dir": str(d)})
+        entry = {"case": case, "dir": str(d)}
+        if r.config is not None:  # the launch is under runs[0]'s config; each run takes its own's variables
+            entry["environment"] = {"set": environments[r.config],
+                                    "unset": sorted(variables - environments[r.config].keys())}
+        entries.append(entry)
     batch = dirs[0] / "batch.json"
     batch.write_text(json.dumps(entries))
     cuda = any(entry["case"]["cuda"] for entry in entries)

@@ -5,8 +5,12 @@ references and tolerances; the single-process references then run on the first G
 from __future__ import annotations
 
 import contextlib
+import gc
+import json
 import os
 import sys
+import traceback
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -52,7 +56,7 @@ def exit_rank() -> None:
 @contextlib.contextmanager
 def sequence_parallelism_undone_after():
     """Undo, when the run inside ends, what DeepSpeed's Ulysses sequence parallelism set up process-wide, so that the
-    next run of this process can set it up again.
+    next run of this process can set it up again, or run without it.
 
     ``UlyssesSPAttentionHF.register_with_transformers`` (called by ``accelerator.prepare``) does two things once per
     process: it builds the sequence-parallel groups, asserting they are not built yet ("sequence parallel group is
@@ -64,12 +68,69 @@ def sequence_parallelism_undone_after():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     attention = dict(ALL_ATTENTION_FUNCTIONS)
+    groups = sys.modules.get("deepspeed.utils.groups")
+    mpu = None if groups is None else groups.mpu
     try:
         yield
     finally:
+        groups = sys.modules.get("deepspeed.utils.groups")
+        if groups is not None:  # the engine of a Ulysses run hands DeepSpeed its sequence-parallel mpu, process-wide
+            groups.mpu = mpu
         for name, function in attention.items():
             if ALL_ATTENTION_FUNCTIONS[name] is not function:
                 ALL_ATTENTION_FUNCTIONS[name] = function
         sequence_parallel = sys.modules.get("deepspeed.runtime.sequence_parallel.parallel_state_sp")
         if sequence_parallel is not None:
             sequence_parallel._release_sequence_parallel_groups()
+
+
+def run_each(batch_file: str, body: Callable[[dict, str], None]) -> None:
+    """Run each entry ``{"case", "dir", "environment"}`` of a launch's batch file (launch.run_cases) in turn in this
+    process: ``body(case, dir)`` under the run's own accelerate configuration (:func:`launched_under`), with DeepSpeed's
+    Ulysses set-up undone after it (:func:`sequence_parallelism_undone_after`); a run that raises writes its traceback
+    to ``<dir>/error.txt`` and the next one runs; the environment (which ``TrainingArguments`` and the scripts extend)
+    is restored after each."""
+    with open(batch_file) as f:
+        runs = json.load(f)
+    for entry in runs:
+        environ = dict(os.environ)
+        try:
+            with launched_under(entry.get("environment")), sequence_parallelism_undone_after():
+                body(entry["case"], entry["dir"])
+        except (Exception, SystemExit):
+            with open(os.path.join(entry["dir"], "error.txt"), "a") as f:
+                f.write(f"rank {os.environ.get('RANK', '0')}:\n{traceback.format_exc()}\n")
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+            gc.collect()
+
+
+@contextlib.contextmanager
+def launched_under(environment: dict | None):
+    """Within the block this rank sees what ``accelerate launch --config_file <the run's config>`` would have given it
+    (``environment``: ``{"set": {...}, "unset": [...]}``, launch.accelerate_environment's variables of that config, and
+    those of the launch's other configs to drop), and accelerate's per-configuration state (the engine plugins, mixed
+    precision, gradient accumulation) is built anew from it; the process group stays. So one launch serves runs of
+    several configurations of one rank count: a launch costs each rank 10-20 s of imports, a tiny run a few seconds.
+    The environment itself is restored by :func:`run_each`."""
+    if environment is None:
+        yield
+        return
+    from accelerate.state import AcceleratorState, GradientState
+
+    def fresh_state():
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
+        deepspeed = sys.modules.get("transformers.integrations.deepspeed")
+        if deepspeed is not None:  # is_deepspeed_zero3_enabled() reads a process-wide reference to the last config
+            deepspeed.unset_hf_deepspeed_config()
+
+    for key in environment["unset"]:
+        os.environ.pop(key, None)
+    os.environ.update(environment["set"])
+    fresh_state()
+    try:
+        yield
+    finally:
+        fresh_state()

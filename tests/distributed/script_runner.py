@@ -19,14 +19,12 @@ A run that raised writes its traceback to ``<dir>/error.txt``, and the next one 
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import runpy
 import sys
-import traceback
 
-from ranks import exit_rank, sequence_parallelism_undone_after
+from ranks import exit_rank, run_each
 from train_worker import count_fused_head_calls, full_parameters
 
 #: Where the run in progress records its parameters (``<dir>/run``).
@@ -75,23 +73,17 @@ def run_script(script: str, args: list[str], directory: str) -> None:
 
 
 def main(batch_file: str) -> None:
-    with open(batch_file) as f:
-        runs = json.load(f)
     record_parameters()
     keep_the_process_group()
-    for entry in runs:
-        environ, path = dict(os.environ), list(sys.path)
+
+    def run(case: dict, directory: str) -> None:
+        path = list(sys.path)
         try:
-            with sequence_parallelism_undone_after():
-                run_script(entry["case"]["script"], entry["case"]["args"], entry["dir"])
-        except (Exception, SystemExit):
-            with open(os.path.join(entry["dir"], "error.txt"), "a") as f:
-                f.write(f"rank {os.environ.get('RANK', '0')}:\n{traceback.format_exc()}\n")
+            run_script(case["script"], case["args"], directory)
         finally:
-            os.environ.clear()
-            os.environ.update(environ)
             sys.path[:] = path
-            gc.collect()
+
+    run_each(batch_file, run)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ teacher through ``accelerator.prepare_model(evaluation_mode=True)``), against th
 so one process would draw other completions; under the same engine, seed and (to fp32 rounding) weights both draw
 the same ones.
 
-One launch per engine holds every run the selected tests ask of it (``launch.SharedLaunches``, stock runs first):
+One launch holds every run the selected tests ask of every engine (``launch.SharedLaunches``, stock runs first;
+each run under its own engine's accelerate environment, ``ranks.launched_under``):
 TRL's defaults (``beta=1``, temperature 1) and the generalized JSD with a temperature (``--beta 0.5
 --temperature 0.7``), each stock and patched; the patched script with a LoRA adapter on the student's lm_head
 (TRL's kernel refuses it: no stock run to compare with; the single-process tests check its gradients against the
@@ -214,6 +215,7 @@ PLANS = {
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory) -> SharedLaunches:
-    """Every script run of this module's selected tests, one launch per engine."""
+    """Every script run of this module's selected tests, one launch per rank count (every engine's runs in it)."""
     return SharedLaunches(tmp_path_factory.mktemp("distillation_runs"), planned_runs(request, PLANS),
-                          lambda runs, dirs: run_cases(runs, dirs, RUNNER), load_script_run)
+                          lambda runs, dirs: run_cases(runs, dirs, RUNNER), load_script_run,
+                          key=lambda run: run.rank_count)

@@ -8,9 +8,10 @@ Each case trains a tiny model for a few optimizer steps through a public entry p
 compared with the single-process, unpatched ``transformers.Trainer`` on the same global batch
 (``ranks × per-device batch``, same sample order): every logged loss, and every updated parameter.
 
-Tolerances (fp32, bf16 twins): tests/distributed/parity.py. The runs of one engine share one launch
-(``launch.SharedLaunches``): each test names its runs (the ``*_runs`` functions below), the first test to need an
-engine launches all of that engine's runs, and each test checks its own.
+Tolerances (fp32, bf16 twins): tests/distributed/parity.py. The runs of one rank count share one launch
+(``launch.SharedLaunches``, each run under its own engine's accelerate environment: ``ranks.launched_under``): each
+test names its runs (the ``*_runs`` functions below), the first test to need a launch starts all of its runs, and
+each test checks its own.
 """
 
 from __future__ import annotations
@@ -170,9 +171,10 @@ PLANS = {
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory, saved_models) -> SharedLaunches:
-    """Every run of this module's selected tests, one launch per engine (the tiny models saved once)."""
+    """Every run of this module's selected tests, one launch per rank count, every engine's runs in it (the tiny models saved once)."""
     return SharedLaunches(tmp_path_factory.mktemp("engine_runs"), planned_runs(request, PLANS),
-                          lambda runs, dirs: run_cases(runs, dirs, model_dirs=saved_models), load_train_result)
+                          lambda runs, dirs: run_cases(runs, dirs, model_dirs=saved_models), load_train_result,
+                          key=lambda run: run.rank_count)
 
 
 def _needs_deepspeed(config: str) -> None:

@@ -9,8 +9,8 @@ Compared: every logged metric of every step (loss, grad_norm, entropy, rewards, 
 measured ≤ 7e-6, from the reduce-scatter's fp32 order). The GRPO loss value at ratio 1 does not depend on
 the log-probs (DESIGN.md): the parameters carry the parity claim. Also checked: hf_fused computed the head (the
 stock trainer never reached it); under ZeRO-3 lm_head was partitioned (numel 0 outside its forward) and
-every head computation went through the gather path. The stock and the fused run of an engine share one launch
-(grpo_worker.py, ``launch.SharedLaunches``).
+every head computation went through the gather path. Every engine's stock and fused runs share one launch
+(grpo_worker.py, ``launch.SharedLaunches``; each run under its engine's accelerate environment).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def runs(request, tmp_path_factory, saved_models) -> SharedLaunches:
     plans = {"test_fused_grpo_matches_stock_grpo_under_the_same_engine": engine_runs}
     return SharedLaunches(tmp_path_factory.mktemp("grpo"), planned_runs(request, plans),
                           lambda runs, dirs: run_cases(runs, dirs, HERE / "grpo_worker.py", model_dirs=saved_models),
-                          load_train_result)
+                          load_train_result, key=lambda run: run.rank_count)
 
 
 @pytest.mark.parametrize("config", ["zero3", "zero2", "fsdp2", "fsdp1", "ddp"])

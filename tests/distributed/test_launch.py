@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -177,3 +178,39 @@ def test_runs_of_an_engine_that_cannot_share_a_process_get_a_launch_each(tmp_pat
     runs = launch.SharedLaunches(tmp_path, planned, _fake_launch(launches), launch.load_json_result)
     assert runs(planned[1]) == {"name": "fused"} and runs(planned[0]) == {"name": "stock"}
     assert launches == [["fused"], ["stock"]]
+
+
+def test_runs_of_several_engines_on_one_rank_count_share_a_launch_keyed_by_rank_count(tmp_path):
+    """With ``key=Run.rank_count`` (run_cases' launches) the runs of every config on 2 ranks share one launch, those
+    on 3 ranks and the plain process launches of their own."""
+    launches = []
+    planned = [launch.Run.of("zero3", 2, dict(name="zero3")), launch.Run.of("ddp", 2, dict(name="ddp")),
+               launch.Run.of("fsdp2", 3, dict(name="fsdp2 on 3")), launch.Run.of(None, 1, dict(name="reference"))]
+    runs = launch.SharedLaunches(tmp_path, planned, _fake_launch(launches), launch.load_json_result,
+                                 key=lambda run: run.rank_count)
+    assert runs(planned[1]) == {"name": "ddp"} and runs(planned[0]) == {"name": "zero3"}
+    assert launches == [["ddp", "zero3"]]
+    runs(planned[2]), runs(planned[3])
+    assert launches == [["ddp", "zero3"], ["fsdp2 on 3"], ["reference"]]
+
+
+def test_each_run_of_a_shared_launch_gets_its_configs_accelerate_environment(tmp_path, monkeypatch):
+    """run_cases hands each run the variables ``accelerate launch`` derives from its own config (accelerate's own
+    code computes them) and the names of the other configs' variables to drop."""
+    env = {name: launch.accelerate_environment(name, 2) for name in ("zero3", "fsdp2", "ddp")}
+    assert env["zero3"]["ACCELERATE_USE_DEEPSPEED"] == "true" and env["zero3"]["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == "true"
+    assert env["fsdp2"]["ACCELERATE_USE_FSDP"] == "true" and env["fsdp2"]["FSDP_VERSION"] == "2"
+    assert not {k for k in env["ddp"] if "DEEPSPEED" in k or k.startswith("FSDP_")}
+    launched = {}
+    monkeypatch.setattr(launch, "accelerate_launch", lambda config, worker, batch, **kw: launched.update(
+        config=config, batch=json.loads(Path(batch).read_text())))
+    runs = [launch.Run.of(name, 2, dict(name=name)) for name in ("zero3", "fsdp2", "ddp")]
+    dirs = [tmp_path / name for name in ("a", "b", "c")]
+    for d in dirs:
+        d.mkdir()
+    launch.run_cases(runs, dirs)
+    assert launched["config"] == "zero3"
+    for entry, name in zip(launched["batch"], ("zero3", "fsdp2", "ddp")):
+        assert entry["environment"]["set"] == env[name]
+        others = set(env["zero3"]) | set(env["fsdp2"]) | set(env["ddp"])
+        assert set(entry["environment"]["unset"]) == others - set(env[name])

@@ -37,9 +37,10 @@ per rank, so a single process would draw other completions; under the same engin
 weights both draw the same ones. Every logged metric (loss, grad_norm, rewards, entropy, clip ratios, completion
 lengths) and every parameter, with the same tolerances; hf_fused ran on every rank and not in the stock run.
 
-Each test names the script runs it compares (the ``*_runs`` functions at the end); the runs of one engine share
-one launch of the runner (``launch.SharedLaunches``, stock runs first), and a reference several tests compare with
-runs once.
+Each test names the script runs it compares (the ``*_runs`` functions at the end); the runs of every engine on 2
+ranks share one launch of the runner (``launch.SharedLaunches``, stock runs first; each run under its own config's
+accelerate environment, ``ranks.launched_under``), the single-process runs another, and a reference several tests
+compare with runs once.
 """
 
 from __future__ import annotations
@@ -400,9 +401,9 @@ PLANS = {
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory) -> SharedLaunches:
-    """Every script run of this module's selected tests, one launch per engine."""
+    """Every script run of this module's selected tests, one launch per rank count (every engine's runs in it)."""
     return SharedLaunches(tmp_path_factory.mktemp("script_runs"), planned_runs(request, PLANS), launch_scripts,
-                          load_script_run)
+                          load_script_run, key=lambda run: run.rank_count)
 
 
 def _needs_deepspeed(engine: str) -> None:

@@ -35,18 +35,15 @@ error in any gradient shows in the updated parameters in proportion (Adam would 
 
 from __future__ import annotations
 
-import gc
-import json
 import os
 import sys
-import traceback
 
 import torch
 import transformers
 from torch.utils.data import Dataset
 
 from models import make_batch
-from ranks import exit_rank, sequence_parallelism_undone_after
+from ranks import exit_rank, run_each
 
 #: Samples in the training set: enough for ``steps × ga × ranks × batch``, each with its own labels.
 SAMPLES = 64
@@ -306,21 +303,7 @@ def train(case: dict, out: str) -> None:
 
 def main(batch_file: str) -> None:
     torch.set_num_threads(1)
-    with open(batch_file) as f:
-        runs = json.load(f)
-    for entry in runs:
-        environ = dict(os.environ)  # TrainingArguments(fsdp=...) exports accelerate's FSDP settings
-        try:
-            with sequence_parallelism_undone_after():
-                train(entry["case"], os.path.join(entry["dir"], "result.pt"))
-        except Exception:
-            rank = os.environ.get("RANK", "0")
-            with open(os.path.join(entry["dir"], "error.txt"), "a") as f:
-                f.write(f"rank {rank}:\n{traceback.format_exc()}\n")
-        finally:
-            os.environ.clear()
-            os.environ.update(environ)
-            gc.collect()
+    run_each(batch_file, lambda case, directory: train(case, os.path.join(directory, "result.pt")))
 
 
 if __name__ == "__main__":
