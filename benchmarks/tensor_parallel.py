@@ -11,8 +11,7 @@ Variants, each forward + backward of ``linear_cross_entropy`` and of ``linear_lo
   the identity and the call runs what a rank of a real group runs (the GPU backend's vocabulary-parallel schedules
   on CUDA, ``backend="triton"``; the torch loop on CPU; the merges, the hidden states' fp32 gradient sum) on the
   whole vocabulary.
-* ``tp-path-torch``: the same with ``backend="torch"`` (the torch tile loop over cuBLAS, the default under tensor
-  parallelism).
+* ``tp-path-torch``: the same with ``backend="torch"`` (the torch tile loop over cuBLAS, the default on CPU).
 
 Time: the median of ``--repeats`` calls, the variants interleaved call by call (so that drift or order favours
 none). Memory: the peak above the inputs during one call (:func:`benchmarks.measure.peak_memory`). Error: relative

@@ -202,8 +202,8 @@ def prepare(
             ``(start, stop, group)`` tuple) of a head sharded over the vocabulary: ``weight`` (and ``bias``) are the
             rank's rows ``[start, stop)``, ``labels`` global ids. The shards are checked against the group's
             (:func:`~hf_fused.ops.vocab_parallel.resolve_vocab_shard`, a collective); with more than one rank the
-            call runs :func:`~hf_fused.ops.backends.vocab_parallel.vocab_parallel_backend`'s choice (the torch loop,
-            or with ``backend="triton"`` the GPU backend's schedules over the rank's rows) and sums the hidden
+            call runs :func:`~hf_fused.ops.backends.vocab_parallel.vocab_parallel_backend`'s choice (the GPU
+            backend's schedules over the rank's rows for CUDA tensors, else the torch loop) and sums the hidden
             states' gradient over the group.
 
     Returns:

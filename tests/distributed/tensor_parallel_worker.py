@@ -19,6 +19,8 @@ that raises leaves its traceback in ``<dir>/error.txt``. Rank 0 writes ``<dir>/r
                 model as "trainer" loads it (:func:`trl_trainer`); DPO's reference model from ``ref_dir``.
                 "rollouts_refused": GRPO and RLOO trainers on the patched tensor-parallel model: refused
                 (:func:`rollouts_refused`).
+                "benchmark": ``python -m benchmarks.tensor_parallel_model``'s command line on these ranks, tiny and
+                fp32 (:func:`benchmark`).
     model_dir   the tiny model (saved with ``save_pretrained``)
     fsdp        "trainer", "trl": FSDP2 over this many ranks × tensor parallelism over the rest
                 (``DistributedConfig(tp_size=world // fsdp, fsdp_size=fsdp)``), the global batch kept at 4 rows
@@ -34,7 +36,7 @@ embeddings'), ``head_layouts`` (the placements and mesh shape of lm_head's weigh
 rows read; "colwise": ``head_reads``, how many times),
 ``wrapper`` (the Trainer's wrapped model's class), ``error`` (lora_refused, fsdp_shard_refused: the message);
 "trl": ``logs`` (every logged row without timings), ``head_reads`` (lm_head weights read as a vocabulary shard) and
-``wrapper``.
+``wrapper``; "benchmark": ``printed`` (what rank 0 printed).
 
 Accelerate allows a ``ParallelismConfig`` (which ``Trainer`` builds for a tensor-parallel model) only on accelerators;
 on CPU ranks :func:`allow_parallelism_config_on_cpu_ranks` lets it through, as ``cpu_fsdp/sitecustomize.py`` lets
@@ -416,8 +418,25 @@ def rollouts_refused(case: dict, out: str) -> dict:
     return {"errors": errors}
 
 
+def benchmark(case: dict, out: str) -> dict:
+    """:mod:`benchmarks.tensor_parallel_model`'s ``main`` on these ranks (the launch's process group): a one-layer
+    Qwen3-shaped model (hidden 64, 4 heads of 16, vocabulary 131), fp32, 2 × 16 tokens, one timed step."""
+    import contextlib
+    import io
+
+    from benchmarks import tensor_parallel_model
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        tensor_parallel_model.main(["--layers", "1", "--batch", "2", "--seq-len", "16", "--vocab", "131", "--hidden",
+                                    "64", "--heads", "4", "--head-dim", "16", "--intermediate", "128", "--repeats",
+                                    "1", "--dtype", "fp32", "--model-dir", os.path.join(os.path.dirname(out), "model")])
+    return {"printed": printed.getvalue()}
+
+
 KINDS = {"trainer": train, "colwise": colwise, "lora_refused": lora_refused, "layouts": layouts,
-         "fsdp_shard_refused": fsdp_shard_refused, "trl": trl_trainer, "rollouts_refused": rollouts_refused}
+         "fsdp_shard_refused": fsdp_shard_refused, "trl": trl_trainer, "rollouts_refused": rollouts_refused,
+         "benchmark": benchmark}
 
 
 def main(batch_file: str) -> None:

@@ -5,10 +5,12 @@ transformers forward all-gathers the logits) trained by ``transformers.Trainer``
 examples/distributed/tp2.yaml and 3 under torchrun (a vocabulary of 131: shards 66/65 and 44/44/43), tied and untied,
 fp32 and bf16, and FSDP2 × TP on 4 ranks launched with examples/distributed/fsdp2_tp2.yaml; and a custom loop on a
 model whose lm_head torch's ``ColwiseParallel`` shards; TRL's ``SFTTrainer`` and ``DPOTrainer`` on the patched
-tensor-parallel model (2 and 3 ranks, and FSDP2 × TP on 4; every logged metric too). Each against the single-process unpatched run on the
-same global batch: every logged loss and every updated parameter (``parity.py``), with no collective moving anything of
-the vocabulary's width (the unpatched tensor-parallel run all-gathers its logits shards) and no tensor of the whole
-vocabulary's width made. Runs of one rank count share one launch (``launch.SharedLaunches``).
+tensor-parallel model (2 and 3 ranks, and FSDP2 × TP on 4; every logged metric too). Each against the single-process
+unpatched run on the same global batch: every logged loss and every updated parameter (``parity.py``), with no
+collective moving anything of the vocabulary's width (the unpatched tensor-parallel run all-gathers its logits
+shards) and no tensor of the whole vocabulary's width made. Also the per-rank benchmark
+(``benchmarks.tensor_parallel_model``) on the 2 ranks. Runs of one rank count share one launch
+(``launch.SharedLaunches``).
 """
 
 from __future__ import annotations
@@ -118,6 +120,10 @@ TRL_PARITY = {"tp2-sft": (2, "sft", "untied", 1), "tp2-dpo": (2, "dpo", "untied"
               "fsdp2-tp2-sft": (4, "sft", "untied", 2), "fsdp2-tp2-dpo": (4, "dpo", "untied", 2)}
 
 
+def benchmark_runs() -> list[Run]:
+    return [tensor_parallel(dict(kind="benchmark", fused=True), 2)]  # it patches its model: after the stock runs
+
+
 def rollout_runs() -> list[Run]:
     return [tensor_parallel(dict(kind="rollouts_refused", model="untied"), 2)]
 
@@ -145,7 +151,8 @@ def runs(request, tmp_path_factory) -> SharedLaunches:
         entries = []
         for r, d in zip(batch_runs, dirs):
             case = json.loads(r.case)
-            case["model_dir"] = str(models[case["model"]])
+            if "model" in case:
+                case["model_dir"] = str(models[case["model"]])
             if case.get("trl") == "dpo":
                 case["ref_dir"] = str(models["reference"])
             entries.append({"case": case, "dir": str(d)})
@@ -168,6 +175,7 @@ def runs(request, tmp_path_factory) -> SharedLaunches:
              "test_layouts_on_a_two_dimensional_mesh": layout_runs,
              "test_trl_trainers_under_tensor_parallelism_match_single_process": trl_runs,
              "test_grpo_and_rloo_under_tensor_parallelism_are_refused": rollout_runs,
+             "test_model_benchmark_on_tensor_parallel_ranks": benchmark_runs,
              "test_fsdp2_shard_outside_the_call_is_not_read_as_a_vocabulary_split": fsdp_shard_runs}
     return SharedLaunches(root, planned_runs(request, plans), launch,
                           lambda r, d: torch.load(d / "result.pt", weights_only=False))
@@ -326,3 +334,19 @@ def test_grpo_and_rloo_under_tensor_parallelism_are_refused(runs):
     for trainer, error in got["errors"].items():
         assert error and "under tensor parallelism (tp_size=2)" in error and "data parallelism" in error, (trainer,
                                                                                                          error)
+
+
+def test_model_benchmark_on_tensor_parallel_ranks(runs):
+    """``torchrun -m benchmarks.tensor_parallel_model`` (the command behind docs/tensor_parallel.md's per-rank
+    figures) on the 2 tensor-parallel ranks, fp32, a tiny model: a row for every rank and variant, and hf_fused's loss
+    and each rank's rows of lm_head's gradient within 1e-5 of transformers' own step (the gathered logits)."""
+    from benchmarks.tensor_parallel_model import VARIANTS
+
+    (got,) = (runs(r) for r in benchmark_runs())
+    cells = [line.split() for line in got["printed"].splitlines()]
+    rows = {tuple(row[:2]): row for row in cells if len(row) > 2 and row[1] in VARIANTS}
+    assert set(rows) == {(str(rank), variant) for rank in range(2) for variant in VARIANTS}, got["printed"]
+    for (rank, variant), row in rows.items():
+        if variant != "transformers":
+            loss_error, grad_error = float(row[-3]), float(row[-1])
+            assert loss_error <= 1e-5 and grad_error <= 1e-5, (rank, variant, row)

@@ -170,14 +170,15 @@ def test_ranks_agree_on_one_schedule(monkeypatch):
 
 
 def test_the_backend_follows_the_named_one(monkeypatch):
-    """The torch loop by default, on CUDA tensors too (the GPU schedules are opt-in: ``backend="triton"``), and for
-    ``"torch"``; a rank of no rows makes every rank run it; another name is refused, saying which are accepted."""
+    """The GPU schedules by default for CUDA tensors (Triton installed), and for ``"triton"``; the torch loop by
+    default on CPU, and for ``"torch"``; a rank of no rows makes every rank run it; another name is refused, saying
+    which are accepted."""
     from hf_fused.ops.backends.triton_cublas.vocab_parallel import TritonVocabParallelBackend
 
     monkeypatch.delenv("HF_FUSED_BACKEND", raising=False)
     layout = VocabLayout(VocabShard(0, 5), 10, 5, 2, 5)
     assert isinstance(vocab_parallel_backend(layout, torch.device("cpu")), VocabParallelBackend)
-    assert isinstance(vocab_parallel_backend(layout, torch.device("cuda")), VocabParallelBackend)
+    assert isinstance(vocab_parallel_backend(layout, torch.device("cuda")), TritonVocabParallelBackend)
     if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         assert isinstance(vocab_parallel_backend(layout, device, "triton"), TritonVocabParallelBackend)

@@ -30,22 +30,22 @@ _reference = TorchReferenceBackend
 
 
 def vocab_parallel_backend(layout: VocabLayout, device: torch.device, name: Optional[str] = None):
-    """The backend of a call on a vocabulary-sharded head: :class:`VocabParallelBackend` (the torch loop) unless the
-    backend named (``name``, else ``$HF_FUSED_BACKEND``) is ``"triton"``, which runs the GPU backend's kernels and
-    schedules over the rank's rows
-    (:class:`~hf_fused.ops.backends.triton_cublas.vocab_parallel.TritonVocabParallelBackend`). The torch loop is the
-    default on every device: the GPU schedules are tested under Triton's interpreter and timed on one GPU at
-    ``tp = 1``'s work, but their multi-rank GPU tests have not run to completion yet. A rank with no rows
-    (``torch.chunk`` of a vocabulary smaller than the group's tiles) makes every rank run the torch loop: all decide
-    from the same layout.
+    """The backend of a call on a vocabulary-sharded head: the GPU backend's kernels and schedules over the rank's
+    rows (:class:`~hf_fused.ops.backends.triton_cublas.vocab_parallel.TritonVocabParallelBackend`) where the
+    backend named (``name``, else ``$HF_FUSED_BACKEND``, else ``"triton"`` for CUDA tensors where Triton is
+    installed) is ``"triton"``, else :class:`VocabParallelBackend` (the torch loop: fp32 tiles, several times slower
+    on a GPU: docs/tensor_parallel.md). A rank with no rows (``torch.chunk`` of a vocabulary smaller than the group's
+    tiles) makes every rank run the torch loop: all decide from the same layout.
 
     Raises:
         ValueError: a backend other than ``"torch"`` or ``"triton"``; ``"triton"`` for non-CUDA tensors without
             Triton's interpreter (as :func:`~hf_fused.ops.backends.get_backend`).
     """
-    from . import get_backend
+    from . import available_backends, get_backend
 
-    name = name or os.environ.get("HF_FUSED_BACKEND") or "torch"
+    name = name or os.environ.get("HF_FUSED_BACKEND")
+    if not name:
+        name = "triton" if device.type == "cuda" and "triton" in available_backends() else "torch"
     if name not in ("torch", "triton"):
         raise ValueError(
             f"vocab_parallel runs the torch tile loop or the GPU backend's ('triton') with a merge of the per-row "
