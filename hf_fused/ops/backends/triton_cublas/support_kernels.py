@@ -2,17 +2,17 @@
 
 A support loss (:func:`hf_fused.ops.linear_support_loss`) reads each row's log-probs at ``K`` candidate ids and has
 the logits gradient ``dz_j = Σ_k g_k·1[j = id_k] − p_j·Σ_k g_k − g_H·p_j·(log p_j + H)``: the cross-entropy
-gradient's shape with ``K`` scattered label columns. So the tile's bulk is the gradient kernel's (with
-``g_lp = Σ_k g_k`` and no label column; :func:`gradient_into_` runs it from the pass's fp32 logits tile into a bf16
-``dz`` written in the tile's own bytes), and only the ``K`` columns need kernels of their own, which touch
-``[rows, K]`` elements, never ``[rows, V]``:
+gradient's shape with ``K`` scattered label columns. So the tile's bulk is a gradient kernel's (with
+``g_lp = Σ_k g_k`` and no label column; :func:`~.shifted_tile.shifted_gradient_`), the candidates' raw logits are
+gathered while the tile is written (:func:`~.shifted_tile.logits_chunk_`), and only the ``K`` columns need kernels of
+their own, which touch ``[rows, K]`` elements, never ``[rows, V]``:
 
-* :func:`gather_support_`: before the gradient overwrites the tile, each candidate's raw logit (plus bias) and its
-  log-prob ``s_k = (z − max) − log Σ exp(z − max)`` from the row's running statistics (``-inf`` at invalid slots).
-* :func:`scatter_support_grad_`: after it, each valid candidate column's ``dz`` recomputed whole in fp32 from the
-  gathered logit (``G_k − p·Σ_k g_k − g_H·p·(log p + H)``, ``G_k`` the sum of ``g`` over the slots with the same id,
-  so duplicate ids add up), through the transform's derivative, rounded once into ``dz``. Duplicates store the
-  same value.
+* :func:`support_logprobs_`: once a row's statistics are complete, each candidate's log-prob
+  ``s_k = (z − max) − log Σ exp(z − max)`` from its gathered fp32 logit (``-inf`` at invalid slots).
+* :func:`scatter_support_grad_`: after the gradient kernel, each valid candidate column's ``dz`` recomputed whole in
+  fp32 from the gathered logit (``G_k − p·Σ_k g_k − g_H·p·(log p + H)``, ``G_k`` the sum of ``g`` over the slots with
+  the same id, so duplicate ids add up), through the transform's derivative, rounded once into ``dz``. Duplicates
+  store the same value.
 
 One program per row; the ``K`` slots in one block (compiled for sm_90 without spills up to ``K = 1024``). Run on CPU
 tensors under ``TRITON_INTERPRET=1`` (CI).
@@ -27,8 +27,7 @@ import triton
 import triton.language as tl
 
 from .matmul import round_bf16
-from .tiles import GRAD_BLOCK_V, GRAD_WARPS
-from .triton_kernels import apply_transform, grad_kernel
+from .triton_kernels import apply_transform
 
 #: Slots compared at once when summing ``g`` over duplicate ids: a ``[K, DUP_BLOCK]`` block per step.
 DUP_BLOCK = 32
@@ -43,25 +42,19 @@ def _scatter_launch(block_k: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _gather_support_kernel(
-    Z, stride_z, Ids, Valid, stride_ids, Bias, RunMax, RunSum, RAW, S, K,
-    logit_scale, softcap, inv_temperature,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, BLOCK_K: tl.constexpr,
+def _support_logprobs_kernel(
+    RAW, Valid, stride_valid, RunMax, RunSum, S, K, logit_scale, softcap, inv_temperature,
+    SOFTCAP: tl.constexpr, SCALED: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     in_k = ks < K
-    ids = tl.load(Ids + row * stride_ids + ks, mask=in_k, other=0)
-    valid = tl.load(Valid + row * stride_ids + ks, mask=in_k, other=0) != 0
-    raw = tl.load(Z + row * stride_z + ids, mask=in_k, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        raw += tl.load(Bias + ids, mask=in_k, other=0.0).to(tl.float32)
+    valid = tl.load(Valid + row * stride_valid + ks, mask=in_k, other=0) != 0
+    raw = tl.load(RAW + row * K + ks, mask=in_k, other=0.0)
     z, _ = apply_transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
     # (z − max) − log Σ exp(z − max), as log_softmax: a likely candidate's log-prob near 0 keeps its digits
     s = (z - tl.load(RunMax + row)) - tl.log(tl.load(RunSum + row))
-    s = tl.where(valid, s, float("-inf"))
-    tl.store(RAW + row * K + ks, raw, mask=in_k)
-    tl.store(S + row * K + ks, s, mask=in_k)
+    tl.store(S + row * K + ks, tl.where(valid, s, float("-inf")), mask=in_k)
 
 
 @triton.jit
@@ -110,50 +103,25 @@ def _block_k(k: int) -> int:
     return max(triton.next_power_of_2(k), 16)
 
 
-def gradient_into_(z: torch.Tensor, dz: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor,
-                   g_lp: torch.Tensor, g_ent, bias, scalars: dict) -> None:
-    """``dz [rows, V]`` ← the gradient kernel's ``g_lp·(1[c = label] − p) − g_ent·p·(log p + H)`` (through the
-    transform's derivative) of the fp32 raw logits ``z [rows, V]``, rounded once to ``dz``'s dtype
-    (:func:`~.triton_kernels.grad_kernel` with its own output). ``dz`` may be a bf16 view of ``z``'s own bytes whose
-    row ``r`` is the first half of ``z``'s row ``r`` (row stride ``2·V`` elements): each program reads a column block
-    before it stores that block, and its stores land on columns of its own row it has read already.
+def support_logprobs_(raw: torch.Tensor, valid: torch.Tensor, run_max: torch.Tensor, run_sum: torch.Tensor,
+                      s: torch.Tensor, scalars: dict) -> None:
+    """Fill ``s`` (fp32 ``[rows, K]``) with each candidate's log-prob ``(z − max) − log Σexp`` after the logit
+    transform, from its raw logit plus bias ``raw`` and the rows' complete ``run_max`` and ``run_sum``; ``-inf`` at
+    invalid slots.
 
     Args:
-        z: fp32 ``[rows, V]``, unit column stride.  dz: ``[rows, V]``, unit column stride.
-        labels: int64 ``[rows]`` (``-1``: no label column).  lse, ent, g_lp: fp32 ``[rows]``.
-        g_ent: fp32 ``[rows]`` or None.  bias: the whole ``[V]`` bias or None.  scalars: :func:`~.tiles.kernel_scalars`.
+        raw: fp32 ``[rows, K]`` contiguous (:func:`~.shifted_tile.logits_chunk_` gathers it).
+        valid: bool ``[rows, K]``, unit column stride.  run_max, run_sum: fp32 ``[rows]``.
+        s: fp32 ``[rows, K]`` contiguous.  scalars: :func:`~.tiles.kernel_scalars` (the bias flag is not read).
     """
-    rows, vocab_size = z.shape
+    rows, k = raw.shape
     if rows == 0:
         return
-    with torch.cuda.device(z.device) if z.is_cuda else contextlib.nullcontext():
-        grad_kernel[(rows,)](
-            z, z.stride(0), dz, dz.stride(0), vocab_size, 0, bias if bias is not None else lse, labels, lse, ent,
-            g_lp, lse if g_ent is None else g_ent, lse, HAS_G_LP=True, HAS_G_ENT=g_ent is not None, SUM_PZ=False,
-            BLOCK_V=GRAD_BLOCK_V, num_warps=GRAD_WARPS, **scalars,
-        )
-
-
-def gather_support_(z: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, bias, run_max: torch.Tensor,
-                    run_sum: torch.Tensor, raw: torch.Tensor, s: torch.Tensor, scalars: dict) -> None:
-    """Fill ``raw`` (fp32 ``[rows, K]``: each candidate's raw logit from the tile ``z [rows, V]``, plus the bias) and
-    ``s`` (fp32 ``[rows, K]``: its log-prob ``(z − max) − log Σexp`` after the logit transform, from the rows'
-    ``run_max`` and ``run_sum``; ``-inf`` at invalid slots).
-
-    Args:
-        z: ``[rows, V]`` raw logits (the one pass's tile, unit column stride).
-        ids: int64 ``[rows, K]`` in ``[0, V)`` (clamped: invalid slots are read, never used).
-        valid: bool ``[rows, K]`` with ``ids``' strides.  bias: the whole ``[V]`` bias or None.
-        run_max, run_sum: fp32 ``[rows]``, the statistics kernel's running max and Σexp(z − max).
-        scalars: :func:`~.tiles.kernel_scalars`.
-    """
-    rows, k = ids.shape
-    if rows == 0:
-        return
-    with torch.cuda.device(z.device) if z.is_cuda else contextlib.nullcontext():
-        _gather_support_kernel[(rows,)](
-            z, z.stride(0), ids, valid.view(torch.uint8), ids.stride(0), bias if bias is not None else run_max,
-            run_max, run_sum, raw, s, k, BLOCK_K=_block_k(k), num_warps=4, **scalars,
+    kernel_scalars = {name: value for name, value in scalars.items() if name != "HAS_BIAS"}
+    with torch.cuda.device(raw.device) if raw.is_cuda else contextlib.nullcontext():
+        _support_logprobs_kernel[(rows,)](
+            raw, valid.view(torch.uint8), valid.stride(0), run_max, run_sum, s, k, BLOCK_K=_block_k(k), num_warps=4,
+            **kernel_scalars,
         )
 
 
@@ -165,7 +133,8 @@ def scatter_support_grad_(dz: torch.Tensor, ids: torch.Tensor, valid: torch.Tens
 
     Args:
         dz: ``[rows, V]``, unit column stride, in the tile's dtype.
-        ids, valid: as :func:`gather_support_`.  raw: fp32 ``[rows, K]`` from it.
+        ids: int64 ``[rows, K]`` in ``[0, V)``.  valid: bool ``[rows, K]`` with ``ids``' strides.
+        raw: fp32 ``[rows, K]`` contiguous, each candidate's raw logit plus bias.
         g: fp32 ``[rows, K]`` contiguous, ``∂L/∂s_k`` (read at valid slots only).
         lse, ent: fp32 ``[rows]`` (``ent`` read only with ``g_ent``).  g_ent: fp32 ``[rows]`` ``∂L/∂H`` or None.
         scalars: :func:`~.tiles.kernel_scalars` (the bias flag is not read: the bias is in ``raw``).
@@ -184,4 +153,4 @@ def scatter_support_grad_(dz: torch.Tensor, ids: torch.Tensor, valid: torch.Tens
         )
 
 
-__all__ = ["gather_support_", "gradient_into_", "scatter_support_grad_"]
+__all__ = ["scatter_support_grad_", "support_logprobs_"]

@@ -1,38 +1,91 @@
 """The support loss's one pass on the GPU backend (:func:`run_support_pass`): the cross-entropy one pass
-(:mod:`.one_pass`) with ``K`` candidate columns per row instead of one label column, and fp32-faithful logits.
+(:mod:`.one_pass`) with ``K`` candidate columns per row instead of one label column, its tile rows and tile bytes, and
+fp32-faithful statistics.
 
-Per full-vocabulary row block: the logits tile in fp32 (cuBLAS writes its fp32 accumulator from the operands, bf16
-included: no logit is rounded to bf16, whose ``|z|·2⁻⁸`` would dominate a divergence of a few hundredths of a nat)
-and its statistics (the statistics kernel), the candidates' logits and log-probs gathered from it
-(:func:`~.support_kernels.gather_support_`), the loss's per-row gradients ``g_k = ∂L/∂s_k``, ``g_H = ∂L/∂H`` (the
-op's :class:`~hf_fused.ops.support_loss.SupportTileLoss` on ``[rows, K]`` tensors, or the recompute's given
-gradients), the gradient kernel turning the tile into ``−p·Σ_k g_k − g_H·p·(log p + H)`` (no label column) rounded
-once to the operands' dtype (:func:`~.support_kernels.gradient_into_`: for bf16 operands into the tile's own bytes,
-so the pass holds one fp32 tile and nothing else of its size), the candidate columns set whole
-(:func:`~.support_kernels.scatter_support_grad_`), then ``dh``, ``dW`` (the cross-entropy's accumulators) and
-``db`` (the sum of the rounded ``dz``). 6·N·H·V FLOPs. The plan counts a tile in the operands' dtype, so a 2-byte
-operand's fp32 tile has half the plan's rows (the cross-entropy one pass's bytes: under the default rule 1,024 rows
-of fp32 where the cross-entropy holds 2,048 of bf16); a :func:`~.plan.forced_plans` block's rows are taken as given.
+Per full-vocabulary row block (the plan's rows, a ``[rows, V]`` tile in the operands' dtype as the cross-entropy's):
+the logits in vocabulary chunks of :func:`chunk_cols` columns, cuBLAS writing each chunk's fp32 accumulator (into a
+``[rows, chunk]`` fp32 scratch for 2-byte operands, about an eighth of the tile's bytes; into the fp32 tile's own
+columns otherwise) and one kernel reading it once (:func:`~.shifted_tile.logits_chunk_`): the rows' running
+statistics, the raw logits of the candidates in the chunk, and the chunk stored in the tile shifted by each block's
+maximum (a likely token's stored logit near 0: the gradients as accurate as from an fp32 tile, :mod:`.shifted_tile`).
+No logit is rounded before the statistics and the candidates' log-probs (:func:`~.support_kernels.support_logprobs_`)
+read it: bf16's ``|z|·2⁻⁸`` would dominate a divergence of a few hundredths of a nat. Then the loss's per-row
+gradients ``g_k = ∂L/∂s_k``, ``g_H = ∂L/∂H`` (the op's :class:`~hf_fused.ops.support_loss.SupportTileLoss` on
+``[rows, K]`` tensors, or the recompute's given gradients), the tile turned in place into
+``−p·Σ_k g_k − g_H·p·(log p + H)`` rounded once to its dtype (:func:`~.shifted_tile.shifted_gradient_`), the candidate
+columns set whole from their fp32 logits (:func:`~.support_kernels.scatter_support_grad_`), then ``dh``, ``dW`` (the
+cross-entropy's accumulators, over as many tiles) and ``db`` (the sum of the rounded ``dz``). 6·N·H·V FLOPs.
+
+Bytes per logit: the fp32 chunk written (4) and read (4), the tile written (2), read and written by the gradient
+(2 + 2): the cross-entropy's 2 + 2 + 2 + 2 plus 6, at its memory plus the scratch.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
 
 import torch
+import triton
 
 from ...grads import HeadGrads
 from ...head_inputs import HeadInputs, NeededGrads
 from .matmul import mm_f32_
 from .one_pass import weight_accumulator
-from .one_pass_rule import ONE_PASS_ROW_ALIGN
+from .one_pass_rule import ONE_PASS_ROW_ALIGN, OnePassPlan
 from .operands import one_pass_rows
 from .plan import one_pass_is_forced, plan_one_pass
 from .scaled_round import mul_into
-from .support_kernels import gather_support_, gradient_into_, scatter_support_grad_
-from .tiles import kernel_scalars, new_row_stats, row_slice, statistics_tile
+from .shifted_tile import BLOCK_V, chunk_block, logits_chunk_, shifted_gradient_
+from .support_kernels import scatter_support_grad_, support_logprobs_
+from .tiles import kernel_scalars, new_row_stats, row_slice
 
 _NO_GRADS = NeededGrads(False, False, False)
+#: Vocabulary chunks of a 2-byte operand's tile row block: the fp32 scratch ``[rows, ⌈V / CHUNKS⌉]`` (whole blocks of
+#: :data:`~.shifted_tile.BLOCK_V`) is about an eighth of the tile's bytes.
+CHUNKS = 16
+#: What :func:`forced_chunk_cols` put in place of :func:`chunk_cols`'s rule (None outside such a block).
+_FORCED_COLS: list = [None]
+
+
+@contextlib.contextmanager
+def forced_chunk_cols(cols: int):
+    """Within the block every pass takes vocabulary chunks of ``cols`` columns (the last one narrower), for every
+    operand dtype: for tests (chunk boundaries inside a row on small vocabularies) and sweeps of the width.
+
+    Raises:
+        ValueError: ``cols`` below 1.
+    """
+    if int(cols) < 1:
+        raise ValueError(f"forced_chunk_cols: cols must be at least 1, got {cols}")
+    previous, _FORCED_COLS[0] = _FORCED_COLS[0], int(cols)
+    try:
+        yield
+    finally:
+        _FORCED_COLS[0] = previous
+
+
+def chunk_cols(vocab_size: int, elem_bytes: int) -> int:
+    """Columns of each vocabulary chunk: :func:`forced_chunk_cols`'s; else the whole vocabulary for 4-byte operands
+    (cuBLAS writes the fp32 tile itself); else ``⌈V / CHUNKS⌉`` rounded up to whole blocks of
+    :data:`~.shifted_tile.BLOCK_V` (151,936 columns: 14 chunks of 10,240 and one of 8,576)."""
+    if _FORCED_COLS[0] is not None:
+        return min(_FORCED_COLS[0], vocab_size)
+    if elem_bytes >= 4:
+        return vocab_size
+    return min(vocab_size, triton.cdiv(triton.cdiv(vocab_size, CHUNKS), BLOCK_V) * BLOCK_V)
+
+
+def tile_rows(plan: OnePassPlan, head: HeadInputs, cols: int, block: int) -> int:
+    """Rows per tile: the plan's (the cross-entropy's) under the default rule on a CUDA device and in a
+    :func:`~.plan.forced_plans` block; under a budget (explicit, or the default's off CUDA) as many as fit in the
+    bytes the plan counted for its tile with the scratch (2-byte operands) and the block maxima beside each row."""
+    weight = head.weight
+    if one_pass_is_forced() or (head.tile_budget_bytes is None and weight.device.type == "cuda"):
+        return plan.rows
+    vocab_size, elem = weight.shape[0], weight.element_size()
+    row_bytes = vocab_size * elem + 4 * (cols if elem < 4 else 0) + 4 * triton.cdiv(vocab_size, block)
+    rows = plan.rows * vocab_size * elem // row_bytes
+    return max(ONE_PASS_ROW_ALIGN, rows - rows % ONE_PASS_ROW_ALIGN)
 
 
 def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=None, need: NeededGrads = _NO_GRADS,
@@ -53,24 +106,19 @@ def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=Non
     loss_reads_entropy = tile_loss is not None and tile_loss.need_entropy
     grads_read_entropy = need.any and row_grads is not None and row_grads.entropy is not None
     want_entropy = return_entropy or loss_reads_entropy or grads_read_entropy
-    rows_per_tile = plan.rows
-    if weight.element_size() < 4 and not one_pass_is_forced():
-        # the plan counted a tile in the operands' dtype; this one is fp32: as many bytes in half the rows
-        half = plan.rows * weight.element_size() // 4
-        rows_per_tile = max(ONE_PASS_ROW_ALIGN, half // ONE_PASS_ROW_ALIGN * ONE_PASS_ROW_ALIGN)
+    cols = chunk_cols(vocab_size, weight.element_size())
+    block = chunk_block(cols, vocab_size)
+    rows_per_tile = tile_rows(plan, head, cols, block)
     _, _, blocks = one_pass_rows(head, rows_per_tile)
     scalars = kernel_scalars(head.transform, bias)
     stats = new_row_stats(m_rows, device)
-    tile_rows = min(rows_per_tile, max(m_rows, 1))
-    # The logits tile in fp32 (cuBLAS writes its fp32 accumulator: no bf16 rounding of a logit); dz in the operands'
-    # dtype for the gradient matmuls, for 2-byte operands in the tile's own bytes (row r: the first half of row r)
-    tile = torch.empty((tile_rows, vocab_size), dtype=torch.float32, device=device)
-    dz_tile = tile if weight.dtype == torch.float32 else tile.view(weight.dtype)[:, :vocab_size]
-    # the statistics' label (its logit is not read) and the gradient kernel's (none: the candidate columns are set
-    # afterwards)
-    stats_label = torch.zeros(tile_rows, dtype=torch.long, device=device)
-    no_label = torch.full((tile_rows,), -1, dtype=torch.long, device=device)
-    raw_buf = torch.empty((tile_rows, k), dtype=torch.float32, device=device)
+    buf_rows = min(rows_per_tile, max(m_rows, 1))
+    # the tile in the operands' dtype, as the cross-entropy's; fp32 logits chunks in a scratch beside a 2-byte one
+    tile = torch.empty((buf_rows, vocab_size), dtype=weight.dtype, device=device)
+    scratch = (None if weight.dtype == torch.float32 else
+               torch.empty(buf_rows * cols, dtype=torch.float32, device=device))
+    offsets = torch.empty((buf_rows, triton.cdiv(vocab_size, block)), dtype=torch.float32, device=device)
+    raw_buf = torch.zeros((buf_rows, k), dtype=torch.float32, device=device)
     support_logprobs = torch.empty((m_rows, k), dtype=torch.float32, device=device)
     entropy = torch.empty(m_rows, dtype=torch.float32, device=device) if want_entropy else None
     grads = HeadGrads(mul_into=mul_into) if need.any else None
@@ -82,12 +130,15 @@ def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=Non
     ids_all, valid_all = support.ids.contiguous(), support.valid.contiguous()
     for r0, r1, h in blocks:  # h: the tile's kept hidden rows [r1 − r0, H], in weight's dtype
         rows = r1 - r0
-        z, dz, row_stats = tile[:rows], dz_tile[:rows], row_slice(stats, r0, r1)
-        mm_f32_(z, h, weight.t())
-        statistics_tile(z, 0, bias, stats_label[:rows], row_stats, scalars, want_entropy)
-        run_max, run_sum, run_zp = row_stats[:3]
+        dz, row_stats, off = tile[:rows], row_slice(stats, r0, r1), offsets[:rows]
         ids, valid, raw, s = ids_all[r0:r1], valid_all[r0:r1], raw_buf[:rows], support_logprobs[r0:r1]
-        gather_support_(z, ids, valid, bias, run_max, run_sum, raw, s, scalars)
+        for c0 in range(0, vocab_size, cols):
+            c1 = min(c0 + cols, vocab_size)
+            x = dz[:, c0:c1] if scratch is None else scratch[: rows * (c1 - c0)].view(rows, c1 - c0)
+            mm_f32_(x, h, weight[c0:c1].t())
+            logits_chunk_(x, dz[:, c0:c1], off, c0, block, bias, ids, row_stats, raw, scalars, want_entropy)
+        run_max, run_sum, run_zp = row_stats[:3]
+        support_logprobs_(raw, valid, run_max, run_sum, s, scalars)
         lse = run_max + run_sum.log()
         ent = None
         if entropy is not None:
@@ -104,7 +155,7 @@ def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=Non
         g_s = g_s.float().contiguous()
         g_ent = None if g_ent is None else g_ent.float().contiguous()
         ent_arg = lse if ent is None else ent
-        gradient_into_(z, dz, no_label[:rows], lse, ent_arg, g_s.sum(1), g_ent, bias, scalars)
+        shifted_gradient_(dz, off, block, lse, ent_arg, g_s.sum(1), g_ent, scalars)
         scatter_support_grad_(dz, ids, valid, raw, g_s, lse, ent_arg, g_ent, scalars)
         if d_hidden is not None:  # each row's dh is complete within its tile
             mm_f32_(d_hidden[r0:r1], dz, weight)
@@ -119,4 +170,4 @@ def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=Non
     return support_logprobs, entropy, grads
 
 
-__all__ = ["run_support_pass"]
+__all__ = ["CHUNKS", "chunk_cols", "forced_chunk_cols", "run_support_pass", "tile_rows"]

@@ -1,0 +1,189 @@
+"""A logits tile in the operands' dtype that keeps fp32's accuracy where it matters: each row's columns in blocks of
+``BLOCK_V``, each block stored as ``z − m_b``, its transformed logits minus the block's own maximum ``m_b`` (kept in
+fp32 beside the tile, ``[rows, ⌈V / BLOCK_V⌉]``).
+
+A bf16 logit carries an absolute error up to ``|z|·2⁻⁸``, so a probability read back from it is off by that relative
+amount: ``2⁻⁴`` at the ``z ≈ 16`` of a trained head's likely tokens, where the gradient's mass is. Shifted by its
+block's maximum, a likely token's stored value is near 0 and its error near 0 too; the values far below the maximum
+that keep large absolute errors have probabilities too small to matter (``p·|z − m|·2⁻⁸ ≤ 2⁻⁸/e``).
+The gradients from such a tile are as close to float64 as those from an fp32 tile rounded once to bf16.
+
+* :func:`logits_chunk_`: one vocabulary chunk of fp32 logits (cuBLAS's fp32 accumulator, in a scratch buffer or in
+  an fp32 tile's own columns) read once: folded into the rows' running statistics (max, ``Σexp``, ``Σexp·z``), the
+  raw logits of the candidate ids that fall in the chunk gathered, and the chunk written shifted into the tile.
+* :func:`shifted_gradient_`: the tile turned in place into the logits gradient ``dz`` of a row-wise loss of the
+  log-probs (the gradient kernel's ``−g·p − g_H·p·(log p + H)``, no label column) through the transform's derivative.
+
+Rounding to bf16 is to nearest, ties to even, on the GPU and under the interpreter (:func:`~.matmul.round_bf16`).
+One program per row. Run on CPU tensors under ``TRITON_INTERPRET=1`` (CI).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .matmul import round_bf16
+from .triton_kernels import apply_transform, logit_grad
+
+#: Columns of a block with one shift (and of one step of :func:`logits_chunk_`'s loop): 8 per thread of 4 warps.
+BLOCK_V, CHUNK_WARPS = 1024, 4
+#: Columns of one step of :func:`shifted_gradient_`'s loop and its warps (the gradient kernel's launch shape).
+GRAD_BLOCK_V, GRAD_WARPS = 2048, 8
+#: Below every finite fp32 value: the masked columns' value in a block's maximum.
+_NO_MAX = tl.constexpr(-3.4028234663852886e38)
+
+
+@triton.jit
+def _store(ptr, x, mask, ROUND: tl.constexpr):
+    """Store fp32 ``x`` in ``ptr``'s dtype; ``ROUND``: to bf16 on the bit pattern (the interpreter truncates)."""
+    if ROUND:
+        x, _ = round_bf16(x)
+    tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _logits_chunk_kernel(
+    X, stride_x, T, stride_t, Off, stride_off, n_cols, col_offset, Bias, M, S, ZP,
+    Ids, stride_ids, RAW, K, logit_scale, softcap, inv_temperature,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr, ENTROPY: tl.constexpr,
+    ROUND: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row, t_row = X + row * stride_x, T + row * stride_t
+    off_row = Off + row * stride_off + col_offset // BLOCK
+    # the candidates in this chunk's columns: their raw logits (plus bias) before the chunk is overwritten
+    ks = tl.arange(0, BLOCK_K)
+    ids = tl.load(Ids + row * stride_ids + ks, mask=ks < K, other=-1) - col_offset
+    hit = (ks < K) & (ids >= 0) & (ids < n_cols)
+    raw_k = tl.load(x_row + ids, mask=hit, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        raw_k += tl.load(Bias + col_offset + ids, mask=hit, other=0.0).to(tl.float32)
+    tl.store(RAW + row * K + ks, raw_k, mask=hit)
+    # every warp's candidates read before any warp overwrites an fp32 tile's columns in place
+    tl.debug_barrier()
+    # online log-sum-exp with one maximum per row: each block's maximum is needed anyway, for its shift
+    m_start = tl.load(M + row)
+    m = m_start
+    s_acc = tl.zeros([BLOCK], tl.float32)
+    zp_acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        raw = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            raw += tl.load(Bias + col_offset + cols, mask=mask, other=0.0).to(tl.float32)
+        z, _ = apply_transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
+        m_block = tl.max(tl.where(mask, z, _NO_MAX), axis=0)
+        m_new = tl.maximum(m, m_block)
+        alpha = tl.exp(m - m_new)  # 0 on the row's first block (m = −inf), 1 while its maximum holds
+        e = tl.where(mask, tl.exp(z - m_new), 0.0)
+        s_acc = s_acc * alpha + e
+        if ENTROPY:
+            zp_acc = zp_acc * alpha + e * z
+        m = m_new
+        _store(t_row + cols, z - m_block, mask, ROUND)
+        tl.store(off_row + start // BLOCK, m_block)
+    alpha = tl.exp(m_start - m)
+    tl.store(M + row, m)
+    tl.store(S + row, tl.load(S + row) * alpha + tl.sum(s_acc, axis=0))
+    if ENTROPY:
+        tl.store(ZP + row, tl.load(ZP + row) * alpha + tl.sum(zp_acc, axis=0))
+
+
+@triton.jit
+def _shifted_grad_kernel(
+    T, stride_t, Off, stride_off, n_cols, LSE, ENT, G_LP, G_ENT, logit_scale, softcap, inv_temperature,
+    SOFTCAP: tl.constexpr, SCALED: tl.constexpr, HAS_G_ENT: tl.constexpr, ROUND: tl.constexpr,
+    BLOCK_V: tl.constexpr, OFF_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    t_row, off_row = T + row * stride_t, Off + row * stride_off
+    lse, ent, g_lp, g_ent = tl.load(LSE + row), tl.load(ENT + row), tl.load(G_LP + row), tl.load(G_ENT + row)
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < n_cols
+        z = tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32)
+        z += tl.load(off_row + cols // OFF_BLOCK, mask=mask, other=0.0)
+        # the soft-cap's tanh from the transformed logit z = softcap·tanh·(1/T)
+        th = z / (softcap * inv_temperature)
+        dz, _ = logit_grad(z, th, cols < 0, lse, ent, g_lp, g_ent, logit_scale, inv_temperature, SOFTCAP, SCALED,
+                           True, HAS_G_ENT)
+        _store(t_row + cols, dz, mask, ROUND)
+
+
+def chunk_block(cols: int, vocab_size: int) -> int:
+    """The shifts' block for vocabulary chunks of ``cols`` columns: ``BLOCK_V``, or, where the vocabulary has several
+    chunks, the largest power of two dividing ``cols`` if that is smaller (chunks start on block boundaries)."""
+    return BLOCK_V if cols >= vocab_size else min(BLOCK_V, cols & -cols)
+
+
+def _rounds(t: torch.Tensor) -> int:
+    return int(t.dtype == torch.bfloat16 and not t.is_cuda)
+
+
+def _device(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def logits_chunk_(x: torch.Tensor, tile: torch.Tensor, offsets: torch.Tensor, col_offset: int, block: int,
+                  bias: Optional[torch.Tensor], ids: torch.Tensor, row_stats, raw: torch.Tensor, scalars: dict,
+                  entropy: bool) -> None:
+    """Read the fp32 logits chunk ``x [rows, c]`` (columns ``[col_offset, col_offset + c)`` of the vocabulary, before
+    bias and transform) once: fold it into ``row_stats``' running max, ``Σexp(z − max)`` and (``entropy``)
+    ``Σexp(z − max)·z`` of the transformed logits ``z``; set ``raw[r, k]`` to the raw logit plus bias of each
+    candidate ``ids[r, k]`` in the chunk (slots outside it untouched); write ``tile[r, j] = z − m_b`` in ``tile``'s
+    dtype and ``offsets[r, b] = m_b``, ``m_b`` the maximum of the row's ``z`` over block ``b`` (``block`` columns of the
+    whole vocabulary). ``tile`` may be ``x`` itself (an fp32 tile's columns): each block is read before it is written.
+
+    Args:
+        x: fp32 ``[rows, c]``, unit column stride.  tile: ``[rows, c]``, unit column stride (the tile's columns).
+        offsets: fp32 ``[rows, ⌈V / block⌉]``.  col_offset: a multiple of ``block``.  bias: the whole ``[V]`` or None.
+        ids: int64 ``[rows, K]`` in ``[0, V)``.  row_stats: :func:`~.tiles.new_row_stats` rows (the first three read).
+        raw: fp32 ``[rows, K]`` contiguous.  scalars: :func:`~.tiles.kernel_scalars`.
+    """
+    rows, n_cols = x.shape
+    if col_offset % block:
+        raise ValueError(f"logits_chunk_: col_offset {col_offset} is not a multiple of the block {block}")
+    if rows == 0 or n_cols == 0:
+        return
+    k = ids.shape[1]
+    run_max, run_sum, run_zp = row_stats[:3]
+    with _device(x):
+        _logits_chunk_kernel[(rows,)](
+            x, x.stride(0), tile, tile.stride(0), offsets, offsets.stride(0), n_cols, col_offset,
+            bias if bias is not None else run_max, run_max, run_sum, run_zp, ids, ids.stride(0), raw, k,
+            ENTROPY=entropy, ROUND=_rounds(tile), BLOCK=block, BLOCK_K=max(triton.next_power_of_2(k), 16),
+            num_warps=CHUNK_WARPS, **scalars,
+        )
+
+
+def shifted_gradient_(tile: torch.Tensor, offsets: torch.Tensor, block: int, lse: torch.Tensor, ent: torch.Tensor,
+                      g_lp: torch.Tensor, g_ent: Optional[torch.Tensor], scalars: dict) -> None:
+    """``tile [rows, V]`` (written by :func:`logits_chunk_`) ← ``dz = ∂L/∂raw``: with ``z = tile + offsets`` the
+    transformed logits, ``log p = z − lse``, ``∂L/∂z = −g_lp·p − g_ent·p·(log p + H)``, then × 1/temperature,
+    × (1 − tanh²) for the soft-cap, × logit_scale (:func:`~.triton_kernels.logit_grad`), rounded once to the tile's
+    dtype. The candidate columns are set afterwards (:func:`~.support_kernels.scatter_support_grad_`).
+
+    Args:
+        tile: ``[rows, V]``, unit column stride.  offsets: fp32 ``[rows, ⌈V / block⌉]``.
+        lse, ent, g_lp: fp32 ``[rows]`` (``ent`` read only with ``g_ent``).  g_ent: fp32 ``[rows]`` or None.
+        scalars: :func:`~.tiles.kernel_scalars` (the bias flag is not read: the bias is in the tile).
+    """
+    rows, vocab_size = tile.shape
+    if rows == 0:
+        return
+    kernel_scalars = {name: value for name, value in scalars.items() if name != "HAS_BIAS"}
+    with _device(tile):
+        _shifted_grad_kernel[(rows,)](
+            tile, tile.stride(0), offsets, offsets.stride(0), vocab_size, lse, ent, g_lp,
+            lse if g_ent is None else g_ent, HAS_G_ENT=g_ent is not None, ROUND=_rounds(tile),
+            BLOCK_V=GRAD_BLOCK_V, OFF_BLOCK=block, num_warps=GRAD_WARPS, **kernel_scalars,
+        )
+
+
+__all__ = ["BLOCK_V", "chunk_block", "logits_chunk_", "shifted_gradient_"]
