@@ -8,6 +8,7 @@ differ by float32 summation order only)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -15,33 +16,39 @@ from benchmarks.e2e.distributed import ENGINES, combine, main, row_sharing
 
 pytestmark = [pytest.mark.distributed]
 
-WRAPPERS = {"ddp": "DistributedDataParallel", "zero3": "DeepSpeedEngine"}
+WRAPPERS = {"zero3": "DeepSpeedEngine", "zero3_sp2": "DeepSpeedEngine sp2"}
 
 
 def test_e2e_distributed_tiny_cpu(tmp_path, capsys):
+    """ZeRO-3 and its Ulysses config (one launch each, and one per variant under Ulysses: DeepSpeed's sequence-parallel
+    groups are built once per process): every rank of every engine wrote its runs, the table combines them, under each
+    engine the patched and unpatched models' step-1 losses agree, and tokens/s sums the ranks' rows (each row shared
+    by the two Ulysses ranks counted once)."""
     pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
     out = tmp_path / "e2e"
-    rc = main(["--tiny", "--device", "cpu", "--engines", "ddp,zero3", "--sft-variants", "plain,hf_fused",
+    rc = main(["--tiny", "--device", "cpu", "--engines", "zero3,zero3_sp2", "--sft-variants", "plain,hf_fused",
                "--seq-lens", "64", "--steps", "2", "--out", str(out)])
     printed = capsys.readouterr().out
     doc = json.loads((out / "e2e_distributed.json").read_text())
     assert rc == 0, [e.get("output_tail") for e in doc["engines"]]
-    assert [e["engine"] for e in doc["engines"]] == ["ddp", "zero3"]
-    for engine in ("ddp", "zero3"):
-        ranks = [json.loads((out / engine / f"e2e.rank{r}.json").read_text()) for r in (0, 1)]
-        assert [d["env"]["rank"] for d in ranks] == [0, 1] and {d["env"]["world_size"] for d in ranks} == {2}
+    assert list(dict.fromkeys(e["engine"] for e in doc["engines"])) == ["zero3", "zero3_sp2"]  # Ulysses: a launch per variant
+    for engine in ("zero3", "zero3_sp2"):
         rows = {r["variant"]: r for r in doc["rows"] if r["engine"] == engine}
         assert set(rows) == {"plain", "hf_fused"} and all(r["status"] == "ok" for r in rows.values()), rows
         assert rows["hf_fused"]["forward"].startswith("hf_fused"), rows["hf_fused"]["forward"]
         assert not rows["plain"]["forward"].startswith("hf_fused")
         assert rows["hf_fused"]["loss_step1"] == pytest.approx(rows["plain"]["loss_step1"], rel=1e-5)
         assert {r["wrapper"] for r in rows.values()} == {WRAPPERS[engine]}
-        # tokens/s of all ranks: the sum of each rank's row length over its median step
         for variant, row in rows.items():
+            folder = out / engine / (variant if engine == "zero3_sp2" else "")
+            ranks = [json.loads((folder / f"e2e.rank{r}.json").read_text()) for r in (0, 1)]
+            assert [d["env"]["rank"] for d in ranks] == [0, 1] and {d["env"]["world_size"] for d in ranks} == {2}
             per_rank = [next(r for r in d["sft"]["runs"] if r["variant"] == variant) for d in ranks]
-            assert row["tokens_per_s"] == pytest.approx(sum(64 / r["step_s_median"] for r in per_rank))
+            shared = 2 if engine == "zero3_sp2" else 1
+            assert row["tokens_per_s"] == pytest.approx(sum(64 / r["step_s_median"] for r in per_rank) / shared)
     table = (out / "e2e_distributed.txt").read_text()
-    assert table in printed and "zero3     hf_fused" in table and "1.00x" in table
+    assert table in printed and "1.00x" in table
+    assert re.search(r"^\s*zero3 +hf_fused", table, re.M) and re.search(r"^\s*zero3_sp2 +hf_fused", table, re.M), table
 
 
 def test_combine_reports_a_rank_that_wrote_nothing():
@@ -81,21 +88,3 @@ def test_a_context_parallel_config_that_did_not_split_rows_is_no_result():
     engine_run = {"engine": "fsdp2_cp2", "ranks": [{"sft": {"runs": [_run("FSDPQwen3ForCausalLM", 10.0)]}}] * 2}
     (row,) = combine(engine_run, ["plain"])
     assert row["status"] == "not cp 2" and "tokens_per_s" not in row, row
-
-
-def test_e2e_distributed_under_ulysses_sequence_parallelism_tiny_cpu(tmp_path):
-    """The Ulysses config on CPU ranks: both ranks ran one row each step (``sp2``), the patched and unpatched
-    models' step-1 losses agree, and tokens/s counts each shared row once."""
-    pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    out = tmp_path / "e2e"
-    rc = main(["--tiny", "--device", "cpu", "--engines", "zero3_sp2", "--sft-variants", "plain,hf_fused",
-               "--seq-lens", "64", "--steps", "2", "--out", str(out)])
-    doc = json.loads((out / "e2e_distributed.json").read_text())
-    assert rc == 0, [e.get("output_tail") for e in doc["engines"]]
-    rows = {r["variant"]: r for r in doc["rows"]}
-    assert {r["wrapper"] for r in rows.values()} == {"DeepSpeedEngine sp2"}, rows
-    assert rows["hf_fused"]["loss_step1"] == pytest.approx(rows["plain"]["loss_step1"], rel=1e-5)
-    for variant, row in rows.items():  # one launch per variant (DeepSpeed's Ulysses groups: once per process)
-        ranks = [json.loads((out / "zero3_sp2" / variant / f"e2e.rank{r}.json").read_text()) for r in (0, 1)]
-        per_rank = [next(r for r in d["sft"]["runs"] if r["variant"] == variant) for d in ranks]
-        assert row["tokens_per_s"] == pytest.approx(sum(64 / r["step_s_median"] for r in per_rank) / 2)
