@@ -605,7 +605,7 @@ def _peak_above_inputs_and_grads(run, leaves) -> int:
 def test_gpu_pass_memory_within_a_tenth_of_the_cross_entropys(k):
     """At K ≤ 64 the op holds at most 1.1× what hf_fused's fused cross-entropy holds on the same hidden states and
     head (issue 38's target): the cross-entropy's bf16 tile and rows, plus an fp32 scratch of one vocabulary chunk
-    (about an eighth of the tile)."""
+    (about a tenth of the tile)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     n, h, v = 16384, 2048, 151936

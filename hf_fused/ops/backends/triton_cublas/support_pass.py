@@ -4,7 +4,7 @@ fp32-faithful statistics.
 
 Per full-vocabulary row block (the plan's rows, a ``[rows, V]`` tile in the operands' dtype as the cross-entropy's):
 the logits in vocabulary chunks of :func:`chunk_cols` columns, cuBLAS writing each chunk's fp32 accumulator (into a
-``[rows, chunk]`` fp32 scratch for 2-byte operands, about an eighth of the tile's bytes; into the fp32 tile's own
+``[rows, chunk]`` fp32 scratch for 2-byte operands, about a tenth of the tile's bytes; into the fp32 tile's own
 columns otherwise) and one kernel reading it once (:func:`~.shifted_tile.logits_chunk_`): the rows' running
 statistics, the raw logits of the candidates in the chunk, and the chunk stored in the tile shifted by each block's
 maximum (a likely token's stored logit near 0: the gradients as accurate as from an fp32 tile, :mod:`.shifted_tile`).
@@ -41,8 +41,10 @@ from .tiles import kernel_scalars, new_row_stats, row_slice
 
 _NO_GRADS = NeededGrads(False, False, False)
 #: Vocabulary chunks of a 2-byte operand's tile row block: the fp32 scratch ``[rows, ⌈V / CHUNKS⌉]`` (whole blocks of
-#: :data:`~.shifted_tile.BLOCK_V`) is about an eighth of the tile's bytes.
-CHUNKS = 16
+#: :data:`~.shifted_tile.BLOCK_V`) is about a tenth of the tile's bytes. The fastest of 8 to 48 chunks within 1.1× the
+#: fused cross-entropy's memory at 16k × 2048 × 151,936 bf16 on an H200 (docs/performance.md, 2026-11-29): 54.7 ms
+#: and 1.05× its memory at K = 8, where 8 chunks took 53.7 ms at 1.12× and 16 took 55.8 ms.
+CHUNKS = 24
 #: What :func:`forced_chunk_cols` put in place of :func:`chunk_cols`'s rule (None outside such a block).
 _FORCED_COLS: list = [None]
 
@@ -67,7 +69,7 @@ def forced_chunk_cols(cols: int):
 def chunk_cols(vocab_size: int, elem_bytes: int) -> int:
     """Columns of each vocabulary chunk: :func:`forced_chunk_cols`'s; else the whole vocabulary for 4-byte operands
     (cuBLAS writes the fp32 tile itself); else ``⌈V / CHUNKS⌉`` rounded up to whole blocks of
-    :data:`~.shifted_tile.BLOCK_V` (151,936 columns: 14 chunks of 10,240 and one of 8,576)."""
+    :data:`~.shifted_tile.BLOCK_V` (151,936 columns: 21 chunks of 7,168 and one of 1,408)."""
     if _FORCED_COLS[0] is not None:
         return min(_FORCED_COLS[0], vocab_size)
     if elem_bytes >= 4:
