@@ -11,9 +11,10 @@ log-probs from:
   an fp32 matmul (TF32 off), ``log_softmax`` in fp32: what a sampler with an fp32 head returns. The reference.
 * ``FusedGRPOTrainer``: the log-probs its loss sees, captured from ``_get_per_token_logps_and_entropies`` while
   ``_compute_loss`` runs on the batch (on-policy, β = 0: the one pass with TRL's gradient as the hint), with the
-  default rule and with the fp32 statistics forced on (:func:`~hf_fused.ops.backends.triton_cublas.fp32_logits_rule
-  .forced`, the one pass's ``dz`` from the stored tile or recomputed); and the no-gradient call that computes the old
-  and reference log-probs in ``_generate_and_score_completions`` (the statistics pass).
+  default rule (on CUDA the statistics from the matmul's fp32 accumulator, ``dz`` from the stored tile), with ``dz``
+  recomputed from the accumulator, and from the stored bf16 tiles
+  (:func:`~hf_fused.ops.backends.triton_cublas.fp32_logits_rule.forced` blocks); and the no-gradient call that
+  computes the old and reference log-probs in ``_generate_and_score_completions`` (the statistics pass).
 * ``GRPOTrainer``: stock TRL 1.16 on the unpatched model, the same two calls (its chunked head, tiles in the
   compute dtype).
 * Both trainers with ``cast_lm_head_to_fp32=True`` (TRL casts lm_head's weight to fp32; the head's matmul is fp32).
@@ -227,16 +228,16 @@ def _distance(x: torch.Tensor, ref: torch.Tensor) -> dict:
     return {"rms": d.square().mean().sqrt().item(), "max": d.max().item()}
 
 
-#: The trainer rows: ``name -> (what, FusedGRPOTrainer?, cast_lm_head_to_fp32?, call, fp32 statistics forced)``;
-#: ``call`` is ``"loss"`` (:func:`loss_logprobs`) or ``"old"`` (:func:`old_logprobs`); the forced value is ``None``
-#: (the default rule) or the one pass's ``dz`` with the fp32 statistics forced on.
+#: The trainer rows: ``name -> (what, FusedGRPOTrainer?, cast_lm_head_to_fp32?, call, forced)``; ``call`` is
+#: ``"loss"`` (:func:`loss_logprobs`) or ``"old"`` (:func:`old_logprobs`); ``forced`` is ``None`` (the default rule)
+#: or the arguments of a :func:`~hf_fused.ops.backends.triton_cublas.fp32_logits_rule.forced` block around the call.
 _ONE_PASS = "the log-probs _compute_loss gives the loss (on-policy: the one pass)"
 TRAINER_ROWS = {
     "FusedGRPOTrainer (default)": (_ONE_PASS + ", default rule", True, False, "loss", None),
-    "FusedGRPOTrainer fp32 statistics (dz tile)": (
-        _ONE_PASS + ", fp32 statistics forced on, dz from the stored tile", True, False, "loss", "tile"),
     "FusedGRPOTrainer fp32 statistics (dz recompute)": (
-        _ONE_PASS + ", fp32 statistics forced on, dz from the accumulator", True, False, "loss", "recompute"),
+        _ONE_PASS + ", fp32 statistics, dz from the accumulator", True, False, "loss", (True, "recompute")),
+    "FusedGRPOTrainer bf16 tiles (HF_FUSED_FP32_LOGITS=0)": (
+        _ONE_PASS + ", statistics from the stored bf16 tiles", True, False, "loss", (False,)),
     "FusedGRPOTrainer old/ref log-probs (no grad)": (
         "the no-gradient call of _generate_and_score_completions, default rule", True, False, "old", None),
     "GRPOTrainer (TRL)": ("stock TRL 1.16, the log-probs _compute_loss gives the loss", False, False, "loss", None),
@@ -247,10 +248,8 @@ TRAINER_ROWS = {
                                                None),
 }
 
-
 #: (policy row, old row) pairs whose log-ratio at the same weights the record gives.
 _RATIO_PAIRS = (("FusedGRPOTrainer (default)", "FusedGRPOTrainer old/ref log-probs (no grad)"),
-                ("FusedGRPOTrainer fp32 statistics (dz tile)", "FusedGRPOTrainer old/ref log-probs (no grad)"),
                 ("GRPOTrainer (TRL)", "GRPOTrainer (TRL) old/ref log-probs (no grad)"))
 
 
@@ -319,7 +318,7 @@ def measure(device: torch.device, shape, *, layers: int = 2, dtype: torch.dtype 
 
     trainers, computed = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (what, fused, cast, call, dz) in TRAINER_ROWS.items():
+        for name, (what, fused, cast, call, forced) in TRAINER_ROWS.items():
             if variants is not None and name not in variants:
                 continue
             if (fused, cast) not in trainers:
@@ -331,7 +330,7 @@ def measure(device: torch.device, shape, *, layers: int = 2, dtype: torch.dtype 
             trainer = trainers[(fused, cast)]
             recorder = HiddenStates(trainer.model)
             try:
-                with contextlib.nullcontext() if dz is None else fp32_logits_rule.forced(True, dz):
+                with contextlib.nullcontext() if forced is None else fp32_logits_rule.forced(*forced):
                     logps = (loss_logprobs if call == "loss" else old_logprobs)(trainer, batch)
             finally:
                 recorder.remove()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
@@ -45,9 +45,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.config = (grad_scale, backend, need, need_row_weights)
         ctx.grads, lse, one_pass = None, None, None
         with autocast_off(hidden.device.type):
-            if need.any:
+            if need.any:  # the loss alone leaves the op: the one pass may keep its stored tiles' statistics
                 one_pass = backend.logprobs_with_grads(
-                    given, _grad_logprobs(grad_scale, 1.0, row_weights, rows), need=need
+                    replace(given, returns_logprobs=False), _grad_logprobs(grad_scale, 1.0, row_weights, rows),
+                    need=need,
                 )
             if one_pass is not None:
                 logp, ctx.grads = one_pass.logprobs, one_pass.grads

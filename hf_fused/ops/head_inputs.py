@@ -41,6 +41,11 @@ class HeadInputs:
     #: In a :meth:`computed` head: the given weight's dtype, which its gradient comes back in (an fp32 weight under
     #: autocast gets an fp32 gradient: backends write it in fp32 instead of the compute dtype).
     weight_grad_dtype: Optional[torch.dtype] = None
+    #: Whether the call hands its per-token log-probs to the caller: every op but the cross-entropy's reduced loss.
+    #: Log-probs a caller may compare with another call's (an RL trainer's old and new ones) come from the same
+    #: statistics on every schedule: the GPU backend's one pass takes them from the matmul's fp32 accumulator by
+    #: default where this is True (:mod:`~hf_fused.ops.backends.triton_cublas.fp32_logits_rule`).
+    returns_logprobs: bool = True
 
     @property
     def operand_dtype(self) -> torch.dtype:

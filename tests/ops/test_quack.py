@@ -367,6 +367,8 @@ def test_quack_statistics_on_gpu_match_cublas_and_the_statistics_kernel(monkeypa
     lands on the other side of a bf16 rounding boundary): relative error norms of at most 2⁻⁸ between the two, far
     below bf16's own rounding of the logits. Accuracy against float64 on the cross-entropy path:
     tests/ops/test_triton_backend.py::test_triton_backend_bf16_on_gpu_no_worse_than_eager (kw={}, budget=None)."""
+    # The stored tiles' one pass, whose statistics QuACK's epilogue takes (log-probs' default: the fp32 accumulator's)
+    monkeypatch.setenv("HF_FUSED_FP32_LOGITS", "0")
     n = 4096
     hidden, weight, labels, g = _hopper_inputs(n, lambda w: w / w.shape[1] ** 0.25, ignore_every=5)
     hint = (torch.randn(n, generator=g).cuda() * (labels != -100)).float()

@@ -13,17 +13,26 @@ import torch
 
 from .matmul import tma_operand
 
-#: The environment variable that turns the fp32 statistics on (``1``) or off (``0``) for the process, in both
-#: schedules; unset, the plan's default (:data:`DEFAULT_ENABLED`) holds.
+#: The environment variable that turns the fp32 statistics on (``1``) or off (``0``) for the process, in every
+#: schedule; unset, the plan's default (:data:`DEFAULT_ENABLED`) holds.
 ENV = "HF_FUSED_FP32_LOGITS"
 
 #: Whether the GPU backend takes its statistics from the fused matmul by default where it runs (on a CUDA device; CPU
-#: tensors only when asked), per schedule: the two passes (the statistics pass, and ``dz`` from the accumulator in the
-#: gradient pass: on; per-token log-probs within 3e-6 nats of an fp32-accumulated matmul where cuBLAS's bf16 tiles
-#: are 6e-2 off, the forward −0.8 to +1.0 ms and forward + backward −0.3 to +2.5 ms of theirs at 8192–32768 ×
-#: 2048–4096 × 128256–151936, H200, 2026-11-29) and the one pass (statistics and the stored tile from one matmul:
-#: off, 4–18 % slower there than cuBLAS and the statistics kernel).
-DEFAULT_ENABLED = {"two_passes": True, "one_pass": False}
+#: tensors only when asked), per schedule:
+#:
+#: * ``"two_passes"`` (the statistics pass, and ``dz`` from the accumulator in the gradient pass): on; per-token
+#:   log-probs within 3e-6 nats of an fp32-accumulated matmul where cuBLAS's bf16 tiles are 6e-2 off, the forward
+#:   −0.8 to +1.0 ms and forward + backward −0.3 to +2.5 ms of theirs at 8192–32768 × 2048–4096 × 128256–151936,
+#:   H200, 2026-11-29.
+#: * ``"one_pass_logprobs"``, the one pass of a call that returns per-token log-probs (log-probs with a gradient
+#:   hint, token losses, the RL objectives: ``HeadInputs.returns_logprobs``; statistics and the stored tile from one
+#:   matmul): on, so that they are the statistics pass's (a trainer's old log-probs and its loss's agree at the same
+#:   weights: an off-policy ratio of exactly 1 there, where bf16 tiles put them 2.4e-2 nats RMS, 7.9e-2 at most
+#:   apart, ``python -m benchmarks.rl_parity``, H200, 2026-11-29); the one pass 4–18 % slower than with cuBLAS's
+#:   tiles and the statistics kernel (the cross-entropy's one pass at 8192–32768 × 2048–4096 × 128256–151936,
+#:   docs/performance.md, H200, 2026-11-29).
+#: * ``"one_pass"``, the cross-entropy's one pass (its reduced loss alone leaves the op): off, at that cost.
+DEFAULT_ENABLED = {"two_passes": True, "one_pass_logprobs": True, "one_pass": False}
 
 #: How the one pass with the fp32 statistics makes ``dz``: ``"tile"``, the fused matmul also stores the bf16 tile (and
 #: its own normalizer) and the gradient kernel turns it into ``dz`` (6·N·H·V, the gradients of cuBLAS's tiles); or
@@ -61,7 +70,7 @@ def forced(enabled: bool, one_pass_dz: Optional[str] = None):
 
 
 def enabled(schedule: str = "two_passes", device: Optional[torch.device] = None) -> bool:
-    """Whether the fp32 statistics are asked for in ``schedule`` (``"two_passes"`` or ``"one_pass"``) on ``device``: a
+    """Whether the fp32 statistics are asked for in ``schedule`` (a key of :data:`DEFAULT_ENABLED`) on ``device``: a
     :func:`forced` block's answer, else the environment's (:data:`ENV` ``=1`` or ``=0``), else
     :data:`DEFAULT_ENABLED`'s on a CUDA device (``device`` None: the default's as on one), off elsewhere (CPU results
     stay the stored tiles' path's, bit for bit).

@@ -139,10 +139,13 @@ def fp32_logits(head: HeadInputs, schedule: str) -> bool:
     (and, in the gradient pass, ``dz``) from their fp32 accumulator (:mod:`.fused_matmul`) rather than from cuBLAS's
     tiles rounded to bf16: where that kernel :func:`~.fp32_logits_rule.runs_on` the weight as the matmuls read it
     (not cast chunk by chunk under autocast) and is enabled for the schedule (its ``DEFAULT_ENABLED``, or
-    ``HF_FUSED_FP32_LOGITS``)."""
+    ``HF_FUSED_FP32_LOGITS``): the one pass of a call that returns its log-probs (``head.returns_logprobs``) asks
+    for ``"one_pass_logprobs"``, the cross-entropy's for ``"one_pass"``."""
     weight = head.weight
     if head.casts_weight() or head.hidden.shape[-1] != weight.shape[1]:
         return False
+    if schedule == "one_pass" and head.returns_logprobs:
+        schedule = "one_pass_logprobs"
     return fp32_logits_rule.runs_on(weight, schedule)
 
 
@@ -215,7 +218,7 @@ def describe(weight: torch.Tensor, *, n_rows: int, tile_budget_bytes: Optional[i
                                     min(plan.rows, max(n_rows, 1)), one_pass_extra_bytes(head, need),
                                     one_pass_gather_row_bytes(head))
         return (f"one pass (6·N·H·V): {plan.rows} rows per tile, {size / 2**30:.2f} GiB working set with the "
-                f"weight-gradient accumulator {plan.accumulator!r}" + _statistics_source(weight, "one_pass"))
+                f"weight-gradient accumulator {plan.accumulator!r}" + _one_pass_statistics_source(weight))
     gradient = plan_gradient_pass(head, need)
     tile, copy = gradient.tile, compact_bytes(head)
     size = tile.bytes
@@ -232,3 +235,11 @@ def _statistics_source(weight: torch.Tensor, schedule: str) -> str:
     if not fp32_logits_rule.runs_on(weight, schedule):
         return ""
     return "; log-prob statistics from the matmul's fp32 accumulator"
+
+
+def _one_pass_statistics_source(weight: torch.Tensor) -> str:
+    """:func:`_statistics_source` of the one pass, whose default differs for the cross-entropy's loss."""
+    source = _statistics_source(weight, "one_pass_logprobs")
+    if source and not fp32_logits_rule.runs_on(weight, "one_pass"):
+        source += " (the cross-entropy's: from its bf16 tiles)"
+    return source
