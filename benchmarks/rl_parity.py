@@ -308,7 +308,9 @@ def measure(device: torch.device, shape, *, layers: int = 2, dtype: torch.dtype 
         rows.append({"name": name, "what": what, "schedule": sched, "vs_fp32": _distance(logps, ref_seen),
                      "vs_float64": _distance(logps, exact_seen),
                      "hidden_max_diff": 0.0 if same else (h_seen.float() - h_ref.float()).abs().max().item()})
-        log(f"{name}: {rows[-1]['vs_fp32']['max']:.2e} nats max from the fp32 head")
+        r = rows[-1]
+        log(f"{name} [{sched}]: rms / max nats {r['vs_fp32']['rms']:.1e} / {r['vs_fp32']['max']:.1e} from the fp32 "
+            f"head, {r['vs_float64']['rms']:.1e} / {r['vs_float64']['max']:.1e} from float64")
 
     row(REFERENCE, "fp32 matmul of the model's hidden states and lm_head's weight upcast, log_softmax in fp32",
         "fp32 matmul", ref, h_ref)
