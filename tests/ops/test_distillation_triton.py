@@ -6,8 +6,10 @@ On CPU the kernels run under TRITON_INTERPRET=1 (set in conftest) on small tiles
 multiples of the kernels' column blocks (1024 and 2048), so each kernel's last, masked block is exercised, and the
 statistics kernel's unmasked full blocks too. Tolerance ``RTOL = 1e-5`` as for the plain-PyTorch pass
 (tests/ops/test_distillation.py): the kernels compute in fp32 from fp32 logits, their online sums rescaled per
-block (measured at most 3e-6 against float64 on these tiles). The ``gpu`` tests run the whole op in bf16 on CUDA
-through the new pass against float64 and against the plain-PyTorch pass.
+block (measured at most 3e-6 against float64 on these tiles); launches in column chunks and row groups too. The
+kernels also compile for sm_90 here (Triton's bundled toolchain, no GPU): the interpreter runs code the compiler
+refuses. The ``gpu`` tests run the compiled kernels on one tile and the whole op in bf16 on CUDA through the new
+pass against float64 and against the plain-PyTorch pass.
 """
 
 from __future__ import annotations
@@ -285,6 +287,64 @@ def test_tile_rows_rule_under_an_explicit_budget_counts_the_tile_arrays():
     assert distillation_tile_rows(head(8 * 1000 * 7), need, 0) == 7
     assert distillation_tile_rows(head(100), need, 4) == 1  # at least one row
     assert distillation_tile_rows(head(None), need, 4) == DEFAULT_TILE_BUDGET_BYTES // (12 * 1000)  # off CUDA
+
+
+# Compiles the epilogue's kernels for an H100/H200 (sm_90) in a process without TRITON_INTERPRET (the interpreter
+# accepts code the compiler rejects, e.g. a name a loop rebinds to another type) at the default launch shapes, with
+# every logit-transform flag set, and prints each one's registers and spilled stack bytes.
+_COMPILE_FOR_SM90 = r"""
+import os, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from hf_fused.ops.backends.triton_cublas import distillation_kernels as K
+from hf_fused.ops.backends.triton_cublas.distillation_pass import EPILOGUE_LAUNCH as L, _chunking
+
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+floats = {"s_scale", "s_cap", "s_inv_t", "t_scale", "t_cap", "t_inv_t", "beta", "one_m_beta"}
+flags = dict(HAS_BIAS_S=True, SOFTCAP_S=True, SCALED_S=True, HAS_BIAS_T=True, SOFTCAP_T=True, SCALED_T=True)
+s_pow, j_pow = _chunking(151936, L.stats)[2], _chunking(151936, L.sums)[2]
+launches = [("stats", K.stats_kernel, dict(flags, MODE=m, BLOCK_V=L.stats.block_v), L.stats.warps, "*fp32")
+            for m in (0, 1, 2)]
+launches.append(("sums", K.jsd_sums_kernel, dict(flags, COMPILED=True, STATS_CHUNKS=s_pow, BLOCK_V=L.sums.block_v),
+                 L.sums.warps, "*fp32"))
+launches += [("grad", K.grad_kernel, dict(flags, MODE=m, DZ_BF16=dz == "*bf16", COMPILED=True, STATS_CHUNKS=s_pow,
+                                          SUMS_CHUNKS=j_pow, BLOCK_V=L.grad.block_v), L.grad.warps, dz)
+             for m, dz in ((0, "*bf16"), (1, "*bf16"), (2, "*bf16"), (2, "*fp32"))]
+launches.append(("finish", K.finish_kernel, dict(MODE=2, STATS_CHUNKS=s_pow, SUMS_CHUNKS=j_pow), 4, "*fp32"))
+for name, fn, consts, warps, dz in launches:
+    sig = {n: "constexpr" if n in consts else dz if n == "DZ" else "fp32" if n in floats
+           else "*fp32" if n[0].isupper() else "i32" for n in fn.arg_names}
+    compiled = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    print(name, consts.get("MODE", "-"), re.search(r"REG:(\d+)", usage).group(1),
+          re.search(r"STACK:(\d+)", usage).group(1), flush=True)
+"""
+
+
+def test_kernels_compile_for_sm90_without_spills():
+    """Every epilogue kernel (statistics for each mode, the JSD sums, the gradient for each mode with a bf16 and an
+    fp32 ``dz``, the finish) compiles for sm_90 at the default launch shapes with at most 255 registers and no
+    spilled stack."""
+    triton = pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        pytest.skip("this Triton has no bundled CUDA toolchain")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, stated (it warns when unset)
+    out = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines()]
+    assert len(rows) == 9
+    for name, mode, regs, stack in rows:
+        assert int(stack) == 0 and int(regs) <= 255, (name, mode, regs, stack)
 
 
 # -- CUDA ------------------------------------------------------------------------------------------------------------
