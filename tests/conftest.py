@@ -9,7 +9,7 @@
   (:func:`pytest_xdist_make_scheduler`).
 
 Shared helpers live in modules beside this file, on pytest's ``pythonpath`` (setup.cfg): ``references`` (float64
-references, relative errors, tolerances), ``models`` (tiny models and tokenizers), ``grpo_harness`` (the GRPO
+references, relative errors, tolerances), ``models`` (tiny models and tokenizers), ``sm90`` (compiling kernels for an H100 without one), ``grpo_harness`` (the GRPO
 parity harness); the multi-process launcher and its workers in ``distributed/``.
 """
 

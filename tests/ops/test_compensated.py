@@ -22,6 +22,7 @@ from hf_fused.ops.backends.triton_cublas.compensated import (  # noqa: E402
     RESIDUAL_DTYPE, compensated_addmm_, compensated_scale_,
 )
 from hf_fused.ops.backends.triton_cublas.matmul import SWEEP_CONFIGS, GemmConfig  # noqa: E402
+from sm90 import compile_for_sm90  # noqa: E402
 
 # The CPU tests launch the kernel on CPU tensors: only Triton's interpreter can (conftest sets it without CUDA).
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -445,18 +446,7 @@ for cfg in (M.LARGE, M.MEDIUM, M.SMALL):
 
 
 def test_kernel_compiles_for_h100_without_spills():
-    triton = pytest.importorskip("triton")
-    import subprocess
-    import sys
-
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
-        pytest.skip("this Triton has no bundled CUDA toolchain")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, stated (it warns when unset)
-    out = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.rsplit(" ", 5) for line in out.stdout.splitlines()]
+    rows = [line.rsplit(" ", 5) for line in compile_for_sm90(_COMPILE_FOR_SM90)]
     assert len(rows) == 8
     for name, regs, stack, wgmma, tma, ftz in rows:
         assert int(wgmma) > 0, name  # the product runs on Hopper tensor cores

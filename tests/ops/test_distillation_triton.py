@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from references import apply_transform, dense_logits, leaf64, rel_err
+from sm90 import compile_for_sm90
 
 RTOL = 1e-5
 BETAS = [0.0, 0.5, 1.0, 0.1]
@@ -330,18 +331,7 @@ def test_kernels_compile_for_sm90_without_spills():
     """Every epilogue kernel (statistics for each mode, the JSD sums, the gradient for each mode with a bf16 and an
     fp32 ``dz``, the finish) compiles for sm_90 at the default launch shapes with at most 255 registers and no
     spilled stack."""
-    triton = pytest.importorskip("triton")
-    import subprocess
-    import sys
-
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
-        pytest.skip("this Triton has no bundled CUDA toolchain")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, stated (it warns when unset)
-    out = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.split() for line in out.stdout.splitlines()]
+    rows = [line.split() for line in compile_for_sm90(_COMPILE_FOR_SM90)]
     assert len(rows) == 9
     for name, mode, regs, stack in rows:
         assert int(stack) == 0 and int(regs) <= 255, (name, mode, regs, stack)

@@ -33,6 +33,7 @@ from hf_fused.ops.sparse_distillation import (  # noqa: E402
 from hf_fused.ops.support_loss import linear_support_loss  # noqa: E402
 
 from references import dense_logits, leaf64, rel_err  # noqa: E402
+from sm90 import compile_for_sm90  # noqa: E402
 
 RTOL = 1e-5
 V, H = 97, 16
@@ -676,18 +677,7 @@ for name, fn, types, flags, warps, k in launches:
 def test_kernels_compile_for_h100_without_spills():
     """Every kernel of the pass (the chunk, log-probs and gradient-columns kernels at K = 1, 64, 256, 1024, the tile's
     gradient kernel) compiles for sm_90 with at most 255 registers and no spilled stack."""
-    triton = pytest.importorskip("triton")
-    import subprocess
-    import sys
-
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
-        pytest.skip("this Triton has no bundled CUDA toolchain")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, stated (it warns when unset)
-    out = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.split() for line in out.stdout.splitlines()]
+    rows = [line.split() for line in compile_for_sm90(_COMPILE_FOR_SM90)]
     assert len(rows) == 13
     for name, k, regs, stack in rows:
         assert int(stack) == 0 and int(regs) <= 255, (name, k, regs, stack)
