@@ -336,7 +336,8 @@ def measure(device: torch.device, shape, *, layers: int = 2, dtype: torch.dtype 
                     logps = (loss_logprobs if call == "loss" else old_logprobs)(trainer, batch)
             finally:
                 recorder.remove()
-            sched = schedule(logps) if call == "loss" else "no grad: statistics pass"
+            sched = schedule(logps) if call == "loss" else (
+                "no grad: statistics pass" if fused else "no grad: TRL chunked head")
             computed[name] = logps.detach()[kept]
             row(name, what, sched, computed[name], recorder.value)
             del logps

@@ -43,6 +43,7 @@ def test_every_row_on_cpu_bf16():
         assert rows[name]["vs_fp32"]["max"] > 1e-3, rows[name]
     assert rows["FusedGRPOTrainer (default)"]["schedule"] == "one pass"  # the call the loss makes, hinted
     assert rows["GRPOTrainer (TRL)"]["schedule"] == "TRL chunked head"
+    assert rows["GRPOTrainer (TRL) old/ref log-probs (no grad)"]["schedule"] == "no grad: TRL chunked head"
     ratios = {r["policy"]: r for r in record["log_ratio_same_weights"]}
     assert set(ratios) == {"FusedGRPOTrainer (default)", "GRPOTrainer (TRL)"}, ratios
     assert ratios["GRPOTrainer (TRL)"]["max"] == 0  # one computation, with and without gradient
