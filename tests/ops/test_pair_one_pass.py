@@ -30,13 +30,11 @@ DEVICES = [
     pytest.param("cuda", marks=pytest.mark.gpu),
 ]
 
-# 400 tokens, a third ignored: 2 tiles of 128 kept rows, 3 folds into the pair with the last partial tile (forced
-# plans); the default rule's test needs its smallest tile (MIN_ONE_PASS_ROWS = 512): 1100 tokens, 3 folds again
+# 400 tokens, a third ignored: 2 tiles of 128 kept rows, 3 folds into the pair with the last partial tile
 N, H, V, ROWS = 400, 64, 256, 128
-RULE_N, RULE_ROWS = 1100, 512
 
 
-def _forced(monkeypatch, accumulator, rows=ROWS):
+def _forced(monkeypatch, accumulator):
     """Every one pass of the GPU backend with ``ROWS`` rows per tile and this accumulator. Returns the plans made,
     the tiles folded into the pair, and ``Σ_tiles |dz|ᵀ·|h|`` in float64 (``[V, H]``: what bounds the fp32
     rounding of the weight gradient's sum in any order), gathered from whichever accumulation runs."""
@@ -44,7 +42,7 @@ def _forced(monkeypatch, accumulator, rows=ROWS):
 
     def plan(vocab_size, hidden_size, elem_bytes, accumulators, *rest):
         assert accumulators == ("fp32", "pair")  # a bf16 gradient of bf16 operands may take either
-        plans.append(OnePassPlan(rows, accumulator, 0))
+        plans.append(OnePassPlan(ROWS, accumulator, 0))
         return plans[-1]
 
     halves = []  # the fp32 accumulator's dW comes in two matmuls per tile: rows [0, V // 2), then the rest
@@ -104,23 +102,23 @@ OPS = {"cross_entropy": _cross_entropy, "token_loss": _token_loss, "hinted_logpr
 FACTORS = {"cross_entropy": 0.37, "token_loss": -3.0, "hinted_logprobs": 0.5}
 
 
-def _inputs(device, bias, seed=5, n=N):
-    hidden, weight, b, labels = make_head_inputs((n,), H, V, bias=bias, ignore="some", dtype=torch.bfloat16,
+def _inputs(device, bias, seed=5):
+    hidden, weight, b, labels = make_head_inputs((N,), H, V, bias=bias, ignore="some", dtype=torch.bfloat16,
                                                  weight_std=4.0, seed=seed)
     leaves = [None if t is None else t.detach().to(device).requires_grad_() for t in (hidden, weight, b)]
     return (*leaves, labels.to(device))
 
 
-def _run(monkeypatch, op, accumulator, bias, device="cpu", autocast=False, n=N, rows=ROWS):
-    plans, folds, abs_sum = _forced(monkeypatch, accumulator, rows)
-    hidden, weight, b, labels = _inputs(device, bias, n=n)
+def _run(monkeypatch, op, accumulator, bias, device="cpu", autocast=False):
+    plans, folds, abs_sum = _forced(monkeypatch, accumulator)
+    hidden, weight, b, labels = _inputs(device, bias)
     # bf16=True in Trainer / TRL's configs: autocast around the forward (backward outside it, as Trainer runs it)
     with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
         loss = OPS[op](hidden, weight, b, labels)
     loss.backward()
     assert plans and all(p.accumulator == accumulator for p in plans)
     kept = int((labels != -100).sum())
-    assert len(folds) == (-(-kept // rows) if accumulator == "pair" else 0)
+    assert len(folds) == (-(-kept // ROWS) if accumulator == "pair" else 0)
     grads = [t.grad for t in (hidden, weight, b) if t is not None]
     return loss.detach(), grads, (hidden, weight, b, labels), abs_sum[0] * FACTORS[op]
 
@@ -168,22 +166,22 @@ def test_pair_under_autocast_is_the_pair_without_it(monkeypatch, device):
 def test_default_rule_takes_the_pair_when_only_it_fits(monkeypatch, device):
     """Through the public op, nothing forced: a budget that holds the residual but not the fp32 buffer gives the
     pair's one pass, the very computation checked above (same bits as the forced plan)."""
-    hidden, weight, b, labels = _inputs(device, True, n=RULE_N)
+    monkeypatch.setattr(one_pass_rule, "MIN_ONE_PASS_ROWS", ROWS)  # this test's tiles are smaller than the rule's
+    hidden, weight, b, labels = _inputs(device, True)
     kept = int((labels != -100).sum())
     extra, gather = kept * H * 4, H * 2  # the kept rows' fp32 hidden gradient; each tile row's gathered hidden row
-    budget = V * H * 1 + RULE_ROWS * (V * 2 + gather) + extra  # fp32 would need 3·V·H more: fewer rows than the pair's
+    budget = V * H * 1 + ROWS * (V * 2 + gather) + extra  # fp32 would need 3·V·H more: fewer rows than the pair's
     assert one_pass_rule.one_pass_plan(V, H, 2, ("fp32", "pair"), budget, hidden.device, extra, gather) == \
-        OnePassPlan(RULE_ROWS, "pair", budget)
+        OnePassPlan(ROWS, "pair", budget)
     folds = []
     real_addmm = compensated.compensated_addmm_
     monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass.compensated_addmm_",
                         lambda *a, **k: folds.append(1) or real_addmm(*a, **k))
     loss = linear_cross_entropy(hidden, weight, labels, b, backend="triton", tile_budget_bytes=budget,
                                 reduction="sum") * 0.37
-    assert len(folds) == -(-kept // RULE_ROWS)  # gradients in the forward: the one pass
+    assert len(folds) == -(-kept // ROWS)  # gradients in the forward: the one pass
     loss.backward()
-    forced_loss, forced_grads, _, _ = _run(monkeypatch, "cross_entropy", "pair", True, device, n=RULE_N,
-                                           rows=RULE_ROWS)
+    forced_loss, forced_grads, _, _ = _run(monkeypatch, "cross_entropy", "pair", True, device)
     assert torch.equal(loss.detach(), forced_loss)
     for ours, forced in zip((hidden.grad, weight.grad, b.grad), forced_grads):
         assert torch.equal(ours, forced)
