@@ -84,12 +84,13 @@ def sequence_parallelism_undone_after():
             sequence_parallel._release_sequence_parallel_groups()
 
 
-def run_each(batch_file: str, body: Callable[[dict, str], None]) -> None:
+def run_each(batch_file: str, body: Callable[[dict, str], None], barrier: bool = False) -> None:
     """Run each entry ``{"case", "dir", "environment"}`` of a launch's batch file (launch.run_cases) in turn in this
     process: ``body(case, dir)`` under the run's own accelerate configuration (:func:`launched_under`), with DeepSpeed's
     Ulysses set-up undone after it (:func:`sequence_parallelism_undone_after`); a run that raises writes its traceback
     to ``<dir>/error.txt`` and the next one runs; the environment (which ``TrainingArguments`` and the scripts extend)
-    is restored after each."""
+    is restored after each. ``barrier``: the ranks wait for each other after each run (so that a run one rank left
+    early cannot meet the next run's collectives on another)."""
     with open(batch_file) as f:
         runs = json.load(f)
     for entry in runs:
@@ -104,6 +105,8 @@ def run_each(batch_file: str, body: Callable[[dict, str], None]) -> None:
             os.environ.clear()
             os.environ.update(environ)
             gc.collect()
+            if barrier and dist.is_initialized():
+                dist.barrier()
 
 
 @contextlib.contextmanager

@@ -45,11 +45,8 @@ FSDP through: the ranks then run what they run on GPUs.
 
 from __future__ import annotations
 
-import gc
-import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -57,7 +54,7 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ranks import exit_rank
+from ranks import exit_rank, run_each
 from train_worker import TinyDataset, VocabWidthTracker, count_fused_head_calls, full_parameters
 
 
@@ -443,24 +440,14 @@ def main(batch_file: str) -> None:
     torch.set_num_threads(1)
     if "RANK" in os.environ and not dist.is_initialized():
         dist.init_process_group("gloo")
-    with open(batch_file) as f:
-        runs = json.load(f)
-    for entry in runs:
-        environ = dict(os.environ)
-        out = os.path.join(entry["dir"], "result.pt")
-        try:
-            result = KINDS[entry["case"]["kind"]](entry["case"], out)
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                torch.save({**result, "world": world()}, out)
-        except Exception:
-            with open(os.path.join(entry["dir"], "error.txt"), "a") as f:
-                f.write(f"rank {os.environ.get('RANK', '0')}:\n{traceback.format_exc()}\n")
-        finally:
-            os.environ.clear()
-            os.environ.update(environ)
-            gc.collect()
-            if dist.is_initialized():
-                dist.barrier()
+
+    def run(case: dict, directory: str) -> None:
+        out = os.path.join(directory, "result.pt")
+        result = KINDS[case["kind"]](case, out)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            torch.save({**result, "world": world()}, out)
+
+    run_each(batch_file, run, barrier=True)
 
 
 if __name__ == "__main__":
