@@ -20,25 +20,26 @@ WRAPPERS = {"zero3": "DeepSpeedEngine", "zero3_sp2": "DeepSpeedEngine sp2"}
 
 
 def test_e2e_distributed_tiny_cpu(tmp_path, capsys):
-    """ZeRO-3 and its Ulysses config (one launch each, and one per variant under Ulysses: DeepSpeed's sequence-parallel
-    groups are built once per process): every rank of every engine wrote its runs, the table combines them, under each
-    engine the patched and unpatched models' step-1 losses agree, and tokens/s sums the ranks' rows (each row shared
-    by the two Ulysses ranks counted once)."""
+    """ZeRO-3 (one launch for both variants) and its Ulysses config (a launch per variant: DeepSpeed's sequence-parallel
+    groups are built once per process; hf_fused's only here, the patched-against-stock comparison under Ulysses is
+    test_engines' and test_trl_scripts'): every rank wrote its runs, the table combines them, the patched and unpatched
+    models' step-1 losses agree, and tokens/s sums the ranks' rows (a row shared by the two Ulysses ranks once)."""
     pytest.importorskip("deepspeed", reason="`make test` installs DeepSpeed (Makefile)")
-    out = tmp_path / "e2e"
-    rc = main(["--tiny", "--device", "cpu", "--engines", "zero3,zero3_sp2", "--sft-variants", "plain,hf_fused",
-               "--seq-lens", "64", "--steps", "2", "--out", str(out)])
-    printed = capsys.readouterr().out
-    doc = json.loads((out / "e2e_distributed.json").read_text())
-    assert rc == 0, [e.get("output_tail") for e in doc["engines"]]
-    assert list(dict.fromkeys(e["engine"] for e in doc["engines"])) == ["zero3", "zero3_sp2"]  # Ulysses: a launch per variant
-    for engine in ("zero3", "zero3_sp2"):
+    variants = {"zero3": ("plain", "hf_fused"), "zero3_sp2": ("hf_fused",)}
+    for engine, names in variants.items():
+        out = tmp_path / engine
+        rc = main(["--tiny", "--device", "cpu", "--engines", engine, "--sft-variants", ",".join(names),
+                   "--seq-lens", "64", "--steps", "2", "--out", str(out)])
+        printed = capsys.readouterr().out
+        doc = json.loads((out / "e2e_distributed.json").read_text())
+        assert rc == 0, [e.get("output_tail") for e in doc["engines"]]
         rows = {r["variant"]: r for r in doc["rows"] if r["engine"] == engine}
-        assert set(rows) == {"plain", "hf_fused"} and all(r["status"] == "ok" for r in rows.values()), rows
+        assert set(rows) == set(names) and all(r["status"] == "ok" for r in rows.values()), rows
         assert rows["hf_fused"]["forward"].startswith("hf_fused"), rows["hf_fused"]["forward"]
-        assert not rows["plain"]["forward"].startswith("hf_fused")
-        assert rows["hf_fused"]["loss_step1"] == pytest.approx(rows["plain"]["loss_step1"], rel=1e-5)
         assert {r["wrapper"] for r in rows.values()} == {WRAPPERS[engine]}
+        if "plain" in rows:
+            assert not rows["plain"]["forward"].startswith("hf_fused")
+            assert rows["hf_fused"]["loss_step1"] == pytest.approx(rows["plain"]["loss_step1"], rel=1e-5)
         for variant, row in rows.items():
             folder = out / engine / (variant if engine == "zero3_sp2" else "")
             ranks = [json.loads((folder / f"e2e.rank{r}.json").read_text()) for r in (0, 1)]
@@ -46,9 +47,8 @@ def test_e2e_distributed_tiny_cpu(tmp_path, capsys):
             per_rank = [next(r for r in d["sft"]["runs"] if r["variant"] == variant) for d in ranks]
             shared = 2 if engine == "zero3_sp2" else 1
             assert row["tokens_per_s"] == pytest.approx(sum(64 / r["step_s_median"] for r in per_rank) / shared)
-    table = (out / "e2e_distributed.txt").read_text()
-    assert table in printed and "1.00x" in table
-    assert re.search(r"^\s*zero3 +hf_fused", table, re.M) and re.search(r"^\s*zero3_sp2 +hf_fused", table, re.M), table
+        table = (out / "e2e_distributed.txt").read_text()
+        assert table in printed and re.search(rf"^\s*{engine} +hf_fused", table, re.M), table
 
 
 def test_combine_reports_a_rank_that_wrote_nothing():
