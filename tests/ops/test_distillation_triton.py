@@ -294,13 +294,9 @@ def test_tile_rows_rule_under_an_explicit_budget_counts_the_tile_arrays():
 # accepts code the compiler rejects, e.g. a name a loop rebinds to another type) at the default launch shapes, with
 # every logit-transform flag set, and prints each one's registers and spilled stack bytes.
 _COMPILE_FOR_SM90 = r"""
-import os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
 from hf_fused.ops.backends.triton_cublas import distillation_kernels as K
 from hf_fused.ops.backends.triton_cublas.distillation_pass import EPILOGUE_LAUNCH as L, _chunking
 
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 floats = {"s_scale", "s_cap", "s_inv_t", "t_scale", "t_cap", "t_inv_t", "beta", "one_m_beta"}
 flags = dict(HAS_BIAS_S=True, SOFTCAP_S=True, SCALED_S=True, HAS_BIAS_T=True, SOFTCAP_T=True, SCALED_T=True)
 s_pow, j_pow = _chunking(151936, L.stats)[2], _chunking(151936, L.sums)[2]
@@ -315,15 +311,7 @@ launches.append(("finish", K.finish_kernel, dict(MODE=2, STATS_CHUNKS=s_pow, SUM
 for name, fn, consts, warps, dz in launches:
     sig = {n: "constexpr" if n in consts else dz if n == "DZ" else "fp32" if n in floats
            else "*fp32" if n[0].isupper() else "i32" for n in fn.arg_names}
-    compiled = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-    print(name, consts.get("MODE", "-"), re.search(r"REG:(\d+)", usage).group(1),
-          re.search(r"STACK:(\d+)", usage).group(1), flush=True)
+    print(name, consts.get("MODE", "-"), *registers_and_stack(fn, sig, consts, warps), flush=True)
 """
 
 

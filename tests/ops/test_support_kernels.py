@@ -628,12 +628,8 @@ def test_gpu_pass_memory_within_a_tenth_of_the_cross_entropys(k):
 # Compiles the pass's kernels for an H100 (sm_90) in a process without TRITON_INTERPRET (the interpreter accepts code
 # the compiler rejects) at the launch shapes the op uses, and prints each one's registers and spilled stack bytes.
 _COMPILE_FOR_SM90 = r"""
-import os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
 from hf_fused.ops.backends.triton_cublas import shifted_tile as T, support_kernels as S
 
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 scalars = {"logit_scale": "fp32", "softcap": "fp32", "inv_temperature": "fp32"}
 kernels = {
     "chunk": (T._logits_chunk_kernel, dict(scalars, X="*fp32", T="*bf16", Off="*fp32", Bias="*bf16", M="*fp32",
@@ -663,14 +659,7 @@ for k in (1, 64, 256, 1024):
         launches.append((name, fn, types, flags, warps, k))
 for name, fn, types, flags, warps, k in launches:
     sig = {n: "constexpr" if n in flags else types.get(n, "i32") for n in fn.arg_names}
-    compiled = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=flags),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-    print(name, k, re.search(r"REG:(\d+)", usage).group(1), re.search(r"STACK:(\d+)", usage).group(1), flush=True)
+    print(name, k, *registers_and_stack(fn, sig, flags, warps), flush=True)
 """
 
 
