@@ -644,7 +644,7 @@ launches = [("gradient", T._shifted_grad_kernel, dict(scalars, T="*bf16", Off="*
              dict(SOFTCAP=True, SCALED=True, HAS_G_ENT=True, ROUND=0, BLOCK_V=T.GRAD_BLOCK_V, OFF_BLOCK=T.BLOCK_V),
              T.GRAD_WARPS, 0)]
 for k in (1, 64, 256, 1024):
-    block = S._block_k(k)
+    block = S.candidate_block(k)
     for name, (fn, types) in kernels.items():
         flags = dict(SOFTCAP=True, SCALED=True)
         warps = 4

@@ -28,12 +28,12 @@ import triton
 import triton.language as tl
 
 from .matmul import round_bf16
+from .support_kernels import candidate_block
+from .tiles import GRAD_BLOCK_V, GRAD_WARPS, rounds_to_bf16, without_bias_flag
 from .triton_kernels import apply_transform, logit_grad
 
 #: Columns of a block with one shift (and of one step of :func:`logits_chunk_`'s loop): 8 per thread of 4 warps.
 BLOCK_V, CHUNK_WARPS = 1024, 4
-#: Columns of one step of :func:`shifted_gradient_`'s loop and its warps (the gradient kernel's launch shape).
-GRAD_BLOCK_V, GRAD_WARPS = 2048, 8
 #: Below every finite fp32 value: the masked columns' value in a block's maximum.
 _NO_MAX = tl.constexpr(-3.4028234663852886e38)
 
@@ -122,10 +122,6 @@ def chunk_block(cols: int, vocab_size: int) -> int:
     return BLOCK_V if cols >= vocab_size else min(BLOCK_V, cols & -cols)
 
 
-def _rounds(t: torch.Tensor) -> int:
-    return int(t.dtype == torch.bfloat16 and not t.is_cuda)
-
-
 def _device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
@@ -157,7 +153,7 @@ def logits_chunk_(x: torch.Tensor, tile: torch.Tensor, offsets: torch.Tensor, co
         _logits_chunk_kernel[(rows,)](
             x, x.stride(0), tile, tile.stride(0), offsets, offsets.stride(0), n_cols, col_offset,
             bias if bias is not None else run_max, run_max, run_sum, run_zp, ids, ids.stride(0), raw, k,
-            ENTROPY=entropy, ROUND=_rounds(tile), BLOCK=block, BLOCK_K=max(triton.next_power_of_2(k), 16),
+            ENTROPY=entropy, ROUND=int(rounds_to_bf16(tile)), BLOCK=block, BLOCK_K=candidate_block(k),
             num_warps=CHUNK_WARPS, **scalars,
         )
 
@@ -177,12 +173,11 @@ def shifted_gradient_(tile: torch.Tensor, offsets: torch.Tensor, block: int, lse
     rows, vocab_size = tile.shape
     if rows == 0:
         return
-    kernel_scalars = {name: value for name, value in scalars.items() if name != "HAS_BIAS"}
     with _device(tile):
         _shifted_grad_kernel[(rows,)](
             tile, tile.stride(0), offsets, offsets.stride(0), vocab_size, lse, ent, g_lp,
-            lse if g_ent is None else g_ent, HAS_G_ENT=g_ent is not None, ROUND=_rounds(tile),
-            BLOCK_V=GRAD_BLOCK_V, OFF_BLOCK=block, num_warps=GRAD_WARPS, **kernel_scalars,
+            lse if g_ent is None else g_ent, HAS_G_ENT=g_ent is not None, ROUND=int(rounds_to_bf16(tile)),
+            BLOCK_V=GRAD_BLOCK_V, OFF_BLOCK=block, num_warps=GRAD_WARPS, **without_bias_flag(scalars),
         )
 
 

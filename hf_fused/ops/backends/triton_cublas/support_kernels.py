@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .matmul import round_bf16
+from .tiles import rounds_to_bf16, without_bias_flag
 from .triton_kernels import apply_transform
 
 #: Slots compared at once when summing ``g`` over duplicate ids: a ``[K, DUP_BLOCK]`` block per step.
@@ -99,7 +100,8 @@ def _scatter_support_grad_kernel(
     tl.store(DZ + row * stride_dz + ids, dz.to(DZ.dtype.element_ty), mask=valid)
 
 
-def _block_k(k: int) -> int:
+def candidate_block(k: int) -> int:
+    """``BLOCK_K`` of a kernel holding a row's ``k`` candidate slots in one block."""
     return max(triton.next_power_of_2(k), 16)
 
 
@@ -117,11 +119,10 @@ def support_logprobs_(raw: torch.Tensor, valid: torch.Tensor, run_max: torch.Ten
     rows, k = raw.shape
     if rows == 0:
         return
-    kernel_scalars = {name: value for name, value in scalars.items() if name != "HAS_BIAS"}
     with torch.cuda.device(raw.device) if raw.is_cuda else contextlib.nullcontext():
         _support_logprobs_kernel[(rows,)](
-            raw, valid.view(torch.uint8), valid.stride(0), run_max, run_sum, s, k, BLOCK_K=_block_k(k), num_warps=4,
-            **kernel_scalars,
+            raw, valid.view(torch.uint8), valid.stride(0), run_max, run_sum, s, k, BLOCK_K=candidate_block(k), num_warps=4,
+            **without_bias_flag(scalars),
         )
 
 
@@ -142,15 +143,14 @@ def scatter_support_grad_(dz: torch.Tensor, ids: torch.Tensor, valid: torch.Tens
     rows, k = ids.shape
     if rows == 0:
         return
-    kernel_scalars = {name: value for name, value in scalars.items() if name != "HAS_BIAS"}
-    dup, warps = _scatter_launch(_block_k(k))
+    dup, warps = _scatter_launch(candidate_block(k))
     with torch.cuda.device(dz.device) if dz.is_cuda else contextlib.nullcontext():
         _scatter_support_grad_kernel[(rows,)](
             dz, dz.stride(0), ids, valid.view(torch.uint8), ids.stride(0), raw, g, lse, ent,
             lse if g_ent is None else g_ent, k, HAS_G_ENT=g_ent is not None,
-            ROUND=1 if (dz.dtype == torch.bfloat16 and not dz.is_cuda) else 0, BLOCK_K=_block_k(k), DUP=dup,
-            num_warps=warps, **kernel_scalars,
+            ROUND=int(rounds_to_bf16(dz)), BLOCK_K=candidate_block(k), DUP=dup,
+            num_warps=warps, **without_bias_flag(scalars),
         )
 
 
-__all__ = ["scatter_support_grad_", "support_logprobs_"]
+__all__ = ["candidate_block", "scatter_support_grad_", "support_logprobs_"]

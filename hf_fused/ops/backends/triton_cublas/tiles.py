@@ -38,6 +38,17 @@ def kernel_scalars(transform: LogitTransform, bias: Optional[torch.Tensor]) -> d
     )
 
 
+def without_bias_flag(scalars: dict) -> dict:
+    """:func:`kernel_scalars` for a kernel whose inputs already hold the bias (it takes no ``HAS_BIAS`` flag)."""
+    return {name: value for name, value in scalars.items() if name != "HAS_BIAS"}
+
+
+def rounds_to_bf16(out: torch.Tensor) -> bool:
+    """Whether a kernel storing into ``out`` rounds to bf16 itself (``round_bf16`` on the bit pattern): under Triton's
+    interpreter, whose conversion truncates; compiled code's conversion rounds to nearest even already."""
+    return out.dtype == torch.bfloat16 and not out.is_cuda
+
+
 def new_row_stats(m_rows: int, device: torch.device, statistics: Sequence[str] = ()) -> RowStats:
     """Per-row accumulators ``[M]`` (:data:`RowStats`) for the statistics in ``statistics``."""
     f32 = dict(dtype=torch.float32, device=device)
