@@ -312,6 +312,19 @@ def is_timing_metric(key: str) -> bool:
     return "runtime" in key or "per_second" in key or key.endswith("time") or "/time" in key
 
 
+def assert_same_gradients(got: list, ref: list, rtol: float) -> None:
+    """Each step's recorded gradients (:class:`GradRecorder`'s ``{name: tensor}`` per step) in ``got`` against
+    ``ref``'s same steps: the same parameters, each within ``rtol`` of its largest entry (1e-7 absolute); and the
+    reference's first step moved something."""
+    for step, (ga, gb) in enumerate(zip(got, ref)):
+        assert ga.keys() == gb.keys() and ga, set(ga) ^ set(gb)
+        for name in gb:
+            scale = gb[name].abs().max().item()
+            err = (ga[name] - gb[name]).abs().max().item()
+            assert err <= rtol * scale + 1e-7, f"step {step} grad {name}: {err:.3g} vs scale {scale:.3g}"
+    assert any(g.abs().sum() > 0 for g in ref[0].values())
+
+
 def assert_same_training(got, ref, *, rtol: float = 1e-5, steps_at_rtol: int = 2) -> None:
     """Two ``(trainer, logs, gradient steps, counters)`` runs of two optimizer steps trained alike: every logged
     metric at every step, the first ``steps_at_rtol`` steps' gradients (each parameter's to ``rtol`` of its largest
@@ -322,13 +335,7 @@ def assert_same_training(got, ref, *, rtol: float = 1e-5, steps_at_rtol: int = 2
         assert a.keys() == b.keys(), set(a) ^ set(b)
         for key in a:
             assert math.isclose(a[key], b[key], rel_tol=rtol, abs_tol=1e-7), (key, a[key], b[key])
-    for step, (ga, gb) in enumerate(zip(grads_a[:steps_at_rtol], grads_b[:steps_at_rtol])):
-        assert ga.keys() == gb.keys() and ga, set(ga) ^ set(gb)
-        for name in gb:
-            scale = gb[name].abs().max().item()
-            err = (ga[name] - gb[name]).abs().max().item()
-            assert err <= rtol * scale + 1e-7, f"step {step} grad {name}: {err:.3g} vs scale {scale:.3g}"
-    assert any(g.abs().sum() > 0 for g in grads_b[0].values())
+    assert_same_gradients(grads_a[:steps_at_rtol], grads_b, rtol)
     if steps_at_rtol < 2:
         return
     for (name, a), (_, b) in zip(trainer_a.model.named_parameters(), trainer_b.model.named_parameters()):
