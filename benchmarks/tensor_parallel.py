@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from typing import Optional
 
 import torch
@@ -119,11 +118,7 @@ def run(device: torch.device, tokens: int, hidden: int, vocab: int, repeats: int
         times = {variant: [] for variant in variants}
         for _ in range(repeats):
             for variant in variants:
-                measure.synchronize(device)
-                start = time.perf_counter()
-                call(op, variant, data, group)
-                measure.synchronize(device)
-                times[variant].append((time.perf_counter() - start) * 1e3)
+                times[variant].append(measure.time_once_ms(lambda: call(op, variant, data, group), device))
         for variant in variants:
             _, peak = measure.peak_memory(lambda: call(op, variant, data, group), device)
             errors = None

@@ -26,7 +26,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from typing import Optional
 
 import torch
@@ -141,11 +140,7 @@ def run(args, device: torch.device) -> list[dict]:
         for variant in variants:
             set_variant(model, variant)
             model.zero_grad(set_to_none=True)
-            measure.synchronize(device)
-            start = time.perf_counter()
-            step()
-            measure.synchronize(device)
-            results[variant]["times"].append((time.perf_counter() - start) * 1e3)
+            results[variant]["times"].append(measure.time_once_ms(step, device))
     rows = []
     for variant in variants:
         set_variant(model, variant)
