@@ -126,7 +126,9 @@ def test_logprobs_and_entropy_error_at_most_eager_under_mixed_precision(device, 
 def test_cross_entropy_error_at_most_eager_under_mixed_precision(device, backend, name, dtype, autocast_dtype, kw):
     """The mean loss is one number whose eager error can cancel by luck, so the forward is judged on the
     per-token losses (``reduction="none"``, a norm over tokens) and the mean is pinned to their mean; the
-    gradients of the mean loss are judged directly."""
+    gradients of the mean loss are judged directly. The per-token losses come from a call that takes gradients (the
+    loss's own pass) and from one under ``no_grad`` (the statistics pass: on CUDA from the matmul's fp32
+    accumulator, while the one pass reads its tile rounded to bf16), each judged against eager."""
     _skip_interpreter_bf16(device, backend, dtype, autocast_dtype)
     hidden, weight, bias, labels, _ = _inputs(dtype, seed=1, device=device)
     ref = [leaf64(t) for t in (hidden, weight, bias)]
@@ -137,14 +139,17 @@ def test_cross_entropy_error_at_most_eager_under_mixed_precision(device, backend
     params = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
     with _precision(autocast_dtype, device):
         loss = linear_cross_entropy(params[0], params[1], labels, params[2], backend=backend, **kw)
+        tokens = linear_cross_entropy(params[0], params[1], labels, params[2], backend=backend,
+                                      reduction="none", **kw).detach()
         with torch.no_grad():
-            tokens = linear_cross_entropy(params[0], params[1], labels, params[2], backend=backend,
-                                          reduction="none", **kw)
+            statistics = linear_cross_entropy(params[0], params[1], labels, params[2], backend=backend,
+                                              reduction="none", **kw)
     loss.backward()
-    assert loss.dtype == tokens.dtype == torch.float32
-    # Same operands and fp32 statistics on both paths; only the order of fp32 sums differs.
+    assert loss.dtype == tokens.dtype == statistics.dtype == torch.float32
+    # The same pass over the same operands: only the order of fp32 sums differs.
     assert abs(loss.item() - tokens.sum().item() / int((labels != -100).sum())) <= 1e-6 * abs(loss.item())
     fused = _errors([tokens], params, [ref_tokens], ref)
+    fused_statistics = [rel_err(statistics, ref_tokens)] + fused[1:]
 
     eager_params = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
     with _precision(autocast_dtype, device):
@@ -153,6 +158,7 @@ def test_cross_entropy_error_at_most_eager_under_mixed_precision(device, backend
     F.cross_entropy(logits, labels, ignore_index=-100).backward()
     eager = _errors([e_tokens], eager_params, [ref_tokens], ref)
     _assert_within_eager(fused, eager, f"{name}/{device}/{backend}: [per-token loss, dh, dW, db]")
+    _assert_within_eager(fused_statistics, eager, f"{name}/{device}/{backend}, no_grad: [per-token loss, ...]")
 
 
 def test_triton_interpreter_truncates_bf16():
