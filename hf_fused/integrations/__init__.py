@@ -41,7 +41,9 @@ passes every call straight through.
 Per model, not process-wide (undone by :func:`~hf_fused.remove_fused_loss` or at the end of the call):
 the model's ``forward`` and ``_replicate_for_data_parallel`` (the model layer); ``lm_head.forward`` during one
 call (the intercept); ``get_output_embeddings`` during a TRL trainer's ``__init__``; the TRL head options of a
-trainer (``_hf_fused_trl_head``), removed with the patch, TRL's own head then installed where hf_fused withheld it.
+trainer (``_hf_fused_trl_head``), removed with the patch, TRL's own head then installed where hf_fused withheld it;
+under tensor parallelism, a GRPO or RLOO trainer's ``accelerator`` and its TRL module's ``gather`` and
+``gather_object`` during each of its scoring and loss calls (:mod:`~hf_fused.integrations.trl.tensor_parallel`).
 """
 
 from ..model import ModelExtension, patched_models, register_extension

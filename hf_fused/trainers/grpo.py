@@ -23,6 +23,12 @@ answered by hf_fused's ops), plus what only a subclass can add:
 
 Everything else (batch chunking, ratios, clipping, KL, entropy masks and bonus, importance sampling,
 normalizers, metrics) is TRL's own code, so objective, gradients and logged metrics are TRL's.
+
+Under tensor parallelism (accelerate's ``ParallelismConfig(tp_size=n)``, a model loaded with transformers'
+tensor-parallel plan) each tensor-parallel group trains as one data-parallel replica: the same completions on its
+ranks, rewards and advantages gathered and sliced over the replicas, normalizers counting replicas
+(:mod:`hf_fused.integrations.trl.tensor_parallel`, which serves TRL's ``GRPOTrainer`` and ``RLOOTrainer`` on a
+patched model alike).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 from trl import GRPOTrainer
 
 from ..integrations.trl.head import pad_grad_hint
+from ..integrations.trl.tensor_parallel import serve_tensor_parallel_rollouts
 from .grpo_objective import trl_token_loss_hint
 
 __all__ = ["FusedGRPOTrainer"]
@@ -63,6 +70,7 @@ class FusedGRPOTrainer(GRPOTrainer):
             model = _load_model_like_trl(model, config, kwargs.pop("quantization_config", None))
         apply_fused_loss(model, **self._fused_options)
         super().__init__(model, *args, **kwargs)  # TRL's lm_head-adapter check passes: hf_fused computes the head
+        serve_tensor_parallel_rollouts(self)  # the hook on TRL's __init__ did, unless hf_fused refused TRL's protocol
 
     # ------------------------------------------------------------------------------------------------
     # Speed only: the gradient TRL's loss will send to the policy log-probs, when it is known.

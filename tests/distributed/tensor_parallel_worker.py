@@ -17,8 +17,11 @@ that raises leaves its traceback in ``<dir>/error.txt``. Rank 0 writes ``<dir>/r
                 refused (:func:`fsdp_shard_refused`).
                 "trl": TRL's ``SFTTrainer`` or ``DPOTrainer`` (``trl``: "sft" or "dpo") for 3 SGD steps on the
                 model as "trainer" loads it (:func:`trl_trainer`); DPO's reference model from ``ref_dir``.
-                "rollouts_refused": GRPO and RLOO trainers on the patched tensor-parallel model: refused
-                (:func:`rollouts_refused`).
+                "rollouts": TRL's ``GRPOTrainer`` (``FusedGRPOTrainer`` when ``fused``) or ``RLOOTrainer``
+                (``trl``: "grpo" or "rloo") for ``steps`` SGD steps, completions sampled on the model, β > 0 with
+                the reference model ``ref_dir`` (:func:`rollouts`).
+                "rollouts_refused": ``FusedGRPOTrainer`` with continuous batching on the tensor-parallel model:
+                refused (:func:`rollouts_refused`).
                 "benchmark": ``python -m benchmarks.tensor_parallel_model``'s command line on these ranks, tiny and
                 fp32 (:func:`benchmark`).
     model_dir   the tiny model (saved with ``save_pretrained``)
@@ -36,7 +39,9 @@ embeddings'), ``head_layouts`` (the placements and mesh shape of lm_head's weigh
 rows read; "colwise": ``head_reads``, how many times),
 ``wrapper`` (the Trainer's wrapped model's class), ``error`` (lora_refused, fsdp_shard_refused: the message);
 "trl": ``logs`` (every logged row without timings), ``head_reads`` (lm_head weights read as a vocabulary shard) and
-``wrapper``; "benchmark": ``printed`` (what rank 0 printed).
+``wrapper``; "rollouts": ``logs``, ``head_reads``, ``completions`` (each generation's completion ids),
+``completions_agree`` (every rank generated them alike), ``generation_batch_size``; "benchmark": ``printed`` (what
+rank 0 printed).
 
 Accelerate allows a ``ParallelismConfig`` (which ``Trainer`` builds for a tensor-parallel model) only on accelerators;
 on CPU ranks :func:`allow_parallelism_config_on_cpu_ranks` lets it through, as ``cpu_fsdp/sitecustomize.py`` lets
@@ -374,45 +379,90 @@ def trl_trainer(case: dict, out: str) -> dict:
             "wrapper": type(trainer.model_wrapped).__name__}
 
 
-def rollouts_refused(case: dict, out: str) -> dict:
-    """TRL's ``GRPOTrainer`` and ``RLOOTrainer`` on the patched tensor-parallel model, and ``FusedGRPOTrainer`` on the
-    unpatched one, built on the scripted rollouts of tests/grpo_harness.py: ``{trainer: the message it raised, or
-    None}``."""
+def rollouts(case: dict, out: str) -> dict:
+    """TRL's ``GRPOTrainer`` or ``RLOOTrainer`` (``case["trl"]``: "grpo" or "rloo") for ``steps`` SGD steps on the
+    model as "trainer" loads it, global batch 4 (one prompt, 4 completions), completions sampled by transformers'
+    ``generate`` on that model (the tensor-parallel one under a launch), rewards from
+    tests/grpo_harness.py's ``length_reward``, β > 0 with the reference model ``case["ref_dir"]`` (TRL loads it
+    whole on every rank), fp32. ``fused``: ``hf_fused.FusedGRPOTrainer`` for GRPO, ``apply_fused_loss`` + TRL's
+    trainer for RLOO; else TRL's trainer on the unpatched model. ``steps_per_generation`` (GRPO): completions for
+    that many steps at once. Also ``completions`` (each generation's completion ids) and ``completions_agree`` (every
+    rank sampled the same), ``generation_batch_size`` (the trainer's)."""
     import grpo_harness
-    from pathlib import Path
-
-    from hf_fused import FusedGRPOTrainer, apply_fused_loss
-
-    allow_parallelism_config_on_cpu_ranks()
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    from trl import GRPOTrainer, RLOOTrainer
-
     from datasets import Dataset
-    from trl import RLOOConfig
 
     from models import make_tokenizer
 
-    errors = {}
-    for cls in (GRPOTrainer, RLOOTrainer, FusedGRPOTrainer):
-        model = load(case, tensor_parallel=True)
-        if cls is not FusedGRPOTrainer:
+    allow_parallelism_config_on_cpu_ranks()
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    model = load(case, tensor_parallel=True)
+    model.config._name_or_path = case["ref_dir"]  # TRL builds its reference model from here
+    initial = full_parameters(model)
+    common = dict(
+        output_dir=os.path.join(os.path.dirname(out), "trainer"), per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=6, max_steps=case["steps"], learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
+        weight_decay=0.0, max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[], seed=0, bf16=False,
+        use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, beta=case["beta"],
+    )
+    data = Dataset.from_dict({"prompt": grpo_harness.PROMPTS})
+    kwargs = dict(model=model, reward_funcs=grpo_harness.length_reward, train_dataset=data,
+                  processing_class=make_tokenizer())
+    if case["trl"] == "grpo":
+        from trl import GRPOConfig, GRPOTrainer
+
+        from hf_fused import FusedGRPOTrainer
+
+        config = GRPOConfig(steps_per_generation=case.get("steps_per_generation", 1), **common)
+        trainer = (FusedGRPOTrainer if case.get("fused") else GRPOTrainer)(args=config, **kwargs)
+    else:
+        from trl import RLOOConfig, RLOOTrainer
+
+        if case.get("fused"):
+            from hf_fused import apply_fused_loss
+
             apply_fused_loss(model)
-        overrides = dict(max_steps=1, per_device_train_batch_size=4, num_generations=4, beta=0.0, save_strategy="no")
-        try:
-            if cls is RLOOTrainer:  # no rollout_func: built, never run
-                args = RLOOConfig(output_dir=os.path.join(os.path.dirname(out), "rloo"), use_cpu=True, bf16=False,
-                                  report_to=[], **overrides)
-                cls(model=model, reward_funcs=grpo_harness.length_reward, args=args,
-                    train_dataset=Dataset.from_dict({"prompt": grpo_harness.PROMPTS}),
-                    processing_class=make_tokenizer())
-            else:
-                grpo_harness.build_trainer(cls, grpo_harness.Case(config=overrides), Path(os.path.dirname(out)),
-                                           model=model)
-        except NotImplementedError as e:
-            errors[cls.__name__] = str(e)
-        else:
-            errors[cls.__name__] = None
-    return {"errors": errors}
+        trainer = RLOOTrainer(args=RLOOConfig(**common), **kwargs)
+    generated, generate = [], trainer._generate
+
+    def recorded(prompts):
+        output = generate(prompts)
+        generated.append([list(ids) for ids in output[1]])
+        return output
+
+    trainer._generate = recorded
+    layouts = record_head_layouts()
+    head_calls = count_fused_head_calls()
+    trainer.train()
+    everyone = [generated] * world()
+    if world() > 1:
+        dist.all_gather_object(everyone, generated)
+    logs = [{k: v for k, v in entry.items() if not _is_timing(k)} for entry in trainer.state.log_history]
+    return {"losses": [e["loss"] for e in logs if "loss" in e], "logs": logs, "initial": initial,
+            "params": full_parameters(trainer.model), "head_calls": head_calls["all"], "head_reads": len(layouts),
+            "head_layouts": sorted(set(layouts)), "completions": generated,
+            "completions_agree": all(g == generated for g in everyone),
+            "generation_batch_size": trainer.args.generation_batch_size}
+
+
+def rollouts_refused(case: dict, out: str) -> dict:
+    """``FusedGRPOTrainer`` on the tensor-parallel model with ``use_transformers_continuous_batching=True`` (not
+    verified under tensor parallelism), built on the scripted rollouts of tests/grpo_harness.py: the message it
+    raised, or ``None``."""
+    import grpo_harness
+    from pathlib import Path
+
+    from hf_fused import FusedGRPOTrainer
+
+    allow_parallelism_config_on_cpu_ranks()
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    overrides = dict(max_steps=1, per_device_train_batch_size=4, num_generations=4, beta=0.0, save_strategy="no",
+                     use_transformers_continuous_batching=True)
+    try:
+        grpo_harness.build_trainer(FusedGRPOTrainer, grpo_harness.Case(config=overrides), Path(os.path.dirname(out)),
+                                   model=load(case, tensor_parallel=True))
+    except NotImplementedError as e:
+        return {"error": str(e)}
+    return {"error": None}
 
 
 def benchmark(case: dict, out: str) -> dict:
@@ -432,8 +482,8 @@ def benchmark(case: dict, out: str) -> dict:
 
 
 KINDS = {"trainer": train, "colwise": colwise, "lora_refused": lora_refused, "layouts": layouts,
-         "fsdp_shard_refused": fsdp_shard_refused, "trl": trl_trainer, "rollouts_refused": rollouts_refused,
-         "benchmark": benchmark}
+         "fsdp_shard_refused": fsdp_shard_refused, "trl": trl_trainer, "rollouts": rollouts,
+         "rollouts_refused": rollouts_refused, "benchmark": benchmark}
 
 
 def main(batch_file: str) -> None:

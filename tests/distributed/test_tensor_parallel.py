@@ -5,11 +5,13 @@ transformers forward all-gathers the logits) trained by ``transformers.Trainer``
 examples/distributed/tp2.yaml and 3 under torchrun (a vocabulary of 131: shards 66/65 and 44/44/43), tied and untied,
 fp32 and bf16, and FSDP2 × TP on 4 ranks launched with examples/distributed/fsdp2_tp2.yaml; and a custom loop on a
 model whose lm_head torch's ``ColwiseParallel`` shards; TRL's ``SFTTrainer`` and ``DPOTrainer`` on the patched
-tensor-parallel model (2 and 3 ranks, and FSDP2 × TP on 4; every logged metric too). Each against the single-process
-unpatched run on the same global batch: every logged loss and every updated parameter (``parity.py``), with no
-collective moving anything of the vocabulary's width (the unpatched tensor-parallel run all-gathers its logits
-shards) and no tensor of the whole vocabulary's width made. Also the per-rank benchmark
-(``benchmarks.tensor_parallel_model``) on the 2 ranks. Runs of one rank count share one launch
+tensor-parallel model (2 and 3 ranks, and FSDP2 × TP on 4; every logged metric too); ``FusedGRPOTrainer`` and TRL's
+``RLOOTrainer`` on 2 ranks, each tensor-parallel group one data-parallel replica, completions sampled on the sharded
+model. Each against the single-process unpatched run on the same global batch: every logged loss and every updated
+parameter (``parity.py``), with no collective moving anything of the vocabulary's width (the unpatched
+tensor-parallel run all-gathers its logits shards) and no tensor of the whole vocabulary's width made (not checked
+for the rollout trainers, whose generation runs transformers' own forward, which gathers the logits). Also the
+per-rank benchmark (``benchmarks.tensor_parallel_model``) on the 2 ranks. Runs of one rank count share one launch
 (``launch.SharedLaunches``).
 """
 
@@ -24,7 +26,7 @@ import pytest
 import torch
 
 from launch import HERE, Run, SharedLaunches, accelerate_launch, launch_timeout, planned_runs, run
-from parity import assert_bf16_twin, assert_matches_reference
+from parity import PARAM_RTOL, assert_bf16_twin, assert_matches_reference, update_errors
 from ranks import CUDA
 from references import logp_difference_tol
 
@@ -124,7 +126,20 @@ def benchmark_runs() -> list[Run]:
     return [tensor_parallel(dict(kind="benchmark", fused=True), 2)]  # it patches its model: after the stock runs
 
 
-def rollout_runs() -> list[Run]:
+#: name → the TRL rollout trainer's case (``fused``: ``FusedGRPOTrainer`` for GRPO, ``apply_fused_loss`` + TRL's
+#: ``RLOOTrainer``), on 2 tensor-parallel ranks; β > 0 against the perturbed reference model. GRPO generates for 2
+#: steps at once (``steps_per_generation=2``: TRL's generation batch from the process count would be twice the
+#: replica's, and the second step's ratios move off 1, so its clip ratios are not all 0).
+ROLLOUTS = {"tp2-FusedGRPOTrainer": dict(trl="grpo", model="tied", beta=0.04, steps=3, steps_per_generation=2),
+            "tp2-RLOOTrainer": dict(trl="rloo", model="untied", beta=0.05, steps=2)}
+
+
+def rollout_runs(name: str) -> list[Run]:
+    case = dict(kind="rollouts", fused=True, **ROLLOUTS[name])
+    return [tensor_parallel(case, 2), reference(case)]
+
+
+def rollout_refused_runs() -> list[Run]:
     return [tensor_parallel(dict(kind="rollouts_refused", model="untied"), 2)]
 
 
@@ -153,7 +168,7 @@ def runs(request, tmp_path_factory) -> SharedLaunches:
             case = json.loads(r.case)
             if "model" in case:
                 case["model_dir"] = str(models[case["model"]])
-            if case.get("trl") == "dpo":
+            if case.get("trl") == "dpo" or case["kind"] == "rollouts":
                 case["ref_dir"] = str(models["reference"])
             entries.append({"case": case, "dir": str(d)})
         batch = dirs[0] / "batch.json"
@@ -174,7 +189,8 @@ def runs(request, tmp_path_factory) -> SharedLaunches:
              "test_fsdp2_times_tensor_parallel": fsdp_runs,
              "test_layouts_on_a_two_dimensional_mesh": layout_runs,
              "test_trl_trainers_under_tensor_parallelism_match_single_process": trl_runs,
-             "test_grpo_and_rloo_under_tensor_parallelism_are_refused": rollout_runs,
+             "test_rollout_trainers_under_tensor_parallelism_match_single_process": rollout_runs,
+             "test_rollouts_refused_where_unverified_under_tensor_parallelism": rollout_refused_runs,
              "test_model_benchmark_on_tensor_parallel_ranks": benchmark_runs,
              "test_fsdp2_shard_outside_the_call_is_not_read_as_a_vocabulary_split": fsdp_shard_runs}
     return SharedLaunches(root, planned_runs(request, plans), launch,
@@ -324,16 +340,49 @@ def test_trl_trainers_under_tensor_parallelism_match_single_process(name, runs):
     assert not vocabulary_collectives(tp, tp_size), vocabulary_collectives(tp, tp_size)
 
 
-def test_grpo_and_rloo_under_tensor_parallelism_are_refused(runs):
-    """TRL 1.16's ``GRPOTrainer`` and ``RLOOTrainer`` count each tensor-parallel rank as a data-parallel process (they
-    gather every process's rewards and slice them by process index), so they would not train their objective: built
-    on a patched tensor-parallel model (and ``FusedGRPOTrainer``, which patches it), each raises, saying why and what
-    to do instead."""
-    (got,) = (runs(r) for r in rollout_runs())
-    assert set(got["errors"]) == {"GRPOTrainer", "RLOOTrainer", "FusedGRPOTrainer"}
-    for trainer, error in got["errors"].items():
-        assert error and "under tensor parallelism (tp_size=2)" in error and "data parallelism" in error, (trainer,
-                                                                                                         error)
+@pytest.mark.parametrize("name", list(ROLLOUTS))
+def test_rollout_trainers_under_tensor_parallelism_match_single_process(name, runs):
+    """``FusedGRPOTrainer`` and TRL's ``RLOOTrainer`` on the patched tensor-parallel model under
+    ``ParallelismConfig(tp_size=2)`` (tp2.yaml), each tensor-parallel group one data-parallel replica
+    (hf_fused/integrations/trl/tensor_parallel.py), completions sampled by transformers' ``generate`` on the sharded
+    model, β > 0: the same completions on both ranks and as TRL's single-process unpatched run on the same global
+    batch, TRL's generation batch counting replicas, and every logged loss and metric (reward, reward_std, kl,
+    entropy, clip ratios, token counts) and every updated parameter as that run's. Loss values get TRL's absolute
+    floor (2e-6: on-policy RLOO's loss is a sum of advantages that cancel to ~1e-7). hf_fused's head ran on each
+    rank's rows for the policy (old log-probs and training steps); TRL loads the reference model whole on every rank."""
+    tp, ref = (runs(r) for r in rollout_runs(name))
+    case = ROLLOUTS[name]
+    assert tp["world"] == 2 and ref["world"] == 1
+    assert tp["completions_agree"], "the ranks of the tensor-parallel group sampled different completions"
+    assert tp["completions"] == ref["completions"]
+    assert tp["generation_batch_size"] == ref["generation_batch_size"] == 4 * case.get("steps_per_generation", 1)
+    assert len(tp["logs"]) == len(ref["logs"]) == case["steps"] + 1  # every step and the summary
+    for step, (got, want) in enumerate(zip(tp["logs"], ref["logs"])):
+        assert got.keys() == want.keys(), (step, got.keys() ^ want.keys())
+        for key, value in want.items():
+            assert math.isclose(got[key], value, rel_tol=1e-5, abs_tol=2e-6 if "loss" in key else 1e-7), \
+                (step, key, got[key], value)
+    assert {"reward", "reward_std", "kl", "entropy", "clip_ratio/region_mean"} <= ref["logs"][0].keys()
+    if case["trl"] == "grpo":
+        assert any(row.get("clip_ratio/region_mean", 0) > 0 for row in ref["logs"])
+    errors = update_errors(tp, ref)
+    assert max(errors.values()) <= PARAM_RTOL, errors
+    moved = [n for n in errors if not torch.equal(ref["params"][n], ref["initial"][n])]
+    assert any("embed_tokens" in n for n in moved) and len(moved) >= 4, moved
+    # the policy's head on each rank's rows: GRPO's old log-probs of 2 generations of 8 in chunks of 4, and 3 steps;
+    # RLOO's old log-probs of 2 generations and 2 steps; the whole reference model's once per chunk of a generation
+    policy, reference_calls = (7, 4) if case["trl"] == "grpo" else (4, 2)
+    assert tp["head_reads"] == policy and tp["head_calls"] == policy + reference_calls
+    assert tp["head_layouts"] == [(("S(0)",), (2,), chunk_shards(2)[0])]
+
+
+def test_rollouts_refused_where_unverified_under_tensor_parallelism(runs):
+    """``FusedGRPOTrainer`` with transformers' continuous batching on the tensor-parallel model (not verified there;
+    vLLM, context and sequence parallelism are refused alike): it raises, saying why and what to do instead."""
+    (got,) = (runs(r) for r in rollout_refused_runs())
+    error = got["error"]
+    assert error and "under tensor parallelism (tp_size=2)" in error and "continuous_batching" in error, error
+    assert "generate" in error, error
 
 
 def test_model_benchmark_on_tensor_parallel_ranks(runs):

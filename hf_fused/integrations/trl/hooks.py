@@ -11,7 +11,9 @@ can be built from it (:func:`hf_fused.integrations.import_hooks.when_imported`).
   while a trainer around a patched policy is being built is patched too; every other model gets TRL's head.
 * :data:`TRL_HEAD_ADAPTER_CHECKS`: TRL's trainers are let through their "no PEFT adapter on lm_head" check while they
   are built around a patched model (hf_fused computes the head with the adapter), and tell
-  :data:`TRL_FUSED_HEAD` which trainer is being built (the policy whose reference model it adds).
+  :data:`TRL_FUSED_HEAD` which trainer is being built (the policy whose reference model it adds); a GRPO or RLOO
+  trainer so built under tensor parallelism then trains each tensor-parallel group as one data-parallel replica
+  (:mod:`hf_fused.integrations.trl.tensor_parallel`).
 
 Per model: :func:`serve_trl_fused_head` reads the options of a TRL head already installed on a model patched after
 its trainer was built; :func:`forget_trl_head` (on :func:`hf_fused.remove_fused_loss`) takes the recorded options
@@ -34,7 +36,7 @@ import torch.nn as nn
 from ...model import apply_fused_loss, find_causal_lm, is_fused
 from ..patching import ThirdPartyPatch
 from .protocol import OPTIONS_ATTR, TrlHeadOptions, protocol_mismatch, trl_head_options_in
-from .tensor_parallel import refuse_tensor_parallel_rollouts
+from .tensor_parallel import serve_tensor_parallel_rollouts
 
 #: TRL 1.16 trainers that refuse a PEFT adapter on lm_head (their head would read the bare weight); the ones that
 #: add a fused head to a reference model are among them.
@@ -154,8 +156,10 @@ def _wrap_trainer_init(module: types.ModuleType, patch: ThirdPartyPatch) -> None
     """TRL's trainers raise when a PEFT adapter sits on lm_head, because TRL's head would ignore it. On a patched
     model hf_fused computes the head with the adapter (:func:`hf_fused.model.lm_head.head_tensors`), so while such a
     trainer is built around a patched model its lm_head check sees the layer under the adapter. The wrapped
-    ``__init__`` also names the trainer being built (for reference models). Not where hf_fused refused TRL's
-    protocol (TRL's head then computes, without the adapter)."""
+    ``__init__`` also names the trainer being built (for reference models) and, once it has returned, has a GRPO or
+    RLOO trainer under tensor parallelism train each tensor-parallel group as one data-parallel replica
+    (:func:`~hf_fused.integrations.trl.tensor_parallel.serve_tensor_parallel_rollouts`). Not where hf_fused refused
+    TRL's protocol (TRL's head then computes, without the adapter)."""
     if refused_reason() is not None:
         return
     cls = getattr(module, _TRAINERS_REFUSING_HEAD_ADAPTERS[module.__name__])
@@ -173,8 +177,8 @@ def _wrap_trainer_init(module: types.ModuleType, patch: ThirdPartyPatch) -> None
                 init(self, *args, **kwargs)
         finally:
             _TRAINER_BEING_BUILT.reset(token)
-        if isinstance(model, nn.Module) and is_fused(model):
-            refuse_tensor_parallel_rollouts(self)
+        if isinstance(model, nn.Module) and is_fused(model):  # GRPO, RLOO under tensor parallelism: per group
+            serve_tensor_parallel_rollouts(self)
 
     __init__.__hf_fused__ = True
     patch.rebind(cls, "__init__", __init__)
