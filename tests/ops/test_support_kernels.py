@@ -11,8 +11,7 @@ ids, dropped tokens, bias, logit scale, soft-cap, temperature, uneven tiles, for
 at ``RTOL`` of float64 on the same bf16 values and the shifted tile keeps the gradients as close to float64 as an
 fp32 tile's. The ``gpu`` tests run the real kernels on the whole op: in bf16 the loss at ``RTOL`` of float64 and the
 gradients no further than TRL's fp32-upcast way plus one bf16 rounding of ``dz``; in fp32 at ``RTOL``; a memory peak
-below one ``[N, V]`` bf16 logits tensor and within 1.1× the fused cross-entropy's; the chunk kernels on a side stream
-(``support_pass.SCRATCHES`` ≥ 2) give the serial pass's bits.
+below one ``[N, V]`` bf16 logits tensor and within 1.1× the fused cross-entropy's.
 """
 
 from __future__ import annotations
@@ -624,51 +623,6 @@ def test_gpu_pass_memory_within_a_tenth_of_the_cross_entropys(k):
 
     ce, ours = (_peak_above_inputs_and_grads(run, leaves) for run in (cross_entropy, sparse))
     assert ours <= 1.1 * ce, f"{ours / 2**30:.2f} GiB against the cross-entropy's {ce / 2**30:.2f} GiB"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("scratches, priority", [(2, 0), (3, -1)], ids=["two-scratches", "three-high-priority"])
-def test_gpu_overlapped_chunks_give_the_serial_bits(monkeypatch, scratches, priority):
-    """The chunk kernels on a side stream while cuBLAS writes the next chunks (``SCRATCHES`` ≥ 2: each scratch reused
-    every few chunks, the statistics joined before the loss reads them) give the serial pass's bits: loss, per-token
-    divergence, entropy and both gradients, over three row blocks (the last partial) of eight vocabulary chunks."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from hf_fused.ops.backends.triton_cublas import support_pass
-
-    leaves, support = _gpu_problem(3000, 512, 32000, 8)
-    results = []
-    for n, prio in ((1, 0), (scratches, priority)):
-        monkeypatch.setattr(support_pass, "SCRATCHES", n)
-        monkeypatch.setattr(support_pass, "SIDE_PRIORITY", prio)
-        for t in leaves:
-            t.grad = None
-        with _one_pass(1024), support_pass.forced_chunk_cols(4096):
-            out = sparse_distillation_loss(leaves[0], leaves[1], support["support_ids"], support["teacher_logprobs"],
-                                           support_mask=support["support_mask"], mask=support["mask"], beta=0.5)
-            out.loss.backward()
-        torch.cuda.synchronize()
-        results.append([out.loss, out.divergence, out.entropy, *(t.grad for t in leaves)])
-    for name, serial, overlapped in zip(("loss", "divergence", "entropy", "dhidden", "dweight"), *results):
-        assert torch.equal(serial, overlapped), name
-
-
-def test_chunk_ring_runs_in_order_off_cuda(monkeypatch):
-    """Off CUDA the pass takes one scratch whatever ``SCRATCHES`` says (fp32 operands none) and no stream: each chunk
-    reuses the one buffer and the kernel's context is a null one."""
-    from hf_fused.ops.backends.triton_cublas import support_pass
-
-    monkeypatch.setattr(support_pass, "SCRATCHES", 3)
-    weight = torch.zeros(10, 4, dtype=torch.bfloat16)
-    assert support_pass.scratch_count(weight) == 1 and support_pass.scratch_count(weight.float()) == 0
-    ring = support_pass.ChunkRing(1, 12, torch.device("cpu"))
-    first = ring.scratch(3, 4)
-    with ring.reading():
-        second = ring.scratch(2, 5)
-    ring.join()
-    assert ring.side is None and first.shape == (3, 4) and second.shape == (2, 5)
-    assert first.data_ptr() == second.data_ptr()
-    assert support_pass.ChunkRing(0, 12, torch.device("cpu")).scratch(3, 4) is None
 
 
 # Compiles the pass's kernels for an H100 (sm_90) in a process without TRITON_INTERPRET (the interpreter accepts code
