@@ -127,16 +127,37 @@ def benchmark_runs() -> list[Run]:
 
 
 #: name → the TRL rollout trainer's case (``fused``: ``FusedGRPOTrainer`` for GRPO, ``apply_fused_loss`` + TRL's
-#: ``RLOOTrainer``), on 2 tensor-parallel ranks; β > 0 against the perturbed reference model. GRPO generates for 2
-#: steps at once (``steps_per_generation=2``: TRL's generation batch from the process count would be twice the
-#: replica's, and the second step's ratios move off 1, so its clip ratios are not all 0).
+#: ``RLOOTrainer``), on 2 tensor-parallel ranks, or (``fsdp``) FSDP2 × TP on 4 in the launch of :func:`fsdp_runs`;
+#: β > 0 against the perturbed reference model. The tp2 GRPO run generates for 2 steps at once
+#: (``steps_per_generation=2``: TRL's generation batch from the process count would be twice the replica's, and the
+#: second step's ratios move off 1, so its clip ratios are not all 0). The FSDP2 × TP run generates once, for its 2
+#: steps (``num_iterations=2``: the second step's ratios move off 1): its reference can sample as the 2 replicas do
+#: for a first generation only (tensor_parallel_worker.replica_seeded), and with one step per generation each
+#: replica's shuffle of its own rows only reorders the rows of a step. Untied, as every FSDP2 × TP run here: with tied
+#: embeddings transformers' own unpatched FSDP2 × TP run leaves the single process from its second step
+#: (docs/tensor_parallel.md, Limits).
 ROLLOUTS = {"tp2-FusedGRPOTrainer": dict(trl="grpo", model="tied", beta=0.04, steps=3, steps_per_generation=2),
-            "tp2-RLOOTrainer": dict(trl="rloo", model="untied", beta=0.05, steps=2)}
+            "tp2-RLOOTrainer": dict(trl="rloo", model="untied", beta=0.05, steps=2),
+            "fsdp2-tp2-FusedGRPOTrainer": dict(trl="grpo", model="untied", beta=0.04, steps=2, num_iterations=2,
+                                               num_generations=2, fsdp=2)}
 
 
 def rollout_runs(name: str) -> list[Run]:
+    """The rollout run ``name`` and its single-process reference; under FSDP2 × TP the reference samples as the 2
+    replicas do (tensor_parallel_worker.replica_seeded)."""
     case = dict(kind="rollouts", fused=True, **ROLLOUTS[name])
-    return [tensor_parallel(case, 2), reference(case)]
+    run = Run.of("fsdp2_tp2", 4, case) if case.get("fsdp", 1) > 1 else tensor_parallel(case, 2)
+    return [run, reference(case)]
+
+
+def rollout_head_calls(case: dict) -> tuple[int, int]:
+    """hf_fused's head calls in a rollout run, per rank: (the policy's on each rank's rows of lm_head, all). The
+    policy's old log-probs once per generation in chunks of the per-device batch (``steps_per_generation`` chunks:
+    GRPO and RLOO compute them in these cases), then each step; the reference model's (whole on every rank) once per
+    chunk."""
+    spg = case.get("steps_per_generation", 1)
+    generations = -(-case["steps"] // (spg * case.get("num_iterations", 1)))
+    return generations * spg + case["steps"], 2 * generations * spg + case["steps"]
 
 
 def rollout_refused_runs() -> list[Run]:
@@ -343,18 +364,32 @@ def test_trl_trainers_under_tensor_parallelism_match_single_process(name, runs):
 @pytest.mark.parametrize("name", list(ROLLOUTS))
 def test_rollout_trainers_under_tensor_parallelism_match_single_process(name, runs):
     """``FusedGRPOTrainer`` and TRL's ``RLOOTrainer`` on the patched tensor-parallel model under
-    ``ParallelismConfig(tp_size=2)`` (tp2.yaml), each tensor-parallel group one data-parallel replica
-    (hf_fused/integrations/trl/tensor_parallel.py), completions sampled by transformers' ``generate`` on the sharded
-    model, β > 0: the same completions on both ranks and as TRL's single-process unpatched run on the same global
-    batch, TRL's generation batch counting replicas, and every logged loss and metric (reward, reward_std, kl,
-    entropy, clip ratios, token counts) and every updated parameter as that run's. Loss values get TRL's absolute
-    floor (2e-6: on-policy RLOO's loss is a sum of advantages that cancel to ~1e-7). hf_fused's head ran on each
-    rank's rows for the policy (old log-probs and training steps); TRL loads the reference model whole on every rank."""
+    ``ParallelismConfig(tp_size=2)`` (tp2.yaml), and ``FusedGRPOTrainer`` under ``ParallelismConfig(dp_shard_size=2,
+    tp_size=2)`` (4 ranks, fsdp2_tp2.yaml: FSDP2 over the 2 replicas), each tensor-parallel group one data-parallel
+    replica (hf_fused/integrations/trl/tensor_parallel.py), completions sampled by transformers' ``generate`` on the
+    sharded model, β > 0: the ranks of a replica sampled the same completions, the replicas' together the same as
+    TRL's single-process unpatched run on the same global batch, TRL's generation batch counting replicas, and every
+    logged loss and metric (reward, reward_std, kl, entropy, clip ratios, token counts) and every updated parameter
+    as that run's. Loss values get TRL's absolute floor (2e-6: on-policy RLOO's loss is a sum of advantages that
+    cancel to ~1e-7). hf_fused's head ran on each rank's rows for the policy (old log-probs and training steps); TRL
+    loads the reference model whole on every rank.
+
+    Under FSDP2 × TP replica ``r`` samples from the seed plus ``r``; the reference is TRL's ``GRPOTrainer`` in one
+    process generating the global batch's two halves (replica 0's prompts, then replica 1's: accelerate's data
+    loader hands the replicas consecutive per-replica batches) each with TRL's own ``generate`` call from the
+    generator seeded as that replica's ranks are (tensor_parallel_worker.replica_seeded): the same prompts, batch
+    shapes and random numbers as each replica's, on the unsharded model. Everything after generation (rewards,
+    advantages, old and reference log-probs, the loss, the logged metrics) is TRL's on the whole global batch, the
+    one run a data-parallel trainer must equal; the completions themselves are compared, so a reference that sampled
+    otherwise fails here rather than passing on different data."""
     tp, ref = (runs(r) for r in rollout_runs(name))
     case = ROLLOUTS[name]
-    assert tp["world"] == 2 and ref["world"] == 1
-    assert tp["completions_agree"], "the ranks of the tensor-parallel group sampled different completions"
+    replicas = case.get("fsdp", 1)
+    assert tp["world"] == 2 * replicas and ref["world"] == 1 and tp["replicas"] == replicas
+    assert tp["completions_agree"], "the ranks of a tensor-parallel group sampled different completions"
     assert tp["completions"] == ref["completions"]
+    if replicas > 1:
+        assert tp["wrapper"].startswith("FSDP"), tp["wrapper"]
     assert tp["generation_batch_size"] == ref["generation_batch_size"] == 4 * case.get("steps_per_generation", 1)
     assert len(tp["logs"]) == len(ref["logs"]) == case["steps"] + 1  # every step and the summary
     for step, (got, want) in enumerate(zip(tp["logs"], ref["logs"])):
@@ -369,10 +404,8 @@ def test_rollout_trainers_under_tensor_parallelism_match_single_process(name, ru
     assert max(errors.values()) <= PARAM_RTOL, errors
     moved = [n for n in errors if not torch.equal(ref["params"][n], ref["initial"][n])]
     assert any("embed_tokens" in n for n in moved) and len(moved) >= 4, moved
-    # the policy's head on each rank's rows: GRPO's old log-probs of 2 generations of 8 in chunks of 4, and 3 steps;
-    # RLOO's old log-probs of 2 generations and 2 steps; the whole reference model's once per chunk of a generation
-    policy, reference_calls = (7, 4) if case["trl"] == "grpo" else (4, 2)
-    assert tp["head_reads"] == policy and tp["head_calls"] == policy + reference_calls
+    policy, calls = rollout_head_calls(case)
+    assert tp["head_reads"] == policy and tp["head_calls"] == calls
     assert tp["head_layouts"] == [(("S(0)",), (2,), chunk_shards(2)[0])]
 
 
