@@ -162,7 +162,7 @@ def test_describe_plan_reads_the_backends_plan(monkeypatch):
     """``describe_plan`` asks the GPU backend's own planner (the loops' plan functions), not a copy of it."""
     weight = torch.empty(V, H, dtype=torch.bfloat16, device="meta", requires_grad=True)
     heads = []
-    monkeypatch.setattr(planning, "plan_one_pass", lambda head, need: heads.append((head, need)) or OnePassPlan(
+    monkeypatch.setattr(planning, "plan_one_pass", lambda head, need, **_: heads.append((head, need)) or OnePassPlan(
         1234, "pair", 0))
     assert describe_plan(weight, n_rows=100, n_tokens=130, backend="triton").startswith(
         "one pass (6·N·H·V): 1234 rows per tile")
@@ -170,7 +170,7 @@ def test_describe_plan_reads_the_backends_plan(monkeypatch):
     assert head.weight is weight and head.hidden.shape == (130, H) and head.rows.numel() == 100
     assert need == NeededGrads(True, True, False)
     lean = two_pass_rule.LeanPlan(64, 4096, True, 123 * 2**20)
-    monkeypatch.setattr(planning, "plan_one_pass", lambda head, need: None)
+    monkeypatch.setattr(planning, "plan_one_pass", lambda head, need, **_: None)
     with planning.forced_plans(two_pass=lean):
         line = describe_plan(weight, n_rows=100, n_tokens=130, backend="triton", tile_budget_bytes=2**30)
     assert line.startswith("two passes (8·N·H·V): 64×4096 tile, 0.12 GiB") and line.endswith("gathered per block")

@@ -641,7 +641,8 @@ kernels = {
 }
 launches = [("gradient", T._shifted_grad_kernel, dict(scalars, T="*bf16", Off="*fp32", LSE="*fp32", ENT="*fp32",
                                                       G_LP="*fp32", G_ENT="*fp32"),
-             dict(SOFTCAP=True, SCALED=True, HAS_G_ENT=True, ROUND=0, BLOCK_V=T.GRAD_BLOCK_V, OFF_BLOCK=T.BLOCK_V),
+             dict(SOFTCAP=True, SCALED=True, HAS_G_ENT=True, LABEL=False, ROUND=0, BLOCK_V=T.GRAD_BLOCK_V,
+                  OFF_BLOCK=T.BLOCK_V),
              T.GRAD_WARPS, 0)]
 for k in (1, 64, 256, 1024):
     block = S.candidate_block(k)

@@ -34,8 +34,9 @@ ENV = "HF_FUSED_FP32_LOGITS"
 #: * ``"one_pass"``, the cross-entropy's one pass (its reduced loss alone leaves the op): off, at that cost.
 DEFAULT_ENABLED = {"two_passes": True, "one_pass_logprobs": True, "one_pass": False}
 
-#: How the one pass with the fp32 statistics makes ``dz``: ``"tile"``, the fused matmul also stores the bf16 tile (and
-#: its own normalizer) and the gradient kernel turns it into ``dz`` (6·N·H·V, the gradients of cuBLAS's tiles); or
+#: How the one pass with the fp32 statistics makes ``dz``: ``"tile"``, the fused matmul also stores the bf16 tile,
+#: shifted by each 64 columns' row maximum (the shifts and its own normalizer beside it), and the gradient kernel
+#: turns it into ``dz`` (6·N·H·V; as accurate as ``dz`` from the accumulator, :mod:`.fused_matmul`); or
 #: ``"recompute"``, the statistics alone, then the logits matmul again with ``dz`` from its fp32 accumulator
 #: (:func:`~.logits_epilogues.logits_grad_`; 8·N·H·V, no bf16 logits anywhere). :data:`DZ_ENV` overrides it.
 ONE_PASS_DZ = "tile"

@@ -10,9 +10,12 @@ output tile of ``h @ wᵀ`` straight from its accumulator, through the bias and 
 that holds a row's label stores its logit. A second kernel then folds each row's partials into the running
 statistics of :mod:`.tiles` with the log-sum-exp rule (:mod:`.statistics_partials`), so
 :func:`~.tiles.finish_row_stats` reads them as it reads the statistics kernel's. No ``[rows, V]`` tile is written,
-unless asked (``tile``: the one pass, whose gradient kernel reads it), and then as the bf16 copy cuBLAS would
-write, the statistics still from the accumulator, with the stored logits' own normalizer beside them (the
-gradient kernel's probabilities from the stored tile then sum to 1).
+unless asked (``tile``: the one pass, whose gradient kernel reads it), and then shifted as :mod:`.shifted_tile`'s:
+each epilogue slice's transformed logits minus the slice's row maximum, ``z − m_s``, rounded once to bf16, and the
+shifts ``m_s`` in fp32 beside it (``[rows, ⌈V / 64⌉]`` on a GPU, 1/32 of the tile's bytes). A likely token's stored
+value is then near 0 and carries a rounding error of ``|z − m_s|·2⁻⁸``, not the ``|z|·2⁻⁸`` of cuBLAS's bf16 tile,
+so the gradient computed from it is as accurate as from the accumulator rounded once; the stored logits' own
+normalizer comes beside them (the gradient kernel's probabilities from the stored tile then sum to 1).
 
 The per-token log-probs are then those of an fp32-accumulated matmul of the same bf16 operands, not of its bf16
 rounding: the statistics pass and the one pass's statistics run it where the plan chooses it
@@ -78,41 +81,28 @@ INTERPRETER_CONFIG = StatsConfig(64, 128, 32, group_m=2, split=4, num_warps=4, n
 
 @triton.jit
 def _fold_slice(raw, n0, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
-                stride_z, logit_scale, softcap, inv_temperature, SLICE: tl.constexpr, ROUND: tl.constexpr,
-                STORE_TILE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr,
-                ENTROPY: tl.constexpr, SUM_Z: tl.constexpr, ARGMAX: tl.constexpr, SUM_SQ: tl.constexpr):
+                stride_z, Off, stride_off, logit_scale, softcap, inv_temperature, SLICE: tl.constexpr,
+                ROUND: tl.constexpr, STORE_TILE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+                SCALED: tl.constexpr, ENTROPY: tl.constexpr, SUM_Z: tl.constexpr, ARGMAX: tl.constexpr,
+                SUM_SQ: tl.constexpr):
     """One column slice ``raw [len(rm), SLICE]`` of the accumulator (columns ``n0 …`` of this launch) folded into
     the rows' running (max, Σexp(z−m), Σexp(z−m)·z, label logit, Σz, first arg-max, Σexp(2(z−m))); with
-    ``STORE_TILE`` the raw slice is also stored into ``Z``, rounded to its dtype (``ROUND``: 1 on the bit pattern,
-    for the interpreter, whose conversion truncates; 2 the GPU's conversion), and ``sr`` is the running
-    Σexp(z̃−m) of the logits ``z̃`` of the stored values: the normalizer of the probabilities that the gradient
-    kernel computes from the stored tile (they sum to 1 with it, not with the accumulator's)."""
+    ``STORE_TILE`` the transformed logits ``z`` are also stored into ``Z`` shifted by the slice's row maximum,
+    ``z − m_slice`` rounded to ``Z``'s dtype (``ROUND``: 1 on the bit pattern, for the interpreter, whose
+    conversion truncates; 2 the GPU's conversion), ``m_slice`` into column ``n0 / SLICE`` of ``Off``, and ``sr`` is
+    the running Σexp(z̃ − m) of the stored logits ``z̃ = round(z − m_slice) + m_slice``: the normalizer of the
+    probabilities that the gradient kernel computes from the stored tile (they sum to 1 with it, not with the
+    accumulator's)."""
     rn = n0 + tl.arange(0, SLICE)
     col_ok = rn < N
-    bias = tl.zeros([SLICE], tl.float32)
+    raw_b = raw
     if HAS_BIAS:
-        bias = tl.load(Bias + col_offset + rn, mask=col_ok, other=0.0).to(tl.float32)
-    z_r = raw
-    if STORE_TILE:
-        stored = raw
-        rounded = raw
-        if ROUND == 1:
-            stored, rounded = round_bf16(raw)
-        elif ROUND == 2:
-            rounded = raw.to(tl.bfloat16).to(tl.float32)
-        mask = (rm < M)[:, None] & col_ok[None, :]
-        # 32-bit offsets from the tile's first row (a [BLOCK_M, SLICE] block of 64-bit addresses spills)
-        tile_rows = Z + off_m.to(tl.int64) * stride_z
-        local = (rm - off_m)[:, None] * stride_z + rn[None, :]
-        tl.store(tile_rows + local, stored.to(Z.dtype.element_ty), mask=mask)
-        z_r, _ = apply_transform(rounded + bias[None, :] if HAS_BIAS else rounded, logit_scale, softcap,
-                                 inv_temperature, SOFTCAP, SCALED)
-    z, _ = apply_transform(raw + bias[None, :] if HAS_BIAS else raw, logit_scale, softcap, inv_temperature, SOFTCAP,
-                           SCALED)
+        raw_b = raw + tl.load(Bias + col_offset + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    z, _ = apply_transform(raw_b, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
     valid = col_ok[None, :]
     # past the last column −inf: below every logit, and exp2(−inf) = 0 adds nothing (no mask on e: fewer registers)
     z = tl.where(valid, z, float("-inf"))
-    m_slice = tl.max(z, axis=1)
+    m_slice = tl.max(z, axis=1)  # −inf for a slice wholly past the last column
     m_new = tl.maximum(m, m_slice)  # finite: every tile's first slice holds a valid column
     alpha = tl.exp(m - m_new)  # 0 before the first slice (m = _NO_MAX: no overflow), 1 while the max holds
     e = tl.exp2((z - m_new[:, None]) * _LOG2E)
@@ -130,8 +120,27 @@ def _fold_slice(raw, n0, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy,
     if SUM_SQ:
         s2 = s2 * (alpha * alpha) + tl.sum(e * e, axis=1)
     if STORE_TILE:
-        z_r = tl.where(valid, z_r, float("-inf"))
-        sr = sr * alpha + tl.sum(tl.exp2((z_r - m_new[:, None]) * _LOG2E), axis=1)
+        # shifted by the slice's maximum, a likely token's stored value is near 0: its rounding error is
+        # |z − m_slice|·2⁻⁸ at most, not |z|·2⁻⁸ (shifted_tile's rule, per slice)
+        # past the last column −inf − m_shift = −inf: stored nowhere, adds nothing to sr (finite m_shift in a slice
+        # wholly past it: no −inf − (−inf))
+        m_shift = tl.maximum(m_slice, _NO_MAX)
+        shifted = z - m_shift[:, None]
+        stored = shifted
+        rounded = shifted
+        if ROUND == 1:
+            stored, rounded = round_bf16(shifted)
+        elif ROUND == 2:
+            rounded = shifted.to(tl.bfloat16).to(tl.float32)
+        row_ok = rm < M
+        # 32-bit offsets from the tile's first row (a [BLOCK_M, SLICE] block of 64-bit addresses spills)
+        tile_rows = Z + off_m.to(tl.int64) * stride_z
+        local = (rm - off_m)[:, None] * stride_z + rn[None, :]
+        tl.store(tile_rows + local, stored.to(Z.dtype.element_ty), mask=row_ok[:, None] & valid)
+        # a slice wholly past the last column has no shift
+        shift_rows = Off + off_m.to(tl.int64) * stride_off
+        tl.store(shift_rows + (rm - off_m) * stride_off + n0 // SLICE, m_shift, mask=row_ok & (rm * 0 + n0 < N))
+        sr = sr * alpha + tl.sum(tl.exp2((rounded + (m_shift - m_new)[:, None]) * _LOG2E), axis=1)
     return m_new, s, t, zy, zsum, arg, s2, sr
 
 
@@ -140,7 +149,7 @@ def _fold_slice(raw, n0, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy,
 @triton.jit(do_not_specialize=["M", "N", "K", "col_offset", "n_part"])
 def _statistics_kernel(
     A_DESC, B_DESC, M, N, K, col_offset, Bias, Labels, ZY,
-    P_MAX, P_SUM, P_ZP, P_ZSUM, P_ARG, P_SQ, P_SR, n_part, Z, stride_z,
+    P_MAX, P_SUM, P_ZP, P_ZSUM, P_ARG, P_SQ, P_SR, n_part, Z, stride_z, Off, stride_off,
     logit_scale, softcap, inv_temperature,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WIDEN_DOT: tl.constexpr, ROUND: tl.constexpr,
@@ -150,7 +159,8 @@ def _statistics_kernel(
     """Tiles ``pid, pid + NUM_PROGRAMS, …`` of ``h [M, K] @ w [N, K]ᵀ`` (``A_DESC``/``B_DESC``: TMA descriptors
     whose zero fill past the shapes stands in for masks) in :func:`~.matmul.tile_order`'s order; each tile's
     per-row partials go to column ``pid_n`` of the ``[M, n_part]`` partials, its rows' label logits (where the
-    label is one of its columns, ``col_offset`` added) to ``ZY``."""
+    label is one of its columns, ``col_offset`` added) to ``ZY``; with ``STORE_TILE`` its shifted logits to ``Z``
+    and their shifts to ``Off`` (``[M, ⌈N / slice⌉]``, one per ``BLOCK_N / SPLIT`` columns)."""
     start = tl.program_id(0)
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -179,41 +189,41 @@ def _statistics_kernel(
         # the epilogue's state: (max, Σexp, Σexp·z, label logit, Σz, arg-max, Σexp(2(z−m)), Σexp(z̃−m)) per row
         if SPLIT == 1:
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                acc, off_n, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
-                stride_z, logit_scale, softcap, inv_temperature, BLOCK_N, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
-                SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+                acc, off_n, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr,
+                Z, stride_z, Off, stride_off, logit_scale, softcap, inv_temperature, BLOCK_N, ROUND, STORE_TILE,
+                HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
         elif SPLIT == 2:
             HALF: tl.constexpr = BLOCK_N // 2
             left, right = halves(acc, BLOCK_M, HALF)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                left, off_n, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
-                stride_z, logit_scale, softcap, inv_temperature, HALF, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
-                SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+                left, off_n, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr,
+                Z, stride_z, Off, stride_off, logit_scale, softcap, inv_temperature, HALF, ROUND, STORE_TILE,
+                HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                right, off_n + HALF, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
-                stride_z, logit_scale, softcap, inv_temperature, HALF, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
-                SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+                right, off_n + HALF, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr,
+                Z, stride_z, Off, stride_off, logit_scale, softcap, inv_temperature, HALF, ROUND, STORE_TILE,
+                HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
         else:
             QUARTER: tl.constexpr = BLOCK_N // 4
             left, right = halves(acc, BLOCK_M, BLOCK_N // 2)
             q0, q1 = halves(left, BLOCK_M, QUARTER)
             q2, q3 = halves(right, BLOCK_M, QUARTER)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                q0, off_n, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
-                stride_z, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
-                SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+                q0, off_n, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr,
+                Z, stride_z, Off, stride_off, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE,
+                HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
-                q1, off_n + QUARTER, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
-                stride_z, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
-                SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+                q1, off_n + QUARTER, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr,
+                Z, stride_z, Off, stride_off, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE,
+                HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
                 q2, off_n + 2 * QUARTER, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr,
-                Z, stride_z, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
-                SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+                Z, stride_z, Off, stride_off, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE,
+                HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
                 q3, off_n + 3 * QUARTER, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr,
-                Z, stride_z, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE, HAS_BIAS, SOFTCAP,
-                SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+                Z, stride_z, Off, stride_off, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE,
+                HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
         part = rm.to(tl.int64) * n_part + pid_n_c
         tl.store(P_MAX + part, m, mask=m_ok)
         tl.store(P_SUM + part, s, mask=m_ok)
@@ -258,10 +268,35 @@ def partial_row_bytes(vocab_size: int, statistics: int, device: torch.device) ->
     return partials_bytes(triton.cdiv(vocab_size, block_n), statistics)
 
 
+def shift_columns(device: torch.device, config: Optional[StatsConfig] = None) -> int:
+    """Columns per shift of a stored tile (one epilogue slice, ``block_n / split``): ``config``'s, else the launch's
+    on ``device`` (on a GPU every autotuning candidate's, :data:`CONFIGS`; else :data:`INTERPRETER_CONFIG`'s)."""
+    config = config or (CONFIGS[0] if device.type == "cuda" else INTERPRETER_CONFIG)
+    return config.block_n // config.split
+
+
+def new_offsets(rows: int, vocab_size: int, device: torch.device, config: Optional[StatsConfig] = None
+                ) -> torch.Tensor:
+    """The fp32 ``[rows, ⌈V / c⌉]`` shifts of a stored tile of ``vocab_size`` columns, ``c`` =
+    :func:`shift_columns` (uninitialized: the launch writes every one)."""
+    cols = triton.cdiv(vocab_size, shift_columns(device, config))
+    return torch.empty((rows, cols), dtype=torch.float32, device=device)
+
+
+def stored_tile_row_bytes(vocab_size: int, device: torch.device) -> int:
+    """Bytes per row that a launch storing its tile holds beside the tile: the fp32 shifts (4 per
+    :func:`shift_columns` columns: 1/32 of a bf16 tile's bytes at 64 columns) and the partials of every statistic
+    with the stored tile's Σexp (7 per output tile, :func:`partial_row_bytes`), and the stored tile's fp32
+    normalizer: what the one pass's plan counts per tile row (151,936 columns on a GPU: 9,496 + 33,236 + 4)."""
+    shifts = triton.cdiv(vocab_size, shift_columns(device)) * 4
+    return shifts + partial_row_bytes(vocab_size, 7, device) + 4
+
+
 def logits_statistics_(
     h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, stats: tuple, scalars: dict, *, return_entropy: bool,
     col_offset: int = 0, bias: Optional[torch.Tensor] = None, tile: Optional[torch.Tensor] = None,
-    rounded_sum: Optional[torch.Tensor] = None, config: Optional[StatsConfig] = None,
+    rounded_sum: Optional[torch.Tensor] = None, offsets: Optional[torch.Tensor] = None,
+    config: Optional[StatsConfig] = None,
 ) -> None:
     """Fold the statistics of the logits ``h @ w.T`` (columns ``col_offset …`` of the vocabulary), computed from the
     matmul's fp32 accumulator, into ``stats`` as ``triton_kernels.stats_kernel`` folds a stored tile's: the running
@@ -273,16 +308,19 @@ def logits_statistics_(
         h: ``[M, H]`` row-major, bf16 (bf16 or fp32 under the interpreter); w: ``[N, H]`` row-major, ``h``'s dtype.
             Both must be :func:`~.fp32_logits_rule.readable` (row-major, TMA-aligned rows).
         labels: ``[M]`` int64. stats: :data:`~.tiles.RowStats` of ``M`` rows.
-        tile: ``[M, N]`` in ``h``'s dtype, unit column stride, or None: where given, the raw logits are stored into
-            it, rounded once (the tile cuBLAS would write), and ``rounded_sum`` (fp32 ``[M]``, running like the
-            statistics: 0 before the first launch) folds Σexp(z̃ − m) of the stored logits ``z̃`` (through bias and
-            transform), so that ``m + log(rounded_sum)`` normalizes the probabilities of the stored tile.
+        tile: ``[M, N]`` in ``h``'s dtype, unit column stride, or None: where given, the transformed logits ``z``
+            (bias and transform applied) are stored into it shifted, ``z − m_s`` rounded once to its dtype, ``m_s``
+            the row's maximum over each slice of :func:`shift_columns` columns, written to ``offsets`` (fp32
+            ``[M, ⌈N / c⌉]``, :func:`new_offsets`; column ``j`` the shift of columns ``j·c …`` of this launch);
+            ``rounded_sum`` (fp32 ``[M]``, running like the statistics: 0 before the first launch) folds
+            Σexp(z̃ − m) of the stored logits ``z̃ = tile + offset``, so that ``m + log(rounded_sum)`` normalizes the
+            probabilities of the stored tile.
         config: the launch shape (default: autotuned over :data:`CONFIGS` on a GPU, :data:`INTERPRETER_CONFIG`
             under the interpreter).
 
     Raises:
         ValueError: for a ``config`` whose ``split`` is not 1, 2 or 4 or does not divide ``block_n``; for a
-            ``tile`` without ``rounded_sum`` or the reverse.
+            ``tile`` without ``rounded_sum`` and ``offsets`` or the reverse, or ``offsets`` of another shape.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -292,8 +330,15 @@ def logits_statistics_(
         return
     if config is not None and (config.split not in (1, 2, 4) or config.block_n % config.split):
         raise ValueError(f"logits_statistics_: split must be 1, 2 or 4 and divide block_n, got {config}")
-    if (tile is None) != (rounded_sum is None):
-        raise ValueError("logits_statistics_: a stored tile and its rounded_sum come together; pass both or neither")
+    if not (tile is None) == (rounded_sum is None) == (offsets is None):
+        raise ValueError("logits_statistics_: a stored tile, its rounded_sum and its offsets come together; pass all "
+                         "three or none")
+    if offsets is not None:
+        shape = (m_rows, triton.cdiv(n, shift_columns(h.device, config)))
+        if tuple(offsets.shape) != shape or offsets.dtype != torch.float32 or offsets.stride(-1) != 1:
+            raise ValueError(f"logits_statistics_: offsets must be fp32 {list(shape)} with unit column stride (one "
+                             f"shift per {shift_columns(h.device, config)} columns), got {offsets.dtype} "
+                             f"{list(offsets.shape)}")
     run_max, run_sum, run_zp, label_logit, z_sum, arg, sum_sq = stats
     if config is None and not h.is_cuda:
         config = INTERPRETER_CONFIG
@@ -312,7 +357,8 @@ def logits_statistics_(
         SUM_SQ=sum_sq is not None, **scalars,
     )
     args = (a_desc, b_desc, m_rows, n, k, col_offset, bias if bias is not None else run_max, labels, label_logit,
-            *parts, n_part, tile if tile is not None else run_max, tile.stride(0) if tile is not None else 0)
+            *parts, n_part, tile if tile is not None else run_max, tile.stride(0) if tile is not None else 0,
+            offsets if offsets is not None else run_max, offsets.stride(0) if offsets is not None else 0)
     with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
         if config is None:
             def grid(meta):
@@ -329,4 +375,5 @@ def logits_statistics_(
         merge_partials_(parts, triton.cdiv(n, block_n), col_offset, stats, return_entropy, rounded_sum)
 
 
-__all__ = ["CONFIGS", "INTERPRETER_CONFIG", "MIN_BLOCK_N", "StatsConfig", "logits_statistics_", "partial_row_bytes"]
+__all__ = ["CONFIGS", "INTERPRETER_CONFIG", "MIN_BLOCK_N", "StatsConfig", "logits_statistics_", "new_offsets",
+           "partial_row_bytes", "shift_columns", "stored_tile_row_bytes"]

@@ -2,10 +2,12 @@
 
 Per full-vocabulary row block: the logits tile (cuBLAS, then the statistics kernel; or QuACK's matmul with the
 statistics in its epilogue; or, where the plan takes the logits from the fp32 accumulator, :mod:`.fused_matmul`'s
-matmul, which writes the tile and folds the statistics from the accumulator: fp32-faithful log-probs and entropy,
-``dz`` still from the stored tile), the per-row gradients of the token loss from the block's statistics, the
-gradient kernel turning the same tile into ``dz``, then the hidden gradient (complete within the tile) and the
-weight gradient's accumulation (:class:`TileGradients`). What varies per call is chosen once, before the loop:
+matmul, which folds the statistics from the accumulator, fp32-faithful log-probs and entropy, and stores the tile
+shifted: each 64 columns' logits minus their row maximum in bf16, the maxima in fp32 beside it), the per-row
+gradients of the token loss from the block's statistics, the gradient kernel turning the same tile into ``dz`` (the
+shifted tile's, :func:`~.shifted_tile.shifted_gradient_`: as accurate as ``dz`` from the accumulator, each likely
+logit stored near 0 where bf16 is fine-grained, the label's from its fp32 logit), then the hidden gradient (complete
+within the tile) and the weight gradient's accumulation (:class:`TileGradients`). What varies per call is chosen once, before the loop:
 where each tile's statistics come from (:class:`TileStatistics`) and how the weight gradient adds up over tiles
 (:func:`weight_accumulator`: an fp32 buffer, the split fp32 accumulator, or the compensated pair).
 """
@@ -19,7 +21,7 @@ import torch
 from ...grads import HeadGrads, split_accumulator
 from ...head_inputs import HeadInputs, NeededGrads
 from ..protocol import HeadPass, TileGrads
-from . import fp32_logits_rule, fused_matmul, logits_epilogues, quack_bridge
+from . import fp32_logits_rule, fused_matmul, logits_epilogues, quack_bridge, shifted_tile
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_, compensated_scale_, one_pass_config
 from .matmul import addmm_f32_, mm_f32_
 from .one_pass_rule import OnePassPlan
@@ -96,34 +98,39 @@ def weight_accumulator(plan: OnePassPlan, head: HeadInputs, need: NeededGrads, g
 
 
 class TileStatistics:
-    """Each tile's logits and statistics: with ``fp32`` from :mod:`.fused_matmul`'s matmul (the tile stored rounded
-    as cuBLAS's, the statistics from the fp32 accumulator, and the stored tile's own normalizer); else from QuACK's
-    matmul epilogue while it runs (:attr:`fused`: only the log-sum-exp and label logit asked,
-    :func:`~.quack_bridge.fuses_statistics`; a tile it cannot take turns it off for the rest of the call), else
-    cuBLAS's tile and the statistics kernel."""
+    """Each tile's logits and statistics: with ``fp32`` from :mod:`.fused_matmul`'s matmul (the statistics from the
+    fp32 accumulator; with ``store_tile`` the tile stored shifted, its shifts in :attr:`offsets`, and the stored
+    tile's own normalizer); else from QuACK's matmul epilogue while it runs (:attr:`fused`: only the log-sum-exp and
+    label logit asked, :func:`~.quack_bridge.fuses_statistics`; a tile it cannot take turns it off for the rest of
+    the call), else cuBLAS's tile and the statistics kernel."""
 
     def __init__(self, fused: bool, weight: torch.Tensor, bias: Optional[torch.Tensor], scalars: dict,
                  return_entropy: bool, fp32: bool = False, tile_rows: int = 0, store_tile: bool = True) -> None:
         self.fused, self.weight, self.bias, self.scalars, self.return_entropy = (
             fused and not fp32, weight, bias, scalars, return_entropy)
         self.fp32 = fp32
-        self.rounded_sum = (torch.empty(tile_rows, dtype=torch.float32, device=weight.device) if fp32 and store_tile
-                            else None)
+        stored = fp32 and store_tile
+        self.rounded_sum = torch.empty(tile_rows, dtype=torch.float32, device=weight.device) if stored else None
+        #: The shifts of the stored tile (fp32 ``[tile_rows, ⌈V / c⌉]``, :func:`~.fused_matmul.new_offsets`) or None.
+        self.offsets = fused_matmul.new_offsets(tile_rows, weight.shape[0], weight.device) if stored else None
 
     def __call__(self, h: torch.Tensor, y: torch.Tensor, dz: torch.Tensor, row_stats) -> Optional[torch.Tensor]:
-        """Fills ``dz`` with the tile's logits (but with ``fp32`` and no ``store_tile``) and ``row_stats`` with their
-        statistics; returns the log-sum-exp that normalizes the stored tile's probabilities where it is not the
-        statistics' own (``fp32`` with ``store_tile``), else None."""
+        """Fills ``dz`` with the tile's logits (but with ``fp32`` and no ``store_tile``; shifted with them, the
+        rows' shifts in :attr:`offsets`) and ``row_stats`` with their statistics; returns the log-sum-exp that
+        normalizes the stored tile's probabilities where it is not the statistics' own (``fp32`` with
+        ``store_tile``), else None."""
         if self.fp32 and self.rounded_sum is None:  # dz from the accumulator later (TileGradients' recompute)
             fused_matmul.logits_statistics_(h, self.weight, y, row_stats, self.scalars,
                                             return_entropy=self.return_entropy, bias=self.bias)
             return None
         if self.rounded_sum is not None:
-            rounded_sum = self.rounded_sum[: h.shape[0]].zero_()
+            rows = h.shape[0]
+            rounded_sum = self.rounded_sum[:rows].zero_()
             fused_matmul.logits_statistics_(h, self.weight, y, row_stats, self.scalars,
                                             return_entropy=self.return_entropy, bias=self.bias, tile=dz,
-                                            rounded_sum=rounded_sum)
+                                            rounded_sum=rounded_sum, offsets=self.offsets[:rows])
             # p = exp(z̃ − lse) sums to 1 over the stored logits z̃ with their own normalizer: dz's row sums stay 0
+            # (the shifted tile's Σ p is 1 only to ~1e-4, its logits' bf16 rounding: measured in the tests)
             return row_stats[0] + rounded_sum.log()
         run_max, run_sum, _, label_logit = row_stats[:4]
         self.fused = self.fused and quack_bridge.logits_with_statistics(h, self.weight, y, dz, run_max, label_logit)
@@ -136,8 +143,9 @@ class TileStatistics:
 
 class TileGradients:
     """Each tile's gradients once its statistics are in: ``tile_grads(r0, r1, logp, entropy) -> (g_lp, g_ent or
-    None)`` on the tile's rows, the gradient kernel turning the same tile into ``dz`` (or, with ``recompute``, the
-    logits matmul again with ``dz`` from its fp32 accumulator, :func:`~.logits_epilogues.logits_grad_`), then ``dh``
+    None)`` on the tile's rows, the gradient kernel turning the same tile into ``dz`` (a shifted tile's,
+    :func:`~.shifted_tile.shifted_gradient_`, where it comes with its shifts; or, with ``recompute``, the logits
+    matmul again with ``dz`` from its fp32 accumulator, :func:`~.logits_epilogues.logits_grad_`), then ``dh``
     (complete within the tile), the weight accumulator's ``dW`` (:func:`weight_accumulator`) and the bias's."""
 
     def __init__(self, head: HeadInputs, plan: OnePassPlan, need: NeededGrads, tile_grads: TileGrads,
@@ -153,9 +161,11 @@ class TileGradients:
             grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
 
     def __call__(self, r0: int, r1: int, h: torch.Tensor, y: torch.Tensor, dz: torch.Tensor, row_stats,
-                 fused: bool, tile_lse: Optional[torch.Tensor] = None) -> None:
+                 fused: bool, tile_lse: Optional[torch.Tensor] = None,
+                 offsets: Optional[torch.Tensor] = None) -> None:
         """``tile_lse``: the log-sum-exp of the stored tile's logits where it is not the statistics' own (which the
-        loss's gradients read), for the probabilities of ``dz``."""
+        loss's gradients read), for the probabilities of ``dz``; ``offsets``: the shifts of a shifted tile
+        (:class:`TileStatistics`), or None for a tile of raw logits."""
         run_max, run_sum, run_zp, label_logit = row_stats[:4]
         lse = run_max + run_sum.log()
         ent = lse - run_zp / run_sum if self.entropy_in_grads and self.return_entropy and not fused else None
@@ -167,6 +177,10 @@ class TileGradients:
                 h, self.weight, dz, y, lse, zeros if ent is None else ent, g_lp.float().contiguous(),
                 zeros if g_ent is None else g_ent.float().contiguous(), has_g_lp=True, has_g_ent=g_ent is not None,
                 col_offset=0, bias=self.bias, scalars=self.scalars, round_logits=False)
+        elif offsets is not None:
+            shifted_tile.shifted_gradient_(dz, offsets, fused_matmul.shift_columns(dz.device), lse,
+                                           lse if ent is None else ent, g_lp, g_ent, self.scalars, labels=y,
+                                           label_logit=label_logit)
         else:
             # fused statistics with an entropy asked for: Σ p·z into run_zp (run_sum is 1), for finish_row_stats
             gradient_tile(dz, 0, self.bias, y, lse, lse if ent is None else ent, g_lp,
@@ -194,7 +208,7 @@ def run_one_pass(head: HeadInputs, tile_grads: Optional[TileGrads], need: Needed
     when the planner chooses two passes; ``grads`` is ``None`` without ``tile_grads``. ``tile_grads`` is passed the
     entropy only with ``entropy_in_grads`` (its loss reads it); without, where QuACK's epilogue gives the
     statistics, a returned entropy comes from the gradient kernel's Σ p·z."""
-    plan = plan_one_pass(head, need)
+    plan = plan_one_pass(head, need, fused_statistics=True)
     if plan is None:
         return None
     # Every tile reads the whole weight: under autocast one cast copy for the pass (the plan counted it)
@@ -217,7 +231,8 @@ def run_one_pass(head: HeadInputs, tile_grads: Optional[TileGrads], need: Needed
         dz, row_stats = tile_buf[: r1 - r0], row_slice(stats, r0, r1)
         tile_lse = tile_statistics(h, y[r0:r1], dz, row_stats)
         if tile_grads is not None:
-            gradients(r0, r1, h, y[r0:r1], dz, row_stats, tile_statistics.fused, tile_lse)
+            offsets = None if tile_statistics.offsets is None else tile_statistics.offsets[: r1 - r0]
+            gradients(r0, r1, h, y[r0:r1], dz, row_stats, tile_statistics.fused, tile_lse, offsets)
     grads = gradients.finish()
     logp, entropy, lse, token_stats = finish_row_stats(stats, y, vocab_size, return_entropy, statistics)
     return HeadPass(logp, entropy, lse, grads if tile_grads is not None else None, token_stats)

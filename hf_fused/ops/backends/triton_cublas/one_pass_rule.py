@@ -1,6 +1,7 @@
 """The one pass's rule: rows per full-vocabulary tile and the weight-gradient accumulator, from sizes and memory.
 
-The one pass (6·N·H·V FLOPs, :mod:`.one_pass`) holds a ``[rows, V]`` tile in the weight's dtype and a ``[V, H]``
+The one pass (6·N·H·V FLOPs, :mod:`.one_pass`) holds a ``[rows, V]`` tile in the weight's dtype (and per row what
+comes beside it: gathered hidden rows, the fp32 statistics' partials and shifts) and a ``[V, H]``
 weight-gradient accumulator beside the gradient (:data:`ACCUMULATOR_BYTES`): ``"fp32"``, the fastest (for a
 2-byte gradient half of it in the gradient's own bytes, :func:`hf_fused.ops.grads.split_accumulator`); ``"pair"``,
 the gradient itself plus an int8 residual (:mod:`.compensated`, as accurate, its fold ~20% slower than cuBLAS's
@@ -51,13 +52,14 @@ class OnePassPlan:
 
 def one_pass_working_set(
     vocab_size: int, hidden_size: int, elem_bytes: int, accumulator: str, rows: int, extra_bytes: int = 0,
-    gather_row_bytes: int = 0,
+    row_bytes: int = 0,
 ) -> int:
     """Bytes the one pass holds beyond inputs and outputs: the ``accumulator``'s (:data:`ACCUMULATOR_BYTES` per
-    ``[V, H]`` element), a ``[rows, V]`` tile in the weight's dtype, ``gather_row_bytes`` per tile row (where
-    ignored tokens are dropped, each tile's kept hidden rows are gathered into a ``[rows, H]`` buffer, through
-    hidden's dtype when it differs), and ``extra_bytes`` (what depends on the call's token rows: the kept rows'
-    fp32 hidden-state gradient, held until backward).
+    ``[V, H]`` element), a ``[rows, V]`` tile in the weight's dtype, ``row_bytes`` per tile row beside it (where
+    ignored tokens are dropped, each tile's kept hidden rows gathered into a ``[rows, H]`` buffer, through hidden's
+    dtype when it differs; with the statistics from the fp32 accumulator, the fused matmul's partials and the
+    stored tile's shifts: :func:`~.plan.one_pass_row_bytes`), and ``extra_bytes`` (what depends on the call's token
+    rows: the kept rows' fp32 hidden-state gradient, held until backward).
 
     Raises:
         ValueError: on an ``accumulator`` not in :data:`ACCUMULATOR_BYTES`.
@@ -65,7 +67,7 @@ def one_pass_working_set(
     if accumulator not in ACCUMULATOR_BYTES:
         raise ValueError(f"accumulator must be one of {sorted(ACCUMULATOR_BYTES)}, got {accumulator!r}")
     return (vocab_size * hidden_size * ACCUMULATOR_BYTES[accumulator]
-            + rows * (vocab_size * elem_bytes + gather_row_bytes) + extra_bytes)
+            + rows * (vocab_size * elem_bytes + row_bytes) + extra_bytes)
 
 
 def free_device_bytes(device: torch.device) -> Optional[int]:
@@ -100,10 +102,10 @@ def one_pass_rows(
     tile_budget_bytes: Optional[int],
     device: torch.device,
     extra_bytes: int = 0,
-    gather_row_bytes: int = 0,
+    row_bytes: int = 0,
 ) -> int:
     """Rows per full-vocabulary tile with this ``accumulator``, or 0 where it does not fit (module docstring's
-    rule); ``extra_bytes`` and ``gather_row_bytes`` as in :func:`one_pass_working_set`.
+    rule); ``extra_bytes`` and ``row_bytes`` as in :func:`one_pass_working_set`.
 
     Raises:
         ValueError: if an explicit budget is not a positive integer.
@@ -112,11 +114,11 @@ def one_pass_rows(
         free = free_device_bytes(device)
         if free is not None:
             needed = one_pass_working_set(vocab_size, hidden_size, elem_bytes, accumulator, ONE_PASS_TILE_ROWS,
-                                          extra_bytes, gather_row_bytes)
+                                          extra_bytes, row_bytes)
             return ONE_PASS_TILE_ROWS if needed <= ONE_PASS_FREE_SHARE * free else 0
     budget = check_tile_budget(tile_budget_bytes)
     rows = (budget - one_pass_working_set(vocab_size, hidden_size, elem_bytes, accumulator, 0, extra_bytes)) // (
-        vocab_size * elem_bytes + gather_row_bytes
+        vocab_size * elem_bytes + row_bytes
     )
     rows -= rows % ONE_PASS_ROW_ALIGN
     return rows if rows >= MIN_ONE_PASS_ROWS else 0
@@ -130,14 +132,14 @@ def one_pass_plan(
     tile_budget_bytes: Optional[int],
     device: torch.device,
     extra_bytes: int = 0,
-    gather_row_bytes: int = 0,
+    row_bytes: int = 0,
 ) -> Optional[OnePassPlan]:
     """The one pass the module docstring's rule picks, or ``None`` for the two passes.
 
     Args:
         accumulators: the weight-gradient accumulators the call can use, fastest first
             (:func:`one_pass_accumulators`).
-        extra_bytes, gather_row_bytes: as in :func:`one_pass_working_set`.
+        extra_bytes, row_bytes: as in :func:`one_pass_working_set`.
 
     Raises:
         ValueError: if an explicit budget is not a positive integer, or ``accumulators`` is empty.
@@ -150,7 +152,7 @@ def one_pass_plan(
     best_rows, best_kind = 0, None
     for kind in accumulators:
         rows = one_pass_rows(vocab_size, hidden_size, elem_bytes, kind, tile_budget_bytes, device, extra_bytes,
-                             gather_row_bytes)
+                             row_bytes)
         if rows >= ONE_PASS_TILE_ROWS:
             best_rows, best_kind = rows, kind
             break
@@ -159,5 +161,5 @@ def one_pass_plan(
     if best_kind is None:
         return None
     size = one_pass_working_set(vocab_size, hidden_size, elem_bytes, best_kind, best_rows, extra_bytes,
-                                gather_row_bytes)
+                                row_bytes)
     return OnePassPlan(best_rows, best_kind, size)

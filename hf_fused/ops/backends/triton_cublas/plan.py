@@ -85,10 +85,24 @@ def one_pass_extra_bytes(head: HeadInputs, need: NeededGrads) -> int:
     return gradient + head.cast_bytes()
 
 
-def plan_one_pass(head: HeadInputs, need: NeededGrads) -> Optional[OnePassPlan]:
+def one_pass_row_bytes(head: HeadInputs, fused_statistics: bool = True) -> int:
+    """What the one pass holds per tile row beside the ``[rows, V]`` tile: where rows are gathered, each tile's
+    gathered hidden rows (:func:`~.operands.one_pass_gather_row_bytes`) and, with ``fused_statistics`` where the
+    statistics come from the fp32 accumulator (:func:`fp32_logits`), the fused matmul's partials, the stored tile's
+    shifts and normalizer (:func:`~.fused_matmul.stored_tile_row_bytes`: 42,736 bytes a row beside a 303,872-byte
+    bf16 row at V = 151,936 on a GPU)."""
+    row_bytes = one_pass_gather_row_bytes(head.computed(meta=True))
+    if fused_statistics and fp32_logits(head, "one_pass"):
+        row_bytes += fused_matmul.stored_tile_row_bytes(head.weight.shape[0], head.weight.device)
+    return row_bytes
+
+
+def plan_one_pass(head: HeadInputs, need: NeededGrads, *, fused_statistics: bool = False) -> Optional[OnePassPlan]:
     """The call's one pass (tile rows and weight-gradient accumulator), or ``None`` for the two passes: a
     :func:`forced_plans` block's, else :func:`~.one_pass_rule.one_pass_plan`'s, counting
-    :func:`one_pass_extra_bytes` and, where rows are gathered, each tile's gathered rows."""
+    :func:`one_pass_extra_bytes` and each tile row's :func:`one_pass_row_bytes` (``fused_statistics``: the caller
+    takes the statistics from the fused matmul where :func:`fp32_logits` says so, as :mod:`.one_pass`'s loop does;
+    other passes that borrow the one pass's plan count their own buffers)."""
     view = head.computed(meta=True)
     weight = view.weight
     vocab_size, hidden_size = weight.shape
@@ -99,7 +113,8 @@ def plan_one_pass(head: HeadInputs, need: NeededGrads) -> Optional[OnePassPlan]:
     if forced is not None:
         return forced if forced.accumulator in accumulators else OnePassPlan(forced.rows, accumulators[0], forced.bytes)
     return one_pass_plan(vocab_size, hidden_size, weight.element_size(), accumulators, head.tile_budget_bytes,
-                         head.weight.device, one_pass_extra_bytes(head, need), one_pass_gather_row_bytes(view))
+                         head.weight.device, one_pass_extra_bytes(head, need),
+                         one_pass_row_bytes(head, fused_statistics))
 
 
 # -- the two passes -----------------------------------------------------------------------------------------
@@ -212,11 +227,11 @@ def describe(weight: torch.Tensor, *, n_rows: int, tile_budget_bytes: Optional[i
     head = HeadInputs(meta(n_tokens, hidden_size, dtype=weight.dtype), weight, None,
                       meta(n_tokens, dtype=torch.long), meta(n_rows, dtype=torch.long), LogitTransform(),
                       tile_budget_bytes)
-    plan = plan_one_pass(head, need)
+    plan = plan_one_pass(head, need, fused_statistics=True)
     if plan:
         size = one_pass_working_set(vocab_size, hidden_size, weight.element_size(), plan.accumulator,
                                     min(plan.rows, max(n_rows, 1)), one_pass_extra_bytes(head, need),
-                                    one_pass_gather_row_bytes(head))
+                                    one_pass_row_bytes(head))
         return (f"one pass (6·N·H·V): {plan.rows} rows per tile, {size / 2**30:.2f} GiB working set with the "
                 f"weight-gradient accumulator {plan.accumulator!r}" + _one_pass_statistics_source(weight))
     gradient = plan_gradient_pass(head, need)

@@ -12,7 +12,9 @@ The gradients from such a tile are as close to float64 as those from an fp32 til
   an fp32 tile's own columns) read once: folded into the rows' running statistics (max, ``Σexp``, ``Σexp·z``), the
   raw logits of the candidate ids that fall in the chunk gathered, and the chunk written shifted into the tile.
 * :func:`shifted_gradient_`: the tile turned in place into the logits gradient ``dz`` of a row-wise loss of the
-  log-probs (the gradient kernel's ``−g·p − g_H·p·(log p + H)``, no label column) through the transform's derivative.
+  log-probs (the gradient kernel's ``g·(1[label] − p) − g_H·p·(log p + H)``; the support pass's has no label
+  column, the one pass's takes the label's fp32 logit) through the transform's derivative; it also reads the
+  one pass's tile, which :mod:`.fused_matmul` stores shifted per epilogue slice.
 
 Rounding to bf16 is to nearest, ties to even, on the GPU and under the interpreter (:func:`~.matmul.round_bf16`).
 One program per row. Run on CPU tensors under ``TRITON_INTERPRET=1`` (CI).
@@ -97,21 +99,27 @@ def _logits_chunk_kernel(
 
 @triton.jit
 def _shifted_grad_kernel(
-    T, stride_t, Off, stride_off, n_cols, LSE, ENT, G_LP, G_ENT, logit_scale, softcap, inv_temperature,
-    SOFTCAP: tl.constexpr, SCALED: tl.constexpr, HAS_G_ENT: tl.constexpr, ROUND: tl.constexpr,
+    T, stride_t, Off, stride_off, n_cols, LSE, ENT, G_LP, G_ENT, Labels, ZY, logit_scale, softcap, inv_temperature,
+    SOFTCAP: tl.constexpr, SCALED: tl.constexpr, HAS_G_ENT: tl.constexpr, LABEL: tl.constexpr, ROUND: tl.constexpr,
     BLOCK_V: tl.constexpr, OFF_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     t_row, off_row = T + row * stride_t, Off + row * stride_off
     lse, ent, g_lp, g_ent = tl.load(LSE + row), tl.load(ENT + row), tl.load(G_LP + row), tl.load(G_ENT + row)
+    label, zy = -1, 0.0
+    if LABEL:
+        label, zy = tl.load(Labels + row), tl.load(ZY + row)
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
         z = tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32)
         z += tl.load(off_row + cols // OFF_BLOCK, mask=mask, other=0.0)
+        is_label = cols == label
+        if LABEL:  # the label's logit whole, in fp32
+            z = tl.where(is_label, zy, z)
         # the soft-cap's tanh from the transformed logit z = softcap·tanh·(1/T)
         th = z / (softcap * inv_temperature)
-        dz, _ = logit_grad(z, th, cols < 0, lse, ent, g_lp, g_ent, logit_scale, inv_temperature, SOFTCAP, SCALED,
+        dz, _ = logit_grad(z, th, is_label, lse, ent, g_lp, g_ent, logit_scale, inv_temperature, SOFTCAP, SCALED,
                            True, HAS_G_ENT)
         _store(t_row + cols, dz, mask, ROUND)
 
@@ -159,25 +167,36 @@ def logits_chunk_(x: torch.Tensor, tile: torch.Tensor, offsets: torch.Tensor, co
 
 
 def shifted_gradient_(tile: torch.Tensor, offsets: torch.Tensor, block: int, lse: torch.Tensor, ent: torch.Tensor,
-                      g_lp: torch.Tensor, g_ent: Optional[torch.Tensor], scalars: dict) -> None:
-    """``tile [rows, V]`` (written by :func:`logits_chunk_`) ← ``dz = ∂L/∂raw``: with ``z = tile + offsets`` the
-    transformed logits, ``log p = z − lse``, ``∂L/∂z = −g_lp·p − g_ent·p·(log p + H)``, then × 1/temperature,
-    × (1 − tanh²) for the soft-cap, × logit_scale (:func:`~.triton_kernels.logit_grad`), rounded once to the tile's
-    dtype. The candidate columns are set afterwards (:func:`~.support_kernels.scatter_support_grad_`).
+                      g_lp: torch.Tensor, g_ent: Optional[torch.Tensor], scalars: dict, *,
+                      labels: Optional[torch.Tensor] = None, label_logit: Optional[torch.Tensor] = None) -> None:
+    """``tile [rows, V]`` (written shifted: :func:`logits_chunk_`, :func:`~.fused_matmul.logits_statistics_`) ←
+    ``dz = ∂L/∂raw``: with ``z = tile + offsets`` the transformed logits, ``log p = z − lse``,
+    ``∂L/∂z = g_lp·(1[c = label] − p) − g_ent·p·(log p + H)``, then × 1/temperature, × (1 − tanh²) for the soft-cap,
+    × logit_scale (:func:`~.triton_kernels.logit_grad`), rounded once to the tile's dtype. Without ``labels`` no
+    column is the label's (the support pass sets its candidate columns afterwards,
+    :func:`~.support_kernels.scatter_support_grad_`); with them, the label column's ``z`` is ``label_logit``, the
+    fp32 logit itself.
 
     Args:
         tile: ``[rows, V]``, unit column stride.  offsets: fp32 ``[rows, ⌈V / block⌉]``.
         lse, ent, g_lp: fp32 ``[rows]`` (``ent`` read only with ``g_ent``).  g_ent: fp32 ``[rows]`` or None.
         scalars: :func:`~.tiles.kernel_scalars` (the bias flag is not read: the bias is in the tile).
+        labels: int64 ``[rows]`` (any value outside ``[0, V)``: no label column) or None.
+        label_logit: fp32 ``[rows]``, the transformed label logits (read where the label is a column), with
+            ``labels``.
     """
     rows, vocab_size = tile.shape
     if rows == 0:
         return
+    if (labels is None) != (label_logit is None):
+        raise ValueError("shifted_gradient_: labels and label_logit come together; pass both or neither")
     with _device(tile):
         _shifted_grad_kernel[(rows,)](
             tile, tile.stride(0), offsets, offsets.stride(0), vocab_size, lse, ent, g_lp,
-            lse if g_ent is None else g_ent, HAS_G_ENT=g_ent is not None, ROUND=int(rounds_to_bf16(tile)),
-            BLOCK_V=GRAD_BLOCK_V, OFF_BLOCK=block, num_warps=GRAD_WARPS, **without_bias_flag(scalars),
+            lse if g_ent is None else g_ent, lse if labels is None else labels,
+            lse if label_logit is None else label_logit, HAS_G_ENT=g_ent is not None, LABEL=labels is not None,
+            ROUND=int(rounds_to_bf16(tile)), BLOCK_V=GRAD_BLOCK_V, OFF_BLOCK=block, num_warps=GRAD_WARPS,
+            **without_bias_flag(scalars),
         )
 
 
