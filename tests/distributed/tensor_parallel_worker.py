@@ -402,6 +402,7 @@ def replica_seeded(trainer_cls: type, replicas: int) -> type:
     state at the first generation; anything else drawn raises. Only the first generation can be reproduced so: after
     it each replica's ranks shuffle their own rows with their own generator (``_prepare_inputs``), which one process
     does not; a second generation raises."""
+
     class ReplicaSeeded(trainer_cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)

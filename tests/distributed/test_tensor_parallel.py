@@ -6,13 +6,13 @@ examples/distributed/tp2.yaml and 3 under torchrun (a vocabulary of 131: shards 
 fp32 and bf16, and FSDP2 × TP on 4 ranks launched with examples/distributed/fsdp2_tp2.yaml; and a custom loop on a
 model whose lm_head torch's ``ColwiseParallel`` shards; TRL's ``SFTTrainer`` and ``DPOTrainer`` on the patched
 tensor-parallel model (2 and 3 ranks, and FSDP2 × TP on 4; every logged metric too); ``FusedGRPOTrainer`` and TRL's
-``RLOOTrainer`` on 2 ranks, each tensor-parallel group one data-parallel replica, completions sampled on the sharded
-model. Each against the single-process unpatched run on the same global batch: every logged loss and every updated
-parameter (``parity.py``), with no collective moving anything of the vocabulary's width (the unpatched
-tensor-parallel run all-gathers its logits shards) and no tensor of the whole vocabulary's width made (not checked
-for the rollout trainers, whose generation runs transformers' own forward, which gathers the logits). Also the
-per-rank benchmark (``benchmarks.tensor_parallel_model``) on the 2 ranks. Runs of one rank count share one launch
-(``launch.SharedLaunches``).
+``RLOOTrainer`` on 2 ranks and ``FusedGRPOTrainer`` under FSDP2 × TP on 4, each tensor-parallel group one
+data-parallel replica, completions sampled on the sharded model. Each against the single-process unpatched run on
+the same global batch: every logged loss and every updated parameter (``parity.py``), with no collective moving
+anything of the vocabulary's width (the unpatched tensor-parallel run all-gathers its logits shards) and no tensor of
+the whole vocabulary's width made (not checked for the rollout trainers, whose generation runs transformers' own
+forward, which gathers the logits). Also the per-rank benchmark (``benchmarks.tensor_parallel_model``) on the 2
+ranks. Runs of one rank count share one launch (``launch.SharedLaunches``).
 """
 
 from __future__ import annotations

@@ -39,10 +39,11 @@ context or sequence parallelism beside it (a replica's ranks then hold different
 replica that is not a whole number of groups.
 
 Verified (tests/distributed/test_tensor_parallel.py): ``FusedGRPOTrainer`` and TRL's ``RLOOTrainer`` on a patched
-model under ``ParallelismConfig(tp_size=2)``, completions sampled by transformers' ``generate`` on the
-tensor-parallel model, against TRL's single-process unpatched run on the same global batch; the replica layout of
-``(dp_shard, tp)`` and ``(dp_replicate, dp_shard, tp)`` meshes on stand-ins (tests/integrations/
-test_trl_tensor_parallel.py; FSDP2 × TP has not run end to end).
+model under ``ParallelismConfig(tp_size=2)``, and ``FusedGRPOTrainer`` under ``ParallelismConfig(dp_shard_size=2,
+tp_size=2)`` (FSDP2 over 2 replicas), completions sampled by transformers' ``generate`` on the tensor-parallel model,
+against TRL's single-process unpatched run on the same global batch (under FSDP2 × TP sampling each replica's prompts
+from that replica's seed); the replica layout of ``(dp_shard, tp)`` and ``(dp_replicate, dp_shard, tp)`` meshes on
+stand-ins (tests/integrations/test_trl_tensor_parallel.py).
 """
 
 from __future__ import annotations
