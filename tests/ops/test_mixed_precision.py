@@ -64,6 +64,15 @@ def _inputs(dtype, seed=0, n=96, h=48, v=700, device="cpu"):
     return hidden, weight, bias, labels.to(device), upstream
 
 
+def _cublas_tiles(backend):
+    """The GPU backend's logits from cuBLAS's tiles, not the fp32 accumulator, for every call in the block."""
+    if backend != "triton":
+        return contextlib.nullcontext()
+    from hf_fused.ops.backends.triton_cublas import fp32_logits_rule
+
+    return fp32_logits_rule.forced(False)
+
+
 def _precision(autocast_dtype, device="cpu"):
     if autocast_dtype is None:
         return contextlib.nullcontext()
@@ -126,9 +135,10 @@ def test_logprobs_and_entropy_error_at_most_eager_under_mixed_precision(device, 
 def test_cross_entropy_error_at_most_eager_under_mixed_precision(device, backend, name, dtype, autocast_dtype, kw):
     """The mean loss is one number whose eager error can cancel by luck, so the forward is judged on the
     per-token losses (``reduction="none"``, a norm over tokens) and the mean is pinned to their mean; the
-    gradients of the mean loss are judged directly. The per-token losses come from a call that takes gradients (the
-    loss's own pass) and from one under ``no_grad`` (the statistics pass: on CUDA from the matmul's fp32
-    accumulator, while the one pass reads its tile rounded to bf16), each judged against eager."""
+    gradients of the mean loss are judged directly. The pinned per-token losses read the logits as the mean's one
+    pass does (cuBLAS's tiles: :func:`_cublas_tiles`); the default per-token losses (on CUDA from the
+    matmul's fp32 accumulator, which the mean's bf16 tile differs from by up to ``|z|·2⁻⁸`` a token) are judged
+    against eager on their own."""
     _skip_interpreter_bf16(device, backend, dtype, autocast_dtype)
     hidden, weight, bias, labels, _ = _inputs(dtype, seed=1, device=device)
     ref = [leaf64(t) for t in (hidden, weight, bias)]
@@ -139,9 +149,10 @@ def test_cross_entropy_error_at_most_eager_under_mixed_precision(device, backend
     params = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
     with _precision(autocast_dtype, device):
         loss = linear_cross_entropy(params[0], params[1], labels, params[2], backend=backend, **kw)
-        tokens = linear_cross_entropy(params[0], params[1], labels, params[2], backend=backend,
-                                      reduction="none", **kw).detach()
         with torch.no_grad():
+            with _cublas_tiles(backend):
+                tokens = linear_cross_entropy(params[0], params[1], labels, params[2], backend=backend,
+                                              reduction="none", **kw)
             statistics = linear_cross_entropy(params[0], params[1], labels, params[2], backend=backend,
                                               reduction="none", **kw)
     loss.backward()
