@@ -640,7 +640,7 @@ kernels = {
                                                      G="*fp32", LSE="*fp32", ENT="*fp32", G_ENT="*fp32")),
 }
 launches = [("gradient", T._shifted_grad_kernel, dict(scalars, T="*bf16", Off="*fp32", LSE="*fp32", ENT="*fp32",
-                                                      G_LP="*fp32", G_ENT="*fp32"),
+                                                      G_LP="*fp32", G_ENT="*fp32", Labels="*i64", ZY="*fp32"),
              dict(SOFTCAP=True, SCALED=True, HAS_G_ENT=True, LABEL=False, ROUND=0, BLOCK_V=T.GRAD_BLOCK_V,
                   OFF_BLOCK=T.BLOCK_V),
              T.GRAD_WARPS, 0)]
