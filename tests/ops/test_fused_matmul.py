@@ -106,12 +106,14 @@ def test_every_epilogue_split_and_tile_order_folds_the_same_statistics(config):
         _kernel_statistics(h, w, y, b, kw, config=FM.StatsConfig(16, 64, 16, split=3))
 
 
-def test_ties_keep_the_first_maximum_and_chunks_fold_online():
+@pytest.mark.parametrize("tma_store", [False, True], ids=["pointer-store", "tma-store"])
+def test_ties_keep_the_first_maximum_and_chunks_fold_online(tma_store):
     """Integer-valued operands put equal maxima in several tiles of a row: the arg-max is the first one
     (``torch.argmax``'s rule), in one launch and over two vocabulary chunks folded one after the other
     (``col_offset``), whose statistics equal the single launch's; the stored tile is the fp32 logits minus each
     32-column slice's row maximum rounded to bf16 as torch's, bit for bit (many entries above 256, where bf16 rounds
-    integers), the maxima beside it, and its own log-sum-exp comes with it."""
+    integers), the maxima beside it, and its own log-sum-exp comes with it; all of it whether the tile is written by
+    pointers or through a TMA descriptor (``tma_store``; rows and columns past the tile's edges clipped by it)."""
     gen = torch.Generator().manual_seed(2)
     m, n, k = 30, 520, 64
     h = torch.randint(-3, 4, (m, k), generator=gen).to(torch.bfloat16)
@@ -129,7 +131,8 @@ def test_ties_keep_the_first_maximum_and_chunks_fold_online():
     rounded_sum, offsets = torch.zeros(m), torch.full((m, FM.new_offsets(m, n, h.device).shape[1]), float("nan"))
     cols = FM.shift_columns(h.device)
     assert cols == 32 and offsets.shape[1] == 17  # the interpreter's 32-column slices; the last one of 8 columns
-    with R.forced(True):
+    with R.forced(True), FM.tma_tile_store_forced(tma_store):
+        assert FM.tma_tile_store(tile) == tma_store
         FM.logits_statistics_(h, w, y, stats, scalars, return_entropy=True, tile=tile, rounded_sum=rounded_sum,
                               offsets=offsets)
         chunked = new_row_stats(m, h.device, TOKEN_STATISTICS)
@@ -342,9 +345,33 @@ def test_runs_only_where_asked_and_where_it_can(monkeypatch):
         R.enabled("three_passes")
 
 
+def test_tile_stored_through_tma_only_where_asked_and_describable(monkeypatch):
+    """The TMA store of the tile is off by default, on under ``HF_FUSED_TMA_TILE_STORE=1`` or a forced block, and
+    never for a tile whose base address or row stride is not a multiple of 16 bytes (stored by pointers instead); a
+    clear error for another value of the variable. The autotuner's row buckets: powers of two from 1024."""
+    buf = torch.zeros(8, 72, dtype=torch.bfloat16)
+    tile, odd_start, odd_stride = buf[:, :64], buf[:, 1:65], torch.zeros(8, 68, dtype=torch.bfloat16)[:, :64]
+    monkeypatch.delenv(FM.TMA_TILE_STORE_ENV, raising=False)
+    assert FM.TMA_TILE_STORE is False and not FM.tma_tile_store(tile)
+    monkeypatch.setenv(FM.TMA_TILE_STORE_ENV, "1")
+    assert FM.tma_tile_store(tile)
+    assert not FM.tma_tile_store(odd_start) and not FM.tma_tile_store(odd_stride)
+    with FM.tma_tile_store_forced(False):
+        assert not FM.tma_tile_store(tile)
+    monkeypatch.setenv(FM.TMA_TILE_STORE_ENV, "0")
+    assert not FM.tma_tile_store(tile)
+    with FM.tma_tile_store_forced(True):
+        assert FM.tma_tile_store(tile) and not FM.tma_tile_store(odd_start)
+    monkeypatch.setenv(FM.TMA_TILE_STORE_ENV, "yes")
+    with pytest.raises(ValueError, match="HF_FUSED_TMA_TILE_STORE must be 1"):
+        FM.tma_tile_store(tile)
+    assert [FM._rows_bucket(r) for r in (1, 1024, 1025, 8192, 8193)] == [1024, 1024, 2048, 8192, 16384]
+
+
 # Compiled for an H100 (sm_90) in a process without TRITON_INTERPRET: the one pass's launches that store the shifted
-# tile (the statistics kernel with the entropy, at the spill-free shape of the statistics alone) and its gradient
-# kernel with the label's fp32 logit, entropy gradient, soft-cap and scaling.
+# tile (the statistics kernel with the entropy, at the spill-free shape of the statistics alone; by pointers and
+# through a TMA descriptor) and its gradient kernel with the label's fp32 logit, entropy gradient, soft-cap and
+# scaling.
 _COMPILE_FOR_SM90 = r"""
 from hf_fused.ops.backends.triton_cublas import fused_matmul as FM, shifted_tile as T
 
@@ -359,22 +386,28 @@ stats = dict(scalars, Bias="*bf16", Labels="*i64", ZY="*fp32", P_MAX="*fp32", P_
              P_ZSUM="*fp32", P_ARG="*i32", P_SQ="*fp32", P_SR="*fp32", Z="*bf16", Off="*fp32",
              A_DESC=f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
              B_DESC=f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>")
-flags = dict(cfg.kwargs(), NUM_PROGRAMS=132, WIDEN_DOT=False, ROUND=2, STORE_TILE=True, HAS_BIAS=False,
-             SOFTCAP=False, SCALED=False, ENTROPY=True, SUM_Z=False, ARGMAX=False, SUM_SQ=False)
+flags = dict(cfg.kwargs(), NUM_PROGRAMS=132, WIDEN_DOT=False, ROUND=2, STORE_TILE=True, TMA_STORE=False, Z_DESC=None,
+             HAS_BIAS=False, SOFTCAP=False, SCALED=False, ENTROPY=True, SUM_Z=False, ARGMAX=False, SUM_SQ=False)
 sig = {n: "constexpr" if n in flags else stats.get(n, "i32") for n in FM._statistics_kernel.arg_names}
 print("statistics", *registers_and_stack(FM._statistics_kernel, sig, flags, cfg.num_warps), flush=True)
+del flags["Z_DESC"]
+flags["TMA_STORE"], stats["Z_DESC"] = True, f"tensordesc<bf16[{cfg.block_m}, {cfg.block_n // cfg.split}]>"
+sig = {n: "constexpr" if n in flags else stats.get(n, "i32") for n in FM._statistics_kernel.arg_names}
+print("statistics-tma", *registers_and_stack(FM._statistics_kernel, sig, flags, cfg.num_warps), flush=True)
 """
 
 
 def test_shifted_tile_kernels_compile_for_h100():
     """The shifted tile's gradient kernel compiles for sm_90 without spills; the statistics kernel storing the
-    shifted tile with the entropy at 128 × 128 spills at most 32 bytes (24 measured with Triton 3.9, where the
-    unshifted tile's spilled 112: one transform per logit instead of two)."""
+    shifted tile with the entropy at 128 × 128 spills at most 32 bytes by pointers (24 measured with Triton 3.9, where
+    the unshifted tile's spilled 112: one transform per logit instead of two) and none through a TMA descriptor (the
+    slice leaves registers through shared memory)."""
     from sm90 import compile_for_sm90
 
     rows = {name: (int(regs), int(stack)) for name, regs, stack in map(str.split, compile_for_sm90(_COMPILE_FOR_SM90))}
     assert rows["gradient"][1] == 0 and rows["gradient"][0] <= 255, rows
     assert rows["statistics"][1] <= 32, rows
+    assert rows["statistics-tma"][1] == 0, rows
 
 
 # -- on the GPU -------------------------------------------------------------------------------------------------

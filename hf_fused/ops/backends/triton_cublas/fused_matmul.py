@@ -21,7 +21,8 @@ The per-token log-probs are then those of an fp32-accumulated matmul of the same
 rounding: the statistics pass and the one pass's statistics run it where the plan chooses it
 (:func:`~.plan.fp32_logits`, :mod:`.fp32_logits_rule`).
 
-On a GPU the launch shape is autotuned over :data:`CONFIGS` (keyed on ``V``, ``H`` and whether the tile is stored);
+On a GPU the launch shape is autotuned over :data:`CONFIGS` (keyed on ``V``, ``H``, the rows' power-of-two bucket,
+whether the tile is stored and how: :func:`tma_tile_store`);
 under Triton's interpreter (CPU, tests) it runs :data:`INTERPRETER_CONFIG` or the one given.
 """
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 from typing import Optional
 
@@ -36,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .matmul import halves, multiprocessors, round_bf16, tile_order, tma_tile_product
+from .matmul import halves, multiprocessors, round_bf16, tile_order, tma_operand, tma_tile_product
 from .statistics_partials import merge_partials_, new_partials, partials_bytes
 from .triton_kernels import apply_transform
 
@@ -64,9 +66,10 @@ class StatsConfig:
 
 
 #: The GPU's autotuning candidates: the gradient epilogue's shape (:data:`.logits_epilogues.CONFIG`) with 4 and 3
-#: stages, and 128 × 128 tiles, whose epilogue compiles for sm_90 without spills with every flag (Triton 3.9; the
-#: 128 × 256 tiles spill 32–72 bytes with the statistics alone, ~400 with the stored tile); every ``block_n`` a
-#: multiple of :data:`MIN_BLOCK_N`, which sizes the partials.
+#: stages, and 128 × 128 tiles; every ``block_n`` a multiple of :data:`MIN_BLOCK_N`, which sizes the partials.
+#: Spilled stack bytes for sm_90 with the entropy (Triton 3.9), statistics alone / tile stored by pointers / through
+#: a TMA descriptor: 128 × 256 24 / 328–344 / 40, 128 × 128 0 / 24 / 0 (docs/design/numerics.md). 128 × 256 with
+#: ``group_m`` 16 compiles to the same registers and spills as with 8, so it stays out of the candidates.
 CONFIGS = (
     StatsConfig(128, 256, 64, split=4, num_warps=8, num_stages=4),
     StatsConfig(128, 256, 64, split=4, num_warps=8, num_stages=3),
@@ -79,17 +82,57 @@ MIN_BLOCK_N = min(c.block_n for c in CONFIGS)
 #: that cover the tests' shapes in few programs, yet several column tiles with ragged edges.
 INTERPRETER_CONFIG = StatsConfig(64, 128, 32, group_m=2, split=4, num_warps=4, num_stages=1)
 
+#: Whether a stored tile is written through a TMA tensor descriptor (an asynchronous bulk copy of each epilogue
+#: slice from shared memory) rather than by ``tl.store`` from registers; the same bits either way. Off until measured
+#: faster; :data:`TMA_TILE_STORE_ENV` (``1``/``0``) or a :func:`tma_tile_store_forced` block overrides it.
+TMA_TILE_STORE = False
+TMA_TILE_STORE_ENV = "HF_FUSED_TMA_TILE_STORE"
+_tma_forced: Optional[bool] = None
+
+
+@contextlib.contextmanager
+def tma_tile_store_forced(enabled: Optional[bool]):
+    """Within the block a stored tile is written through a TMA descriptor (``True``), by pointers (``False``), or as
+    the environment and :data:`TMA_TILE_STORE` say (``None``): for tests and benchmarks."""
+    global _tma_forced
+    before, _tma_forced = _tma_forced, enabled
+    try:
+        yield
+    finally:
+        _tma_forced = before
+
+
+def tma_tile_store(tile: torch.Tensor) -> bool:
+    """Whether the launch storing ``tile`` writes it through a TMA descriptor: asked for (a
+    :func:`tma_tile_store_forced` block, else :data:`TMA_TILE_STORE_ENV`, else :data:`TMA_TILE_STORE`) and possible.
+    A tile whose base address or row stride is not a multiple of 16 bytes (a column slice of a wider buffer at an
+    odd column, say) cannot be described (:func:`~.matmul.tma_operand`): it is stored by pointers, the same bits.
+
+    Raises:
+        ValueError: for a value of :data:`TMA_TILE_STORE_ENV` other than ``0`` or ``1``.
+    """
+    asked = _tma_forced
+    if asked is None:
+        value = os.environ.get(TMA_TILE_STORE_ENV) or ""
+        if value not in ("", "0", "1"):
+            raise ValueError(f"{TMA_TILE_STORE_ENV} must be 1 (store the tile through a TMA descriptor) or 0, got "
+                             f"{value!r}")
+        asked = TMA_TILE_STORE if value == "" else value == "1"
+    return asked and tile.stride(1) == 1 and tma_operand(tile) is None
+
+
 @triton.jit
 def _fold_slice(raw, n0, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
-                stride_z, Off, stride_off, logit_scale, softcap, inv_temperature, SLICE: tl.constexpr,
-                ROUND: tl.constexpr, STORE_TILE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-                SCALED: tl.constexpr, ENTROPY: tl.constexpr, SUM_Z: tl.constexpr, ARGMAX: tl.constexpr,
-                SUM_SQ: tl.constexpr):
+                stride_z, Z_DESC, Off, stride_off, logit_scale, softcap, inv_temperature, SLICE: tl.constexpr,
+                ROUND: tl.constexpr, STORE_TILE: tl.constexpr, TMA_STORE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                SOFTCAP: tl.constexpr, SCALED: tl.constexpr, ENTROPY: tl.constexpr, SUM_Z: tl.constexpr,
+                ARGMAX: tl.constexpr, SUM_SQ: tl.constexpr):
     """One column slice ``raw [len(rm), SLICE]`` of the accumulator (columns ``n0 …`` of this launch) folded into
     the rows' running (max, Σexp(z−m), Σexp(z−m)·z, label logit, Σz, first arg-max, Σexp(2(z−m))); with
     ``STORE_TILE`` the transformed logits ``z`` are also stored into ``Z`` shifted by the slice's row maximum,
     ``z − m_slice`` rounded to ``Z``'s dtype (``ROUND``: 1 on the bit pattern, for the interpreter, whose
-    conversion truncates; 2 the GPU's conversion), ``m_slice`` into column ``n0 / SLICE`` of ``Off``, and ``sr`` is
+    conversion truncates; 2 the GPU's conversion; ``TMA_STORE``: through the descriptor ``Z_DESC`` over ``Z``, whose
+    box is one slice, else by pointers), ``m_slice`` into column ``n0 / SLICE`` of ``Off``, and ``sr`` is
     the running Σexp(z̃ − m) of the stored logits ``z̃ = round(z − m_slice) + m_slice``: the normalizer of the
     probabilities that the gradient kernel computes from the stored tile (they sum to 1 with it, not with the
     accumulator's)."""
@@ -133,10 +176,14 @@ def _fold_slice(raw, n0, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy,
         elif ROUND == 2:
             rounded = shifted.to(tl.bfloat16).to(tl.float32)
         row_ok = rm < M
-        # 32-bit offsets from the tile's first row (a [BLOCK_M, SLICE] block of 64-bit addresses spills)
-        tile_rows = Z + off_m.to(tl.int64) * stride_z
-        local = (rm - off_m)[:, None] * stride_z + rn[None, :]
-        tl.store(tile_rows + local, stored.to(Z.dtype.element_ty), mask=row_ok[:, None] & valid)
+        if TMA_STORE:
+            # an asynchronous bulk copy from shared memory; the descriptor's bounds ([M, N]) clip the ragged edges
+            Z_DESC.store([off_m, n0], stored.to(Z.dtype.element_ty))
+        else:
+            # 32-bit offsets from the tile's first row (a [BLOCK_M, SLICE] block of 64-bit addresses spills)
+            tile_rows = Z + off_m.to(tl.int64) * stride_z
+            local = (rm - off_m)[:, None] * stride_z + rn[None, :]
+            tl.store(tile_rows + local, stored.to(Z.dtype.element_ty), mask=row_ok[:, None] & valid)
         # a slice wholly past the last column has no shift
         shift_rows = Off + off_m.to(tl.int64) * stride_off
         tl.store(shift_rows + (rm - off_m) * stride_off + n0 // SLICE, m_shift, mask=row_ok & (rm * 0 + n0 < N))
@@ -146,21 +193,23 @@ def _fold_slice(raw, n0, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy,
 
 # Sizes are not specialized (Triton would compile again for each divisibility by 16 of a row count): one binary per
 # launch shape and flags, whose autotuning for one (V, H) then costs no compilation for another.
-@triton.jit(do_not_specialize=["M", "N", "K", "col_offset", "n_part"])
+@triton.jit(do_not_specialize=["M", "N", "K", "col_offset", "n_part", "M_BUCKET"])
 def _statistics_kernel(
     A_DESC, B_DESC, M, N, K, col_offset, Bias, Labels, ZY,
-    P_MAX, P_SUM, P_ZP, P_ZSUM, P_ARG, P_SQ, P_SR, n_part, Z, stride_z, Off, stride_off,
-    logit_scale, softcap, inv_temperature,
+    P_MAX, P_SUM, P_ZP, P_ZSUM, P_ARG, P_SQ, P_SR, n_part, Z, stride_z, Z_DESC, Off, stride_off,
+    logit_scale, softcap, inv_temperature, M_BUCKET,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WIDEN_DOT: tl.constexpr, ROUND: tl.constexpr,
-    STORE_TILE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SCALED: tl.constexpr,
-    ENTROPY: tl.constexpr, SUM_Z: tl.constexpr, ARGMAX: tl.constexpr, SUM_SQ: tl.constexpr,
+    STORE_TILE: tl.constexpr, TMA_STORE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    SCALED: tl.constexpr, ENTROPY: tl.constexpr, SUM_Z: tl.constexpr, ARGMAX: tl.constexpr, SUM_SQ: tl.constexpr,
 ):
     """Tiles ``pid, pid + NUM_PROGRAMS, …`` of ``h [M, K] @ w [N, K]ᵀ`` (``A_DESC``/``B_DESC``: TMA descriptors
     whose zero fill past the shapes stands in for masks) in :func:`~.matmul.tile_order`'s order; each tile's
     per-row partials go to column ``pid_n`` of the ``[M, n_part]`` partials, its rows' label logits (where the
     label is one of its columns, ``col_offset`` added) to ``ZY``; with ``STORE_TILE`` its shifted logits to ``Z``
-    and their shifts to ``Off`` (``[M, ⌈N / slice⌉]``, one per ``BLOCK_N / SPLIT`` columns)."""
+    (with ``TMA_STORE`` through ``Z_DESC``, a descriptor over ``Z`` whose box is one epilogue slice) and their shifts
+    to ``Off`` (``[M, ⌈N / slice⌉]``, one per ``BLOCK_N / SPLIT`` columns). ``M_BUCKET`` is read by the autotuner
+    only (its key: :func:`_rows_bucket`)."""
     start = tl.program_id(0)
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -190,19 +239,19 @@ def _statistics_kernel(
         if SPLIT == 1:
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
                 acc, off_n, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr,
-                Z, stride_z, Off, stride_off, logit_scale, softcap, inv_temperature, BLOCK_N, ROUND, STORE_TILE,
-                HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+                Z, stride_z, Z_DESC, Off, stride_off, logit_scale, softcap, inv_temperature, BLOCK_N, ROUND,
+                STORE_TILE, TMA_STORE, HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
         elif SPLIT == 2:
             HALF: tl.constexpr = BLOCK_N // 2
             left, right = halves(acc, BLOCK_M, HALF)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
                 left, off_n, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr,
-                Z, stride_z, Off, stride_off, logit_scale, softcap, inv_temperature, HALF, ROUND, STORE_TILE,
-                HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+                Z, stride_z, Z_DESC, Off, stride_off, logit_scale, softcap, inv_temperature, HALF, ROUND,
+                STORE_TILE, TMA_STORE, HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
                 right, off_n + HALF, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr,
-                Z, stride_z, Off, stride_off, logit_scale, softcap, inv_temperature, HALF, ROUND, STORE_TILE,
-                HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+                Z, stride_z, Z_DESC, Off, stride_off, logit_scale, softcap, inv_temperature, HALF, ROUND,
+                STORE_TILE, TMA_STORE, HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
         else:
             QUARTER: tl.constexpr = BLOCK_N // 4
             left, right = halves(acc, BLOCK_M, BLOCK_N // 2)
@@ -210,20 +259,20 @@ def _statistics_kernel(
             q2, q3 = halves(right, BLOCK_M, QUARTER)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
                 q0, off_n, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr,
-                Z, stride_z, Off, stride_off, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE,
-                HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+                Z, stride_z, Z_DESC, Off, stride_off, logit_scale, softcap, inv_temperature, QUARTER, ROUND,
+                STORE_TILE, TMA_STORE, HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
                 q1, off_n + QUARTER, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr,
-                Z, stride_z, Off, stride_off, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE,
-                HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+                Z, stride_z, Z_DESC, Off, stride_off, logit_scale, softcap, inv_temperature, QUARTER, ROUND,
+                STORE_TILE, TMA_STORE, HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
                 q2, off_n + 2 * QUARTER, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr,
-                Z, stride_z, Off, stride_off, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE,
-                HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+                Z, stride_z, Z_DESC, Off, stride_off, logit_scale, softcap, inv_temperature, QUARTER, ROUND,
+                STORE_TILE, TMA_STORE, HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
             m, s, t, zy, zsum, arg, s2, sr = _fold_slice(
                 q3, off_n + 3 * QUARTER, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr,
-                Z, stride_z, Off, stride_off, logit_scale, softcap, inv_temperature, QUARTER, ROUND, STORE_TILE,
-                HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
+                Z, stride_z, Z_DESC, Off, stride_off, logit_scale, softcap, inv_temperature, QUARTER, ROUND,
+                STORE_TILE, TMA_STORE, HAS_BIAS, SOFTCAP, SCALED, ENTROPY, SUM_Z, ARGMAX, SUM_SQ)
         part = rm.to(tl.int64) * n_part + pid_n_c
         tl.store(P_MAX + part, m, mask=m_ok)
         tl.store(P_SUM + part, s, mask=m_ok)
@@ -242,9 +291,24 @@ def _statistics_kernel(
 
 
 def _set_block_shapes(nargs: dict) -> None:
-    """Autotuning pre-hook: the TMA descriptors' boxes for the config being run."""
+    """Autotuning pre-hook: the TMA descriptors' boxes for the config being run (the stored tile's: one slice)."""
     nargs["A_DESC"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
     nargs["B_DESC"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+    if nargs["Z_DESC"] is not None:
+        nargs["Z_DESC"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_N"] // nargs["SPLIT"]]
+
+
+def _tuning_bench(fn, quantiles):
+    """The autotuner's timing of one config (see its ``do_bench`` below)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=100, rep=300, quantiles=quantiles)
+
+
+def _rows_bucket(rows: int) -> int:
+    """The autotuner's key for a launch of ``rows`` rows: the power of two at or above it, from 1024 on (the best
+    launch shape depends on how many waves of tiles the rows make; one tuning per bucket, not per row count)."""
+    return max(1024, 1 << max(0, rows - 1).bit_length())
 
 
 #: Held over a launch of the autotuned kernel and the read of its chosen shape. Triton's autotuner keeps a call's
@@ -256,8 +320,12 @@ _TUNED_LAUNCH = threading.Lock()
 _tuned_statistics_kernel = triton.autotune(
     configs=[triton.Config(c.kwargs(), num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_set_block_shapes)
              for c in CONFIGS],
-    # the stored tile's epilogue takes many more registers (its best shape is another)
-    key=["N", "K", "STORE_TILE"],
+    # the stored tile's epilogue takes many more registers (its best shape is another), and so may its TMA store;
+    # the row count decides the waves (keyed on its bucket: otherwise the first call's rows choose for every other)
+    key=["N", "K", "M_BUCKET", "STORE_TILE", "TMA_STORE"],
+    # Triton's default timing (25 ms warm-up, 100 ms) is 10 launches at 8192 x 151,936 x 2048, too few to rank
+    # candidates a few percent apart: 0.4 s a candidate, once per key
+    do_bench=_tuning_bench,
 )(_statistics_kernel)
 
 
@@ -314,7 +382,8 @@ def logits_statistics_(
             ``[M, ⌈N / c⌉]``, :func:`new_offsets`; column ``j`` the shift of columns ``j·c …`` of this launch);
             ``rounded_sum`` (fp32 ``[M]``, running like the statistics: 0 before the first launch) folds
             Σexp(z̃ − m) of the stored logits ``z̃ = tile + offset``, so that ``m + log(rounded_sum)`` normalizes the
-            probabilities of the stored tile.
+            probabilities of the stored tile. It is written through a TMA descriptor where :func:`tma_tile_store`
+            says so, else by pointers (the same bits).
         config: the launch shape (default: autotuned over :data:`CONFIGS` on a GPU, :data:`INTERPRETER_CONFIG`
             under the interpreter).
 
@@ -349,15 +418,18 @@ def logits_statistics_(
     box = config or CONFIGS[0]
     a_desc = TensorDescriptor(h, [m_rows, k], [h.stride(0), 1], [box.block_m, box.block_k])
     b_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [box.block_n, box.block_k])
+    # the stored tile's box is one epilogue slice
+    z_desc = (TensorDescriptor(tile, [m_rows, n], [tile.stride(0), 1], [box.block_m, box.block_n // box.split])
+              if tile is not None and tma_tile_store(tile) else None)
     programs = multiprocessors(h.device)
     flags = dict(
         WIDEN_DOT=not h.is_cuda and h.dtype == torch.bfloat16,
         ROUND=(2 if h.is_cuda else 1) if (tile is not None and tile.dtype == torch.bfloat16) else 0,
-        STORE_TILE=tile is not None, ENTROPY=return_entropy, SUM_Z=z_sum is not None, ARGMAX=arg is not None,
-        SUM_SQ=sum_sq is not None, **scalars,
+        STORE_TILE=tile is not None, TMA_STORE=z_desc is not None, ENTROPY=return_entropy, SUM_Z=z_sum is not None, ARGMAX=arg is not None,
+        SUM_SQ=sum_sq is not None, M_BUCKET=_rows_bucket(m_rows), **scalars,
     )
     args = (a_desc, b_desc, m_rows, n, k, col_offset, bias if bias is not None else run_max, labels, label_logit,
-            *parts, n_part, tile if tile is not None else run_max, tile.stride(0) if tile is not None else 0,
+            *parts, n_part, tile if tile is not None else run_max, tile.stride(0) if tile is not None else 0, z_desc,
             offsets if offsets is not None else run_max, offsets.stride(0) if offsets is not None else 0)
     with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
         if config is None:
@@ -375,5 +447,6 @@ def logits_statistics_(
         merge_partials_(parts, triton.cdiv(n, block_n), col_offset, stats, return_entropy, rounded_sum)
 
 
-__all__ = ["CONFIGS", "INTERPRETER_CONFIG", "MIN_BLOCK_N", "StatsConfig", "logits_statistics_", "new_offsets",
-           "partial_row_bytes", "shift_columns", "stored_tile_row_bytes"]
+__all__ = ["CONFIGS", "INTERPRETER_CONFIG", "MIN_BLOCK_N", "TMA_TILE_STORE", "TMA_TILE_STORE_ENV", "StatsConfig",
+           "logits_statistics_", "new_offsets", "partial_row_bytes", "shift_columns", "stored_tile_row_bytes",
+           "tma_tile_store", "tma_tile_store_forced"]
