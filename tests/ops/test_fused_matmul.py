@@ -534,6 +534,29 @@ def test_gpu_every_launch_shape_folds_the_autotuned_statistics():
 
 
 @pytest.mark.gpu
+def test_gpu_tma_store_gives_the_pointer_stores_bits():
+    """On the GPU, each autotuning candidate writes the stored tile through a TMA descriptor with the bits of its
+    pointer store: the tile (ragged rows and columns: 1000 × 32008, never written past its edges), the shifts, the
+    stored tile's normalizer and every statistic."""
+    hid, w, y = _gpu_head(1000, 512, 32008, seed=5)
+    h, w, y = hid.detach(), w.detach(), y.clamp_min(0)
+    for config in FM.CONFIGS:
+        outs = []
+        for tma in (False, True):
+            tile = torch.full((1000, 32008 + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
+            offsets = FM.new_offsets(1000, 32008, h.device, config).fill_(float("nan"))
+            rounded_sum = torch.zeros(1000, device="cuda")
+            stats = new_row_stats(1000, h.device, TOKEN_STATISTICS)
+            with FM.tma_tile_store_forced(tma):
+                assert FM.tma_tile_store(tile[:, :32008]) == tma
+                FM.logits_statistics_(h, w, y, stats, kernel_scalars(LogitTransform(), None), return_entropy=True,
+                                      tile=tile[:, :32008], rounded_sum=rounded_sum, offsets=offsets, config=config)
+            assert torch.isnan(tile[:, 32008:].float()).all() and not torch.isnan(tile[:, :32008].float()).any()
+            outs.append((tile.view(torch.int16), offsets, rounded_sum, *[s for s in stats if s is not None]))
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), config
+
+
+@pytest.mark.gpu
 def test_gpu_token_loss_one_pass_gradients_as_accurate_as_recomputed():
     """``linear_token_loss`` (a log-prob and entropy objective, temperature 0.7) on bf16 at 2048 × 1024 × 32000 on
     the GPU: its one pass (the default rule: fp32 statistics, ``dz`` from the stored shifted tile) gives hidden and
