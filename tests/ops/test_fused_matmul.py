@@ -365,7 +365,7 @@ def test_tile_stored_through_tma_only_where_asked_and_describable(monkeypatch):
     monkeypatch.setenv(FM.TMA_TILE_STORE_ENV, "yes")
     with pytest.raises(ValueError, match="HF_FUSED_TMA_TILE_STORE must be 1"):
         FM.tma_tile_store(tile)
-    assert [FM._rows_bucket(r) for r in (1, 1024, 1025, 8192, 8193)] == [1024, 1024, 2048, 8192, 16384]
+    assert [FM.rows_bucket(r) for r in (1, 1024, 1025, 8192, 8193)] == [1024, 1024, 2048, 8192, 16384]
 
 
 # Compiled for an H100 (sm_90) in a process without TRITON_INTERPRET: the one pass's launches that store the shifted
