@@ -3,7 +3,8 @@
 * CPU threads: every test runs on one intra-op thread (:func:`single_thread`).
 * GPU tests (``gpu`` marker) are skipped without CUDA, ``multigpu`` ones without 2 GPUs; under
   ``HF_FUSED_TEST_DEVICE=cuda`` the multi-process tests of tests/distributed (one GPU per rank) without 2 GPUs.
-* On CPU, Triton's kernels run in its interpreter.
+* On CPU, Triton's kernels run in its interpreter, without its repeated scans of ``triton.language``
+  (``triton_interpreter``).
 * What is alive when a module starts is frozen out of the cyclic garbage collector's traversals
   (:func:`pytest_runtest_setup`).
 * Under pytest-xdist (``make test``: ``-n 2``) each module of tests/distributed runs on one worker, where its tests
@@ -29,6 +30,10 @@ TESTS = ROOT / "tests"
 if not torch.cuda.is_available():
     # Triton kernels run in its interpreter on CPU tensors; must be set before triton_kernels is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] == "1":
+        from triton_interpreter import skip_scans_of_patched_packages
+
+        skip_scans_of_patched_packages()
 
 
 _frozen_at = {"module": None}
