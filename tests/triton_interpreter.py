@@ -4,8 +4,8 @@
 Each call of a ``@triton.jit`` helper from inside a kernel makes the interpreter patch ``triton.language``'s builtins
 again (``interpreter._patch_lang``): ``inspect.getmembers`` over ``tl``, ``tl.tensor``, ``tl.math`` and
 ``tl.core.tensor_descriptor_base``, ~350 members, for builtins the kernel's own patch replaced already (the helper's
-patch is never undone, so after the first one nothing is left to replace). That was a fifth of the suite's
-interpreted kernel time (tests/ops/test_logits_epilogues.py + test_compensated.py: 77 s -> 61 s).
+patch is never undone, so after the first one nothing is left to replace): about a fifth of an interpreted kernel's
+time.
 
 :func:`skip_scans_of_patched_packages` remembers which packages hold no builtin any more, and forgets one when a patch
 scope restores any of its attributes, so the interpreter patches exactly what it patched before and computes the same
