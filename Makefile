@@ -17,8 +17,10 @@ $(VENV)/.installed: setup.cfg setup.py
 	# DeepSpeed for tests/distributed (ZeRO-2/3 on CPU ranks); after torch, no compiled ops, keeps torch
 	DS_BUILD_OPS=0 $(PY) -m pip install -q "deepspeed>=0.19"
 	# ...except the shared-memory op its CPU ranks build on first use (a minute or two of C++): built once here, not
-	# by the first test launch while later ones wait on its lock under their timeouts
-	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	# by the first test launch while later ones wait on its lock under their timeouts; in this environment's folder, where
+	# tests/conftest.py points torch (the shared default, ~/.cache/torch_extensions, is rebuilt for each environment)
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(PY) -c \
+		"from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $@
 
 venv: $(VENV)/.installed

@@ -18,6 +18,7 @@ parity harness); the multi-process launcher and its workers in ``distributed/``.
 
 import gc
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,12 @@ import torch
 #: The repository's root and this folder.
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
+
+# The C++ op DeepSpeed's CPU ranks load (deepspeed_shm_comm) is built by torch under TORCH_EXTENSIONS_DIR, by default
+# ~/.cache/torch_extensions, one folder for every environment on the machine; its build is keyed by the source and
+# include paths, so a second clone's environment rebuilt it at each alternation (30-160 s of C++, ranks waiting on its
+# lock). Kept in this environment, where `make venv` builds it (Makefile); the ranks inherit the variable.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 if not torch.cuda.is_available():
     # Triton kernels run in its interpreter on CPU tensors; must be set before triton_kernels is imported.
