@@ -136,9 +136,7 @@ class DataParallelAccelerator:
 
     def gather(self, tensor):
         """accelerate's ``Accelerator.gather`` over the replicas (nested structures of tensors too)."""
-        from accelerate.utils import recursively_apply
-
-        return recursively_apply(self._layout.replica_rows, self._accelerator.gather(tensor))
+        return replica_gather(self._accelerator.gather, self._layout)(tensor)
 
     def gather_for_metrics(self, input_data, use_gather_object: bool = False):
         """Tensors as :meth:`gather`, anything else as ``gather_object`` over the replicas. (TRL's rollout trainers
