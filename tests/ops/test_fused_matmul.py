@@ -346,13 +346,13 @@ def test_runs_only_where_asked_and_where_it_can(monkeypatch):
 
 
 def test_tile_stored_through_tma_only_where_asked_and_describable(monkeypatch):
-    """The TMA store of the tile is off by default, on under ``HF_FUSED_TMA_TILE_STORE=1`` or a forced block, and
+    """The TMA store of the tile is on by default, off under ``HF_FUSED_TMA_TILE_STORE=0`` or a forced block, and
     never for a tile whose base address or row stride is not a multiple of 16 bytes (stored by pointers instead); a
     clear error for another value of the variable. The autotuner's row buckets: powers of two from 1024."""
     buf = torch.zeros(8, 72, dtype=torch.bfloat16)
     tile, odd_start, odd_stride = buf[:, :64], buf[:, 1:65], torch.zeros(8, 68, dtype=torch.bfloat16)[:, :64]
     monkeypatch.delenv(FM.TMA_TILE_STORE_ENV, raising=False)
-    assert FM.TMA_TILE_STORE is False and not FM.tma_tile_store(tile)
+    assert FM.TMA_TILE_STORE is True and FM.tma_tile_store(tile)
     monkeypatch.setenv(FM.TMA_TILE_STORE_ENV, "1")
     assert FM.tma_tile_store(tile)
     assert not FM.tma_tile_store(odd_start) and not FM.tma_tile_store(odd_stride)
