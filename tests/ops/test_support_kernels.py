@@ -16,6 +16,7 @@ below one ``[N, V]`` bf16 logits tensor and within 1.1× the fused cross-entropy
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from hf_fused.ops import linear_cross_entropy  # noqa: E402
+from hf_fused.ops.backends.triton_cublas import fp32_logits_rule  # noqa: E402
 from hf_fused.ops.backends.triton_cublas.one_pass_rule import OnePassPlan  # noqa: E402
 from hf_fused.ops.backends.triton_cublas.plan import forced_plans  # noqa: E402
 from hf_fused.ops.sparse_distillation import (  # noqa: E402
@@ -75,8 +77,16 @@ def _weighted_loss(logprobs, entropy, *, support_mask, weights, alpha):
     return -torch.where(support_mask, weights * logprobs, 0.0).sum(-1) - alpha * entropy
 
 
-def _one_pass(rows):
-    return forced_plans(one_pass=OnePassPlan(rows, "fp32", 0))
+@contextlib.contextmanager
+def _one_pass(rows, path="chunked"):
+    """The one pass at ``rows`` per tile, its logits from cuBLAS's chunks (``"chunked"``) or from the fused matmul
+    (``"fused"``: the statistics from its accumulator, the shifted tile from its epilogue, the candidates' logits by
+    gathered dot products)."""
+    with forced_plans(one_pass=OnePassPlan(rows, "fp32", 0)), fp32_logits_rule.forced(path == "fused"):
+        yield
+
+
+PATHS = pytest.mark.parametrize("path", ["chunked", "fused"])
 
 
 def _assert_grads(leaves, ref, tol=RTOL):
@@ -90,10 +100,11 @@ def _assert_grads(leaves, ref, tol=RTOL):
 
 
 @interpreted
+@PATHS
 @pytest.mark.parametrize("tile_rows", [8, 16, 64], ids=["tiles-of-8", "tiles-of-16", "one-tile"])
 @pytest.mark.parametrize("reduction", ["sum", "none"])
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
-def test_generic_support_loss_matches_float64(transform, reduction, tile_rows):
+def test_generic_support_loss_matches_float64(transform, reduction, tile_rows, path):
     """Loss, per-token losses, support log-probs (``-inf`` at invalid slots), entropy and the gradients of hidden,
     weight and bias: the entropy's gradient term, duplicate ids adding up, per-token constants of both shapes, an
     upstream gradient per token for ``"none"`` (its recompute)."""
@@ -103,7 +114,7 @@ def test_generic_support_loss_matches_float64(transform, reduction, tile_rows):
     g = torch.Generator().manual_seed(3)
     weights = torch.rand(ids.shape, generator=g)
     alpha = torch.randn(ids.shape[:-1], generator=g) * 0.1
-    with _one_pass(tile_rows):
+    with _one_pass(tile_rows, path):
         out = linear_support_loss(leaves[0], leaves[1], ids, _weighted_loss, leaves[2], support_mask=valid,
                                   mask=mask, per_token={"weights": weights, "alpha": alpha}, need_entropy=True,
                                   reduction=reduction, backend="triton", **tkw)
@@ -140,12 +151,13 @@ def _dense_divergence(ref, support, *, beta, add_tail_bucket, **tkw):
 @pytest.mark.parametrize("add_tail_bucket", [True, False], ids=["tail", "renormalized"])
 @pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
 @pytest.mark.parametrize("transform", ["identity", "scaled_and_capped"])
-def test_sparse_distillation_matches_float64(transform, beta, add_tail_bucket):
+@PATHS
+def test_sparse_distillation_matches_float64(transform, beta, add_tail_bucket, path):
     """TRL's divergence on the support through the GPU backend's pass: loss (mean over counted tokens), per-token
     divergence and the student's gradients."""
     tkw = TRANSFORMS[transform]
     leaves, support = _head(seed=2, k=6, duplicates=False)
-    with _one_pass(8):
+    with _one_pass(8, path):
         out = sparse_distillation_loss(leaves[0], leaves[1], support["support_ids"], support["teacher_logprobs"],
                                        leaves[2], support_mask=support["support_mask"], mask=support["mask"],
                                        beta=beta, add_tail_bucket=add_tail_bucket, backend="triton", **tkw)
@@ -161,13 +173,14 @@ def test_sparse_distillation_matches_float64(transform, beta, add_tail_bucket):
 
 @interpreted
 @pytest.mark.parametrize("beta", [0.0, 0.5])
-def test_bf16_operands_keep_fp32_logits(beta):
+@PATHS
+def test_bf16_operands_keep_fp32_logits(beta, path):
     """bf16 hidden states and weight: the loss, per-token divergence and entropy at ``RTOL`` of float64 on the same
     bf16 values (the statistics and candidates read fp32 logits; bf16 ones would be ``|z|·2⁻⁸`` off), the gradients
     within one rounding of ``dz`` and one of its shifted logits to bf16 (``2⁻⁷``) and one of the result (``2⁻⁸``),
     bias included."""
     leaves, support = _head(n=37, k=6, seed=10, dtype=torch.bfloat16, duplicates=True)
-    with _one_pass(16):
+    with _one_pass(16, path):
         out = sparse_distillation_loss(leaves[0], leaves[1], support["support_ids"], support["teacher_logprobs"],
                                        leaves[2], support_mask=support["support_mask"], mask=support["mask"],
                                        beta=beta, temperature=0.9, backend="triton")
@@ -209,10 +222,11 @@ def test_same_results_as_the_plain_pytorch_pass(monkeypatch):
 
 
 @interpreted
-def test_all_tokens_dropped_and_frozen_weight():
+@PATHS
+def test_all_tokens_dropped_and_frozen_weight(path):
     """No kept token: loss 0 and zero gradients; a frozen weight: hidden's gradient only, as float64's."""
     leaves, support = _head(seed=5)
-    with _one_pass(8):
+    with _one_pass(8, path):
         out = linear_support_loss(leaves[0], leaves[1], support["support_ids"],
                                   lambda lp, ent, *, support_mask: -torch.where(support_mask, lp, 0.0).sum(-1),
                                   leaves[2], support_mask=support["support_mask"],
@@ -221,7 +235,7 @@ def test_all_tokens_dropped_and_frozen_weight():
     assert out.loss.item() == 0.0 and all(t.grad.abs().sum() == 0 for t in leaves)
     leaves, support = _head(seed=6, bias=False)
     leaves[1].requires_grad_(False)
-    with _one_pass(8):
+    with _one_pass(8, path):
         out = sparse_distillation_loss(leaves[0], leaves[1], support["support_ids"], support["teacher_logprobs"],
                                        support_mask=support["support_mask"], mask=support["mask"], backend="triton")
         out.loss.backward()
@@ -230,6 +244,28 @@ def test_all_tokens_dropped_and_frozen_weight():
     (div.sum() / support["mask"].sum()).backward()
     assert leaves[1].grad is None
     assert rel_err(leaves[0].grad, ref[0].grad) <= RTOL
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_candidate_logits_match_float64(dtype):
+    """The fused path's candidate logits: ``h·W[id] + b`` as float64 computes it on the same values, to fp32's
+    summation error, over more slots than one program holds and a hidden size that is no multiple of its step;
+    invalid slots (ids of -1) are written 0 and read nothing."""
+    from hf_fused.ops.backends.triton_cublas.support_kernels import GATHER_BLOCK_K, candidate_logits_
+
+    g = torch.Generator().manual_seed(21)
+    rows, k, v, hidden = 9, GATHER_BLOCK_K + 7, 101, 200
+    h, w = torch.randn(rows, hidden, generator=g).to(dtype), torch.randn(v, hidden, generator=g).to(dtype)
+    bias = torch.randn(v, generator=g).to(dtype)
+    ids = torch.randint(0, v, (rows, k), generator=g)
+    valid = torch.rand(rows, k, generator=g) > 0.25
+    ids = torch.where(valid, ids, -1)
+    raw = torch.full((rows, k), float("nan"))
+    candidate_logits_(h, w, bias, ids, valid, raw)
+    exact = (h.double().unsqueeze(1) * w.double()[ids.clamp(min=0)]).sum(-1) + bias.double()[ids.clamp(min=0)]
+    assert rel_err(raw[valid], exact[valid]) <= 1e-6
+    assert (raw[~valid] == 0).all()
 
 
 # -- the chunk and gradient kernels of the shifted tile ------------------------------------------------------------
@@ -643,7 +679,10 @@ launches = [("gradient", T._shifted_grad_kernel, dict(scalars, T="*bf16", Off="*
                                                       G_LP="*fp32", G_ENT="*fp32", Labels="*i64", ZY="*fp32"),
              dict(SOFTCAP=True, SCALED=True, HAS_G_ENT=True, LABEL=False, ROUND=0, BLOCK_V=T.GRAD_BLOCK_V,
                   OFF_BLOCK=T.BLOCK_V),
-             T.GRAD_WARPS, 0)]
+             T.GRAD_WARPS, 0),
+            ("gather", S._candidate_logits_kernel, dict(H="*bf16", W="*bf16", Ids="*i64", Valid="*u8",
+                                                        Bias="*bf16", RAW="*fp32"),
+             dict(HAS_BIAS=True, BLOCK_K=S.GATHER_BLOCK_K, BLOCK_H=S.GATHER_BLOCK_H), 4, 0)]
 for k in (1, 64, 256, 1024):
     block = S.candidate_block(k)
     for name, (fn, types) in kernels.items():
@@ -666,8 +705,9 @@ for name, fn, types, flags, warps, k in launches:
 
 def test_kernels_compile_for_h100_without_spills():
     """Every kernel of the pass (the chunk, log-probs and gradient-columns kernels at K = 1, 64, 256, 1024, the tile's
-    gradient kernel) compiles for sm_90 with at most 255 registers and no spilled stack."""
+    gradient kernel, the candidates' gathered dot products) compiles for sm_90 with at most 255 registers and no
+    spilled stack."""
     rows = [line.split() for line in compile_for_sm90(_COMPILE_FOR_SM90)]
-    assert len(rows) == 13
+    assert len(rows) == 14
     for name, k, regs, stack in rows:
         assert int(stack) == 0 and int(regs) <= 255, (name, k, regs, stack)

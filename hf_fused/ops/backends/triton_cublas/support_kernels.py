@@ -7,6 +7,9 @@ gradient's shape with ``K`` scattered label columns. So the tile's bulk is a gra
 gathered while the tile is written (:func:`~.shifted_tile.logits_chunk_`), and only the ``K`` columns need kernels of
 their own, which touch ``[rows, K]`` elements, never ``[rows, V]``:
 
+* :func:`candidate_logits_`: where the logits come from the fused matmul (:mod:`.fused_matmul`, which keeps no fp32
+  copy of them), each candidate's fp32 logit as a dot product ``h·W[id_k]`` of bf16 operands accumulated in fp32, as
+  the matmul's accumulator holds it: ``K·H`` multiply-adds and ``K·H`` gathered weight elements per row.
 * :func:`support_logprobs_`: once a row's statistics are complete, each candidate's log-prob
   ``s_k = (z − max) − log Σ exp(z − max)`` from its gathered fp32 logit (``-inf`` at invalid slots).
 * :func:`scatter_support_grad_`: after the gradient kernel, each valid candidate column's ``dz`` recomputed whole in
@@ -32,6 +35,9 @@ from .triton_kernels import apply_transform
 
 #: Slots compared at once when summing ``g`` over duplicate ids: a ``[K, DUP_BLOCK]`` block per step.
 DUP_BLOCK = 32
+#: :func:`candidate_logits_`'s program: this many candidate slots of one row, over the hidden size in steps of
+#: ``GATHER_BLOCK_H`` (a ``[32, 128]`` block of gathered weight rows, 256 contiguous bytes each in bf16).
+GATHER_BLOCK_K, GATHER_BLOCK_H = 32, 128
 
 
 def _scatter_launch(block_k: int) -> tuple[int, int]:
@@ -40,6 +46,29 @@ def _scatter_launch(block_k: int) -> tuple[int, int]:
     if block_k <= 256:
         return min(DUP_BLOCK, block_k), 4
     return (DUP_BLOCK if block_k <= 512 else 16), 8
+
+
+@triton.jit
+def _candidate_logits_kernel(
+    H, stride_h, W, stride_w, Ids, Valid, stride_ids, Bias, RAW, K, n_hidden,
+    HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    in_k = ks < K
+    valid = (tl.load(Valid + row * stride_ids + ks, mask=in_k, other=0) != 0) & in_k
+    ids = tl.load(Ids + row * stride_ids + ks, mask=valid, other=0)
+    acc = tl.zeros([BLOCK_K], tl.float32)
+    for h0 in range(0, n_hidden, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        in_h = hs < n_hidden
+        x = tl.load(H + row * stride_h + hs, mask=in_h, other=0.0).to(tl.float32)
+        w = tl.load(W + ids[:, None] * stride_w + hs[None, :], mask=valid[:, None] & in_h[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)  # bf16 × bf16 is exact in fp32: only the sums round, as in a matmul
+    if HAS_BIAS:
+        acc += tl.load(Bias + ids, mask=valid, other=0.0).to(tl.float32)
+    tl.store(RAW + row * K + ks, acc, mask=in_k)
 
 
 @triton.jit
@@ -105,6 +134,28 @@ def candidate_block(k: int) -> int:
     return max(triton.next_power_of_2(k), 16)
 
 
+def candidate_logits_(h: torch.Tensor, weight: torch.Tensor, bias, ids: torch.Tensor, valid: torch.Tensor,
+                      raw: torch.Tensor) -> None:
+    """Fill ``raw`` (fp32 ``[rows, K]``) with each valid candidate's raw logit plus bias, ``h[r]·weight[ids[r, k]]
+    (+ bias[ids[r, k]])``, the products accumulated in fp32 (invalid slots: 0, never read).
+
+    Args:
+        h: ``[rows, H]``, unit column stride.  weight: ``[V, H]`` in ``h``'s dtype, unit column stride.
+        bias: ``[V]`` or None.  ids: int64 ``[rows, K]`` (in ``[0, V)`` at valid slots).
+        valid: bool ``[rows, K]`` with ``ids``' strides.  raw: fp32 ``[rows, K]`` contiguous.
+    """
+    rows, k = ids.shape
+    if rows == 0 or k == 0:
+        return
+    block_k = min(GATHER_BLOCK_K, candidate_block(k))
+    with torch.cuda.device(raw.device) if raw.is_cuda else contextlib.nullcontext():
+        _candidate_logits_kernel[(rows, triton.cdiv(k, block_k))](
+            h, h.stride(0), weight, weight.stride(0), ids, valid.view(torch.uint8), ids.stride(0),
+            raw if bias is None else bias, raw, k, h.shape[1], HAS_BIAS=bias is not None, BLOCK_K=block_k,
+            BLOCK_H=GATHER_BLOCK_H, num_warps=4,
+        )
+
+
 def support_logprobs_(raw: torch.Tensor, valid: torch.Tensor, run_max: torch.Tensor, run_sum: torch.Tensor,
                       s: torch.Tensor, scalars: dict) -> None:
     """Fill ``s`` (fp32 ``[rows, K]``) with each candidate's log-prob ``(z − max) − log Σexp`` after the logit
@@ -153,4 +204,5 @@ def scatter_support_grad_(dz: torch.Tensor, ids: torch.Tensor, valid: torch.Tens
         )
 
 
-__all__ = ["candidate_block", "scatter_support_grad_", "support_logprobs_"]
+__all__ = ["GATHER_BLOCK_H", "GATHER_BLOCK_K", "candidate_block", "candidate_logits_", "scatter_support_grad_",
+           "support_logprobs_"]

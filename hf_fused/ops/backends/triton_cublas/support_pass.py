@@ -2,22 +2,27 @@
 (:mod:`.one_pass`) with ``K`` candidate columns per row instead of one label column, its tile rows and tile bytes, and
 fp32-faithful statistics.
 
-Per full-vocabulary row block (the plan's rows, a ``[rows, V]`` tile in the operands' dtype as the cross-entropy's):
-the logits in vocabulary chunks of :func:`chunk_cols` columns, cuBLAS writing each chunk's fp32 accumulator (into a
-``[rows, chunk]`` fp32 scratch for 2-byte operands, about a tenth of the tile's bytes; into the fp32 tile's own
-columns otherwise) and one kernel reading it once (:func:`~.shifted_tile.logits_chunk_`): the rows' running
-statistics, the raw logits of the candidates in the chunk, and the chunk stored in the tile shifted by each block's
-maximum (a likely token's stored logit near 0: the gradients as accurate as from an fp32 tile, :mod:`.shifted_tile`).
-No logit is rounded before the statistics and the candidates' log-probs (:func:`~.support_kernels.support_logprobs_`)
-read it: bf16's ``|z|·2⁻⁸`` would dominate a divergence of a few hundredths of a nat. Then the loss's per-row
-gradients ``g_k = ∂L/∂s_k``, ``g_H = ∂L/∂H`` (the op's :class:`~hf_fused.ops.support_loss.SupportTileLoss` on
-``[rows, K]`` tensors, or the recompute's given gradients), the tile turned in place into
-``−p·Σ_k g_k − g_H·p·(log p + H)`` rounded once to its dtype (:func:`~.shifted_tile.shifted_gradient_`), the candidate
-columns set whole from their fp32 logits (:func:`~.support_kernels.scatter_support_grad_`), then ``dh``, ``dW`` (the
-cross-entropy's accumulators, over as many tiles) and ``db`` (the sum of the rounded ``dz``). 6·N·H·V FLOPs.
+Per full-vocabulary row block (the plan's rows, a ``[rows, V]`` tile in the operands' dtype as the cross-entropy's),
+the logits come one of two ways (:class:`FusedLogits` where the fused matmul runs, :class:`ChunkedLogits` elsewhere):
 
-Bytes per logit: the fp32 chunk written (4) and read (4), the tile written (2), read and written by the gradient
-(2 + 2): the cross-entropy's 2 + 2 + 2 + 2 plus 6, at its memory plus the scratch.
+* **Fused** (bf16 operands on a Hopper GPU, :func:`~.plan.fp32_logits`): :mod:`.fused_matmul`'s matmul folds the
+  rows' statistics from its fp32 accumulator and stores the tile shifted by each epilogue slice's row maximum (the
+  one pass's tile of the log-prob ops); each candidate's fp32 logit is a gathered dot product ``h·W[id_k]``
+  (:func:`~.support_kernels.candidate_logits_`). No fp32 copy of the logits: bytes per logit as the cross-entropy's.
+* **Chunked**: the logits in vocabulary chunks of :func:`chunk_cols` columns, cuBLAS writing each chunk's fp32
+  accumulator (into a ``[rows, chunk]`` fp32 scratch for 2-byte operands, about a tenth of the tile's bytes; into the
+  fp32 tile's own columns otherwise) and one kernel reading it once (:func:`~.shifted_tile.logits_chunk_`): the
+  statistics, the candidates' raw logits, and the chunk stored shifted by each block's maximum.
+
+Either way a likely token's stored logit is near 0 (the gradients as accurate as from an fp32 tile,
+:mod:`.shifted_tile`) and no logit is rounded before the statistics and the candidates' log-probs
+(:func:`~.support_kernels.support_logprobs_`) read it: bf16's ``|z|·2⁻⁸`` would dominate a divergence of a few
+hundredths of a nat. Then the loss's per-row gradients ``g_k = ∂L/∂s_k``, ``g_H = ∂L/∂H`` (the op's
+:class:`~hf_fused.ops.support_loss.SupportTileLoss` on ``[rows, K]`` tensors, or the recompute's given gradients), the
+tile turned in place into ``−p·Σ_k g_k − g_H·p·(log p + H)`` rounded once to its dtype
+(:func:`~.shifted_tile.shifted_gradient_`), the candidate columns set whole from their fp32 logits
+(:func:`~.support_kernels.scatter_support_grad_`), then ``dh``, ``dW`` (the cross-entropy's accumulators, over as
+many tiles) and ``db`` (the sum of the rounded ``dz``). 6·N·H·V FLOPs.
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ from .matmul import mm_f32_
 from .one_pass import weight_accumulator
 from .one_pass_rule import ONE_PASS_ROW_ALIGN, OnePassPlan
 from .operands import one_pass_rows
-from .plan import one_pass_is_forced, plan_one_pass
+from . import fp32_logits_rule, fused_matmul
+from .plan import fp32_logits, one_pass_is_forced, plan_one_pass
 from .scaled_round import mul_into
 from .shifted_tile import BLOCK_V, chunk_block, logits_chunk_, shifted_gradient_
-from .support_kernels import scatter_support_grad_, support_logprobs_
+from .support_kernels import candidate_logits_, scatter_support_grad_, support_logprobs_
 from .tiles import kernel_scalars, new_row_stats, row_slice
 
 _NO_GRADS = NeededGrads(False, False, False)
@@ -80,9 +86,10 @@ def chunk_cols(vocab_size: int, elem_bytes: int) -> int:
 
 
 def tile_rows(plan: OnePassPlan, head: HeadInputs, cols: int, block: int) -> int:
-    """Rows per tile: the plan's (the cross-entropy's) under the default rule on a CUDA device and in a
-    :func:`~.plan.forced_plans` block; under a budget (explicit, or the default's off CUDA) as many as fit in the
-    bytes the plan counted for its tile with the scratch (2-byte operands) and the block maxima beside each row."""
+    """Rows per tile of the chunked logits: the plan's (the cross-entropy's) under the default rule on a CUDA device
+    and in a :func:`~.plan.forced_plans` block; under a budget (explicit, or the default's off CUDA) as many as fit
+    in the bytes the plan counted for its tile with the scratch (2-byte operands) and the block maxima beside each
+    row."""
     weight = head.weight
     if one_pass_is_forced() or (head.tile_budget_bytes is None and weight.device.type == "cuda"):
         return plan.rows
@@ -92,6 +99,56 @@ def tile_rows(plan: OnePassPlan, head: HeadInputs, cols: int, block: int) -> int
     return max(ONE_PASS_ROW_ALIGN, rows - rows % ONE_PASS_ROW_ALIGN)
 
 
+class FusedLogits:
+    """A tile's logits from :mod:`.fused_matmul`: the statistics from the fp32 accumulator, the tile stored shifted
+    per epilogue slice (its shifts in :attr:`offsets`, :attr:`block` columns each), the candidates' fp32 logits by
+    gathered dot products. Returns the stored tile's own log-sum-exp, which normalizes its probabilities (as in
+    :class:`~.one_pass.TileStatistics`)."""
+
+    def __init__(self, head: HeadInputs, rows: int, scalars: dict, entropy: bool) -> None:
+        self.weight, self.bias, self.scalars, self.entropy = head.weight, head.bias, scalars, entropy
+        device = head.weight.device
+        self.block = fused_matmul.shift_columns(device)
+        self.offsets = fused_matmul.new_offsets(rows, head.weight.shape[0], device)
+        self.rounded_sum = torch.empty(rows, dtype=torch.float32, device=device)
+        self.no_labels = torch.full((rows,), -1, dtype=torch.int64, device=device)
+
+    def __call__(self, h, dz, row_stats, ids, valid, raw) -> torch.Tensor:
+        rows = h.shape[0]
+        rounded_sum = self.rounded_sum[:rows].zero_()
+        fused_matmul.logits_statistics_(h, self.weight, self.no_labels[:rows], row_stats, self.scalars,
+                                        return_entropy=self.entropy, bias=self.bias, tile=dz,
+                                        rounded_sum=rounded_sum, offsets=self.offsets[:rows])
+        candidate_logits_(h, self.weight, self.bias, ids, valid, raw)
+        return row_stats[0] + rounded_sum.log()
+
+
+class ChunkedLogits:
+    """A tile's logits in vocabulary chunks (:func:`chunk_cols`): cuBLAS's fp32 accumulator per chunk, read once by
+    :func:`~.shifted_tile.logits_chunk_` (statistics, candidates' raw logits, the chunk stored shifted per
+    :attr:`block` columns). Returns None: the statistics' own log-sum-exp normalizes the stored tile."""
+
+    def __init__(self, head: HeadInputs, rows: int, scalars: dict, entropy: bool, cols: int, block: int) -> None:
+        weight = head.weight
+        self.weight, self.bias, self.scalars, self.entropy, self.cols, self.block = (
+            weight, head.bias, scalars, entropy, cols, block)
+        device, vocab_size = weight.device, weight.shape[0]
+        self.scratch = (None if weight.dtype == torch.float32 else
+                        torch.empty(rows * cols, dtype=torch.float32, device=device))
+        self.offsets = torch.empty((rows, triton.cdiv(vocab_size, block)), dtype=torch.float32, device=device)
+
+    def __call__(self, h, dz, row_stats, ids, valid, raw) -> None:
+        rows, vocab_size, cols = h.shape[0], self.weight.shape[0], self.cols
+        raw.zero_()
+        for c0 in range(0, vocab_size, cols):
+            c1 = min(c0 + cols, vocab_size)
+            x = dz[:, c0:c1] if self.scratch is None else self.scratch[: rows * (c1 - c0)].view(rows, c1 - c0)
+            mm_f32_(x, h, self.weight[c0:c1].t())
+            logits_chunk_(x, dz[:, c0:c1], self.offsets[:rows], c0, self.block, self.bias, ids, row_stats, raw,
+                          self.scalars, self.entropy)
+        return None
+
+
 def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=None, need: NeededGrads = _NO_GRADS,
                      return_entropy: bool = False):
     """:func:`hf_fused.ops.support_loss.support_loss_pass`'s contract on the GPU backend's one pass: its
@@ -99,7 +156,8 @@ def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=Non
     the planner chooses two passes (the op then runs the plain-PyTorch pass)."""
     differentiates = (tile_loss is not None and tile_loss.differentiate) or row_grads is not None
     need = need if differentiates else _NO_GRADS
-    plan = plan_one_pass(head, need)
+    fused = fp32_logits(head, "one_pass")
+    plan = plan_one_pass(head, need, fused_statistics=True)
     if plan is None:
         return None
     head = head.computed()  # every tile reads the whole weight: one cast copy under autocast (the plan counted it)
@@ -110,19 +168,24 @@ def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=Non
     loss_reads_entropy = tile_loss is not None and tile_loss.need_entropy
     grads_read_entropy = need.any and row_grads is not None and row_grads.entropy is not None
     want_entropy = return_entropy or loss_reads_entropy or grads_read_entropy
-    cols = chunk_cols(vocab_size, weight.element_size())
-    block = chunk_block(cols, vocab_size)
-    rows_per_tile = tile_rows(plan, head, cols, block)
-    _, _, blocks = one_pass_rows(head, rows_per_tile)
+    if fused:
+        rows_per_tile = plan.rows
+    else:
+        cols = chunk_cols(vocab_size, weight.element_size())
+        block = chunk_block(cols, vocab_size)
+        rows_per_tile = tile_rows(plan, head, cols, block)
+    _, rows_operand, blocks = one_pass_rows(head, rows_per_tile)
+    fused = fused and fp32_logits_rule.readable(rows_operand, weight)
     scalars = kernel_scalars(head.transform, bias)
     stats = new_row_stats(m_rows, device)
     buf_rows = min(rows_per_tile, max(m_rows, 1))
-    # the tile in the operands' dtype, as the cross-entropy's; fp32 logits chunks in a scratch beside a 2-byte one
+    # the tile in the operands' dtype, as the cross-entropy's
     tile = torch.empty((buf_rows, vocab_size), dtype=weight.dtype, device=device)
-    scratch = (None if weight.dtype == torch.float32 else
-               torch.empty(buf_rows * cols, dtype=torch.float32, device=device))
-    offsets = torch.empty((buf_rows, triton.cdiv(vocab_size, block)), dtype=torch.float32, device=device)
-    raw_buf = torch.zeros((buf_rows, k), dtype=torch.float32, device=device)
+    if fused:
+        logits = FusedLogits(head, buf_rows, scalars, want_entropy)
+    else:
+        logits = ChunkedLogits(head, buf_rows, scalars, want_entropy, cols, block)
+    raw_buf = torch.empty((buf_rows, k), dtype=torch.float32, device=device)
     support_logprobs = torch.empty((m_rows, k), dtype=torch.float32, device=device)
     entropy = torch.empty(m_rows, dtype=torch.float32, device=device) if want_entropy else None
     grads = HeadGrads(mul_into=mul_into) if need.any else None
@@ -134,13 +197,9 @@ def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=Non
     ids_all, valid_all = support.ids.contiguous(), support.valid.contiguous()
     for r0, r1, h in blocks:  # h: the tile's kept hidden rows [r1 − r0, H], in weight's dtype
         rows = r1 - r0
-        dz, row_stats, off = tile[:rows], row_slice(stats, r0, r1), offsets[:rows]
+        dz, row_stats = tile[:rows], row_slice(stats, r0, r1)
         ids, valid, raw, s = ids_all[r0:r1], valid_all[r0:r1], raw_buf[:rows], support_logprobs[r0:r1]
-        for c0 in range(0, vocab_size, cols):
-            c1 = min(c0 + cols, vocab_size)
-            x = dz[:, c0:c1] if scratch is None else scratch[: rows * (c1 - c0)].view(rows, c1 - c0)
-            mm_f32_(x, h, weight[c0:c1].t())
-            logits_chunk_(x, dz[:, c0:c1], off, c0, block, bias, ids, row_stats, raw, scalars, want_entropy)
+        tile_lse = logits(h, dz, row_stats, ids, valid, raw)
         run_max, run_sum, run_zp = row_stats[:3]
         support_logprobs_(raw, valid, run_max, run_sum, s, scalars)
         lse = run_max + run_sum.log()
@@ -159,7 +218,9 @@ def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=Non
         g_s = g_s.float().contiguous()
         g_ent = None if g_ent is None else g_ent.float().contiguous()
         ent_arg = lse if ent is None else ent
-        shifted_gradient_(dz, off, block, lse, ent_arg, g_s.sum(1), g_ent, scalars)
+        # the stored tile's probabilities with its own normalizer (dz's row sums stay 0), as the one pass's
+        lse = lse if tile_lse is None else tile_lse
+        shifted_gradient_(dz, logits.offsets[:rows], logits.block, lse, ent_arg, g_s.sum(1), g_ent, scalars)
         scatter_support_grad_(dz, ids, valid, raw, g_s, lse, ent_arg, g_ent, scalars)
         if d_hidden is not None:  # each row's dh is complete within its tile
             mm_f32_(d_hidden[r0:r1], dz, weight)
@@ -174,4 +235,4 @@ def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=Non
     return support_logprobs, entropy, grads
 
 
-__all__ = ["CHUNKS", "chunk_cols", "forced_chunk_cols", "run_support_pass", "tile_rows"]
+__all__ = ["CHUNKS", "ChunkedLogits", "FusedLogits", "chunk_cols", "forced_chunk_cols", "run_support_pass", "tile_rows"]
