@@ -268,29 +268,6 @@ def test_candidate_logits_match_float64(dtype):
     assert (raw[~valid] == 0).all()
 
 
-@interpreted
-def test_argmax_candidate_reads_the_statistics_maximum():
-    """With the rows' arg-max columns, the candidate there gets ``−log Σexp`` exactly (its ``z − max`` taken as 0,
-    whatever its gathered logit says), the others ``(z − max) − log Σexp`` from theirs; invalid slots ``-inf``."""
-    from hf_fused.ops.backends.triton_cublas.support_kernels import support_logprobs_
-    from hf_fused.ops.backends.triton_cublas.tiles import kernel_scalars
-    from hf_fused.ops.logit_transform import LogitTransform
-
-    ids = torch.tensor([[3, 7, 1], [5, 2, 9]])
-    valid = torch.tensor([[True, True, True], [True, True, False]])
-    raw = torch.tensor([[4.0, 5.0 + 3e-6, 2.0], [1.0, 0.5, 0.0]])  # row 0's arg-max candidate a little off the max
-    run_max, run_sum = torch.tensor([5.0, 3.0]), torch.tensor([1.25, 2.5])
-    argmax = torch.tensor([7, 4])  # row 1: its maximum is no candidate
-    s = torch.empty(2, 3)
-    support_logprobs_(raw, valid, run_max, run_sum, s, kernel_scalars(LogitTransform(), None), ids=ids, argmax=argmax)
-    log_sum = run_sum.log()
-    assert s[0, 1] == -log_sum[0]
-    assert torch.allclose(s[0, [0, 2]], raw[0, [0, 2]] - 5.0 - log_sum[0])
-    assert torch.allclose(s[1, :2], raw[1, :2] - 3.0 - log_sum[1]) and torch.isneginf(s[1, 2])
-    with pytest.raises(ValueError, match="ids and argmax come together"):
-        support_logprobs_(raw, valid, run_max, run_sum, s, kernel_scalars(LogitTransform(), None), ids=ids)
-
-
 # -- the chunk and gradient kernels of the shifted tile ------------------------------------------------------------
 
 
@@ -696,8 +673,7 @@ scalars = {"logit_scale": "fp32", "softcap": "fp32", "inv_temperature": "fp32"}
 kernels = {
     "chunk": (T._logits_chunk_kernel, dict(scalars, X="*fp32", T="*bf16", Off="*fp32", Bias="*bf16", M="*fp32",
                                            S="*fp32", ZP="*fp32", Ids="*i64", RAW="*fp32")),
-    "logprobs": (S._support_logprobs_kernel, dict(scalars, RAW="*fp32", Valid="*u8", Ids="*i64", Arg="*i64",
-                                                  RunMax="*fp32",
+    "logprobs": (S._support_logprobs_kernel, dict(scalars, RAW="*fp32", Valid="*u8", RunMax="*fp32",
                                                   RunSum="*fp32", S="*fp32")),
     "scatter": (S._scatter_support_grad_kernel, dict(scalars, DZ="*bf16", Ids="*i64", Valid="*u8", RAW="*fp32",
                                                      G="*fp32", LSE="*fp32", ENT="*fp32", G_ENT="*fp32")),
@@ -719,7 +695,7 @@ for k in (1, 64, 256, 1024):
             flags.update(HAS_BIAS=True, ENTROPY=True, ROUND=0, BLOCK=T.BLOCK_V, BLOCK_K=block)
             warps = T.CHUNK_WARPS
         elif name == "logprobs":
-            flags.update(HAS_ARG=True, BLOCK_K=block)
+            flags["BLOCK_K"] = block
         else:
             dup, warps = S._scatter_launch(block)
             flags.update(HAS_G_ENT=True, ROUND=0, BLOCK_K=block, DUP=dup)

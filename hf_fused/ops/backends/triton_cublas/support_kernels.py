@@ -24,7 +24,6 @@ tensors under ``TRITON_INTERPRET=1`` (CI).
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
 
 import torch
 import triton
@@ -74,8 +73,8 @@ def _candidate_logits_kernel(
 
 @triton.jit
 def _support_logprobs_kernel(
-    RAW, Valid, stride_valid, Ids, stride_ids, Arg, RunMax, RunSum, S, K, logit_scale, softcap, inv_temperature,
-    SOFTCAP: tl.constexpr, SCALED: tl.constexpr, HAS_ARG: tl.constexpr, BLOCK_K: tl.constexpr,
+    RAW, Valid, stride_valid, RunMax, RunSum, S, K, logit_scale, softcap, inv_temperature,
+    SOFTCAP: tl.constexpr, SCALED: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
@@ -83,13 +82,8 @@ def _support_logprobs_kernel(
     valid = tl.load(Valid + row * stride_valid + ks, mask=in_k, other=0) != 0
     raw = tl.load(RAW + row * K + ks, mask=in_k, other=0.0)
     z, _ = apply_transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
-    m = tl.load(RunMax + row)
-    z_minus_max = z - m
-    if HAS_ARG:  # the row's arg-max candidate: z − max is 0 exactly, as the statistics' own logit has it
-        ids = tl.load(Ids + row * stride_ids + ks, mask=in_k, other=-1)
-        z_minus_max = tl.where(ids == tl.load(Arg + row), 0.0, z_minus_max)
     # (z − max) − log Σ exp(z − max), as log_softmax: a likely candidate's log-prob near 0 keeps its digits
-    s = z_minus_max - tl.log(tl.load(RunSum + row))
+    s = (z - tl.load(RunMax + row)) - tl.log(tl.load(RunSum + row))
     tl.store(S + row * K + ks, tl.where(valid, s, float("-inf")), mask=in_k)
 
 
@@ -163,31 +157,23 @@ def candidate_logits_(h: torch.Tensor, weight: torch.Tensor, bias, ids: torch.Te
 
 
 def support_logprobs_(raw: torch.Tensor, valid: torch.Tensor, run_max: torch.Tensor, run_sum: torch.Tensor,
-                      s: torch.Tensor, scalars: dict, *, ids: Optional[torch.Tensor] = None,
-                      argmax: Optional[torch.Tensor] = None) -> None:
+                      s: torch.Tensor, scalars: dict) -> None:
     """Fill ``s`` (fp32 ``[rows, K]``) with each candidate's log-prob ``(z − max) − log Σexp`` after the logit
     transform, from its raw logit plus bias ``raw`` and the rows' complete ``run_max`` and ``run_sum``; ``-inf`` at
-    invalid slots. With ``ids`` and ``argmax`` (the column of each row's maximum, where the statistics and ``raw``
-    come from two fp32 computations of the logits: the fused matmul's accumulator and gathered dot products), the
-    arg-max candidate's ``z − max`` is 0 exactly: otherwise the two computations' difference (~1e-6) would stand in
-    ``1 − Σ_k p_k`` of a confident token, where a tail bucket divides by it.
+    invalid slots.
 
     Args:
         raw: fp32 ``[rows, K]`` contiguous (:func:`~.shifted_tile.logits_chunk_` gathers it).
         valid: bool ``[rows, K]``, unit column stride.  run_max, run_sum: fp32 ``[rows]``.
         s: fp32 ``[rows, K]`` contiguous.  scalars: :func:`~.tiles.kernel_scalars` (the bias flag is not read).
-        ids: int64 ``[rows, K]``, unit column stride, or None.  argmax: int32 or int64 ``[rows]``, or None.
     """
     rows, k = raw.shape
     if rows == 0:
         return
-    if (ids is None) != (argmax is None):
-        raise ValueError("support_logprobs_: ids and argmax come together; pass both or neither")
     with torch.cuda.device(raw.device) if raw.is_cuda else contextlib.nullcontext():
         _support_logprobs_kernel[(rows,)](
-            raw, valid.view(torch.uint8), valid.stride(0), raw if ids is None else ids,
-            0 if ids is None else ids.stride(0), run_max if argmax is None else argmax, run_max, run_sum, s, k,
-            HAS_ARG=argmax is not None, BLOCK_K=candidate_block(k), num_warps=4, **without_bias_flag(scalars),
+            raw, valid.view(torch.uint8), valid.stride(0), run_max, run_sum, s, k, BLOCK_K=candidate_block(k), num_warps=4,
+            **without_bias_flag(scalars),
         )
 
 

@@ -8,9 +8,7 @@ the logits come one of two ways (:class:`FusedLogits` where the fused matmul run
 * **Fused** (bf16 operands on a Hopper GPU, :func:`~.plan.fp32_logits`): :mod:`.fused_matmul`'s matmul folds the
   rows' statistics from its fp32 accumulator and stores the tile shifted by each epilogue slice's row maximum (the
   one pass's tile of the log-prob ops); each candidate's fp32 logit is a gathered dot product ``h·W[id_k]``
-  (:func:`~.support_kernels.candidate_logits_`), but the row's arg-max candidate reads the statistics' own maximum
-  (two fp32 computations of one logit differ by ~1e-6, which a confident token's ``1 − Σ_k p_k`` would carry). No
-  fp32 copy of the logits: bytes per logit as the cross-entropy's.
+  (:func:`~.support_kernels.candidate_logits_`). No fp32 copy of the logits: bytes per logit as the cross-entropy's.
 * **Chunked**: the logits in vocabulary chunks of :func:`chunk_cols` columns, cuBLAS writing each chunk's fp32
   accumulator (into a ``[rows, chunk]`` fp32 scratch for 2-byte operands, about a tenth of the tile's bytes; into the
   fp32 tile's own columns otherwise) and one kernel reading it once (:func:`~.shifted_tile.logits_chunk_`): the
@@ -179,8 +177,7 @@ def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=Non
     _, rows_operand, blocks = one_pass_rows(head, rows_per_tile)
     fused = fused and fp32_logits_rule.readable(rows_operand, weight)
     scalars = kernel_scalars(head.transform, bias)
-    # with the fused matmul, each row's arg-max column too (the candidate there reads the statistics' own maximum)
-    stats = new_row_stats(m_rows, device, ("is_top1",) if fused else ())
+    stats = new_row_stats(m_rows, device)
     buf_rows = min(rows_per_tile, max(m_rows, 1))
     # the tile in the operands' dtype, as the cross-entropy's
     tile = torch.empty((buf_rows, vocab_size), dtype=weight.dtype, device=device)
@@ -204,10 +201,7 @@ def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=Non
         ids, valid, raw, s = ids_all[r0:r1], valid_all[r0:r1], raw_buf[:rows], support_logprobs[r0:r1]
         tile_lse = logits(h, dz, row_stats, ids, valid, raw)
         run_max, run_sum, run_zp = row_stats[:3]
-        if fused:
-            support_logprobs_(raw, valid, run_max, run_sum, s, scalars, ids=ids, argmax=row_stats[5])
-        else:
-            support_logprobs_(raw, valid, run_max, run_sum, s, scalars)
+        support_logprobs_(raw, valid, run_max, run_sum, s, scalars)
         lse = run_max + run_sum.log()
         ent = None
         if entropy is not None:
@@ -241,5 +235,4 @@ def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=Non
     return support_logprobs, entropy, grads
 
 
-__all__ = ["CHUNKS", "ChunkedLogits", "FusedLogits", "chunk_cols", "forced_chunk_cols", "run_support_pass",
-           "tile_rows"]
+__all__ = ["CHUNKS", "ChunkedLogits", "FusedLogits", "chunk_cols", "forced_chunk_cols", "run_support_pass", "tile_rows"]
