@@ -268,6 +268,15 @@ def test_candidate_logits_match_float64(dtype):
     assert (raw[~valid] == 0).all()
 
 
+def test_candidate_logits_step_is_the_fused_matmuls():
+    """The candidates' products run over the hidden size in the fused matmul's own K steps (every launch shape's),
+    so that each logit is accumulated as the statistics' is."""
+    from hf_fused.ops.backends.triton_cublas import fused_matmul
+    from hf_fused.ops.backends.triton_cublas.support_kernels import GATHER_BLOCK_H
+
+    assert {c.block_k for c in fused_matmul.CONFIGS} == {GATHER_BLOCK_H}
+
+
 # -- the chunk and gradient kernels of the shifted tile ------------------------------------------------------------
 
 
@@ -685,7 +694,8 @@ launches = [("gradient", T._shifted_grad_kernel, dict(scalars, T="*bf16", Off="*
              T.GRAD_WARPS, 0),
             ("gather", S._candidate_logits_kernel, dict(H="*bf16", W="*bf16", Ids="*i64", Valid="*u8",
                                                         Bias="*bf16", RAW="*fp32"),
-             dict(HAS_BIAS=True, BLOCK_K=S.GATHER_BLOCK_K, BLOCK_H=S.GATHER_BLOCK_H), 4, 0)]
+             dict(HAS_BIAS=True, WIDEN_DOT=False, ROWS=S.GATHER_ROWS, COPIES=64, BLOCK_K=S.GATHER_BLOCK_K,
+                  BLOCK_H=S.GATHER_BLOCK_H), 4, 0)]
 for k in (1, 64, 256, 1024):
     block = S.candidate_block(k)
     for name, (fn, types) in kernels.items():

@@ -8,8 +8,12 @@ gathered while the tile is written (:func:`~.shifted_tile.logits_chunk_`), and o
 their own, which touch ``[rows, K]`` elements, never ``[rows, V]``:
 
 * :func:`candidate_logits_`: where the logits come from the fused matmul (:mod:`.fused_matmul`, which keeps no fp32
-  copy of them), each candidate's fp32 logit as a dot product ``h·W[id_k]`` of bf16 operands accumulated in fp32, as
-  the matmul's accumulator holds it: ``K·H`` multiply-adds and ``K·H`` gathered weight elements per row.
+  copy of them), each candidate's fp32 logit ``h·W[id_k]`` computed as that matmul's accumulator computes it: the
+  same tensor-core products over the same ``BLOCK_H`` steps of the hidden size, so that the statistics and the
+  candidates read one value of each logit (two fp32 computations differ by ~1e-6, which ``1 − Σ_k p_k`` of a
+  confident token, divided by in a tail bucket, would carry). Each step is a ``[64, BLOCK_H] × [BLOCK_H, C]`` tensor-
+  core product whose 64 rows all hold the row's hidden state (a warpgroup's ``wgmma`` on Hopper, the instruction of
+  the matmul's own products): ``K·H`` gathered weight elements per row.
 * :func:`support_logprobs_`: once a row's statistics are complete, each candidate's log-prob
   ``s_k = (z − max) − log Σ exp(z − max)`` from its gathered fp32 logit (``-inf`` at invalid slots).
 * :func:`scatter_support_grad_`: after the gradient kernel, each valid candidate column's ``dz`` recomputed whole in
@@ -29,15 +33,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .matmul import round_bf16
+from .matmul import round_bf16, to_fp32
 from .tiles import rounds_to_bf16, without_bias_flag
 from .triton_kernels import apply_transform
 
 #: Slots compared at once when summing ``g`` over duplicate ids: a ``[K, DUP_BLOCK]`` block per step.
 DUP_BLOCK = 32
-#: :func:`candidate_logits_`'s program: this many candidate slots of one row, over the hidden size in steps of
-#: ``GATHER_BLOCK_H`` (a ``[32, 128]`` block of gathered weight rows, 256 contiguous bytes each in bf16).
-GATHER_BLOCK_K, GATHER_BLOCK_H = 32, 128
+#: :func:`candidate_logits_`'s program: ``GATHER_ROWS`` rows, ``GATHER_BLOCK_K`` candidate slots of each, over the
+#: hidden size in steps of ``GATHER_BLOCK_H``: the fused matmul's own K step (every launch shape of
+#: :data:`~.fused_matmul.CONFIGS` has ``block_k`` 64; a test checks that they agree).
+GATHER_ROWS, GATHER_BLOCK_K, GATHER_BLOCK_H = 8, 64, 64
 
 
 def _scatter_launch(block_k: int) -> tuple[int, int]:
@@ -50,25 +55,34 @@ def _scatter_launch(block_k: int) -> tuple[int, int]:
 
 @triton.jit
 def _candidate_logits_kernel(
-    H, stride_h, W, stride_w, Ids, Valid, stride_ids, Bias, RAW, K, n_hidden,
-    HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    H, stride_h, W, stride_w, Ids, Valid, stride_ids, Bias, RAW, M, K, n_hidden,
+    HAS_BIAS: tl.constexpr, WIDEN_DOT: tl.constexpr, ROWS: tl.constexpr, COPIES: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_k = ks < K
-    valid = (tl.load(Valid + row * stride_ids + ks, mask=in_k, other=0) != 0) & in_k
-    ids = tl.load(Ids + row * stride_ids + ks, mask=valid, other=0)
-    acc = tl.zeros([BLOCK_K], tl.float32)
-    for h0 in range(0, n_hidden, BLOCK_H):
-        hs = h0 + tl.arange(0, BLOCK_H)
-        in_h = hs < n_hidden
-        x = tl.load(H + row * stride_h + hs, mask=in_h, other=0.0).to(tl.float32)
-        w = tl.load(W + ids[:, None] * stride_w + hs[None, :], mask=valid[:, None] & in_h[None, :],
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)  # bf16 × bf16 is exact in fp32: only the sums round, as in a matmul
-    if HAS_BIAS:
-        acc += tl.load(Bias + ids, mask=valid, other=0.0).to(tl.float32)
-    tl.store(RAW + row * K + ks, acc, mask=in_k)
+    for i in range(ROWS):
+        row = (tl.program_id(0) * ROWS + i).to(tl.int64)
+        if row < M:
+            valid = (tl.load(Valid + row * stride_ids + ks, mask=in_k, other=0) != 0) & in_k
+            ids = tl.load(Ids + row * stride_ids + ks, mask=valid, other=0)
+            acc = tl.zeros([COPIES, BLOCK_K], tl.float32)
+            for h0 in range(0, n_hidden, BLOCK_H):
+                hs = h0 + tl.arange(0, BLOCK_H)
+                in_h = hs < n_hidden
+                # COPIES copies of the row: a tensor-core product whose every row is the fused matmul's own
+                x = tl.broadcast_to(tl.load(H + row * stride_h + hs, mask=in_h, other=0.0)[None, :],
+                                    (COPIES, BLOCK_H))
+                w = tl.load(W + ids[:, None] * stride_w + hs[None, :], mask=valid[:, None] & in_h[None, :],
+                            other=0.0)
+                if WIDEN_DOT:
+                    acc = tl.dot(to_fp32(x), tl.trans(to_fp32(w)), acc)
+                else:
+                    acc = tl.dot(x, tl.trans(w), acc)
+            z = tl.max(acc, axis=0)  # equal rows
+            if HAS_BIAS:
+                z += tl.load(Bias + ids, mask=valid, other=0.0).to(tl.float32)
+            tl.store(RAW + row * K + ks, tl.where(valid, z, 0.0), mask=in_k)
 
 
 @triton.jit
@@ -137,7 +151,8 @@ def candidate_block(k: int) -> int:
 def candidate_logits_(h: torch.Tensor, weight: torch.Tensor, bias, ids: torch.Tensor, valid: torch.Tensor,
                       raw: torch.Tensor) -> None:
     """Fill ``raw`` (fp32 ``[rows, K]``) with each valid candidate's raw logit plus bias, ``h[r]·weight[ids[r, k]]
-    (+ bias[ids[r, k]])``, the products accumulated in fp32 (invalid slots: 0, never read).
+    (+ bias[ids[r, k]])``, the products accumulated in fp32 over ``GATHER_BLOCK_H`` steps of the hidden size, as
+    :func:`~.fused_matmul.logits_statistics_`'s accumulator has them (invalid slots: 0, never read).
 
     Args:
         h: ``[rows, H]``, unit column stride.  weight: ``[V, H]`` in ``h``'s dtype, unit column stride.
@@ -149,9 +164,11 @@ def candidate_logits_(h: torch.Tensor, weight: torch.Tensor, bias, ids: torch.Te
         return
     block_k = min(GATHER_BLOCK_K, candidate_block(k))
     with torch.cuda.device(raw.device) if raw.is_cuda else contextlib.nullcontext():
-        _candidate_logits_kernel[(rows, triton.cdiv(k, block_k))](
+        _candidate_logits_kernel[(triton.cdiv(rows, GATHER_ROWS), triton.cdiv(k, block_k))](
             h, h.stride(0), weight, weight.stride(0), ids, valid.view(torch.uint8), ids.stride(0),
-            raw if bias is None else bias, raw, k, h.shape[1], HAS_BIAS=bias is not None, BLOCK_K=block_k,
+            raw if bias is None else bias, raw, rows, k, h.shape[1], HAS_BIAS=bias is not None,
+            WIDEN_DOT=not h.is_cuda and h.dtype == torch.bfloat16, ROWS=GATHER_ROWS,
+            COPIES=64 if h.is_cuda else 16, BLOCK_K=block_k,
             BLOCK_H=GATHER_BLOCK_H, num_warps=4,
         )
 
@@ -204,5 +221,5 @@ def scatter_support_grad_(dz: torch.Tensor, ids: torch.Tensor, valid: torch.Tens
         )
 
 
-__all__ = ["GATHER_BLOCK_H", "GATHER_BLOCK_K", "candidate_block", "candidate_logits_", "scatter_support_grad_",
+__all__ = ["GATHER_BLOCK_H", "GATHER_BLOCK_K", "GATHER_ROWS", "candidate_block", "candidate_logits_", "scatter_support_grad_",
            "support_logprobs_"]
