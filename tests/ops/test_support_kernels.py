@@ -694,8 +694,8 @@ launches = [("gradient", T._shifted_grad_kernel, dict(scalars, T="*bf16", Off="*
              T.GRAD_WARPS, 0),
             ("gather", S._candidate_logits_kernel, dict(H="*bf16", W="*bf16", Ids="*i64", Valid="*u8",
                                                         Bias="*bf16", RAW="*fp32"),
-             dict(HAS_BIAS=True, WIDEN_DOT=False, ROWS=S.GATHER_ROWS, COPIES=64, BLOCK_K=S.GATHER_BLOCK_K,
-                  BLOCK_H=S.GATHER_BLOCK_H), 4, 0)]
+             dict(HAS_BIAS=True, WIDEN_DOT=False, COPIES=64, BLOCK_K=S.GATHER_BLOCK_K, BLOCK_H=S.GATHER_BLOCK_H,
+                  STAGES=S.GATHER_STAGES), 4, 0)]
 for k in (1, 64, 256, 1024):
     block = S.candidate_block(k)
     for name, (fn, types) in kernels.items():

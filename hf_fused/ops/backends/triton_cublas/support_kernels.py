@@ -39,10 +39,11 @@ from .triton_kernels import apply_transform
 
 #: Slots compared at once when summing ``g`` over duplicate ids: a ``[K, DUP_BLOCK]`` block per step.
 DUP_BLOCK = 32
-#: :func:`candidate_logits_`'s program: ``GATHER_ROWS`` rows, ``GATHER_BLOCK_K`` candidate slots of each, over the
-#: hidden size in steps of ``GATHER_BLOCK_H``: the fused matmul's own K step (every launch shape of
-#: :data:`~.fused_matmul.CONFIGS` has ``block_k`` 64; a test checks that they agree).
-GATHER_ROWS, GATHER_BLOCK_K, GATHER_BLOCK_H = 8, 64, 64
+#: :func:`candidate_logits_`'s program: one row's ``GATHER_BLOCK_K`` candidate slots, over the hidden size in steps
+#: of ``GATHER_BLOCK_H``, the fused matmul's own K step (every launch shape of :data:`~.fused_matmul.CONFIGS` has
+#: ``block_k`` 64; a test checks that they agree), ``GATHER_STAGES`` steps' loads in flight. One row per program:
+#: the steps of a row are a chain of dependent products, so rows in parallel hide their latency.
+GATHER_BLOCK_K, GATHER_BLOCK_H, GATHER_STAGES = 64, 64, 3
 
 
 def _scatter_launch(block_k: int) -> tuple[int, int]:
@@ -55,34 +56,30 @@ def _scatter_launch(block_k: int) -> tuple[int, int]:
 
 @triton.jit
 def _candidate_logits_kernel(
-    H, stride_h, W, stride_w, Ids, Valid, stride_ids, Bias, RAW, M, K, n_hidden,
-    HAS_BIAS: tl.constexpr, WIDEN_DOT: tl.constexpr, ROWS: tl.constexpr, COPIES: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    H, stride_h, W, stride_w, Ids, Valid, stride_ids, Bias, RAW, K, n_hidden,
+    HAS_BIAS: tl.constexpr, WIDEN_DOT: tl.constexpr, COPIES: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
 ):
+    row = tl.program_id(0).to(tl.int64)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_k = ks < K
-    for i in range(ROWS):
-        row = (tl.program_id(0) * ROWS + i).to(tl.int64)
-        if row < M:
-            valid = (tl.load(Valid + row * stride_ids + ks, mask=in_k, other=0) != 0) & in_k
-            ids = tl.load(Ids + row * stride_ids + ks, mask=valid, other=0)
-            acc = tl.zeros([COPIES, BLOCK_K], tl.float32)
-            for h0 in range(0, n_hidden, BLOCK_H):
-                hs = h0 + tl.arange(0, BLOCK_H)
-                in_h = hs < n_hidden
-                # COPIES copies of the row: a tensor-core product whose every row is the fused matmul's own
-                x = tl.broadcast_to(tl.load(H + row * stride_h + hs, mask=in_h, other=0.0)[None, :],
-                                    (COPIES, BLOCK_H))
-                w = tl.load(W + ids[:, None] * stride_w + hs[None, :], mask=valid[:, None] & in_h[None, :],
-                            other=0.0)
-                if WIDEN_DOT:
-                    acc = tl.dot(to_fp32(x), tl.trans(to_fp32(w)), acc)
-                else:
-                    acc = tl.dot(x, tl.trans(w), acc)
-            z = tl.max(acc, axis=0)  # equal rows
-            if HAS_BIAS:
-                z += tl.load(Bias + ids, mask=valid, other=0.0).to(tl.float32)
-            tl.store(RAW + row * K + ks, tl.where(valid, z, 0.0), mask=in_k)
+    valid = (tl.load(Valid + row * stride_ids + ks, mask=in_k, other=0) != 0) & in_k
+    ids = tl.load(Ids + row * stride_ids + ks, mask=valid, other=0)
+    acc = tl.zeros([COPIES, BLOCK_K], tl.float32)
+    for h0 in tl.range(0, n_hidden, BLOCK_H, num_stages=STAGES):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        in_h = hs < n_hidden
+        # COPIES copies of the row: a tensor-core product whose every row is the fused matmul's own
+        x = tl.broadcast_to(tl.load(H + row * stride_h + hs, mask=in_h, other=0.0)[None, :], (COPIES, BLOCK_H))
+        w = tl.load(W + ids[:, None] * stride_w + hs[None, :], mask=valid[:, None] & in_h[None, :], other=0.0)
+        if WIDEN_DOT:
+            acc = tl.dot(to_fp32(x), tl.trans(to_fp32(w)), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    z = tl.max(acc, axis=0)  # equal rows
+    if HAS_BIAS:
+        z += tl.load(Bias + ids, mask=valid, other=0.0).to(tl.float32)
+    tl.store(RAW + row * K + ks, tl.where(valid, z, 0.0), mask=in_k)
 
 
 @triton.jit
@@ -164,12 +161,11 @@ def candidate_logits_(h: torch.Tensor, weight: torch.Tensor, bias, ids: torch.Te
         return
     block_k = min(GATHER_BLOCK_K, candidate_block(k))
     with torch.cuda.device(raw.device) if raw.is_cuda else contextlib.nullcontext():
-        _candidate_logits_kernel[(triton.cdiv(rows, GATHER_ROWS), triton.cdiv(k, block_k))](
+        _candidate_logits_kernel[(rows, triton.cdiv(k, block_k))](
             h, h.stride(0), weight, weight.stride(0), ids, valid.view(torch.uint8), ids.stride(0),
-            raw if bias is None else bias, raw, rows, k, h.shape[1], HAS_BIAS=bias is not None,
-            WIDEN_DOT=not h.is_cuda and h.dtype == torch.bfloat16, ROWS=GATHER_ROWS,
-            COPIES=64 if h.is_cuda else 16, BLOCK_K=block_k,
-            BLOCK_H=GATHER_BLOCK_H, num_warps=4,
+            raw if bias is None else bias, raw, k, h.shape[1], HAS_BIAS=bias is not None,
+            WIDEN_DOT=not h.is_cuda and h.dtype == torch.bfloat16, COPIES=64 if h.is_cuda else 16,
+            BLOCK_K=block_k, BLOCK_H=GATHER_BLOCK_H, STAGES=GATHER_STAGES, num_warps=4,
         )
 
 
@@ -221,5 +217,5 @@ def scatter_support_grad_(dz: torch.Tensor, ids: torch.Tensor, valid: torch.Tens
         )
 
 
-__all__ = ["GATHER_BLOCK_H", "GATHER_BLOCK_K", "GATHER_ROWS", "candidate_block", "candidate_logits_", "scatter_support_grad_",
+__all__ = ["GATHER_BLOCK_H", "GATHER_BLOCK_K", "GATHER_STAGES", "candidate_block", "candidate_logits_", "scatter_support_grad_",
            "support_logprobs_"]
