@@ -184,31 +184,42 @@ def run(args, device: torch.device) -> list[dict]:
         return (grad.to_local() if hasattr(grad, "to_local") else grad).detach().float()
 
     results, out_of_memory = {}, []
-    for variant in variants:  # a warm-up step each (compiles), its loss and lm_head gradient kept
+
+    def attempt(variant, fn):
+        """``fn()`` on every rank, or None where it ran out of memory on one: the variant is then dropped (a step
+        that fit once can still fail later, when another variant's buffers fragmented the allocator)."""
         set_variant(model, variant)
         model.zero_grad(set_to_none=True)
-        loss = ran_on_every_rank(step, device)
-        if loss is None:
+        out = ran_on_every_rank(fn, device)
+        if out is None:
             out_of_memory.append(variant)
+            results.pop(variant, None)
             model.zero_grad(set_to_none=True)
             gc.collect()
             torch.cuda.empty_cache()
-            continue
-        results[variant] = dict(loss=loss, grad=head_grad(), times=[])
+        return out
+
+    for variant in variants:  # a warm-up step each (compiles), its loss and lm_head gradient kept
+        loss = attempt(variant, step)
+        if loss is not None:
+            results[variant] = dict(loss=loss, grad=head_grad(), times=[])
     for _ in range(args.repeats):
-        for variant in results:
-            set_variant(model, variant)
-            model.zero_grad(set_to_none=True)
-            results[variant]["times"].append(measure.time_once_ms(step, device))
+        for variant in list(results):
+            ms = attempt(variant, lambda: measure.time_once_ms(step, device))
+            if ms is not None:
+                results[variant]["times"].append(ms)
+    peaks = {}
+    for variant in list(results):
+        peak = attempt(variant, lambda: measure.peak_memory(step, device)[1])
+        if peak is not None:
+            peaks[variant] = peak
     rows = []
     for variant in variants:
         if variant in out_of_memory:
             rows.append(dict(rank=dist.get_rank(), variant=variant, oom=True, ms=None, tokens_per_s=None,
                              peak_gib=None, total_gib=None, loss=None, errors=None))
             continue
-        set_variant(model, variant)
-        model.zero_grad(set_to_none=True)
-        _, peak = measure.peak_memory(step, device)
+        peak = peaks[variant]
         errors = None
         if variant != "transformers" and "transformers" in results:
             ref = results["transformers"]
