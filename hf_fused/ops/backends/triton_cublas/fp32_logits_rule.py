@@ -29,11 +29,12 @@ ENV = "HF_FUSED_FP32_LOGITS"
 #:   matmul): on, so that they are the statistics pass's (a trainer's old log-probs and its loss's agree at the same
 #:   weights: an off-policy ratio of exactly 1 there, where bf16 tiles put them 2.4e-2 nats RMS, 7.9e-2 at most
 #:   apart, ``python -m benchmarks.rl_parity``, H200, 2026-11-29), and their gradients 2.3e-3 from float64 where
-#:   cuBLAS's tiles give 6.7e-3; the one pass 4–18 % slower than with cuBLAS's tiles and the statistics kernel (the
-#:   cross-entropy's one pass at 8192–32768 × 2048–4096 × 128256–151936), GRPO's 11–25 % (`FusedGRPOTrainer`'s at
-#:   16×2048×2048 and 8×4096×4096 × 151936: 113.0 / 190.6 ms against 90.6 / 172.2; docs/performance.md, H200,
-#:   2026-11-28 and 2026-11-29).
-#: * ``"one_pass"``, the cross-entropy's one pass (its reduced loss alone leaves the op): off, at that cost.
+#:   cuBLAS's tiles give 6.7e-3; with the tile stored through a TMA descriptor the cross-entropy's one pass runs 3–6 %
+#:   slower this way than with cuBLAS's tiles and the statistics kernel (8192–32768 × 2048–4096 × 128256–151936:
+#:   25.1 / 99.8 / 80.1 ms against 23.9 / 96.8 / 75.7, loss 1.5–2.9e-6 from float64 against 7.5–8.9e-6, gradients
+#:   2.3e-3 against 6.8e-3; H200, 2026-11-29, docs/performance.md).
+#: * ``"one_pass"``, the cross-entropy's one pass (its reduced loss alone leaves the op): off, at that cost (QuACK,
+#:   which never rounds the logits, takes 24.3 / 97.8 / 85.0 ms there: the default is 0.90–0.99× its time).
 DEFAULT_ENABLED = {"two_passes": True, "one_pass_logprobs": True, "one_pass": False}
 
 #: How the one pass with the fp32 statistics makes ``dz``: ``"tile"``, the fused matmul also stores the bf16 tile,
