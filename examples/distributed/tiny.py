@@ -88,13 +88,13 @@ def write_model(directory: str) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def run(main, script_arguments, config) -> None:
+def run(main, script_arguments, config, fused_arguments=FusedArguments) -> None:
     """Parse the command line as TRL 1.16's scripts do (``TrlParser`` over ``script_arguments``, the trainer's
-    ``config`` class, ``ModelConfig``, ``DatasetMixtureConfig``) plus :class:`FusedArguments`, and call ``main``
-    with the five."""
+    ``config`` class, ``ModelConfig``, ``DatasetMixtureConfig``) plus ``fused_arguments`` (:class:`FusedArguments`
+    or a script's subclass of it), and call ``main`` with the five."""
     from trl import DatasetMixtureConfig, ModelConfig, TrlParser
 
-    parser = TrlParser((script_arguments, config, ModelConfig, DatasetMixtureConfig, FusedArguments))
+    parser = TrlParser((script_arguments, config, ModelConfig, DatasetMixtureConfig, fused_arguments))
     main(*parser.parse_args_and_config(fail_with_unknown_args=False))
 
 

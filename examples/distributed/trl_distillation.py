@@ -14,11 +14,16 @@ accelerate launch --config_file examples/distributed/zero3.yaml examples/distrib
     --output_dir Qwen2.5-0.5B-Distillation
 ```
 
-(`fsdp2.yaml`, `ddp.yaml` the same way; `--use_peft --lora_target_modules q_proj v_proj lm_head` trains a LoRA
-adapter on the student's lm_head too, which TRL's own kernel refuses.) Every option of TRL's script is accepted
-(``ScriptArguments``, ``DistillationConfig``, ``ModelConfig``, ``DatasetMixtureConfig``), plus two:
+(`fsdp2.yaml`, `fsdp1.yaml`, `ddp.yaml` the same way; `--use_peft --lora_target_modules q_proj v_proj lm_head` trains
+a LoRA adapter on the student's lm_head too, which TRL's own kernel refuses.) Every option of TRL's script is accepted
+(``ScriptArguments``, ``DistillationConfig``, ``ModelConfig``, ``DatasetMixtureConfig``), plus three:
 
 * ``--no_fused_loss``: run TRL's stock trainer and kernel (the unpatched reference for the same command).
+* ``--prepare_teacher_fsdp``: under FSDP, prepare the teacher with TRL's ``prepare_fsdp`` where TRL 1.16 leaves it
+  unprepared (huggingface/trl#2580: on the CPU of a GPU rank, where its forward fails; the fix of trl#6573). With
+  ``apply_fused_loss`` hf_fused does this itself; the flag gives the stock run (``--no_fused_loss``) the same teacher.
+  (Under FSDP1 with ``use_orig_params`` TRL's kernel then fails on the teacher's lm_head, a piece of the flat
+  parameter outside its forward; hf_fused gathers it.)
 * ``--tiny``: offline, no Hub (``tiny.py``): the 2-layer Llama student (hidden 32) and word-level tokenizer of the
   other scripts written to ``<output_dir>/tiny-model``, a wider teacher (hidden 48, same vocabulary) to
   ``<output_dir>/tiny-teacher``, and 256 prompts of 6 words of Python's own documentation; any
@@ -29,9 +34,33 @@ Run from the repository root (the DeepSpeed configs name their JSON files relati
 """
 
 import os
+from dataclasses import dataclass, field
+
+from tiny import FusedArguments
 
 #: ``--tiny``'s teacher: the student's architecture and vocabulary, wider (the divergence needs only the vocabulary).
 TINY_TEACHER_HIDDEN = 48
+
+
+@dataclass
+class DistillationArguments(FusedArguments):
+    prepare_teacher_fsdp: bool = field(
+        default=False,
+        metadata={"help": "Under FSDP, prepare the teacher with TRL's prepare_fsdp where TRL 1.16 leaves it unprepared "
+                          "(huggingface/trl#2580: it stays on the CPU of a GPU rank and its forward fails there; the "
+                          "fix of trl#6573). hf_fused does this itself for a patched student; this gives the stock run "
+                          "(--no_fused_loss) the same teacher."},
+    )
+
+
+def prepare_teacher_fsdp(trainer) -> None:
+    """What trl#6573 adds to the distillation trainers' ``__init__``: under FSDP, a teacher that TRL left unwrapped
+    prepared with ``trl.models.prepare_fsdp`` (TRL's own function, as for DPO's reference model)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from trl.models import prepare_fsdp
+
+    if trainer.is_fsdp_enabled and not isinstance(trainer.teacher_model, (FullyShardedDataParallel, FSDPModule)):
+        trainer.teacher_model = prepare_fsdp(trainer.teacher_model, trainer.accelerator)
 
 
 def write_tiny_teacher(directory: str, student_directory: str) -> None:
@@ -84,6 +113,8 @@ def main(script_args, training_args, model_args, dataset_args, fused_args):
     # (tiny.py); TRL loads and prepares the teacher from its name, as in its script
     trainer = tiny.patched_trainer(DistillationTrainer, dataset, script_args, training_args, model_args, fused_args,
                                    teacher_model=training_args.teacher_model_name_or_path)
+    if fused_args.prepare_teacher_fsdp:
+        prepare_teacher_fsdp(trainer)
     tiny.train_and_save(trainer, training_args, script_args)
 
 
@@ -91,4 +122,4 @@ if __name__ == "__main__":
     import tiny
     from trl import DistillationConfig, ScriptArguments
 
-    tiny.run(main, ScriptArguments, DistillationConfig)
+    tiny.run(main, ScriptArguments, DistillationConfig, DistillationArguments)

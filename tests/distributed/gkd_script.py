@@ -1,9 +1,10 @@
 """A GKD training script in the shape of TRL's scripts (TRL 1.16 ships none for its experimental ``GKDTrainer``), for
 tests/distributed/test_distillation_engines.py: the student ``GKDTrainer`` would load from ``--model_name_or_path``
 loaded the same way and passed through ``apply_fused_loss`` (unless ``--no_fused_loss``), the teacher given by name
-and loaded and prepared by TRL. Only ``--tiny`` (examples/distributed/tiny.py): the tiny student and tokenizer, the
-wider teacher of examples/distributed/trl_distillation.py, and 256 two-turn conversations of the documentation's
-words joined by a plain chat template.
+and loaded and prepared by TRL (``--prepare_teacher_fsdp`` as in examples/distributed/trl_distillation.py). Only
+``--tiny`` (examples/distributed/tiny.py): the tiny student and tokenizer, the wider teacher of
+examples/distributed/trl_distillation.py, and 256 two-turn conversations of the documentation's words joined by a
+plain chat template.
 
     accelerate launch --config_file examples/distributed/<engine>.yaml tests/distributed/gkd_script.py --tiny ...
 
@@ -28,7 +29,7 @@ def conversations(count: int) -> list:
 def main(script_args, training_args, model_args, dataset_args, fused_args):
     import tiny
     import transformers
-    from trl_distillation import write_tiny_teacher
+    from trl_distillation import prepare_teacher_fsdp, write_tiny_teacher
     from trl.experimental.gkd import GKDTrainer
 
     if not fused_args.tiny:
@@ -47,6 +48,8 @@ def main(script_args, training_args, model_args, dataset_args, fused_args):
         apply_fused_loss(model)
     trainer = GKDTrainer(model=model, teacher_model=teacher, args=training_args,
                          train_dataset=dataset[script_args.dataset_train_split], processing_class=tokenizer)
+    if fused_args.prepare_teacher_fsdp:
+        prepare_teacher_fsdp(trainer)
     tiny.train_and_save(trainer, training_args, script_args)
 
 
@@ -55,4 +58,6 @@ if __name__ == "__main__":
     from trl import ScriptArguments
     from trl.experimental.gkd import GKDConfig
 
-    tiny.run(main, ScriptArguments, GKDConfig)
+    from trl_distillation import DistillationArguments
+
+    tiny.run(main, ScriptArguments, GKDConfig, DistillationArguments)

@@ -12,8 +12,9 @@ the script:
 ``RUNS.json`` lists the runs of this launch, ``[{"case": {"script", "args"}, "dir"}, ...]``; each runs ``script``
 with ``args`` and ``--output_dir <dir>``, one after the other in this process (a launch costs far more than a tiny
 script's run; the environment is restored after each). For each run, each rank writes ``{"rank", "head_calls",
-"partitioned_head_calls", "head_positions"}`` (the most positions of a row its fused head received) as JSON to
-``<dir>/run.<rank>.json``; rank 0 writes ``torch.save({"initial", "params", "wrapper"})`` to ``<dir>/run.params.pt``.
+"partitioned_head_calls", "head_positions", "teacher"}`` (the most positions of a row its fused head received; a
+distillation trainer's teacher as training starts, :func:`teacher_record`) as JSON to ``<dir>/run.<rank>.json``;
+rank 0 writes ``torch.save({"initial", "params", "wrapper"})`` to ``<dir>/run.params.pt``.
 A run that raised writes its traceback to ``<dir>/error.txt``, and the next one runs.
 """
 
@@ -38,6 +39,7 @@ def record_parameters() -> None:
     train = transformers.Trainer.train
 
     def recorded(self, *args, **kwargs):
+        _current["teacher"] = teacher_record(getattr(self, "teacher_model", None))
         initial = full_parameters(self.model)  # collective under ZeRO-3: every rank calls it
         result = train(self, *args, **kwargs)
         params = full_parameters(self.model)
@@ -47,6 +49,19 @@ def record_parameters() -> None:
         return result
 
     transformers.Trainer.train = recorded
+
+
+def teacher_record(teacher) -> dict | None:
+    """A distillation trainer's teacher as training starts: its wrapper's class, whether FSDP (1 or 2) wraps it,
+    and whether its lm_head weight is a DTensor (FSDP2's shard); ``None`` without a teacher."""
+    if teacher is None:
+        return None
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    head = getattr(teacher, "module", teacher).get_output_embeddings()
+    return {"wrapper": type(teacher).__name__, "fsdp": isinstance(teacher, (FSDPModule, FullyShardedDataParallel)),
+            "dtensor_head": isinstance(head.weight, DTensor)}
 
 
 def keep_the_process_group() -> None:
@@ -71,7 +86,7 @@ def share_the_tiny_text() -> None:
 
 def run_script(script: str, args: list[str], directory: str) -> None:
     out = os.path.join(directory, "run")
-    _current["out"] = out
+    _current.update(out=out, teacher=None)
     calls = count_fused_head_calls()
     sys.argv = [script, *args, "--output_dir", directory]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as ``python SCRIPT`` sets it: the script's imports
@@ -79,7 +94,7 @@ def run_script(script: str, args: list[str], directory: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump({"rank": rank, "head_calls": calls["all"], "partitioned_head_calls": calls["partitioned"],
-                   "head_positions": calls["max_positions"]}, f)
+                   "head_positions": calls["max_positions"], "teacher": _current["teacher"]}, f)
 
 
 def main(batch_file: str) -> None:

@@ -7,6 +7,16 @@ teacher through ``accelerator.prepare_model(evaluation_mode=True)``), against th
 so one process would draw other completions; under the same engine, seed and (to fp32 rounding) weights both draw
 the same ones.
 
+Under FSDP, ``accelerator.prepare_model`` leaves the teacher unprepared (on GPU ranks on the CPU, where its forward
+fails: huggingface/trl#2580); in the patched runs hf_fused prepares it with TRL's ``prepare_fsdp`` (trl#6573's fix),
+which each of their ranks records (``script_runner.teacher_record``): under FSDP2 the teacher's lm_head then reaches
+the divergence as a ``Shard(0)`` DTensor. On CPU ranks the stock runs keep TRL's whole, unprepared teacher, so the
+comparison checks the sharded teacher's path against it; on GPUs they take the same fix (``--prepare_teacher_fsdp``).
+Under FSDP1 (``use_orig_params``) the prepared teacher's lm_head is a flat shard outside its forward, which hf_fused
+gathers for the divergence and TRL's kernel cannot read: the patched ``DistillationTrainer`` under FSDP1 is compared
+with stock under DDP, and ``GKDTrainer`` on the dataset's completions (TRL's on-policy generation fails under FSDP1)
+with stock under FSDP1.
+
 One launch holds every run the selected tests ask of every engine (``launch.SharedLaunches``, stock runs first;
 each run under its own engine's accelerate environment, ``ranks.launched_under``):
 TRL's defaults (``beta=1``, temperature 1) and the generalized JSD with a temperature (``--beta 0.5
@@ -56,6 +66,11 @@ OBJECTIVES = {"reverse_kl": [], "jsd": ["--beta", "0.5", "--temperature", "0.7"]
 LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0",
         "--lora_target_modules", "q_proj", "v_proj", "lm_head"]
 ENGINES = ["zero3", "fsdp2", "ddp"]
+#: The stock runs' teacher under FSDP on GPUs: TRL 1.16 leaves it unprepared, on the CPU, where its forward fails
+#: (huggingface/trl#2580); ``--prepare_teacher_fsdp`` gives it trl#6573's fix, which hf_fused applies in the patched
+#: runs. On CPU ranks TRL's unprepared teacher runs (whole, on the CPU): the stock runs keep it, so the comparison
+#: also checks the patched runs' sharded teacher against a whole one.
+STOCK_TEACHER = ["--prepare_teacher_fsdp"] if CUDA else []
 #: GKD (tests/distributed/gkd_script.py): ``ARGS`` with GKD's names, every micro-batch on the student's generations
 #: (``lmbda`` 1), its default β = 0.5, for one optimizer step. Over a second step the parameter check would measure
 #: fp32 rounding, not the loss: this student's near-uniform attention leaves a few tensors (layer 0's ``k_proj``) with
@@ -66,21 +81,41 @@ GKD_STEPS = 1
 GKD_ARGS = [*ARGS[:ARGS.index("--max_steps")], "--max_steps", str(GKD_STEPS),
             *ARGS[ARGS.index("--max_steps") + 2:ARGS.index("--max_completion_length")], "--max_new_tokens", "4",
             "--lmbda", "1.0", *ARGS[ARGS.index("--max_completion_length") + 2:]]
+#: GKD on the dataset's completions (``lmbda`` 0): under FSDP1 TRL 1.16 cannot generate with the student (its forward
+#: outside FSDP's call reads flat shards: "'weight' must be 2-D"), stock or patched.
+GKD_OFF_POLICY_ARGS = [*GKD_ARGS[:GKD_ARGS.index("--lmbda") + 1], "0.0", *GKD_ARGS[GKD_ARGS.index("--lmbda") + 2:]]
 
 
 def script_run(engine: str, *args: str, script=SCRIPT, base=ARGS) -> Run:
     return Run.of(engine, RANKS, dict(script=str(script), args=[*base, *args], fused="--no_fused_loss" not in args))
 
 
+def stock_teacher(engine: str) -> list[str]:
+    return STOCK_TEACHER if engine.startswith("fsdp") else []
+
+
 def objective_runs(engine: str, objective: str) -> list[Run]:
     """``[stock, fused]``: the script with ``OBJECTIVES[objective]`` under ``engine``."""
-    return [script_run(engine, *OBJECTIVES[objective], "--no_fused_loss"), script_run(engine, *OBJECTIVES[objective])]
+    return [script_run(engine, *OBJECTIVES[objective], "--no_fused_loss", *stock_teacher(engine)),
+            script_run(engine, *OBJECTIVES[objective])]
 
 
 def gkd_runs(engine: str) -> list[Run]:
     """``[stock, fused]``: the GKD script under ``engine``."""
-    return [script_run(engine, "--no_fused_loss", script=GKD_SCRIPT, base=GKD_ARGS),
+    return [script_run(engine, "--no_fused_loss", *stock_teacher(engine), script=GKD_SCRIPT, base=GKD_ARGS),
             script_run(engine, script=GKD_SCRIPT, base=GKD_ARGS)]
+
+
+def fsdp1_runs(objective: str) -> list[Run]:
+    """``[stock under DDP, fused under FSDP1]``: the script with ``OBJECTIVES[objective]``."""
+    return [objective_runs("ddp", objective)[0], script_run("fsdp1", *OBJECTIVES[objective])]
+
+
+def gkd_off_policy_fsdp1_runs() -> list[Run]:
+    """``[stock, fused]``: the GKD script on the dataset's completions under FSDP1."""
+    return [script_run("fsdp1", "--no_fused_loss", *stock_teacher("fsdp1"), script=GKD_SCRIPT,
+                       base=GKD_OFF_POLICY_ARGS),
+            script_run("fsdp1", script=GKD_SCRIPT, base=GKD_OFF_POLICY_ARGS)]
 
 
 def lora_runs(engine: str) -> list[Run]:
@@ -110,11 +145,33 @@ def test_gkd_script_matches_stock_under_the_same_engine(engine, runs):
     assert_same_training(*(runs(run) for run in gkd_runs(engine)), engine, steps=GKD_STEPS)
 
 
-def assert_same_training(stock: dict, fused: dict, engine: str, steps: int = STEPS) -> None:
-    """hf_fused ran on every micro-batch of every rank of ``fused`` and never in ``stock``; every logged metric of
-    each of the ``steps`` steps and every parameter (relative to the update) agree; lm_head and most of the backbone
+@pytest.mark.parametrize("objective", list(OBJECTIVES))
+def test_distillation_script_under_fsdp1_matches_stock_under_ddp(objective, runs):
+    """``DistillationTrainer`` under FSDP1 (``use_orig_params``), its teacher prepared and its lm_head, a flat shard
+    outside the teacher's forward, gathered for hf_fused's divergence, against stock TRL under DDP on the same ranks
+    and seed. TRL 1.16's kernel reads that shard as the weight ("mat2 must be a matrix"), so no stock run under FSDP1
+    exists to compare with; under DDP the updates agree to fp32 rounding (stock TRL under FSDP1 without
+    ``use_orig_params``, whose views stay whole, matches stock under DDP exactly)."""
+    stock, fused = (runs(run) for run in fsdp1_runs(objective))
+    assert_same_training(stock, fused, "fsdp1", stock_engine="ddp")
+
+
+def test_gkd_script_off_policy_under_fsdp1_matches_stock(runs):
+    """``GKDTrainer`` under FSDP1 on the dataset's completions: the teacher prepared by hf_fused, its logit transform
+    measured through FSDP1's call, its lm_head gathered for the divergence; against TRL's full logits under FSDP1."""
+    assert_same_training(*(runs(run) for run in gkd_off_policy_fsdp1_runs()), "fsdp1", steps=GKD_STEPS)
+
+
+def assert_same_training(stock: dict, fused: dict, engine: str, steps: int = STEPS, stock_engine: str = "") -> None:
+    """hf_fused ran on every micro-batch of every rank of ``fused`` and never in ``stock``; under FSDP the fused
+    run's teacher was sharded (:func:`assert_teacher_prepared`), the stock run's (under ``stock_engine``, by default
+    ``engine``) as TRL 1.16 leaves it (on GPUs: with trl#6573's fix, ``STOCK_TEACHER``); every logged metric of each
+    of the ``steps`` steps and every parameter (relative to the update) agree; lm_head and most of the backbone
     moved."""
     assert_hf_fused_ran(fused, stock, engine, calls=steps * ACCUMULATION)
+    assert_teacher_prepared(fused, engine)
+    stock_fsdp = {c["teacher"]["fsdp"] for c in stock["counts"]}
+    assert stock_fsdp == {bool(stock_teacher(stock_engine or engine))}, stock["counts"]
     assert len(fused["logs"]) == len(stock["logs"]) == steps
     for step, (f, s) in enumerate(zip(fused["logs"], stock["logs"])):
         assert f.keys() == s.keys()
@@ -128,6 +185,18 @@ def assert_same_training(stock: dict, fused: dict, engine: str, steps: int = STE
     assert "lm_head.weight" in moved and len(moved) >= len(errors) // 2, moved
 
 
+def assert_teacher_prepared(fused: dict, engine: str) -> None:
+    """Under FSDP the patched run's teacher, which TRL 1.16 leaves unprepared, was prepared by hf_fused with TRL's
+    ``prepare_fsdp`` on every rank (FSDP2: ``fully_shard``, its lm_head weight a DTensor; FSDP1: wrapped in
+    ``FullyShardedDataParallel``); under another engine it is what TRL made of it (ZeRO-3: a DeepSpeed engine of its
+    own; DDP: the bare model)."""
+    teachers = [c["teacher"] for c in fused["counts"]]
+    if engine.startswith("fsdp"):
+        assert all(t["fsdp"] and t["dtensor_head"] == (engine == "fsdp2") for t in teachers), teachers
+    else:
+        assert not any(t["fsdp"] for t in teachers), teachers
+
+
 @pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
 def test_distillation_script_with_lora_on_the_students_lm_head_trains_it(engine, runs):
     """TRL's kernel refuses a LoRA adapter on lm_head; the patched script trains it under the engine, computing the
@@ -135,6 +204,7 @@ def test_distillation_script_with_lora_on_the_students_lm_head_trains_it(engine,
     _needs(engine)
     (got,) = (runs(run) for run in lora_runs(engine))
     assert all(c["head_calls"] >= STEPS * ACCUMULATION for c in got["counts"]), got["counts"]
+    assert_teacher_prepared(got, engine)
     assert all(math.isfinite(e["loss"]) and e["grad_norm"] > 0 for e in got["logs"]), got["logs"]
     adapter = [n for n in got["params"] if "lm_head" in n and "lora_" in n]
     assert len(adapter) == 2, adapter
@@ -210,6 +280,8 @@ PLANS = {
     "test_distillation_script_matches_stock_under_the_same_engine": objective_runs,
     "test_distillation_script_with_lora_on_the_students_lm_head_trains_it": lora_runs,
     "test_gkd_script_matches_stock_under_the_same_engine": gkd_runs,
+    "test_distillation_script_under_fsdp1_matches_stock_under_ddp": fsdp1_runs,
+    "test_gkd_script_off_policy_under_fsdp1_matches_stock": gkd_off_policy_fsdp1_runs,
 }
 
 

@@ -42,7 +42,7 @@ def _targets() -> list[tuple[object, str]]:
 
     targets = [(transformers.Trainer, "prediction_step"), (trainer_module, "apply_liger_kernel"),
                (trl_utils, "add_fused_lm_head"), (DistillationTrainer, "__init__"),
-               (distillation_module, "_chunked_divergence_loss"), (GKDTrainer, "compute_loss"),
+               (distillation_module, "_chunked_divergence_loss"), (GKDTrainer, "compute_loss"), (GKDTrainer, "__init__"),
                (async_module, "_chunked_jsd_loss"), (async_module.AsyncDistillationTrainer, "_compute_loss"),
                (ServerDistillationTrainer, "compute_loss")]
     for module_name, cls in _TRAINER_CLASSES().items():

@@ -23,7 +23,11 @@ What hf_fused does differently, for a patched student:
   (DeepSpeed ZeRO-3 gathers the head for it, and hf_fused's gather node again for its backward); a teacher head that
   ZeRO-3 has partitioned again after the teacher's forward is gathered for the call;
 * FSDP2: a DTensor weight is gathered once per call with ``full_tensor()`` and cast to its hidden states' dtype, as
-  TRL does.
+  TRL does;
+* under FSDP the teacher, which TRL 1.16 leaves unprepared (on the CPU of a GPU rank: huggingface/trl#2580), is
+  prepared with TRL's ``prepare_fsdp`` after ``__init__``, as trl#6573 proposes (:mod:`.teacher_fsdp`); its lm_head
+  weight is then an FSDP2 DTensor outside its forward, gathered as above, or under FSDP1 a piece of its flat
+  parameter, which TRL's kernel cannot read and hf_fused gathers for the call.
 """
 
 from __future__ import annotations
@@ -37,10 +41,11 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ...model import patched_models
+from ...model import is_fused, patched_models
 from ..patching import ThirdPartyPatch
 from .divergence import TeacherHead, divergence_in_head_call
 from .hooks import lm_head_adapter_hidden_from_trl
+from .teacher_fsdp import prepare_teacher_under_fsdp
 
 #: ``_chunked_divergence_loss``'s parameters in TRL 1.16: the call answered here (checked at install).
 DIVERGENCE_PARAMETERS = (
@@ -125,8 +130,9 @@ def divergence_signature_mismatch(module: types.ModuleType) -> Optional[str]:
 
 def _install(module: types.ModuleType, patch: ThirdPartyPatch) -> None:
     """Rebind ``_chunked_divergence_loss`` (answered by hf_fused for a patched student) and wrap
-    ``DistillationTrainer.__init__`` (a LoRA adapter on a patched student's lm_head passes TRL's check); or, for a TRL
-    whose function has another shape, record why not and warn."""
+    ``DistillationTrainer.__init__`` (for a patched student: a LoRA adapter on its lm_head passes TRL's check, and a
+    teacher TRL left unprepared under FSDP is prepared, :mod:`.teacher_fsdp`); or, for a TRL whose function has
+    another shape, record why not and warn."""
     why = divergence_signature_mismatch(module)
     if why is not None:
         patch.state["refused"] = why
@@ -169,6 +175,8 @@ def _install(module: types.ModuleType, patch: ThirdPartyPatch) -> None:
             return init(self, *args, **kwargs)
         with lm_head_adapter_hidden_from_trl(kwargs.get("model", args[0] if args else None)):
             init(self, *args, **kwargs)
+        if is_fused(self.model):
+            prepare_teacher_under_fsdp(self)
 
     __init__.__hf_fused__ = True
     patch.rebind(trainer_cls, "__init__", __init__)
@@ -183,8 +191,10 @@ TRL_DISTILLATION = ThirdPartyPatch(
              "shape: nothing rebound, a warning)",
     why="DistillationTrainer computes its divergence with TRL's chunked kernel from lm_head.weight, bypassing the "
         "patched forward (and refuses a LoRA adapter on lm_head); hf_fused answers it in one pass, the adapter "
-        "included",
+        "included. Under FSDP TRL 1.16 leaves the teacher unprepared (huggingface/trl#2580: on the CPU of a GPU "
+        "rank); for a patched student __init__ then prepares it with trl.models.prepare_fsdp, the fix of the open "
+        "trl#6573, only where TRL left it unwrapped (that part can go once the supported TRL includes #6573)",
     passes_through="a student that is not patched: TRL's function and its kernel; an unpatched model: TRL's "
-                   "__init__ and its lm_head check, unchanged",
+                   "__init__, its lm_head check and its teacher, unchanged; a teacher TRL wrapped itself: left as is",
     apply=_install,
 )

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ...model import FusedRequest, as_kwargs, head_tensors, intercept_lm_head
 from ...ops import DistillationOutput, linear_distillation_loss
+from .teacher_fsdp import fsdp1_whole
 
 #: The keyword of the patched student's call that computes a distillation loss (:func:`distillation_forward`).
 CALL_KEYWORD = "hf_fused_distillation"
@@ -157,17 +158,19 @@ def _whole(tensor: Optional[torch.Tensor], dtype: Optional[torch.dtype] = None) 
 
 @contextlib.contextmanager
 def _gathered(params):
-    """Those of ``params`` that ZeRO-3 has partitioned right now, whole for the block (a teacher's head, read after
+    """Those of ``params`` that ZeRO-3 has partitioned right now, or that FSDP1 holds for a teacher
+    (:func:`~hf_fused.integrations.trl.teacher_fsdp.fsdp1_whole`), whole for the block (a teacher's head, read after
     its forward released it). Collective: every rank computes the loss."""
     partitioned = [p for p in params if p is not None and getattr(getattr(p, "ds_status", None), "name", None)
                    == "NOT_AVAILABLE"]
-    if not partitioned:
-        yield
-        return
-    import deepspeed
+    with fsdp1_whole(params):
+        if not partitioned:
+            yield
+            return
+        import deepspeed
 
-    with deepspeed.zero.GatheredParameters(partitioned):
-        yield
+        with deepspeed.zero.GatheredParameters(partitioned):
+            yield
 
 
 def _on(value, device: torch.device):

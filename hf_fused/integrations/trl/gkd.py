@@ -15,6 +15,11 @@ as ``DistillationTrainer``'s (β = 0 forward KL, β = 1 reverse KL, otherwise th
   registered in :mod:`hf_fused.integrations` answers: the divergence is computed inside the student's lm_head call,
   where engines have its parameters whole, exactly as its fused loss is.
 
+Under FSDP, TRL 1.16 leaves the teacher unprepared (on the CPU of a GPU rank: huggingface/trl#2580); for a patched
+student the entry's ``__init__`` wrapper prepares it with TRL's ``prepare_fsdp``, as trl#6573 proposes
+(:mod:`.teacher_fsdp`). Its lm_head, sharded once its forward has returned (an FSDP2 DTensor, a piece of FSDP1's flat
+parameter), is gathered once per call; under FSDP1 its logit transform is measured through the wrapper's call.
+
 Where its options do not allow it, ``compute_loss`` is TRL's (full logits) and a one-time
 :class:`~hf_fused.model.FusedLossBypassedWarning` says why and what to do: a subclass with its own
 ``generalized_jsd_loss`` (a divergence hf_fused cannot know), ``return_outputs=True`` (the caller wants the student's
@@ -42,6 +47,7 @@ from ...model.transform_probe import measure_logit_transform
 from ...ops import LogitTransform
 from ..patching import ThirdPartyPatch
 from .divergence import CALL_KEYWORD, DistillationCall, TeacherHead
+from .teacher_fsdp import is_fsdp1, prepare_teacher_under_fsdp
 
 #: TRL 1.16's ``GKDTrainer.generalized_jsd_loss`` parameters and the defaults ``compute_loss`` relies on.
 JSD_PARAMETERS = ("student_logits", "teacher_logits", "labels", "beta", "temperature", "reduction",
@@ -82,7 +88,7 @@ def _teacher_head(teacher: nn.Module, input_ids: torch.Tensor, attention_mask: t
     :class:`TeacherHead`: the states its lm_head received and its lm_head read as hf_fused reads one."""
     causal_lm = find_causal_lm(teacher)
     lm_head = causal_lm.get_output_embeddings()
-    transform = teacher_transform(causal_lm)
+    transform = teacher_transform(causal_lm, teacher)
     seen = {}
 
     def answer(hidden):
@@ -94,14 +100,16 @@ def _teacher_head(teacher: nn.Module, input_ids: torch.Tensor, attention_mask: t
     if "hidden" not in seen:
         raise RuntimeError(f"the teacher's forward ({type(causal_lm).__name__}) did not call its lm_head")
     hidden = seen["hidden"]
-    return TeacherHead(tensors=lambda: head_tensors(lm_head, hidden), params=tuple(partitioned_head_params(lm_head)),
+    # ZeRO-3's partitioned head parameters, and an FSDP1 teacher's (teacher_fsdp.fsdp1_whole), gathered for the call
+    params = tuple({id(p): p for p in (*partitioned_head_params(lm_head), *lm_head.parameters())}.values())
+    return TeacherHead(tensors=lambda: head_tensors(lm_head, hidden), params=params,
                        logit_scale=transform.logit_scale, softcap=transform.softcap)
 
 
-def teacher_transform(causal_lm: nn.Module) -> LogitTransform:
-    """The logit transform of the teacher's forward: a patched teacher's, or measured once (a short forward, as
-    :func:`hf_fused.apply_fused_loss` measures it; collective under ZeRO-3 and FSDP2, where every rank computes the
-    loss).
+def teacher_transform(causal_lm: nn.Module, teacher: Optional[nn.Module] = None) -> LogitTransform:
+    """The logit transform of the teacher's forward (``causal_lm``, inside ``teacher`` if given): a patched teacher's,
+    or measured once (a short forward, as :func:`hf_fused.apply_fused_loss` measures it; collective under ZeRO-3 and
+    FSDP, where every rank computes the loss; through FSDP1's wrapper, whose call unshards the parameters).
 
     Raises:
         NotImplementedError, FusedLossVerificationError: as :func:`hf_fused.apply_fused_loss` would for it.
@@ -112,7 +120,7 @@ def teacher_transform(causal_lm: nn.Module) -> LogitTransform:
     if causal_lm not in _TRANSFORMS:
         try:
             check_head_supported(causal_lm.get_output_embeddings())
-            _TRANSFORMS[causal_lm] = measure_logit_transform(causal_lm)
+            _TRANSFORMS[causal_lm] = measure_logit_transform(teacher if is_fsdp1(teacher) else causal_lm)
         except (NotImplementedError, FusedLossVerificationError) as error:
             _TRANSFORMS[causal_lm] = error  # measured once, whatever the outcome
     found = _TRANSFORMS[causal_lm]
@@ -152,7 +160,8 @@ def _why_not_fused(trainer, original_jsd, return_outputs: bool) -> Optional[str]
                 "KL or the JSD), use DistillationTrainer, or compute your loss in compute_loss with "
                 "hf_fused.linear_distillation_loss from model(..., fused_output='hidden_states')")
     try:
-        teacher_transform(find_causal_lm(getattr(trainer, "teacher_model", None)))
+        teacher = getattr(trainer, "teacher_model", None)
+        teacher_transform(find_causal_lm(teacher), teacher)
     except (TypeError, NotImplementedError, FusedLossVerificationError) as error:
         return (f"hf_fused cannot read the teacher's head ({error}); a teacher whose lm_head is nn.Linear (or a "
                 "PEFT LoRA layer around one) and whose forward only scales or soft-caps its output is computed from "
@@ -161,8 +170,9 @@ def _why_not_fused(trainer, original_jsd, return_outputs: bool) -> Optional[str]
 
 
 def _install(module: types.ModuleType, patch: ThirdPartyPatch) -> None:
-    """Wrap ``GKDTrainer.compute_loss`` (see the module docstring); or, for a ``GKDTrainer`` of another shape, record
-    why not and warn."""
+    """Wrap ``GKDTrainer.compute_loss`` (see the module docstring) and ``GKDTrainer.__init__`` (for a patched student,
+    a teacher TRL left unprepared under FSDP is prepared, :mod:`.teacher_fsdp`); or, for a ``GKDTrainer`` of another
+    shape, record why not and warn."""
     trainer_cls = module.GKDTrainer
     why = gkd_shape_mismatch(trainer_cls)
     if why is not None:
@@ -188,6 +198,17 @@ def _install(module: types.ModuleType, patch: ThirdPartyPatch) -> None:
     compute_loss.__hf_fused__ = True
     patch.rebind(trainer_cls, "compute_loss", compute_loss)
 
+    init = trainer_cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if live() and is_fused(self.model):
+            prepare_teacher_under_fsdp(self)
+
+    __init__.__hf_fused__ = True
+    patch.rebind(trainer_cls, "__init__", __init__)
+
 
 def _warn_once(model: nn.Module, why_not: str) -> None:
     """Say once per student why GKD's loss is computed from the full logits (and keep the patched forward's own
@@ -206,14 +227,18 @@ def _warn_once(model: nn.Module, why_not: str) -> None:
 TRL_GKD = ThirdPartyPatch(
     name="GKDTrainer.compute_loss",
     module="trl.experimental.gkd.gkd_trainer",
-    target="trl.experimental.gkd.gkd_trainer.GKDTrainer.compute_loss",
+    target="trl.experimental.gkd.gkd_trainer.GKDTrainer.compute_loss and GKDTrainer.__init__",
     trigger="first apply_fused_loss; applied when trl.experimental.gkd.gkd_trainer is imported (at once if it is)",
     versions="trl 1.16 (generalized_jsd_loss's parameters and defaults and compute_loss's calls checked at install; "
              "another shape: nothing wrapped, a warning)",
     why="GKDTrainer computes its divergence from both models' full logits; for a patched student hf_fused computes "
-        "it from hidden states in one pass",
+        "it from hidden states in one pass. Under FSDP TRL 1.16 leaves the teacher unprepared (huggingface/trl#2580: "
+        "on the CPU of a GPU rank); for a patched student __init__ then prepares it with trl.models.prepare_fsdp, the "
+        "fix of the open trl#6573, only where TRL left it unwrapped (that part can go once the supported TRL "
+        "includes #6573)",
     passes_through="a student that is not patched, another trainer's call, and (with a one-time warning saying why "
                    "and what to do) a subclass's own generalized_jsd_loss, return_outputs=True or a teacher hf_fused "
-                   "cannot read: TRL's compute_loss",
+                   "cannot read: TRL's compute_loss; an unpatched student or a teacher TRL wrapped itself: TRL's "
+                   "__init__ and teacher, unchanged",
     apply=_install,
 )
