@@ -46,8 +46,10 @@ from .support_kernels import candidate_logits_, scatter_support_grad_, support_l
 from .tiles import kernel_scalars, new_row_stats, row_slice
 
 _NO_GRADS = NeededGrads(False, False, False)
-#: Vocabulary chunks of a 2-byte operand's tile row block: the fp32 scratch ``[rows, ⌈V / CHUNKS⌉]`` (whole blocks of
-#: :data:`~.shifted_tile.BLOCK_V`) is about a tenth of the tile's bytes. The fastest of 8 to 32 chunks within 1.1× the
+#: Vocabulary chunks of a 2-byte operand's tile row block in the chunked path (where the fused matmul does not run; on
+#: a Hopper GPU :class:`FusedLogits` takes 1.08–1.09× the cross-entropy's time there, docs/performance.md): the fp32
+#: scratch ``[rows, ⌈V / CHUNKS⌉]`` (whole blocks of :data:`~.shifted_tile.BLOCK_V`) is about a tenth of the tile's
+#: bytes. The fastest of 8 to 32 chunks within 1.1× the
 #: fused cross-entropy's memory at 16k × 2048 × 151,936 bf16 on an H200 (docs/performance.md, 2026-11-29): 53.5 ms
 #: at K = 8 and 64 (1.05× / 1.07× its memory), where 8 chunks took 53.2 ms at 1.13× and 16 took 53.9 ms. Two fp32
 #: scratches with the chunk kernels on a side stream (overlapping the next chunk's matmul) measured slower within the
