@@ -7,8 +7,9 @@ the logits come one of two ways (:class:`FusedLogits` where the fused matmul run
 
 * **Fused** (bf16 operands on a Hopper GPU, :func:`~.plan.fp32_logits`): :mod:`.fused_matmul`'s matmul folds the
   rows' statistics from its fp32 accumulator and stores the tile shifted by each epilogue slice's row maximum (the
-  one pass's tile of the log-prob ops); each candidate's fp32 logit is a gathered dot product ``h·W[id_k]``
-  (:func:`~.support_kernels.candidate_logits_`). No fp32 copy of the logits: bytes per logit as the cross-entropy's.
+  one pass's tile of the log-prob ops); each candidate's fp32 logit ``h·W[id_k]`` as that matmul's accumulator
+  computes it (:func:`~.support_kernels.candidate_logits_`), so that the statistics and the candidates read one value
+  of each logit. No fp32 copy of the logits: bytes per logit as the cross-entropy's.
 * **Chunked**: the logits in vocabulary chunks of :func:`chunk_cols` columns, cuBLAS writing each chunk's fp32
   accumulator (into a ``[rows, chunk]`` fp32 scratch for 2-byte operands, about a tenth of the tile's bytes; into the
   fp32 tile's own columns otherwise) and one kernel reading it once (:func:`~.shifted_tile.logits_chunk_`): the
@@ -103,9 +104,9 @@ def tile_rows(plan: OnePassPlan, head: HeadInputs, cols: int, block: int) -> int
 
 class FusedLogits:
     """A tile's logits from :mod:`.fused_matmul`: the statistics from the fp32 accumulator, the tile stored shifted
-    per epilogue slice (its shifts in :attr:`offsets`, :attr:`block` columns each), the candidates' fp32 logits by
-    gathered dot products. Returns the stored tile's own log-sum-exp, which normalizes its probabilities (as in
-    :class:`~.one_pass.TileStatistics`)."""
+    per epilogue slice (its shifts in :attr:`offsets`, :attr:`block` columns each), the candidates' fp32 logits as
+    that accumulator computes them (:func:`~.support_kernels.candidate_logits_`: the same bits on an H200). Returns
+    the stored tile's own log-sum-exp, which normalizes its probabilities (as in :class:`~.one_pass.TileStatistics`)."""
 
     def __init__(self, head: HeadInputs, rows: int, scalars: dict, entropy: bool) -> None:
         self.weight, self.bias, self.scalars, self.entropy = head.weight, head.bias, scalars, entropy
