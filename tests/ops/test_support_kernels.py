@@ -247,6 +247,26 @@ def test_all_tokens_dropped_and_frozen_weight(path):
 
 
 @interpreted
+def test_rows_the_fused_matmul_cannot_read_take_the_chunked_logits():
+    """Hidden states whose rows the fused matmul cannot read (a row stride of 68 bytes, no TMA descriptor) where the
+    fused logits are asked for: the chunked logits answer instead, loss and gradients at ``RTOL`` of float64."""
+    leaves, support = _head(seed=7, k=6, duplicates=False, bias=False)
+    support["mask"] = torch.ones_like(support["mask"])  # every row kept: no compact copy of the rows
+    padded = torch.zeros(leaves[0].shape[0], H + 1)
+    padded[:, 1:] = leaves[0].detach()
+    hidden = padded[:, 1:].requires_grad_()
+    with _one_pass(8, "fused"):
+        out = sparse_distillation_loss(hidden, leaves[1], support["support_ids"], support["teacher_logprobs"],
+                                       support_mask=support["support_mask"], mask=support["mask"], backend="triton")
+        out.loss.backward()
+    ref = [leaf64(leaves[0]), leaf64(leaves[1])]
+    div = _dense_divergence(ref + [None], support, beta=0.0, add_tail_bucket=True)
+    (div.sum() / support["mask"].sum()).backward()
+    assert rel_err(out.loss, div.sum() / support["mask"].sum()) <= RTOL
+    assert rel_err(hidden.grad, ref[0].grad) <= RTOL and rel_err(leaves[1].grad, ref[1].grad) <= RTOL
+
+
+@interpreted
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_candidate_logits_match_float64(dtype):
     """The fused path's candidate logits: ``h·W[id] + b`` as float64 computes it on the same values, to fp32's

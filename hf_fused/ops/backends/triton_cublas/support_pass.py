@@ -142,7 +142,6 @@ class ChunkedLogits:
 
     def __call__(self, h, dz, row_stats, ids, valid, raw) -> None:
         rows, vocab_size, cols = h.shape[0], self.weight.shape[0], self.cols
-        raw.zero_()
         for c0 in range(0, vocab_size, cols):
             c1 = min(c0 + cols, vocab_size)
             x = dz[:, c0:c1] if self.scratch is None else self.scratch[: rows * (c1 - c0)].view(rows, c1 - c0)
@@ -171,12 +170,11 @@ def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=Non
     loss_reads_entropy = tile_loss is not None and tile_loss.need_entropy
     grads_read_entropy = need.any and row_grads is not None and row_grads.entropy is not None
     want_entropy = return_entropy or loss_reads_entropy or grads_read_entropy
-    if fused:
-        rows_per_tile = plan.rows
-    else:
-        cols = chunk_cols(vocab_size, weight.element_size())
-        block = chunk_block(cols, vocab_size)
-        rows_per_tile = tile_rows(plan, head, cols, block)
+    cols = chunk_cols(vocab_size, weight.element_size())
+    block = chunk_block(cols, vocab_size)
+    # the plan's rows for the fused logits; they hold the chunked path's buffers too, should the rows operand turn
+    # out unreadable for the fused matmul (the plan counted the fused matmul's larger bytes per row)
+    rows_per_tile = plan.rows if fused else tile_rows(plan, head, cols, block)
     _, rows_operand, blocks = one_pass_rows(head, rows_per_tile)
     fused = fused and fp32_logits_rule.readable(rows_operand, weight)
     scalars = kernel_scalars(head.transform, bias)
@@ -188,7 +186,7 @@ def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=Non
         logits = FusedLogits(head, buf_rows, scalars, want_entropy)
     else:
         logits = ChunkedLogits(head, buf_rows, scalars, want_entropy, cols, block)
-    raw_buf = torch.empty((buf_rows, k), dtype=torch.float32, device=device)
+    raw_buf = torch.zeros((buf_rows, k), dtype=torch.float32, device=device)  # invalid slots: 0, never read
     support_logprobs = torch.empty((m_rows, k), dtype=torch.float32, device=device)
     entropy = torch.empty(m_rows, dtype=torch.float32, device=device) if want_entropy else None
     grads = HeadGrads(mul_into=mul_into) if need.any else None
