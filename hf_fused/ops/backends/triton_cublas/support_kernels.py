@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_matmul_launch import CONFIGS
 from .matmul import round_bf16, to_fp32
 from .tiles import rounds_to_bf16, without_bias_flag
 from .triton_kernels import apply_transform
@@ -40,10 +41,10 @@ from .triton_kernels import apply_transform
 #: Slots compared at once when summing ``g`` over duplicate ids: a ``[K, DUP_BLOCK]`` block per step.
 DUP_BLOCK = 32
 #: :func:`candidate_logits_`'s program: one row's ``GATHER_BLOCK_K`` candidate slots, over the hidden size in steps
-#: of ``GATHER_BLOCK_H``, the fused matmul's own K step (every launch shape of :data:`~.fused_matmul.CONFIGS` has
-#: ``block_k`` 64; a test checks that they agree), ``GATHER_STAGES`` steps' loads in flight. One row per program:
-#: the steps of a row are a chain of dependent products, so rows in parallel hide their latency.
-GATHER_BLOCK_K, GATHER_BLOCK_H, GATHER_STAGES = 64, 64, 3
+#: of ``GATHER_BLOCK_H``, the fused matmul's own K step (every launch shape of :data:`~.fused_matmul.CONFIGS` has the
+#: same ``block_k``; a test checks it), ``GATHER_STAGES`` steps' loads in flight. One row per program: the steps of a
+#: row are a chain of dependent products, so rows in parallel hide their latency.
+GATHER_BLOCK_K, GATHER_BLOCK_H, GATHER_STAGES = 64, CONFIGS[0].block_k, 3
 
 
 def _scatter_launch(block_k: int) -> tuple[int, int]:
@@ -217,5 +218,5 @@ def scatter_support_grad_(dz: torch.Tensor, ids: torch.Tensor, valid: torch.Tens
         )
 
 
-__all__ = ["GATHER_BLOCK_H", "GATHER_BLOCK_K", "GATHER_STAGES", "candidate_block", "candidate_logits_", "scatter_support_grad_",
-           "support_logprobs_"]
+__all__ = ["GATHER_BLOCK_H", "GATHER_BLOCK_K", "GATHER_STAGES", "candidate_block", "candidate_logits_",
+           "scatter_support_grad_", "support_logprobs_"]
