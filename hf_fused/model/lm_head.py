@@ -105,7 +105,7 @@ def _whole_weight(linear: nn.Module, device: torch.device) -> torch.Tensor:
     (exact: a product with the identity, with autocast off so it is not rounded to bf16 on the way), and its
     gradient flows back through FSDP's hooks like any LoRA forward's.
     """
-    if not _is_fsdp1_unit(linear):
+    if not is_fsdp1_unit(linear):
         return linear.weight
     inner = linear.module
     eye = torch.eye(inner.in_features, dtype=inner.weight.dtype, device=device)  # the weight may be offloaded
@@ -113,7 +113,8 @@ def _whole_weight(linear: nn.Module, device: torch.device) -> torch.Tensor:
         return linear(eye).t()
 
 
-def _is_fsdp1_unit(module: nn.Module) -> bool:
+def is_fsdp1_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is FSDP1's ``FullyShardedDataParallel`` wrapper (a unit of its own)."""
     if not torch.distributed.is_available():
         return False
     from torch.distributed.fsdp import FullyShardedDataParallel

@@ -42,12 +42,12 @@ import torch.nn.functional as F
 from ...model import FusedLossBypassedWarning, FusedLossVerificationError, find_causal_lm, head_tensors, is_fused
 from ...model.distributed import partitioned_head_params
 from ...model.forward import lm_head_answering
-from ...model.lm_head import check_head_supported
+from ...model.lm_head import check_head_supported, is_fsdp1_unit
 from ...model.transform_probe import measure_logit_transform
 from ...ops import LogitTransform
 from ..patching import ThirdPartyPatch
 from .divergence import CALL_KEYWORD, DistillationCall, TeacherHead
-from .teacher_fsdp import is_fsdp1, prepare_teacher_under_fsdp
+from .teacher_fsdp import prepare_teacher_under_fsdp
 
 #: TRL 1.16's ``GKDTrainer.generalized_jsd_loss`` parameters and the defaults ``compute_loss`` relies on.
 JSD_PARAMETERS = ("student_logits", "teacher_logits", "labels", "beta", "temperature", "reduction",
@@ -120,7 +120,7 @@ def teacher_transform(causal_lm: nn.Module, teacher: Optional[nn.Module] = None)
     if causal_lm not in _TRANSFORMS:
         try:
             check_head_supported(causal_lm.get_output_embeddings())
-            _TRANSFORMS[causal_lm] = measure_logit_transform(teacher if is_fsdp1(teacher) else causal_lm)
+            _TRANSFORMS[causal_lm] = measure_logit_transform(teacher if is_fsdp1_unit(teacher) else causal_lm)
         except (NotImplementedError, FusedLossVerificationError) as error:
             _TRANSFORMS[causal_lm] = error  # measured once, whatever the outcome
     found = _TRANSFORMS[causal_lm]

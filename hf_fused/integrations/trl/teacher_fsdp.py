@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ...model.lm_head import is_fsdp1_unit
+
 
 def is_fsdp_wrapped(model: nn.Module) -> bool:
     """Whether ``model`` is FSDP1's ``FullyShardedDataParallel`` or carries FSDP2's ``fully_shard``
@@ -38,15 +40,6 @@ def is_fsdp_wrapped(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     return isinstance(model, (FullyShardedDataParallel, FSDPModule))
-
-
-def is_fsdp1(model) -> bool:
-    """Whether ``model`` is FSDP1's ``FullyShardedDataParallel`` wrapper."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return isinstance(model, FullyShardedDataParallel)
 
 
 def teacher_left_unprepared(trainer) -> bool:
@@ -87,7 +80,7 @@ def register_fsdp1_teacher(teacher: nn.Module) -> None:
     ``FullyShardedDataParallel`` (its innermost unit around lm_head: the root under accelerate's auto-wrap policies,
     which wrap decoder layers), for :func:`fsdp1_whole`. Without ``use_orig_params`` lm_head keeps no parameters of
     its own (FSDP1 sets views of the flat parameter, whole on the root after its forward): nothing is recorded."""
-    if not is_fsdp1(teacher):
+    if not is_fsdp1_unit(teacher):
         return
     from torch.distributed.fsdp import FullyShardedDataParallel
 
