@@ -30,7 +30,6 @@ Raises:
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import sys
@@ -195,8 +194,7 @@ def run(args, device: torch.device) -> list[dict]:
             out_of_memory.append(variant)
             results.pop(variant, None)
             model.zero_grad(set_to_none=True)
-            gc.collect()
-            torch.cuda.empty_cache()
+            measure.free_memory(device)
         return out
 
     for variant in variants:  # a warm-up step each (compiles), its loss and lm_head gradient kept
@@ -208,18 +206,18 @@ def run(args, device: torch.device) -> list[dict]:
             ms = attempt(variant, lambda: measure.time_once_ms(step, device))
             if ms is not None:
                 results[variant]["times"].append(ms)
-    peaks = {}
+    peaks = {}  # variant -> (peak bytes above the weights, the allocator's whole peak in GiB), read after its step
     for variant in list(results):
         peak = attempt(variant, lambda: measure.peak_memory(step, device)[1])
         if peak is not None:
-            peaks[variant] = peak
+            peaks[variant] = (peak, measure.peak_gib(device))
     rows = []
     for variant in variants:
         if variant in out_of_memory:
             rows.append(dict(rank=dist.get_rank(), variant=variant, oom=True, ms=None, tokens_per_s=None,
                              peak_gib=None, total_gib=None, loss=None, errors=None))
             continue
-        peak = peaks[variant]
+        peak, total_gib = peaks[variant]
         errors = None
         if variant != "transformers" and "transformers" in results:
             ref = results["transformers"]
@@ -227,7 +225,7 @@ def run(args, device: torch.device) -> list[dict]:
         ms = statistics.median(results[variant]["times"])
         rows.append(dict(rank=dist.get_rank(), variant=variant, oom=False, ms=ms,
                          tokens_per_s=args.batch * args.seq_len / ms * 1e3, peak_gib=peak / measure.GIB,
-                         total_gib=measure.peak_gib(device), loss=results[variant]["loss"].item(), errors=errors))
+                         total_gib=total_gib, loss=results[variant]["loss"].item(), errors=errors))
     model.zero_grad(set_to_none=True)
     return rows
 
