@@ -1,6 +1,7 @@
 """Tensor-parallel runs for tests/distributed/test_tensor_parallel.py, under ``torch.distributed.run`` (every rank one
-tensor-parallel rank over gloo), ``accelerate launch`` with examples/distributed/tp2.yaml or fsdp2_tp2.yaml, or as
-one plain process (the unpatched single-process reference). One argument: a
+tensor-parallel rank over gloo, or with ``HF_FUSED_TEST_DEVICE=cuda`` on a GPU of its own over NCCL: ranks.py),
+``accelerate launch`` with examples/distributed/tp2.yaml or fsdp2_tp2.yaml, or as one plain process (the unpatched
+single-process reference; under ``HF_FUSED_TEST_DEVICE=cuda`` on the first GPU). One argument: a
 JSON file listing the runs of this launch, ``[{"case": {...}, "dir": ...}, ...]`` (as launch.py writes it); a run
 that raises leaves its traceback in ``<dir>/error.txt``. Rank 0 writes ``<dir>/result.pt``. A case:
 
@@ -46,7 +47,9 @@ replicas' in replica order), ``completions_agree`` (the ranks of each replica ge
 
 Accelerate allows a ``ParallelismConfig`` (which ``Trainer`` builds for a tensor-parallel model) only on accelerators;
 on CPU ranks :func:`allow_parallelism_config_on_cpu_ranks` lets it through, as ``cpu_fsdp/sitecustomize.py`` lets
-FSDP through: the ranks then run what they run on GPUs.
+FSDP through: the ranks then run what they run on GPUs. On GPU ranks nothing is lifted: the trainers run on the
+rank's GPU (``use_cpu`` off), the worker's own meshes are CUDA meshes, and what the worker builds itself (models,
+batches, hidden states) goes to the rank's GPU (``ranks.rank_device``); results are saved as CPU tensors as on CPU.
 """
 
 from __future__ import annotations
@@ -60,13 +63,15 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ranks import exit_rank, run_each
+from ranks import CUDA, exit_rank, init_process_group, rank_device, run_each
 from train_worker import TinyDataset, VocabWidthTracker, count_fused_head_calls, full_parameters
 
 
 def allow_parallelism_config_on_cpu_ranks() -> None:
     """Accelerate refuses a ``ParallelismConfig`` on ``MULTI_CPU`` ranks (its check names accelerators only); skip that
-    check there. Nothing else of accelerate changes."""
+    check there. Nothing else of accelerate changes; on GPU ranks (``HF_FUSED_TEST_DEVICE=cuda``) nothing at all."""
+    if CUDA:
+        return
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DistributedType
 
@@ -168,7 +173,7 @@ def train(case: dict, out: str) -> dict:
         output_dir=os.path.join(os.path.dirname(out), "trainer"), per_device_train_batch_size=4 // case.get("fsdp", 1),
         max_steps=3, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
         logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0, bf16=case.get("bf16", False),
-        use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+        use_cpu=not CUDA, dataloader_num_workers=0, disable_tqdm=True,
     )
     model = load(case, tensor_parallel=True)
     trainer_cls = transformers.Trainer
@@ -195,18 +200,19 @@ def train(case: dict, out: str) -> dict:
 
 def colwise(case: dict, out: str) -> dict:
     """Two SGD steps of a custom loop: the patched model's loss, then ``LinearCrossEntropyLoss`` on hidden states."""
-    model = load(case, tensor_parallel=False)
+    device = rank_device()
+    model = load(case, tensor_parallel=False).to(device)  # no Trainer to place it: on the rank's device first
     if world() > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-        mesh = init_device_mesh("cpu", (world(),))
+        mesh = init_device_mesh(device.type, (world(),))
         parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
     initial = full_parameters(model)
     dataset = TinyDataset()
     batch = [dataset[i] for i in range(4)]
-    inputs = {k: torch.stack([row[k] for row in batch]) for k in batch[0]}
+    inputs = {k: torch.stack([row[k] for row in batch]).to(device) for k in batch[0]}
     losses = []
     if case.get("fused"):
         from hf_fused import LinearCrossEntropyLoss, apply_fused_loss
@@ -256,10 +262,12 @@ def layouts(case: dict, out: str) -> dict:
     from hf_fused.model.tensor_parallel import local_hidden, vocab_parallel_head
     from hf_fused.ops import linear_cross_entropy
 
-    mesh = init_device_mesh("cpu", (1, world()), mesh_dim_names=("dp", "tp"))
-    g = torch.Generator().manual_seed(0)
+    device = rank_device()
+    mesh = init_device_mesh(device.type, (1, world()), mesh_dim_names=("dp", "tp"))
+    g = torch.Generator().manual_seed(0)  # drawn on the CPU (the same values on every device), then moved
     hidden, weight, bias = torch.randn(2, 5, 16, generator=g), torch.randn(131, 16, generator=g), torch.randn(131)
     labels = torch.randint(0, 131, (2, 5), generator=g)
+    hidden, weight, bias, labels = (t.to(device) for t in (hidden, weight, bias, labels))
     whole = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     ref = linear_cross_entropy(whole[0], whole[1], labels, whole[2])
     ref.backward()
@@ -296,14 +304,15 @@ def fsdp_shard_refused(case: dict, out: str) -> dict:
 
     from hf_fused import LinearCrossEntropyLoss
 
-    model = load(case, tensor_parallel=False)
-    fully_shard(model, mesh=init_device_mesh("cpu", (world(),)))
+    device = rank_device()
+    model = load(case, tensor_parallel=False).to(device)
+    fully_shard(model, mesh=init_device_mesh(device.type, (world(),)))
     loss_fn = LinearCrossEntropyLoss(model.lm_head)
     dataset = TinyDataset()
     row = dataset[dist.get_rank()]
-    hidden = torch.randn(1, row["labels"].numel(), model.config.hidden_size)
+    hidden = torch.randn(1, row["labels"].numel(), model.config.hidden_size).to(device)
     try:
-        loss_fn(hidden, row["labels"][None])
+        loss_fn(hidden, row["labels"][None].to(device))
     except NotImplementedError as e:
         return {"error": str(e)}
     return {"error": None}
@@ -343,7 +352,7 @@ def trl_trainer(case: dict, out: str) -> dict:
     common = dict(
         output_dir=os.path.join(os.path.dirname(out), "trainer"), per_device_train_batch_size=4 // case.get("fsdp", 1),
         max_steps=3, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
-        logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0, bf16=False, use_cpu=True,
+        logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0, bf16=False, use_cpu=not CUDA,
         dataloader_num_workers=0, disable_tqdm=True,
     )
     if case["trl"] == "sft":
@@ -390,6 +399,18 @@ def base_seed_draw(generator: torch.Generator | None = None) -> None:
     torch.empty((), dtype=torch.int64).random_(generator=generator)
 
 
+def sampling_rng_state() -> tuple:
+    """The global generators sampling draws from: the CPU's and, under ``HF_FUSED_TEST_DEVICE=cuda``, the current
+    GPU's (``torch.multinomial`` on CUDA probabilities draws from the GPU's generator, not the CPU's)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if CUDA else None
+
+
+def set_sampling_rng_state(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+
+
 def replica_seeded(trainer_cls: type, replicas: int) -> type:
     """``trainer_cls`` (TRL's ``GRPOTrainer``) in one process sampling as ``replicas`` data-parallel replicas do:
     the generation batch's ``replicas`` equal consecutive slices (accelerate's data loader hands replica ``r`` the
@@ -399,14 +420,17 @@ def replica_seeded(trainer_cls: type, replicas: int) -> type:
     ``__init__`` (hf_fused's re-seeding, integrations/trl/tensor_parallel.py), then advanced by the draws every
     process makes before its first generation. Those draws are found, not assumed: the count of data-loader base-seed
     draws (:func:`base_seed_draw`) that takes this process's generator from its state after ``__init__`` to its
-    state at the first generation; anything else drawn raises. Only the first generation can be reproduced so: after
-    it each replica's ranks shuffle their own rows with their own generator (``_prepare_inputs``), which one process
-    does not; a second generation raises."""
+    state at the first generation; anything else drawn raises. On a GPU sampling draws from the GPU's generator
+    (:func:`sampling_rng_state`), seeded alike and drawn from by nothing before the first generation (checked: it
+    raises otherwise). Only the first generation can be reproduced so: after it each replica's ranks shuffle their
+    own rows with their own generator (``_prepare_inputs``), which one process does not; a second generation
+    raises."""
 
     class ReplicaSeeded(trainer_cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._after_init = torch.get_rng_state()  # TRL's set_seed(seed, device_specific=True): seed + 0
+            self._gpu_after_init = sampling_rng_state()[1]
             self._generations = 0
 
         def _generate_single_turn(self, prompt_ids, *args, **kwargs):
@@ -416,23 +440,27 @@ def replica_seeded(trainer_cls: type, replicas: int) -> type:
             draws = self._draws_since_init()
             streams = []
             for r in range(replicas):
-                torch.manual_seed(self.args.seed + r)
+                torch.manual_seed(self.args.seed + r)  # the GPUs' generators too
                 for _ in range(draws):
                     base_seed_draw()
-                streams.append(torch.get_rng_state())
+                streams.append(sampling_rng_state())
             per_replica = len(prompt_ids) // replicas
             completions, logprobs = [], []
             for r in range(replicas):
-                torch.set_rng_state(streams[r])
+                set_sampling_rng_state(streams[r])
                 ids, lps = super()._generate_single_turn(prompt_ids[r * per_replica:(r + 1) * per_replica], *args,
                                                          **kwargs)
-                streams[r] = torch.get_rng_state()
+                streams[r] = sampling_rng_state()
                 completions += ids
                 logprobs = None if lps is None else logprobs + lps
-            torch.set_rng_state(streams[0])  # one process carries on as replica 0's ranks do
+            set_sampling_rng_state(streams[0])  # one process carries on as replica 0's ranks do
             return completions, logprobs
 
         def _draws_since_init(self) -> int:
+            gpu = sampling_rng_state()[1]
+            if gpu is not None and not torch.equal(gpu, self._gpu_after_init):
+                raise RuntimeError("replica_seeded: the GPU's generator moved between __init__ and the first "
+                                   "generation; the replicas' generators cannot be reproduced")
             now, probe = torch.get_rng_state(), torch.Generator()
             probe.set_state(self._after_init)
             for draws in range(MAX_DRAWS_BEFORE_GENERATION + 1):
@@ -476,8 +504,8 @@ def rollouts(case: dict, out: str) -> dict:
         per_device_train_batch_size=4 // replicas if world() > 1 else 4,
         num_generations=case.get("num_generations", 4), max_completion_length=6, max_steps=case["steps"],
         learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
-        logging_steps=1, save_strategy="no", report_to=[], seed=0, bf16=False, use_cpu=True, dataloader_num_workers=0,
-        disable_tqdm=True, beta=case["beta"],
+        logging_steps=1, save_strategy="no", report_to=[], seed=0, bf16=False, use_cpu=not CUDA,
+        dataloader_num_workers=0, disable_tqdm=True, beta=case["beta"],
     )
     data = Dataset.from_dict({"prompt": grpo_harness.PROMPTS})
     kwargs = dict(model=model, reward_funcs=grpo_harness.length_reward, train_dataset=data,
@@ -576,7 +604,9 @@ KINDS = {"trainer": train, "colwise": colwise, "lora_refused": lora_refused, "la
 def main(batch_file: str) -> None:
     torch.set_num_threads(1)
     if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        init_process_group()  # gloo, or NCCL on this rank's GPU (ranks.py)
+    else:
+        rank_device()  # one plain process: under HF_FUSED_TEST_DEVICE=cuda the first GPU made current
 
     def run(case: dict, directory: str) -> None:
         out = os.path.join(directory, "result.pt")

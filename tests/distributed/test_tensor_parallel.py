@@ -1,4 +1,6 @@
-"""Tensor parallelism through the public entry points, on CPU ranks over gloo (tensor_parallel_worker.py):
+"""Tensor parallelism through the public entry points, on CPU ranks over gloo (tensor_parallel_worker.py), or with
+``HF_FUSED_TEST_DEVICE=cuda`` one GPU per rank over NCCL (ranks.py; the single-process references on the first GPU;
+the runs of 3 and 4 ranks skipped with fewer GPUs than ranks):
 ``apply_fused_loss`` (or ``FusedTrainer``) on a model loaded with
 ``from_pretrained(path, distributed_config=DistributedConfig(tp_size=n))`` (lm_head a ``Shard(0)`` DTensor whose
 transformers forward all-gathers the logits) trained by ``transformers.Trainer``, on 2 ranks launched with
@@ -35,13 +37,27 @@ pytestmark = [
     pytest.mark.skipif(
         not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="needs gloo"
     ),
-    pytest.mark.skipif(CUDA, reason="CPU ranks over gloo only: the worker trains on CPU (docs/tensor_parallel.md)"),
 ]
 
 WORKER = HERE / "tensor_parallel_worker.py"
 #: A prime vocabulary above the dataset's ids (< 128); V·H differs from the 48 tokens' logits' numel (the
 #: vocabulary-width tracker skips tensors of the weight's size).
 VOCAB, HIDDEN = 131, 60
+
+
+def gpus_short(ranks: int) -> str | None:
+    """Why a run on ``ranks`` ranks cannot run here: under ``HF_FUSED_TEST_DEVICE=cuda`` each rank takes a GPU of its
+    own (conftest.py skips the module with fewer than 2); None where it can."""
+    if CUDA and torch.cuda.device_count() < ranks:
+        return (f"HF_FUSED_TEST_DEVICE=cuda runs each rank on its own GPU: {ranks} ranks need {ranks} GPUs, found "
+                f"{torch.cuda.device_count()}")
+    return None
+
+
+def skip_if_gpus_short(ranks: int) -> None:
+    reason = gpus_short(ranks)
+    if reason:
+        pytest.skip(reason)
 
 
 def make_model(tied: bool):
@@ -79,6 +95,8 @@ PARITY = {"tp2-untied": (2, "untied", "Trainer"), "tp2-tied-FusedTrainer": (2, "
 
 def parity_runs(name: str) -> list[Run]:
     ranks, model, trainer = PARITY[name]
+    if gpus_short(ranks):
+        return []  # the test skips
     case = trainer_case(model, fused=True, trainer=trainer)
     return [tensor_parallel(case, ranks), reference(case)]
 
@@ -100,6 +118,8 @@ def colwise_runs() -> list[Run]:
 
 
 def fsdp_runs() -> list[Run]:
+    if gpus_short(4):
+        return []  # the test skips
     case = trainer_case("untied", fused=True)
     return [Run.of("fsdp2_tp2", 4, {**case, "fsdp": 2}), reference(case)]
 
@@ -146,6 +166,8 @@ def rollout_runs(name: str) -> list[Run]:
     """The rollout run ``name`` and its single-process reference; under FSDP2 × TP the reference samples as the 2
     replicas do (tensor_parallel_worker.replica_seeded)."""
     case = dict(kind="rollouts", fused=True, **ROLLOUTS[name])
+    if gpus_short(2 * case.get("fsdp", 1)):
+        return []  # the test skips
     run = Run.of("fsdp2_tp2", 4, case) if case.get("fsdp", 1) > 1 else tensor_parallel(case, 2)
     return [run, reference(case)]
 
@@ -168,6 +190,8 @@ def trl_runs(name: str) -> list[Run]:
     """The TRL run ``name`` and its single-process reference; under FSDP2 × TP, in the launch of
     :func:`fsdp_runs`' 4 ranks, against the same reference as the tensor-parallel run of that trainer."""
     ranks, trainer, model, fsdp = TRL_PARITY[name]
+    if gpus_short(ranks):
+        return []  # the test skips
     case = dict(kind="trl", trl=trainer, model=model, fused=True)
     run = Run.of("fsdp2_tp2", ranks, {**case, "fsdp": fsdp}) if fsdp > 1 else tensor_parallel(case, ranks)
     return [run, reference(case)]
@@ -195,8 +219,8 @@ def runs(request, tmp_path_factory) -> SharedLaunches:
         batch = dirs[0] / "batch.json"
         batch.write_text(json.dumps(entries))
         config, ranks, timeout_s = batch_runs[0].config, batch_runs[0].processes, launch_timeout(len(batch_runs))
-        if config is None:
-            run([sys.executable, str(WORKER), str(batch)], timeout_s=timeout_s)
+        if config is None:  # on GPUs the first one only (several: Trainer would wrap it in nn.DataParallel)
+            run([sys.executable, str(WORKER), str(batch)], gpus=1, timeout_s=timeout_s)
         elif config == "torchrun":
             run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
                  str(WORKER), str(batch)], timeout_s=timeout_s)
@@ -245,8 +269,9 @@ def test_trainer_under_tensor_parallelism_matches_single_process(name, runs):
     and every updated parameter as the single-process unpatched run; hf_fused's head ran at every step on each
     rank's rows of lm_head (the DTensor's own layout: ceil-sized shards), with no collective of the vocabulary's
     width and no tensor of the whole vocabulary's width (transformers' own forward all-gathers the logits)."""
-    tp, ref = (runs(r) for r in parity_runs(name))
     ranks, model, _ = PARITY[name]
+    skip_if_gpus_short(ranks)
+    tp, ref = (runs(r) for r in parity_runs(name))
     assert_matches_reference(tp, ref, ranks)
     assert tp["shards"] == chunk_shards(ranks)
     assert tp["head_calls"] == 3 and tp["max_vocab_rows"] == 0
@@ -296,6 +321,7 @@ def test_fsdp2_times_tensor_parallel(runs):
     ``(_StridedShard(0), Shard(0))`` on the (fsdp, tp) mesh; inside, FSDP2 has gathered its own dimension and hf_fused
     reads a ``Shard(0)`` DTensor of the tensor-parallel dimension. The losses and every updated parameter as the
     single-process run on the same global batch."""
+    skip_if_gpus_short(4)
     tp, ref = (runs(r) for r in fsdp_runs())
     assert tp["wrapper"].startswith("FSDP"), tp["wrapper"]
     assert_matches_reference(tp, ref, 4)
@@ -335,8 +361,9 @@ def test_trl_trainers_under_tensor_parallelism_match_single_process(name, runs):
     as TRL's single-process unpatched run on the same global batch. TRL's fused-head calls ran through hf_fused on
     each rank's rows of lm_head (every step, the policy's and DPO's reference's), with no collective of the
     vocabulary's width and no tensor of the whole vocabulary's width."""
-    tp, ref = (runs(r) for r in trl_runs(name))
     ranks, trainer, _, fsdp = TRL_PARITY[name]
+    skip_if_gpus_short(ranks)
+    tp, ref = (runs(r) for r in trl_runs(name))
     tp_size = ranks // fsdp
     assert_matches_reference(tp, ref, ranks)
     if fsdp > 1:
@@ -382,9 +409,10 @@ def test_rollout_trainers_under_tensor_parallelism_match_single_process(name, ru
     advantages, old and reference log-probs, the loss, the logged metrics) is TRL's on the whole global batch, the
     one run a data-parallel trainer must equal; the completions themselves are compared, so a reference that sampled
     otherwise fails here rather than passing on different data."""
-    tp, ref = (runs(r) for r in rollout_runs(name))
     case = ROLLOUTS[name]
     replicas = case.get("fsdp", 1)
+    skip_if_gpus_short(2 * replicas)
+    tp, ref = (runs(r) for r in rollout_runs(name))
     assert tp["world"] == 2 * replicas and ref["world"] == 1 and tp["replicas"] == replicas
     assert tp["completions_agree"], "the ranks of a tensor-parallel group sampled different completions"
     assert tp["completions"] == ref["completions"]
