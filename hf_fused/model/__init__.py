@@ -14,6 +14,7 @@ from .forward import (
     FusedRequest,
     PatchedForward,
     as_kwargs,
+    dispatched_output_device,
     fused_forward,
     head_operands,
     intercept_lm_head,

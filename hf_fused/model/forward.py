@@ -86,6 +86,9 @@ class FusedRequest:
     result: Any = None
     called: bool = False
     head: Any = None  # ``head(lm_head, hidden) -> result`` in place of the modes' math (an extension's own head)
+    #: Where ``result`` is handed back: the inputs' device for a model dispatched over devices
+    #: (:func:`dispatched_output_device`), else ``None`` (lm_head's device).
+    output_device: Optional[torch.device] = None
 
 
 class PatchedForward:
@@ -165,7 +168,8 @@ def fused_forward(model: nn.Module, *args, **kwargs):
     if mode not in FUSED_OUTPUTS:
         raise ValueError(f"fused_output must be one of {FUSED_OUTPUTS}, got {mode!r}")
 
-    request = FusedRequest(mode=mode, state=state, ignore_index=kwargs.get("ignore_index", -100))
+    request = FusedRequest(mode=mode, state=state, ignore_index=kwargs.get("ignore_index", -100),
+                           output_device=dispatched_output_device(model, kwargs))
     if mode in ("loss", "logprobs"):
         request.labels = _aligned_labels(labels, kwargs.pop("shift_labels", None), request.ignore_index, mode)
     if mode == "logprobs":
@@ -308,11 +312,40 @@ def _head_forward(lm_head: nn.Module, request: FusedRequest, hidden: torch.Tenso
     hidden, as_output = local_hidden(hidden)  # a DTensor from torch's ColwiseParallel pre-hook: its local tensor
     placeholder = as_output(hidden.new_empty(*hidden.shape[:-1], 0))
     if request.mode == "hidden_states":
-        request.result = hidden
-        return placeholder
-    # ZeRO-3: the head's partitioned parameters gathered for this computation and for its backward.
-    request.result = run_head(lm_head, hidden, lambda h: _head_result(lm_head, request, h))
+        result = hidden
+    else:
+        # ZeRO-3: the head's partitioned parameters gathered for this computation and for its backward.
+        result = run_head(lm_head, hidden, lambda h: _head_result(lm_head, request, h))
+    request.result = _moved(result, request.output_device)
     return placeholder
+
+
+def dispatched_output_device(model: nn.Module, kwargs: dict) -> Optional[torch.device]:
+    """The device a model dispatched over several devices by accelerate (``from_pretrained(device_map="auto")``,
+    which TRL 1.16 uses for a reference model under FSDP) hands its outputs back on: its inputs' (the top-level
+    hook's ``io_same_device``; accelerate's ``find_device`` over the call's keywords), else ``None``. The
+    original forward's outputs are moved there by that hook; the fused results, made on lm_head's device inside
+    its call, must follow them or the caller mixes devices."""
+    hook = getattr(model, "_hf_hook", None)
+    if not getattr(hook, "io_same_device", False):
+        return None
+    from accelerate.utils import find_device  # the hook is accelerate's: it is installed
+
+    return find_device(kwargs)
+
+
+def _moved(result, device: Optional[torch.device]):
+    """``result`` (a tensor, or tuples / lists / dicts of tensors and ``None``) with its tensors on ``device``
+    (differentiably); unchanged for ``None``."""
+    if device is None:
+        return result
+    if isinstance(result, torch.Tensor):
+        return result.to(device)
+    if isinstance(result, dict):
+        return {k: _moved(v, device) for k, v in result.items()}
+    if isinstance(result, (tuple, list)):
+        return type(result)(_moved(v, device) for v in result)
+    return result
 
 
 def _head_result(lm_head: nn.Module, request: FusedRequest, hidden: torch.Tensor):

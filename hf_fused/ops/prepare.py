@@ -4,6 +4,7 @@ budget, the autocast dtype and the backend, all in :func:`prepare`; and the caus
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from dataclasses import dataclass, replace
@@ -91,8 +92,13 @@ class PreparedHead:
         return replace(self.head, hidden=hidden, weight=weight, bias=bias)
 
     def apply(self, function: type[torch.autograd.Function], *args):
-        """``function.apply(hidden [N, H], weight, bias, *args)``: the Function differentiates the head's tensors."""
-        return function.apply(self.head.hidden, self.head.weight, self.head.bias, *args)
+        """``function.apply(hidden [N, H], weight, bias, *args)``: the Function differentiates the head's tensors.
+        It runs with the head's GPU as the current device: Triton launches its kernels on the current device, and
+        lm_head may sit on another one (a model dispatched over several GPUs: the inputs' GPU is current there).
+        Autograd runs the backward on the gradients' device itself."""
+        hidden = self.head.hidden
+        with torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext():
+            return function.apply(hidden, self.head.weight, self.head.bias, *args)
 
     def per_token_rows(self, values, name: str, *, differentiable: bool = False) -> torch.Tensor:
         """A per-token tensor shaped like the labels (``token_weights``, a tensor ``grad_hint``), named ``name`` in

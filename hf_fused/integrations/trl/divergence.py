@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from ...model import FusedRequest, as_kwargs, head_tensors, intercept_lm_head
+from ...model import FusedRequest, as_kwargs, dispatched_output_device, head_tensors, intercept_lm_head
 from ...ops import DistillationOutput, linear_distillation_loss
 from .teacher_fsdp import fsdp1_whole
 
@@ -130,6 +130,7 @@ def distillation_forward(causal_lm: nn.Module, *args, **kwargs) -> DistillationO
         lm_head, hidden, state, call.teacher, beta=call.beta, temperature=call.temperature, labels=call.labels,
         num_items_in_batch=call.num_items_in_batch,
     ))
+    request.output_device = dispatched_output_device(causal_lm, kwargs)
     with intercept_lm_head(causal_lm.get_output_embeddings(), request):
         original(**kwargs, labels=None, return_dict=True)
     if not request.called:

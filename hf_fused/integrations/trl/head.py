@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...model import FusedRequest, as_kwargs, head_operands, intercept_lm_head, op_options
+from ...model import FusedRequest, as_kwargs, dispatched_output_device, head_operands, intercept_lm_head, op_options
 from ...model.tensor_parallel import check_tensor_parallel_head, vocab_parallel_head
 from ...ops import TokenLossHint, linear_logprobs
 from .hooks import refused_reason
@@ -70,6 +70,7 @@ def trl_fused_forward(model: nn.Module, *args, **kwargs):
 
     request = FusedRequest(mode="logprobs", state=state, labels=aligned)
     request.head = functools.partial(_head, labels=aligned, options=options, state=state, grad_hint=grad_hint)
+    request.output_device = dispatched_output_device(model, kwargs)
     with intercept_lm_head(model.get_output_embeddings(), request):
         out = original(**kwargs, labels=None, return_dict=True)
     if not request.called:

@@ -1,0 +1,56 @@
+"""A model dispatched over 2 GPUs by accelerate (``from_pretrained(device_map=...)``: TRL 1.16 loads a DPO or KTO
+reference model with ``device_map="auto"`` under FSDP, which splits it over every GPU a rank sees). The original
+forward's outputs come back on the inputs' device (accelerate's ``io_same_device`` hook); the patched forward's
+loss, log-probs and entropy must too, with the unpatched model's values and gradients, and ``apply_fused_loss``'s
+verification must pass on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import loss_and_grads, make_batch, make_model
+from references import assert_close, assert_same_grads, shifted_token_logprobs
+
+from hf_fused import apply_fused_loss
+
+pytestmark = pytest.mark.multigpu
+
+
+def _dispatched(path):
+    """Two copies of a tiny fp32 Llama, embeddings and layer 0 on cuda:0, layer 1, the norm and lm_head on cuda:1."""
+    from transformers import LlamaForCausalLM
+
+    make_model("llama", tie_word_embeddings=False).save_pretrained(path)
+    first = ["embed_tokens", "rotary_emb", "layers.0"]
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    device_map = {f"model.{name}": 0 if name in first else 1
+                  for name, _ in model.model.named_children() if name != "layers"}
+    device_map.update({f"model.layers.{i}": 0 if i == 0 else 1 for i in range(len(model.model.layers))})
+    device_map["lm_head"] = 1
+    return [LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, device_map=device_map).train()
+            for _ in range(2)]
+
+
+def test_a_model_dispatched_over_two_gpus_answers_on_its_inputs_device(tmp_path):
+    stock, fused = _dispatched(tmp_path)
+    assert fused.lm_head.weight.device == torch.device("cuda", 1)
+    assert fused.model.embed_tokens.weight.device == torch.device("cuda", 0)
+    apply_fused_loss(fused)  # its verification compares the fused log-probs with the original forward's
+
+    input_ids, attention_mask, labels = (t.to("cuda:0") for t in make_batch())
+    call = lambda m: m(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss  # noqa: E731
+    ref_loss, ref_grads = loss_and_grads(stock, call)
+    loss, got_grads = loss_and_grads(fused, call)
+    assert loss.device == ref_loss.device == input_ids.device
+    assert_close(loss, ref_loss, "loss")
+    assert_same_grads(got_grads, ref_grads)
+
+    with torch.no_grad():
+        logits = stock(input_ids=input_ids, attention_mask=attention_mask).logits
+        out = fused(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_output="logprobs",
+                    return_entropy=True)
+    ref_logp, ref_entropy, mask = shifted_token_logprobs(logits, labels)
+    assert out.logprobs.device == out.entropy.device == input_ids.device
+    assert_close(out.logprobs, ref_logp, "log-probs")
+    assert_close(out.entropy * mask, ref_entropy * mask, "entropy")
