@@ -111,6 +111,11 @@ def patched_trainer(trainer_cls, dataset, script_args, training_args, model_args
     model = model_args.model_name_or_path
     if fused_args.fused_loss:
         model = apply_fused_loss(load_like_trl_trainer(model, training_args, quantization_config))
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        # TRL 1.16 builds a reference model after its Accelerator, when the distributed type reads FSDP, which its
+        # device_map=None rule omits: device_map="auto" then dispatches it over every GPU the rank sees, and FSDP
+        # moves the weights under accelerate's hooks (tensors on two GPUs). The rule as under DDP.
+        training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), "device_map": None}
     return trainer_cls(
         model=model,
         args=training_args,
