@@ -292,19 +292,24 @@ def intercept_lm_head(lm_head: nn.Module, request: FusedRequest):
 @contextmanager
 def lm_head_answering(lm_head: nn.Module, answer):
     """Within the block, ``lm_head(hidden, ...)`` returns ``answer(hidden)`` (an instance ``forward``, so
-    module hooks such as ZeRO-3's gather still run around it); any instance ``forward`` it had is restored."""
-    had_instance_forward = "forward" in lm_head.__dict__
-    previous = lm_head.__dict__.get("forward")
+    module hooks such as ZeRO-3's gather still run around it); any instance ``forward`` it had is restored.
+
+    On a module dispatched by accelerate (``from_pretrained(device_map=...)``) the answer takes the place of the
+    ``_old_forward`` that accelerate's hooked ``forward`` calls, so its hook still moves ``hidden`` to lm_head's
+    device first (a tied lm_head sits with the embeddings, often on another GPU than the final norm)."""
+    name = "_old_forward" if hasattr(lm_head, "_hf_hook") and "_old_forward" in lm_head.__dict__ else "forward"
+    had_instance_attribute = name in lm_head.__dict__
+    previous = lm_head.__dict__.get(name)
     # A plain function as the instance attribute (Module.__call__ calls self.forward(hidden)): Dynamo traces
     # it, where building a types.MethodType inside a compiled forward breaks the graph.
-    lm_head.forward = lambda hidden, *args, **kwargs: answer(hidden)
+    setattr(lm_head, name, lambda hidden, *args, **kwargs: answer(hidden))
     try:
         yield
     finally:
-        if had_instance_forward:
-            lm_head.forward = previous
+        if had_instance_attribute:
+            setattr(lm_head, name, previous)
         else:
-            del lm_head.forward
+            delattr(lm_head, name)
 
 
 def _head_forward(lm_head: nn.Module, request: FusedRequest, hidden: torch.Tensor) -> torch.Tensor:

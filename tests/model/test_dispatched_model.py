@@ -1,8 +1,9 @@
-"""A model dispatched over 2 GPUs by accelerate (``from_pretrained(device_map=...)``: TRL 1.16 loads a DPO or KTO
-reference model with ``device_map="auto"`` under FSDP, which splits it over every GPU a rank sees). The original
-forward's outputs come back on the inputs' device (accelerate's ``io_same_device`` hook); the patched forward's
-loss, log-probs and entropy must too, with the unpatched model's values and gradients, and ``apply_fused_loss``'s
-verification must pass on it."""
+"""A model dispatched by accelerate (``from_pretrained(device_map=...)``: TRL 1.16 loads a DPO or KTO reference model
+with ``device_map="auto"`` under FSDP, which splits it over every GPU a rank sees). The original forward's outputs
+come back on the inputs' device (accelerate's ``io_same_device`` hook); the patched forward's loss, log-probs and
+entropy must too, with the unpatched model's values and gradients, and ``apply_fused_loss``'s verification must pass
+on it (2 GPUs). The hook accelerate puts on lm_head itself (moving its input to lm_head's device) still runs around
+hf_fused's head (CPU, with a hook of accelerate's that records what it hands on)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ from models import loss_and_grads, make_batch, make_model
 from references import assert_close, assert_same_grads, shifted_token_logprobs
 
 from hf_fused import apply_fused_loss
-
-pytestmark = pytest.mark.multigpu
 
 
 def _dispatched(path):
@@ -32,6 +31,7 @@ def _dispatched(path):
             for _ in range(2)]
 
 
+@pytest.mark.multigpu
 def test_a_model_dispatched_over_two_gpus_answers_on_its_inputs_device(tmp_path):
     stock, fused = _dispatched(tmp_path)
     assert fused.lm_head.weight.device == torch.device("cuda", 1)
@@ -54,3 +54,41 @@ def test_a_model_dispatched_over_two_gpus_answers_on_its_inputs_device(tmp_path)
     assert out.logprobs.device == out.entropy.device == input_ids.device
     assert_close(out.logprobs, ref_logp, "log-probs")
     assert_close(out.entropy * mask, ref_entropy * mask, "entropy")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_accelerates_hook_on_lm_head_runs_around_the_fused_head(tied):
+    """accelerate's ``AlignDevicesHook`` (what ``dispatch_model`` puts on each module) and a recording hook of
+    accelerate's on lm_head: the fused forward's lm_head call still goes through them (the hook's ``pre_forward``
+    sees the hidden states), the loss and every gradient as the unpatched model with the same hooks, and the hooked
+    forward is in place again afterwards."""
+    from accelerate.hooks import AlignDevicesHook, ModelHook, SequentialHook, add_hook_to_module
+
+    class Recording(ModelHook):
+        def __init__(self):
+            self.shapes = []
+
+        def pre_forward(self, module, *args, **kwargs):
+            self.shapes.append(tuple(args[0].shape))
+            return args, kwargs
+
+    models, hooks = [], []
+    for _ in range(2):
+        model = make_model("llama", tie_word_embeddings=tied)
+        hooks.append(Recording())
+        add_hook_to_module(model.lm_head, SequentialHook(AlignDevicesHook(execution_device=torch.device("cpu")),
+                                                         hooks[-1]))
+        models.append(model)
+    stock, fused = models
+    hooked_forward, old_forward = fused.lm_head.forward, fused.lm_head._old_forward
+    apply_fused_loss(fused)
+    hooks[1].shapes.clear()  # the verification's probe calls
+
+    input_ids, attention_mask, labels = make_batch()
+    call = lambda m: m(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss  # noqa: E731
+    ref_loss, ref_grads = loss_and_grads(stock, call)
+    loss, got_grads = loss_and_grads(fused, call)
+    assert hooks[1].shapes == hooks[0].shapes == [(*input_ids.shape, fused.config.hidden_size)]
+    assert_close(loss, ref_loss, "loss")
+    assert_same_grads(got_grads, ref_grads)
+    assert fused.lm_head.forward is hooked_forward and fused.lm_head._old_forward is old_forward
