@@ -201,4 +201,9 @@ def _probe_device(causal_lm: nn.Module) -> torch.device:
     weight = getattr(embeddings, "weight", None)
     if weight is not None and weight.device.type != "meta":
         return weight.device
+    # accelerate's offload (device_map with "cpu" or "disk", cpu_offload) keeps the weights on meta between calls
+    # and computes on its hook's execution device
+    device = getattr(getattr(embeddings, "_hf_hook", None), "execution_device", None)
+    if device is not None:
+        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     return next(causal_lm.parameters()).device

@@ -3,7 +3,8 @@ with ``device_map="auto"`` under FSDP, which splits it over every GPU a rank see
 come back on the inputs' device (accelerate's ``io_same_device`` hook); the patched forward's loss, log-probs and
 entropy must too, with the unpatched model's values and gradients, and ``apply_fused_loss``'s verification must pass
 on it (2 GPUs). The hook accelerate puts on lm_head itself (moving its input to lm_head's device) still runs around
-hf_fused's head (CPU, with a hook of accelerate's that records what it hands on)."""
+hf_fused's head (CPU, with a hook of accelerate's that records what it hands on), and a model offloaded by accelerate
+(weights on meta between calls) scores through the fused head (CPU)."""
 
 from __future__ import annotations
 
@@ -92,3 +93,29 @@ def test_accelerates_hook_on_lm_head_runs_around_the_fused_head(tied):
     assert_close(loss, ref_loss, "loss")
     assert_same_grads(got_grads, ref_grads)
     assert fused.lm_head.forward is hooked_forward and fused.lm_head._old_forward is old_forward
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_an_offloaded_model_scores_through_the_fused_head(tied):
+    """accelerate's offload (``cpu_offload``; a ``device_map`` with ``"cpu"`` or ``"disk"`` entries, as a large
+    reference model may get) keeps every weight on the meta device between calls and loads each module's in its
+    hook: ``apply_fused_loss`` verifies on it (the probe's tokens go to the hook's execution device), and the fused
+    log-probs, entropy and loss (no gradient: offloaded weights are not trained) equal the unpatched model's."""
+    from accelerate import cpu_offload
+
+    stock = make_model("llama", tie_word_embeddings=tied).eval()
+    fused = cpu_offload(make_model("llama", tie_word_embeddings=tied).eval(), execution_device=torch.device("cpu"))
+    assert fused.lm_head.weight.is_meta
+    apply_fused_loss(fused)
+    input_ids, attention_mask, labels = make_batch()
+    with torch.no_grad():
+        logits = stock(input_ids=input_ids, attention_mask=attention_mask).logits
+        ref_loss = stock(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        out = fused(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_output="logprobs",
+                    return_entropy=True)
+        loss = fused(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    ref_logp, ref_entropy, mask = shifted_token_logprobs(logits, labels)
+    assert_close(out.logprobs, ref_logp, "log-probs")
+    assert_close(out.entropy * mask, ref_entropy * mask, "entropy")
+    assert_close(loss, ref_loss, "loss")
+    assert fused.lm_head.weight.is_meta  # offloaded again after each call
