@@ -48,6 +48,24 @@ PORT_ATTEMPTS = 3
 ONE_RUN_PER_LAUNCH: set[str] = set()
 
 
+def gpus_short(ranks: int) -> str | None:
+    """Why a run on ``ranks`` ranks cannot run here: under ``HF_FUSED_TEST_DEVICE=cuda`` each rank takes a GPU of its
+    own (conftest.py skips the modules with fewer than 2); None where it can."""
+    if CUDA and torch.cuda.device_count() < ranks:
+        return (f"HF_FUSED_TEST_DEVICE=cuda runs each rank on its own GPU: {ranks} ranks need {ranks} GPUs, found "
+                f"{torch.cuda.device_count()}")
+    return None
+
+
+def skip_if_gpus_short(ranks: int) -> None:
+    """Skip the calling test where :func:`gpus_short` says its ``ranks`` cannot run."""
+    reason = gpus_short(ranks)
+    if reason:
+        import pytest  # the workers import this module too: pytest only where a test skips
+
+        pytest.skip(reason)
+
+
 def worker_env(cuda: bool = CUDA, gpus: int | None = None) -> dict:
     """The ranks' environment; ``gpus``: show a process only the first ``gpus`` GPUs (a plain process that sees
     several would have ``transformers.Trainer`` wrap its model in ``nn.DataParallel``)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launch import Run, SharedLaunches, load_train_result, planned_runs, run_cases
+from launch import Run, SharedLaunches, gpus_short, load_train_result, planned_runs, run_cases, skip_if_gpus_short
 from models import VOCAB
 from parity import (BF16_STOCK, SMALL_TILES, assert_bf16_twin, assert_head_gathered_and_reduced_once_per_micro_batch,
                     assert_matches_reference)
@@ -97,7 +97,7 @@ def engine_runs(name: str) -> list[Run]:
     config, model, trainer, options = CASES[name]
     options = dict(options)
     ranks = options.pop("ranks", RANKS)
-    if CUDA and torch.cuda.device_count() < ranks:
+    if gpus_short(ranks):
         return []
     reference = reference_run(model, ranks=ranks, **{k: v for k, v in options.items() if k not in HARNESS})
     return [reference, Run.of(config, ranks, dict(model=model, trainer=trainer, batch=BATCH, **options))]
@@ -187,8 +187,7 @@ def test_engine_training_matches_single_process_reference(name, runs):
     config, _, _, options = CASES[name]
     _needs_deepspeed(config)
     ranks = options.get("ranks", RANKS)
-    if CUDA and torch.cuda.device_count() < ranks:
-        pytest.skip(f"{ranks} ranks need {ranks} GPUs")
+    skip_if_gpus_short(ranks)
     ref, got = (runs(run) for run in engine_runs(name))  # the engine's run checks the engine wrapped the model
     assert got["head_calls"] > 0, "hf_fused never computed the head"
     if config == "zero3":

@@ -28,9 +28,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import HERE, Run, SharedLaunches, accelerate_launch, launch_timeout, planned_runs, run
+from launch import (HERE, Run, SharedLaunches, accelerate_launch, gpus_short, launch_timeout, planned_runs, run,
+                    skip_if_gpus_short)
 from parity import PARAM_RTOL, assert_bf16_twin, assert_matches_reference, update_errors
-from ranks import CUDA
 from references import logp_difference_tol
 
 pytestmark = [
@@ -44,21 +44,6 @@ WORKER = HERE / "tensor_parallel_worker.py"
 #: A prime vocabulary above the dataset's ids (< 128); V·H differs from the 48 tokens' logits' numel (the
 #: vocabulary-width tracker skips tensors of the weight's size).
 VOCAB, HIDDEN = 131, 60
-
-
-def gpus_short(ranks: int) -> str | None:
-    """Why a run on ``ranks`` ranks cannot run here: under ``HF_FUSED_TEST_DEVICE=cuda`` each rank takes a GPU of its
-    own (conftest.py skips the module with fewer than 2); None where it can."""
-    if CUDA and torch.cuda.device_count() < ranks:
-        return (f"HF_FUSED_TEST_DEVICE=cuda runs each rank on its own GPU: {ranks} ranks need {ranks} GPUs, found "
-                f"{torch.cuda.device_count()}")
-    return None
-
-
-def skip_if_gpus_short(ranks: int) -> None:
-    reason = gpus_short(ranks)
-    if reason:
-        pytest.skip(reason)
 
 
 def make_model(tied: bool):
