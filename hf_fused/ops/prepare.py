@@ -4,7 +4,6 @@ budget, the autocast dtype and the backend, all in :func:`prepare`; and the caus
 
 from __future__ import annotations
 
-import contextlib
 import math
 import operator
 from dataclasses import dataclass, replace
@@ -17,6 +16,7 @@ from .backends import Backend, get_backend
 from .backends.vocab_parallel import vocab_parallel_backend
 from .head_inputs import HeadInputs
 from .logit_transform import LogitTransform
+from .devices import kernel_device
 from .precision import autocast_dtype
 from .tiling import validate_tile_budget
 from .vocab_parallel import VocabParallel, as_vocab_shard, resolve_vocab_shard, sum_gradient_over
@@ -97,7 +97,7 @@ class PreparedHead:
         lm_head may sit on another one (a model dispatched over several GPUs: the inputs' GPU is current there).
         Autograd runs the backward on the gradients' device itself."""
         hidden = self.head.hidden
-        with torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext():
+        with kernel_device(hidden):
             return function.apply(hidden, self.head.weight, self.head.bias, *args)
 
     def per_token_rows(self, values, name: str, *, differentiable: bool = False) -> torch.Tensor:

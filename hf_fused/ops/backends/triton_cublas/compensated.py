@@ -13,7 +13,6 @@ is fixed: docs/design/numerics.md ("The compensated pair").
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Optional
 
@@ -21,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...devices import kernel_device
 from .matmul import (
     LARGE, GemmConfig, default_config, halves, multiprocessors, round_bf16, tile_order, tma_operand, tma_tile_product,
     to_fp32,
@@ -279,7 +279,7 @@ def compensated_addmm_(
     common = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
                   WIDEN_DOT=not hi.is_cuda, EPILOGUE_SPLIT=config.epilogue_split, GATHER_HI=hi_rows is not None,
                   num_warps=config.num_warps, num_stages=config.num_stages)
-    with torch.cuda.device(hi.device) if hi.is_cuda else contextlib.nullcontext():
+    with kernel_device(hi):
         if use_tma:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -333,7 +333,7 @@ def compensated_scale_(hi: torch.Tensor, lo: torch.Tensor, factor) -> torch.Tens
     factor = torch.as_tensor(factor, dtype=torch.float32, device=hi.device).reshape(())
     n = hi.numel()
     if n:
-        with torch.cuda.device(hi.device) if hi.is_cuda else contextlib.nullcontext():
+        with kernel_device(hi):
             _scale_pair_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](hi, lo, factor, n, BLOCK=_SCALE_BLOCK)
     return hi
 

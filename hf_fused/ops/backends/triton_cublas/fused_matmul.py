@@ -28,7 +28,6 @@ under Triton's interpreter (CPU, tests) it runs :data:`INTERPRETER_CONFIG` or th
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Optional
 
@@ -36,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...devices import kernel_device
 from .fused_matmul_launch import (
     CONFIGS,
     INTERPRETER_CONFIG,
@@ -331,7 +331,7 @@ def logits_statistics_(
     args = (a_desc, b_desc, m_rows, n, k, col_offset, bias if bias is not None else run_max, labels, label_logit,
             *parts, n_part, tile if tile is not None else run_max, tile.stride(0) if tile is not None else 0, z_desc,
             offsets if offsets is not None else run_max, offsets.stride(0) if offsets is not None else 0)
-    with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
+    with kernel_device(h):
         if config is None:
             def grid(meta):
                 return (min(programs, triton.cdiv(m_rows, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)

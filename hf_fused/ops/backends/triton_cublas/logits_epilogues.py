@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...devices import kernel_device
 from .matmul import GemmConfig, halves, multiprocessors, round_bf16, tile_order, tma_operand, tma_tile_product
 from .triton_kernels import apply_transform, logit_grad
 
@@ -178,7 +179,7 @@ def logits_grad_(
     b_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [config.block_n, config.block_k])
     programs = multiprocessors(h.device)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
+    with kernel_device(h):
         _logits_grad_kernel[(min(tiles, programs),)](
             a_desc, b_desc, dz, dz.stride(0), m, n, k, col_offset, bias if bias is not None else lse, labels, lse, ent,
             g_lp, g_ent, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -204,7 +205,7 @@ def label_grad_(dz: torch.Tensor, labels: torch.Tensor, label_logit: torch.Tenso
     m, n = dz.shape
     if m == 0 or n == 0:
         return
-    with torch.cuda.device(dz.device) if dz.is_cuda else contextlib.nullcontext():
+    with kernel_device(dz):
         _label_grad_kernel[(triton.cdiv(m, _LABEL_BLOCK),)](
             dz, dz.stride(0), m, n, col_offset, labels, label_logit, lse, g_lp,
             ROUND=(2 if dz.is_cuda else 1) if dz.dtype == torch.bfloat16 else 0, BLOCK=_LABEL_BLOCK)

@@ -22,13 +22,13 @@ One program per row. Run on CPU tensors under ``TRITON_INTERPRET=1`` (CI).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from ...devices import kernel_device
 from .matmul import round_bf16
 from .support_kernels import candidate_block
 from .tiles import GRAD_BLOCK_V, GRAD_WARPS, rounds_to_bf16, without_bias_flag
@@ -130,10 +130,6 @@ def chunk_block(cols: int, vocab_size: int) -> int:
     return BLOCK_V if cols >= vocab_size else min(BLOCK_V, cols & -cols)
 
 
-def _device(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def logits_chunk_(x: torch.Tensor, tile: torch.Tensor, offsets: torch.Tensor, col_offset: int, block: int,
                   bias: Optional[torch.Tensor], ids: torch.Tensor, row_stats, raw: torch.Tensor, scalars: dict,
                   entropy: bool) -> None:
@@ -157,7 +153,7 @@ def logits_chunk_(x: torch.Tensor, tile: torch.Tensor, offsets: torch.Tensor, co
         return
     k = ids.shape[1]
     run_max, run_sum, run_zp = row_stats[:3]
-    with _device(x):
+    with kernel_device(x):
         _logits_chunk_kernel[(rows,)](
             x, x.stride(0), tile, tile.stride(0), offsets, offsets.stride(0), n_cols, col_offset,
             bias if bias is not None else run_max, run_max, run_sum, run_zp, ids, ids.stride(0), raw, k,
@@ -190,7 +186,7 @@ def shifted_gradient_(tile: torch.Tensor, offsets: torch.Tensor, block: int, lse
         return
     if (labels is None) != (label_logit is None):
         raise ValueError("shifted_gradient_: labels and label_logit come together; pass both or neither")
-    with _device(tile):
+    with kernel_device(tile):
         _shifted_grad_kernel[(rows,)](
             tile, tile.stride(0), offsets, offsets.stride(0), vocab_size, lse, ent, g_lp,
             lse if g_ent is None else g_ent, lse if labels is None else labels,

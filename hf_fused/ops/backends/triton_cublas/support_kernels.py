@@ -27,12 +27,12 @@ tensors under ``TRITON_INTERPRET=1`` (CI).
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import triton
 import triton.language as tl
 
+from ...devices import kernel_device
 from .fused_matmul_launch import CONFIGS
 from .matmul import round_bf16, to_fp32
 from .tiles import rounds_to_bf16, without_bias_flag
@@ -161,7 +161,7 @@ def candidate_logits_(h: torch.Tensor, weight: torch.Tensor, bias, ids: torch.Te
     if rows == 0 or k == 0:
         return
     block_k = min(GATHER_BLOCK_K, candidate_block(k))
-    with torch.cuda.device(raw.device) if raw.is_cuda else contextlib.nullcontext():
+    with kernel_device(raw):
         _candidate_logits_kernel[(rows, triton.cdiv(k, block_k))](
             h, h.stride(0), weight, weight.stride(0), ids, valid.view(torch.uint8), ids.stride(0),
             raw if bias is None else bias, raw, k, h.shape[1], HAS_BIAS=bias is not None,
@@ -184,7 +184,7 @@ def support_logprobs_(raw: torch.Tensor, valid: torch.Tensor, run_max: torch.Ten
     rows, k = raw.shape
     if rows == 0:
         return
-    with torch.cuda.device(raw.device) if raw.is_cuda else contextlib.nullcontext():
+    with kernel_device(raw):
         _support_logprobs_kernel[(rows,)](
             raw, valid.view(torch.uint8), valid.stride(0), run_max, run_sum, s, k, BLOCK_K=candidate_block(k), num_warps=4,
             **without_bias_flag(scalars),
@@ -209,7 +209,7 @@ def scatter_support_grad_(dz: torch.Tensor, ids: torch.Tensor, valid: torch.Tens
     if rows == 0:
         return
     dup, warps = _scatter_launch(candidate_block(k))
-    with torch.cuda.device(dz.device) if dz.is_cuda else contextlib.nullcontext():
+    with kernel_device(dz):
         _scatter_support_grad_kernel[(rows,)](
             dz, dz.stride(0), ids, valid.view(torch.uint8), ids.stride(0), raw, g, lse, ent,
             lse if g_ent is None else g_ent, k, HAS_G_ENT=g_ent is not None,
