@@ -35,7 +35,11 @@ ENV = "HF_FUSED_FP32_LOGITS"
 #:   2.3e-3 against 6.8e-3; H200, 2026-11-29, docs/performance.md).
 #: * ``"one_pass"``, the cross-entropy's one pass (its reduced loss alone leaves the op): off, at that cost (QuACK,
 #:   which never rounds the logits, takes 24.3 / 97.8 / 85.0 ms there: the default is 0.90–0.99× its time).
-DEFAULT_ENABLED = {"two_passes": True, "one_pass_logprobs": True, "one_pass": False}
+#: * ``"one_pass_quack"``: the one pass of a call whose statistics QuACK's matmul epilogue can give (the log-sum-exp
+#:   and label logit alone, :func:`~.quack_bridge.scaled_exp_tile_n`), where QuACK is installed: on; its scaled-exp
+#:   matmul stores ``2^(z·log2 e − k)`` in bf16 (``k`` a power-of-two shift per row and column tile) and reduces the
+#:   statistics from the fp32 accumulator, in place of either of the two above.
+DEFAULT_ENABLED = {"two_passes": True, "one_pass_logprobs": True, "one_pass": False, "one_pass_quack": True}
 
 #: How the one pass with the fp32 statistics makes ``dz``: ``"tile"``, the fused matmul also stores the bf16 tile,
 #: shifted by each 64 columns' row maximum (the shifts and its own normalizer beside it), and the gradient kernel

@@ -98,33 +98,73 @@ def weight_accumulator(plan: OnePassPlan, head: HeadInputs, need: NeededGrads, g
 
 
 class TileStatistics:
-    """Each tile's logits and statistics: with ``fp32`` from :mod:`.fused_matmul`'s matmul (the statistics from the
+    """Each tile's logits and statistics: with ``scaled_tile_n`` from QuACK's scaled-exp matmul
+    (:func:`~.quack_bridge.scaled_exp_tile_n`: the statistics from the fp32 accumulator, the tile stored as
+    ``exp(z − offset)`` with a power-of-two offset per row and ``scaled_tile_n`` columns; a tile it cannot take turns
+    it off for the rest of the call); with ``fp32`` from :mod:`.fused_matmul`'s matmul (the statistics from the
     fp32 accumulator; with ``store_tile`` the tile stored shifted, its shifts in :attr:`offsets`, and the stored
     tile's own normalizer); else from QuACK's matmul epilogue while it runs (:attr:`fused`: only the log-sum-exp and
     label logit asked, :func:`~.quack_bridge.fuses_statistics`; a tile it cannot take turns it off for the rest of
-    the call), else cuBLAS's tile and the statistics kernel."""
+    the call), else cuBLAS's tile and the statistics kernel. After each call :attr:`tile_offsets` holds the tile's
+    shifts (None for a tile of raw logits) and :attr:`log_tile` whether it holds exponentials."""
 
     def __init__(self, fused: bool, weight: torch.Tensor, bias: Optional[torch.Tensor], scalars: dict,
-                 return_entropy: bool, fp32: bool = False, tile_rows: int = 0, store_tile: bool = True) -> None:
+                 return_entropy: bool, fp32: bool = False, tile_rows: int = 0, store_tile: bool = True,
+                 scaled_tile_n: Optional[int] = None) -> None:
+        self.scaled_tile_n, self.tile_rows, self.store_tile = scaled_tile_n, tile_rows, store_tile
+        self.fp32_after_scaled = fp32 and scaled_tile_n is not None  # where QuACK turns itself off mid-call
+        fp32 = fp32 and scaled_tile_n is None
+        # the scaled-exp matmul reduces the entropy's Σ p·z too: its statistics are complete, not "fused"
         self.fused, self.weight, self.bias, self.scalars, self.return_entropy = (
-            fused and not fp32, weight, bias, scalars, return_entropy)
-        self.fp32 = fp32
-        stored = fp32 and store_tile
-        self.rounded_sum = torch.empty(tile_rows, dtype=torch.float32, device=weight.device) if stored else None
+            fused and not fp32 and scaled_tile_n is None, weight, bias, scalars, return_entropy)
+        self.fp32 = False
+        self.tile_offsets: Optional[torch.Tensor] = None
+        self.log_tile = False
+        self.rounded_sum = self.offsets = None
+        if fp32:
+            self._use_fp32()
+        if scaled_tile_n is not None:
+            partials = (tile_rows, weight.shape[0] // scaled_tile_n)
+            self.sum_exp, self.max_log2, self.shifts, self.sum_ez = (
+                torch.empty(partials, dtype=torch.float32, device=weight.device) if i < 3 or return_entropy
+                else None for i in range(4))
+
+    def _use_fp32(self) -> None:
+        self.fp32 = True
+        stored = self.store_tile
+        device = self.weight.device
+        self.rounded_sum = torch.empty(self.tile_rows, dtype=torch.float32, device=device) if stored else None
         #: The shifts of the stored tile (fp32 ``[tile_rows, ⌈V / c⌉]``, :func:`~.fused_matmul.new_offsets`) or None.
-        self.offsets = fused_matmul.new_offsets(tile_rows, weight.shape[0], weight.device) if stored else None
+        self.offsets = fused_matmul.new_offsets(self.tile_rows, self.weight.shape[0], device) if stored else None
 
     def __call__(self, h: torch.Tensor, y: torch.Tensor, dz: torch.Tensor, row_stats) -> Optional[torch.Tensor]:
         """Fills ``dz`` with the tile's logits (but with ``fp32`` and no ``store_tile``; shifted with them, the
-        rows' shifts in :attr:`offsets`) and ``row_stats`` with their statistics; returns the log-sum-exp that
+        rows' shifts in :attr:`offsets`; their exponentials with ``scaled_tile_n``) and ``row_stats`` with their
+        statistics; returns the log-sum-exp that
         normalizes the stored tile's probabilities where it is not the statistics' own (``fp32`` with
         ``store_tile``), else None."""
+        rows = h.shape[0]
+        self.tile_offsets, self.log_tile = None, False
+        if self.scaled_tile_n is not None:
+            run_max, run_sum, run_zp, label_logit = row_stats[:4]
+            sum_exp, max_log2, offsets = self.sum_exp[:rows], self.max_log2[:rows], self.shifts[:rows]
+            sum_ez = None if self.sum_ez is None else self.sum_ez[:rows]
+            if quack_bridge.scaled_exp_logits(h, self.weight, y, dz, sum_exp, max_log2, label_logit,
+                                              self.scaled_tile_n, sum_ez):
+                quack_bridge.scaled_exp_statistics_(sum_exp, max_log2, run_max, offsets, sum_ez, run_zp)
+                run_sum.fill_(1.0)  # the log-sum-exp as (running max, Σexp) = (lse, 1), Σ p·z normalized
+                self.tile_offsets, self.log_tile = offsets, True
+                return None
+            # QuACK turned itself off: the fused matmul from here on where the fp32 statistics were asked, else cuBLAS
+            self.scaled_tile_n = None
+            if self.fp32_after_scaled:
+                self._use_fp32()
         if self.fp32 and self.rounded_sum is None:  # dz from the accumulator later (TileGradients' recompute)
             fused_matmul.logits_statistics_(h, self.weight, y, row_stats, self.scalars,
                                             return_entropy=self.return_entropy, bias=self.bias)
             return None
         if self.rounded_sum is not None:
-            rows = h.shape[0]
+            self.tile_offsets = self.offsets[:rows]
             rounded_sum = self.rounded_sum[:rows].zero_()
             fused_matmul.logits_statistics_(h, self.weight, y, row_stats, self.scalars,
                                             return_entropy=self.return_entropy, bias=self.bias, tile=dz,
@@ -162,10 +202,12 @@ class TileGradients:
 
     def __call__(self, r0: int, r1: int, h: torch.Tensor, y: torch.Tensor, dz: torch.Tensor, row_stats,
                  fused: bool, tile_lse: Optional[torch.Tensor] = None,
-                 offsets: Optional[torch.Tensor] = None) -> None:
+                 offsets: Optional[torch.Tensor] = None, log_tile: bool = False) -> None:
         """``tile_lse``: the log-sum-exp of the stored tile's logits where it is not the statistics' own (which the
         loss's gradients read), for the probabilities of ``dz``; ``offsets``: the shifts of a shifted tile
-        (:class:`TileStatistics`), or None for a tile of raw logits."""
+        (:class:`TileStatistics`), or None for a tile of raw logits; ``log_tile``: the shifted tile holds
+        ``exp(z − offset)`` (QuACK's scaled-exp matmul). ``fused``: the statistics came from QuACK's bf16 epilogue
+        without the entropy's Σ p·z (the gradient kernel adds it up where the entropy is returned)."""
         run_max, run_sum, run_zp, label_logit = row_stats[:4]
         lse = run_max + run_sum.log()
         ent = lse - run_zp / run_sum if self.entropy_in_grads and self.return_entropy and not fused else None
@@ -178,9 +220,9 @@ class TileGradients:
                 zeros if g_ent is None else g_ent.float().contiguous(), has_g_lp=True, has_g_ent=g_ent is not None,
                 col_offset=0, bias=self.bias, scalars=self.scalars, round_logits=False)
         elif offsets is not None:
-            shifted_tile.shifted_gradient_(dz, offsets, fused_matmul.shift_columns(dz.device), lse,
-                                           lse if ent is None else ent, g_lp, g_ent, self.scalars, labels=y,
-                                           label_logit=label_logit)
+            block = dz.shape[1] // offsets.shape[1] if log_tile else fused_matmul.shift_columns(dz.device)
+            shifted_tile.shifted_gradient_(dz, offsets, block, lse, lse if ent is None else ent, g_lp, g_ent,
+                                           self.scalars, labels=y, label_logit=label_logit, log_tile=log_tile)
         else:
             # fused statistics with an entropy asked for: Σ p·z into run_zp (run_sum is 1), for finish_row_stats
             gradient_tile(dz, 0, self.bias, y, lse, lse if ent is None else ent, g_lp,
@@ -220,19 +262,20 @@ def run_one_pass(head: HeadInputs, tile_grads: Optional[TileGrads], need: Needed
     stats = new_row_stats(m_rows, weight.device, statistics)
     tile_buf = torch.empty((min(plan.rows, max(m_rows, 1)), vocab_size), dtype=weight.dtype, device=weight.device)
     late_entropy = return_entropy and tile_grads is not None and not entropy_in_grads
+    fused = quack_bridge.fuses_statistics(head, rows_operand, return_entropy and not late_entropy, statistics)
     fp32 = fp32_logits(head, "one_pass") and fp32_logits_rule.readable(rows_operand, weight)
     recompute = fp32 and fp32_logits_rule.one_pass_dz() == "recompute"
+    scaled_tile_n = quack_bridge.scaled_exp_tile_n(head, rows_operand, statistics) if m_rows and not recompute else None
     gradients = TileGradients(head, plan, need, tile_grads, HeadGrads(mul_into=mul_into), scalars, return_entropy,
                               entropy_in_grads, recompute)
-    tile_statistics = TileStatistics(
-        quack_bridge.fuses_statistics(head, rows_operand, return_entropy and not late_entropy, statistics), weight,
-        bias, scalars, return_entropy, fp32, tile_buf.shape[0], store_tile=not recompute)
+    tile_statistics = TileStatistics(fused, weight, bias, scalars, return_entropy, fp32, tile_buf.shape[0],
+                                     store_tile=not recompute, scaled_tile_n=scaled_tile_n)
     for r0, r1, h in blocks:  # h: the tile's kept hidden rows [r1 − r0, H], in weight's dtype
         dz, row_stats = tile_buf[: r1 - r0], row_slice(stats, r0, r1)
         tile_lse = tile_statistics(h, y[r0:r1], dz, row_stats)
         if tile_grads is not None:
-            offsets = None if tile_statistics.offsets is None else tile_statistics.offsets[: r1 - r0]
-            gradients(r0, r1, h, y[r0:r1], dz, row_stats, tile_statistics.fused, tile_lse, offsets)
+            gradients(r0, r1, h, y[r0:r1], dz, row_stats, tile_statistics.fused, tile_lse,
+                      tile_statistics.tile_offsets, tile_statistics.log_tile)
     grads = gradients.finish()
     logp, entropy, lse, token_stats = finish_row_stats(stats, y, vocab_size, return_entropy, statistics)
     return HeadPass(logp, entropy, lse, grads if tile_grads is not None else None, token_stats)

@@ -29,7 +29,7 @@ import torch
 from ...head_inputs import HeadInputs, NeededGrads
 from ...logit_transform import LogitTransform
 from ...tiling import DEFAULT_TILE_BUDGET_BYTES
-from . import fp32_logits_rule, fused_matmul
+from . import fp32_logits_rule, fused_matmul, quack_bridge
 from .matmul import wave_rows
 from .one_pass_rule import OnePassPlan, one_pass_accumulators, one_pass_plan, one_pass_working_set
 from .operands import compact_bytes, one_pass_gather_row_bytes
@@ -90,10 +90,13 @@ def one_pass_row_bytes(head: HeadInputs, fused_statistics: bool = True) -> int:
     gathered hidden rows (:func:`~.operands.one_pass_gather_row_bytes`) and, with ``fused_statistics`` where the
     statistics come from the fp32 accumulator (:func:`fp32_logits`), the fused matmul's partials, the stored tile's
     shifts and normalizer (:func:`~.fused_matmul.stored_tile_row_bytes`: 42,736 bytes a row beside a 303,872-byte
-    bf16 row at V = 151,936 on a GPU)."""
+    bf16 row at V = 151,936 on a GPU), or, where QuACK's scaled-exp matmul may give them instead, its per-tile
+    partials (:func:`~.quack_bridge.scaled_exp_row_bytes`: 18,992 bytes a row at V = 151,936)."""
     row_bytes = one_pass_gather_row_bytes(head.computed(meta=True))
     if fused_statistics and fp32_logits(head, "one_pass"):
         row_bytes += fused_matmul.stored_tile_row_bytes(head.weight.shape[0], head.weight.device)
+    elif fused_statistics:
+        row_bytes += quack_bridge.scaled_exp_row_bytes(head)
     return row_bytes
 
 

@@ -3,13 +3,15 @@
 QuACK (``quack-kernels``) is imported only where it is installed and a call can use it: bf16 operands on a GPU of
 compute capability 9.x, contiguous, with rows of 16-byte multiples; the one pass's statistics only for the plain
 log-sum-exp (:func:`fuses_statistics`), the gradient pass's ``dz`` only where the gradient reaches the log-probs
-alone (:func:`fuses_softmax_grad`). A tile whose operands are not 16-byte aligned runs without it; a QuACK that
+alone (:func:`fuses_softmax_grad`); the one pass's fp32-faithful tile where its vocabulary splits into QuACK's column
+tiles and the fp32 statistics are asked for (:func:`scaled_exp_tile_n`). A tile whose operands are not 16-byte aligned runs without it; a QuACK that
 cannot be imported or run is turned off for the process with one warning, and the caller does the work itself.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import warnings
 from types import ModuleType
 from typing import Optional, Sequence
@@ -17,6 +19,11 @@ from typing import Optional, Sequence
 import torch
 
 from ...head_inputs import HeadInputs
+from . import fp32_logits_rule
+
+#: The scaled-exp matmul's column tiles (the granularity of its power-of-two shifts), in QuACK's own order of
+#: preference (``_pick_tile_n1`` in quack/linear_cross_entropy.py, 0.6.4: 192 measured best at Llama's vocabulary).
+SCALED_EXP_TILES = (192, 256, 128, 64)
 
 # The module once imported, or None once found missing or broken (then for the whole process, the error that
 # turned it off in _QUACK_ERROR).
@@ -46,7 +53,7 @@ def _failed(err: BaseException) -> None:
     _QUACK["module"] = None
     _QUACK_ERROR["error"] = f"{type(err).__name__}: {err}"
     warnings.warn(f"hf_fused: QuACK's fused epilogues are unavailable ({type(err).__name__}: {err}); hf_fused uses "
-                  "cuBLAS and its own Triton kernels instead (same results, slower). Measured with quack-kernels "
+                  "cuBLAS and its own Triton kernels instead. Measured with quack-kernels "
                   "0.6.4 and nvidia-cutlass-dsl 4.6.2.", stacklevel=3)
 
 
@@ -80,6 +87,67 @@ def softmax_grad(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ls
     return out.is_contiguous() and _run(
         lambda q: q.softmax_grad(h, weight, labels, lse, scale, out, label_logit),
         h, weight, labels, lse, scale, out, label_logit)
+
+
+def scaled_exp_logits(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, out: torch.Tensor,
+                      sum_exp: torch.Tensor, max_log2: torch.Tensor, label_logit: torch.Tensor, tile_n: int,
+                      sum_ez: Optional[torch.Tensor] = None) -> bool:
+    """:func:`.quack_epilogues.scaled_exp_logits` into ``out``, ``sum_exp``, ``max_log2``, ``label_logit`` (and
+    ``sum_ez`` where given); ``False``: it did not run (the caller computes the tile and its statistics itself)."""
+    extra = {} if sum_ez is None else {"sum_ez": sum_ez}
+    return _run(lambda q: q.scaled_exp_logits(h, weight, labels, out, sum_exp=sum_exp, max_log2=max_log2,
+                                              label_logit=label_logit, tile_n=tile_n, **extra),
+                h, weight, labels, out, sum_exp, max_log2, label_logit, *extra.values())
+
+
+def scaled_exp_statistics_(sum_exp: torch.Tensor, max_log2: torch.Tensor, lse: torch.Tensor,
+                           offsets: torch.Tensor, sum_ez: Optional[torch.Tensor] = None,
+                           sum_pz: Optional[torch.Tensor] = None) -> None:
+    """From :func:`scaled_exp_logits`' per-tile partials (fp32 ``[rows, T]``: Σ of ``E = 2^(z·log2 e − k)`` and
+    ``k``): each row's log-sum-exp ``k_r·ln 2 + log Σ_t sum_exp[t]·2^(k_t − k_r)`` (``k_r`` the row's largest ``k``,
+    so no term overflows) into ``lse [rows]``; each tile's shift in nats, ``k·ln 2``, into ``offsets [rows, T]`` (the
+    stored value is ``exp(z − offset)``, :func:`~.shifted_tile.shifted_gradient_`'s ``log_tile``); with ``sum_ez``
+    (Σ E·z per tile), each row's ``Σ p·z = Σ_t sum_ez[t]·2^(k_t − k_r) / Σ_t sum_exp[t]·2^(k_t − k_r)`` into
+    ``sum_pz [rows]`` (the entropy is ``lse − Σ p·z``)."""
+    k_r = max_log2.amax(dim=1, keepdim=True)
+    scale = torch.exp2(max_log2 - k_r)
+    total = (sum_exp * scale).sum(dim=1)
+    torch.add(total.log(), k_r[:, 0], alpha=math.log(2.0), out=lse)
+    torch.mul(max_log2, math.log(2.0), out=offsets)
+    if sum_ez is not None:
+        torch.div((sum_ez * scale).sum(dim=1), total, out=sum_pz)
+
+
+def tile_n_for(vocab_size: int) -> Optional[int]:
+    """The first of :data:`SCALED_EXP_TILES` that divides ``vocab_size`` (the shifts are per whole tile), or None."""
+    return next((n for n in SCALED_EXP_TILES if vocab_size % n == 0), None)
+
+
+def scaled_exp_tile_n(head: HeadInputs, h: torch.Tensor, statistics: Sequence[str]) -> Optional[int]:
+    """The column tile with which the one pass takes its logits tile and fp32-faithful statistics (the log-sum-exp,
+    label logit and entropy) from QuACK's scaled-exp matmul for this call (:func:`.quack_epilogues.scaled_exp_logits`),
+    or None: no token statistics, bias or logit transform asked of it, operands it :func:`runs_on`, the fp32 statistics are asked for in ``"one_pass_quack"``
+    (:func:`~.fp32_logits_rule.enabled`: on by default on CUDA, off with ``HF_FUSED_FP32_LOGITS=0``), the vocabulary
+    splits into whole column tiles (:func:`tile_n_for`), and QuACK loads."""
+    if statistics or head.bias is not None or not head.transform.is_identity or not runs_on(h, head.weight):
+        return None
+    if not fp32_logits_rule.enabled("one_pass_quack", h.device):
+        return None
+    tile_n = tile_n_for(head.weight.shape[0])
+    return tile_n if tile_n is not None and load() is not None else None
+
+
+def scaled_exp_row_bytes(head: HeadInputs) -> int:
+    """What :func:`scaled_exp_tile_n`'s path holds per tile row beside the tile (its per-tile sums, Σ E·z, maxima
+    and shifts, fp32): 0 where it cannot run (a bias or logit transform, QuACK not installed, not a bf16 weight of a
+    compute-capability-9 GPU as the matmuls read it, no column tile divides the vocabulary). No import of QuACK."""
+    weight = head.weight
+    tile_n = tile_n_for(weight.shape[0])
+    if (tile_n is None or head.bias is not None or not head.transform.is_identity or not weight.is_cuda
+            or head.operand_dtype != torch.bfloat16 or torch.cuda.get_device_capability(weight.device)[0] != 9
+            or importlib.util.find_spec("quack") is None):
+        return 0
+    return 4 * 4 * (weight.shape[0] // tile_n)
 
 
 def aligned16(*tensors: torch.Tensor) -> bool:

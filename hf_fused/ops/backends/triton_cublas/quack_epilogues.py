@@ -6,8 +6,14 @@
   :func:`.logits_epilogues.label_grad_` sets the label column (the Triton fused-``dz`` kernel's bits, 16–22 % less
   time per tile on an H200).
 
-Both round the fp32 accumulator to bf16 first, as the matmul's store does, so every statistic is that of the
-rounded tile (docs/design/numerics.md, "Epilogues"). This module imports QuACK and the CuTe DSL at import time;
+- :func:`scaled_exp_logits`: QuACK's own scaled-exp epilogue (``quack.epilogue.scaled_exp``): the tile stored as
+  ``E = bf16(2^(z·log2 e − k))`` with ``k`` the rounded maximum of each (row, ``tile_n``-column tile), each tile's
+  Σ E, its ``k`` and the label logit from the fp32 accumulator (fp32-faithful statistics), and, for the entropy,
+  hf_fused's variant of it that also reduces each tile's Σ E·z (:func:`scaled_exp_entropy_epi`);
+  :func:`~.shifted_tile.shifted_gradient_` turns ``E`` into ``dz``.
+
+The first two round the fp32 accumulator to bf16 first, as the matmul's store does, so every statistic is that of
+the rounded tile (docs/design/numerics.md, "Epilogues"). This module imports QuACK and the CuTe DSL at import time;
 :mod:`.quack_bridge` imports it only where ``quack`` is installed and a call can use it, and turns it off for the
 process, with one warning, when importing or running it raises. Measured with quack-kernels 0.6.4 and
 nvidia-cutlass-dsl 4.6.2 (QuACK 0.6.5 with the DSL 4.7 and 4.8 could not build any epilogue).
@@ -15,12 +21,15 @@ nvidia-cutlass-dsl 4.6.2 (QuACK 0.6.5 with the DSL 4.7 and 4.8 could not build a
 
 from __future__ import annotations
 
+from typing import Optional
+
 import cutlass
 import torch
 from cutlass import Float32
 from quack.epilogue.frontend import gemm_epilogue
-from quack.epilogue.math import pexp
-from quack.epilogue.ops import ColVecLoad, ColVecSelect, OnlineLSEReduce
+from quack.epilogue.math import pexp, pexp2
+from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce
+from quack.epilogue.scaled_exp import LOG2E, MaxLog2, _max_prepass, scaled_exp_target_epi
 
 _LABELS = ColVecLoad("target")
 
@@ -82,3 +91,53 @@ def softmax_grad(
     Every tensor must start 16-byte aligned (QuACK's TMA)."""
     bf16_softmax_grad(hidden, weight.mT, out={"D": out}, lse=lse, scale=scale, target=labels,
                       target_logit=label_logit, tuned=False)
+
+
+_entropy_max_log2 = MaxLog2("max_log2")
+_entropy_labels = ColVecLoad("target")
+
+
+@gemm_epilogue(
+    ops={"max_log2": _entropy_max_log2},
+    prepass=_max_prepass,
+    prepass_outs=("max_log2",),
+    # Σ E·z as a product reduce: one fused multiply-add per element, the product never rounded on its own
+    reduces={"sum_exp": ColVecReduce("sum_exp"), "sum_ez": ColVecReduce("sum_ez", scaled=True)},
+    outs={"target_logit": ColVecSelect("target_logit", idx_op=_entropy_labels)},
+    extra_ops=(_entropy_max_log2.out("max_log2_out"), _entropy_labels),
+)
+def scaled_exp_entropy_epi(acc, max_log2):
+    """QuACK's ``scaled_exp_target_epi`` plus each (row, tile)'s Σ E·z of the fp32 logits ``z``: the entropy's
+    ``Σ p·z`` from the accumulator, not from the stored bf16 values."""
+    e = pexp2(acc * LOG2E - max_log2)
+    return {"D": e, "sum_exp": e, "sum_ez": (e, acc), "target_logit": acc}
+
+
+def scaled_exp_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, out: torch.Tensor, *, sum_exp: torch.Tensor,
+    max_log2: torch.Tensor, label_logit: torch.Tensor, tile_n: int, sum_ez: Optional[torch.Tensor] = None,
+) -> None:
+    """QuACK's scaled-exp logits matmul (``scaled_exp_target_epi``, launched as QuACK's own linear cross-entropy
+    launches it): with ``z = hidden @ weight.T`` in fp32 and ``k[r, t] = rne(log2 e · max of z[r, t·tile_n :
+    (t + 1)·tile_n])``, ``out[r, c] = bf16(2^(z[r, c]·log2 e − k[r, c // tile_n]))``, ``sum_exp[r, t]`` the fp32 Σ of
+    the tile's values before rounding, ``max_log2 = k``, ``label_logit[r] = z[r, labels[r]]``.
+
+    Args:
+        hidden: ``[M, H]`` bf16, contiguous, ``H`` a multiple of 8.  weight: ``[V, H]`` bf16, contiguous.
+        labels: ``[M]`` int64 in ``[0, V)``.
+        out: ``[M, V]`` bf16, contiguous: written.
+        sum_exp, max_log2: fp32 ``[M, V // tile_n]``, contiguous: written.  label_logit: fp32 ``[M]``: written.
+        tile_n: the matmul's column tile, which divides ``V`` (:func:`.quack_bridge.scaled_exp_tile_n`).
+        sum_ez: fp32 ``[M, V // tile_n]``, contiguous, or None: written with each tile's fp32 Σ of the stored values
+            times their logits (:func:`scaled_exp_entropy_epi`).
+    """
+    epi_args = dict(max_log2=tile_n, sum_exp=sum_exp, max_log2_out=max_log2, target=labels,
+                    target_logit=label_logit)
+    if sum_ez is not None:
+        epi_args["sum_ez"] = sum_ez
+    (scaled_exp_target_epi if sum_ez is None else scaled_exp_entropy_epi).gemm(
+        hidden, weight, out, epi_args=epi_args,
+        # QuACK's own launch of this epilogue (quack/linear_cross_entropy.py, 0.6.4): ping-pong hides the two-phase
+        # epilogue up to 208 columns
+        tile_M=128, tile_N=tile_n, cluster_M=2, cluster_N=1, pingpong=tile_n <= 208,
+    )

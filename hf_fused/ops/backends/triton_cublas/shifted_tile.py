@@ -101,7 +101,7 @@ def _logits_chunk_kernel(
 def _shifted_grad_kernel(
     T, stride_t, Off, stride_off, n_cols, LSE, ENT, G_LP, G_ENT, Labels, ZY, logit_scale, softcap, inv_temperature,
     SOFTCAP: tl.constexpr, SCALED: tl.constexpr, HAS_G_ENT: tl.constexpr, LABEL: tl.constexpr, ROUND: tl.constexpr,
-    BLOCK_V: tl.constexpr, OFF_BLOCK: tl.constexpr,
+    LOG_TILE: tl.constexpr, BLOCK_V: tl.constexpr, OFF_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     t_row, off_row = T + row * stride_t, Off + row * stride_off
@@ -112,7 +112,9 @@ def _shifted_grad_kernel(
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
-        z = tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(t_row + cols, mask=mask, other=1.0).to(tl.float32)
+        if LOG_TILE:  # a stored exp(z − offset): 0 only far below the row's maximum, kept finite (p·(log p + H) = 0)
+            z = tl.maximum(tl.log(z), _NO_MAX)
         z += tl.load(off_row + cols // OFF_BLOCK, mask=mask, other=0.0)
         is_label = cols == label
         if LABEL:  # the label's logit whole, in fp32
@@ -164,9 +166,11 @@ def logits_chunk_(x: torch.Tensor, tile: torch.Tensor, offsets: torch.Tensor, co
 
 def shifted_gradient_(tile: torch.Tensor, offsets: torch.Tensor, block: int, lse: torch.Tensor, ent: torch.Tensor,
                       g_lp: torch.Tensor, g_ent: Optional[torch.Tensor], scalars: dict, *,
-                      labels: Optional[torch.Tensor] = None, label_logit: Optional[torch.Tensor] = None) -> None:
+                      labels: Optional[torch.Tensor] = None, label_logit: Optional[torch.Tensor] = None,
+                      log_tile: bool = False) -> None:
     """``tile [rows, V]`` (written shifted: :func:`logits_chunk_`, :func:`~.fused_matmul.logits_statistics_`) ←
-    ``dz = ∂L/∂raw``: with ``z = tile + offsets`` the transformed logits, ``log p = z − lse``,
+    ``dz = ∂L/∂raw``: with ``z = tile + offsets`` the transformed logits (``log_tile``: ``z = log(tile) + offsets``,
+    the tile a stored ``exp(z − offset)``: QuACK's scaled-exp matmul, :func:`~.quack_bridge.scaled_exp_tile_n`), ``log p = z − lse``,
     ``∂L/∂z = g_lp·(1[c = label] − p) − g_ent·p·(log p + H)``, then × 1/temperature, × (1 − tanh²) for the soft-cap,
     × logit_scale (:func:`~.triton_kernels.logit_grad`), rounded once to the tile's dtype. Without ``labels`` no
     column is the label's (the support pass sets its candidate columns afterwards,
@@ -180,6 +184,7 @@ def shifted_gradient_(tile: torch.Tensor, offsets: torch.Tensor, block: int, lse
         labels: int64 ``[rows]`` (any value outside ``[0, V)``: no label column) or None.
         label_logit: fp32 ``[rows]``, the transformed label logits (read where the label is a column), with
             ``labels``.
+        log_tile: the tile holds ``exp(z − offsets)`` (a 0 there is a probability below fp32's range: no gradient).
     """
     rows, vocab_size = tile.shape
     if rows == 0:
@@ -191,7 +196,8 @@ def shifted_gradient_(tile: torch.Tensor, offsets: torch.Tensor, block: int, lse
             tile, tile.stride(0), offsets, offsets.stride(0), vocab_size, lse, ent, g_lp,
             lse if g_ent is None else g_ent, lse if labels is None else labels,
             lse if label_logit is None else label_logit, HAS_G_ENT=g_ent is not None, LABEL=labels is not None,
-            ROUND=int(rounds_to_bf16(tile)), BLOCK_V=GRAD_BLOCK_V, OFF_BLOCK=block, num_warps=GRAD_WARPS,
+            ROUND=int(rounds_to_bf16(tile)), LOG_TILE=log_tile, BLOCK_V=GRAD_BLOCK_V, OFF_BLOCK=block,
+            num_warps=GRAD_WARPS,
             **without_bias_flag(scalars),
         )
 
