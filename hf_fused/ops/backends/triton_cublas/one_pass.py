@@ -1,7 +1,9 @@
 """The one pass (6·M·H·V FLOPs): token rows outside, whole vocabulary rows per tile, gradients in the same pass.
 
 Per full-vocabulary row block: the logits tile (cuBLAS, then the statistics kernel; or QuACK's matmul with the
-statistics in its epilogue; or, where the plan takes the logits from the fp32 accumulator, :mod:`.fused_matmul`'s
+statistics in its epilogue; or, where QuACK is installed and the fp32 statistics are asked, its scaled-exp matmul,
+which stores each logit's exponential shifted by a power of two per row and column tile and reduces the statistics
+from the fp32 accumulator; or, where the plan takes the logits from the fp32 accumulator, :mod:`.fused_matmul`'s
 matmul, which folds the statistics from the accumulator, fp32-faithful log-probs and entropy, and stores the tile
 shifted: each 64 columns' logits minus their row maximum in bf16, the maxima in fp32 beside it), the per-row
 gradients of the token loss from the block's statistics, the gradient kernel turning the same tile into ``dz`` (the
