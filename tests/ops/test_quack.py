@@ -4,7 +4,6 @@ missing or fails (CPU: Triton's interpreter, a stand-in launcher), and its resul
 
 import builtins
 import sys
-import warnings
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from hf_fused.ops import LogitTransform, linear_cross_entropy, linear_logprobs, 
 from hf_fused.ops.backends.triton_cublas import logits_epilogues, one_pass, quack_bridge  # noqa: E402
 from hf_fused.ops.head_inputs import HeadInputs  # noqa: E402
 from hf_fused.ops.token_loss import TokenLossHint  # noqa: E402
+from quack_stand_in import StandIn, assert_turned_off_once  # noqa: E402
 
 
 def _head(**kw):
@@ -62,28 +62,6 @@ def _ce(hidden, weight, labels, budget=2**30):
     return (loss, *torch.autograd.grad(loss, (hidden, weight)))
 
 
-class _StandIn:
-    """quack_epilogues.logits_with_statistics in PyTorch, on the tile the backend's own cuBLAS call would write."""
-
-    def __init__(self):
-        self.calls = []
-
-    def logits_with_statistics(self, h, w, y, out, *, lse, label_logit):
-        self.calls.append("tile")
-        torch.mm(h, w.t(), out=out)
-        z = out.float()
-        lse.copy_(torch.logsumexp(z, -1))
-        label_logit.copy_(z.gather(1, y[:, None])[:, 0])
-
-    def softmax_grad(self, h, w, y, lse, scale, out, label_logit):
-        """quack_epilogues.softmax_grad: ``scale·exp(z − lse)`` of the bf16 tile, the label logit where in range."""
-        self.calls.append("grad")
-        z = (h.float() @ w.float().t()).bfloat16().float()  # fp32 accumulation, one rounding, as the GPU's
-        inside = (y >= 0) & (y < z.shape[1])
-        label_logit.copy_(torch.where(inside, z.gather(1, y.clamp(0, z.shape[1] - 1)[:, None])[:, 0], label_logit))
-        out.copy_(scale[:, None] * torch.exp(z - lse[:, None]))
-
-
 def _close_to(got, want):
     """The loss to fp32 rounding (the log-sum-exp summed in another order); gradients as :func:`_grads_close_to`."""
     torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0)
@@ -111,7 +89,7 @@ def test_the_one_pass_reads_the_fused_statistics(monkeypatch):
     statistics kernel; loss and gradients are the unfused pass's."""
     hidden, weight, labels = _inputs()
     plain = _ce(hidden, weight, labels)
-    quack, stats_calls = _StandIn(), []
+    quack, stats_calls = StandIn(), []
     monkeypatch.setattr(quack_bridge, "_QUACK", {"module": quack})
     monkeypatch.setattr(quack_bridge, "runs_on", lambda h, w: True)
     stats = one_pass.statistics_tile
@@ -135,7 +113,7 @@ def test_with_a_fixed_hint_the_entropy_comes_from_the_gradient_kernel(monkeypatc
         return (lp.detach(), ent.detach(), *torch.autograd.grad((lp * hint).sum(), (hidden, weight)))
 
     plain = run()
-    quack = _StandIn()
+    quack = StandIn()
     monkeypatch.setattr(quack_bridge, "_QUACK", {"module": quack})
     monkeypatch.setattr(quack_bridge, "runs_on", lambda h, w: True)
     fused = run()
@@ -173,7 +151,7 @@ def test_an_off_policy_hint_takes_the_fused_statistics_and_the_late_entropy(monk
     hidden, weight, labels = _inputs(6)
     hint = _off_policy_hint(labels, 7)
     plain = _hinted_run(hidden, weight, labels, hint)
-    quack = _StandIn()
+    quack = StandIn()
     monkeypatch.setattr(quack_bridge, "_QUACK", {"module": quack})
     monkeypatch.setattr(quack_bridge, "runs_on", lambda h, w: True)
     fused = _hinted_run(hidden, weight, labels, hint)
@@ -185,7 +163,7 @@ def test_a_token_loss_that_reads_the_entropy_keeps_the_statistics_kernel(monkeyp
     """``linear_token_loss(..., need_entropy=True)``: the per-token loss may read the entropy before the
     gradient kernel runs, so the statistics kernel computes it and nothing is fused."""
     hidden, weight, labels = _inputs(5)
-    quack = _StandIn()
+    quack = StandIn()
     monkeypatch.setattr(quack_bridge, "_QUACK", {"module": quack})
     monkeypatch.setattr(quack_bridge, "runs_on", lambda h, w: True)
     loss, _lp, _ent = linear_token_loss(hidden, weight, labels, lambda logprobs, entropy: -logprobs + 0.1 * entropy,
@@ -197,28 +175,15 @@ def test_a_token_loss_that_reads_the_entropy_keeps_the_statistics_kernel(monkeyp
 def test_a_quack_call_that_fails_is_turned_off_with_one_warning(monkeypatch):
     hidden, weight, labels = _inputs(1)
     plain = _ce(hidden, weight, labels)
-
-    class Broken(_StandIn):
-        def logits_with_statistics(self, *a, **k):
-            raise RuntimeError("no kernel for this DSL")
-
-    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": Broken()})
     monkeypatch.setattr(quack_bridge, "runs_on", lambda h, w: True)
-    with pytest.warns(UserWarning, match="unavailable .*no kernel for this DSL"):
-        fallback = _ce(hidden, weight, labels)
-    for got, want in zip(fallback, plain):
-        assert torch.equal(got, want)
-    assert quack_bridge._QUACK["module"] is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _ce(hidden, weight, labels)  # off for the process: no second warning
+    assert_turned_off_once(monkeypatch, "logits_with_statistics", lambda: _ce(hidden, weight, labels), plain)
 
 
 def test_a_tile_whose_row_vectors_are_not_16_byte_aligned_is_not_sent_to_quack(monkeypatch):
     """QuACK's TMA needs 16-byte aligned operands and raises otherwise (seen on the H100); a tile with a per-row
     vector sliced at an odd row, or a weight that starts mid-way in a flat buffer, runs cuBLAS and the statistics
     kernel, and QuACK stays on for the next ones."""
-    quack = _StandIn()
+    quack = StandIn()
     monkeypatch.setattr(quack_bridge, "_QUACK", {"module": quack})
     h, w = torch.zeros(16, 8, dtype=torch.bfloat16), torch.zeros(64, 8, dtype=torch.bfloat16)
     labels, out = torch.zeros(16, dtype=torch.long), torch.empty(16, 64, dtype=torch.bfloat16)
@@ -290,7 +255,7 @@ def test_the_gradient_pass_takes_dz_from_quack(monkeypatch, entropy_gradient):
 
     with logits_epilogues.forced(True):
         plain = run()
-        quack = _StandIn()
+        quack = StandIn()
         monkeypatch.setattr(quack_bridge, "_QUACK", {"module": quack})
         monkeypatch.setattr(quack_bridge, "runs_on", lambda h, w: True)
         fused = run()

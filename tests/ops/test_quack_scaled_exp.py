@@ -6,7 +6,6 @@ Triton's interpreter, against float64 and against the bf16 tile's path); what ha
 kernel on a Hopper GPU with QuACK, against float64 and against QuACK's own linear cross-entropy."""
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -17,39 +16,7 @@ from hf_fused.ops import LogitTransform, linear_cross_entropy, linear_logprobs  
 from hf_fused.ops.backends.triton_cublas import fp32_logits_rule, quack_bridge  # noqa: E402
 from hf_fused.ops.head_inputs import HeadInputs  # noqa: E402
 from hf_fused.ops.token_loss import TokenLossHint  # noqa: E402
-
-LOG2E = 1.0 / math.log(2.0)
-
-
-class _StandIn:
-    """QuACK's two one-pass epilogues in PyTorch: ``scaled_exp_logits`` as quack/epilogue/scaled_exp.py defines it
-    (fp32 accumulation of the bf16 operands, ``k = rne(tile max·log2 e)``, Σ of the fp32 values and, for the
-    entropy, of their products with the logits, the stored tile rounded to nearest bf16 once), and ``logits_with_statistics`` (the bf16 tile's statistics)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def scaled_exp_logits(self, h, w, y, out, *, sum_exp, max_log2, label_logit, tile_n, sum_ez=None):
-        self.calls.append("scaled" if sum_ez is None else "scaled+entropy")
-        z = h.float() @ w.float().t()
-        rows, v = z.shape
-        tiles = z.view(rows, v // tile_n, tile_n)
-        k = torch.round(tiles.amax(-1) * LOG2E)  # round half to even, as QuACK's roundeven
-        e = torch.exp2(tiles * LOG2E - k[..., None])
-        sum_exp.copy_(e.sum(-1))
-        if sum_ez is not None:
-            sum_ez.copy_((e * tiles).sum(-1))
-        max_log2.copy_(k)
-        out.copy_(e.view(rows, v))
-        label_logit.copy_(z.gather(1, y[:, None])[:, 0])
-
-    def logits_with_statistics(self, h, w, y, out, *, lse, label_logit):
-        self.calls.append("tile")
-        torch.mm(h, w.t(), out=out)
-        z = out.float()
-        lse.copy_(torch.logsumexp(z, -1))
-        label_logit.copy_(z.gather(1, y[:, None])[:, 0])
-
+from quack_stand_in import LOG2E, StandIn, assert_turned_off_once  # noqa: E402
 
 def _inputs(seed=0, n=48, h=64, v=4352):
     """bf16 operands whose logits have a trained head's spread (standard deviation ~4), every 6th label ignored."""
@@ -65,7 +32,7 @@ def _inputs(seed=0, n=48, h=64, v=4352):
 def quack(monkeypatch):
     """The stand-in as the loaded QuACK, its operands accepted on CPU, the fp32 statistics asked for (on a GPU they
     are by default; on CPU only when asked)."""
-    stand_in = _StandIn()
+    stand_in = StandIn()
     monkeypatch.setattr(quack_bridge, "_QUACK", {"module": stand_in})
     monkeypatch.setattr(quack_bridge, "runs_on", lambda h, w: True)
     with fp32_logits_rule.forced(True):
@@ -135,7 +102,7 @@ def test_which_calls_take_the_scaled_tile(quack, monkeypatch):
 
 def test_off_the_gpu_it_is_not_asked_for(monkeypatch):
     """On CPU the fp32 statistics are off unless asked (CPU results stay the stored tiles' path's)."""
-    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": _StandIn()})
+    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": StandIn()})
     monkeypatch.setattr(quack_bridge, "runs_on", lambda h, w: True)
     monkeypatch.delenv(fp32_logits_rule.ENV, raising=False)
     head = _head()
@@ -220,25 +187,13 @@ def test_grpo_one_pass_from_the_scaled_tile(quack, case):
 
 
 def test_a_scaled_call_that_fails_falls_back_with_one_warning(quack, monkeypatch):
-    """A scaled-exp launch that raises turns QuACK off for the process (one warning) and the call's tiles run
-    cuBLAS and the statistics kernel: the results are those of a process without QuACK, bit for bit."""
+    """A scaled-exp launch that raises turns QuACK off for the process (one warning) and the call goes on with the
+    fused matmul, where the fp32 statistics were asked: the results are those of a process without QuACK, bit for
+    bit."""
     hidden, weight, labels = _inputs(1)
     monkeypatch.setattr(quack_bridge, "_QUACK", {"module": None})
     plain = _ce(hidden, weight, labels)
-
-    class Broken(_StandIn):
-        def scaled_exp_logits(self, *a, **k):
-            raise RuntimeError("no kernel for this DSL")
-
-    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": Broken()})
-    with pytest.warns(UserWarning, match="unavailable .*no kernel for this DSL"):
-        fallback = _ce(hidden, weight, labels)
-    for got, want in zip(fallback, plain):
-        assert torch.equal(got, want)
-    assert quack_bridge._QUACK["module"] is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _ce(hidden, weight, labels)
+    assert_turned_off_once(monkeypatch, "scaled_exp_logits", lambda: _ce(hidden, weight, labels), plain)
 
 
 def test_every_label_ignored(quack):
@@ -291,7 +246,7 @@ def test_the_kernel_on_gpu_is_the_stand_ins(n, v):
             for _ in range(2)]
     assert quack_bridge.scaled_exp_logits(hidden.detach(), weight.detach(), y, *outs[0], tile_n), \
         quack_bridge.last_error()
-    _StandIn().scaled_exp_logits(hidden.detach(), weight.detach(), y, outs[1][0], sum_exp=outs[1][1],
+    StandIn().scaled_exp_logits(hidden.detach(), weight.detach(), y, outs[1][0], sum_exp=outs[1][1],
                                  max_log2=outs[1][2], label_logit=outs[1][3], tile_n=tile_n)
     (e, s, k, zy), (e_ref, s_ref, k_ref, zy_ref) = outs
     # k rounds tile max · log2 e: a max within fp32 summation order of a half-integer may round the other way

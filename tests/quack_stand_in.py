@@ -1,0 +1,74 @@
+"""QuACK's epilogues (hf_fused.ops.backends.triton_cublas.quack_epilogues) in PyTorch, for the CPU tests of the calls
+that take them (tests/ops/test_quack.py, tests/ops/test_quack_scaled_exp.py), and the check both make of a launch
+that fails."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from hf_fused.ops.backends.triton_cublas import quack_bridge
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+class StandIn:
+    """Each epilogue as quack_epilogues defines it, recording its calls: ``"tile"`` (the bf16 tile and its statistics),
+    ``"grad"`` (the two passes' ``dz``), ``"scaled"`` / ``"scaled+entropy"`` (the scaled-exp tile)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def logits_with_statistics(self, h, w, y, out, *, lse, label_logit):
+        self.calls.append("tile")
+        torch.mm(h, w.t(), out=out)
+        z = out.float()
+        lse.copy_(torch.logsumexp(z, -1))
+        label_logit.copy_(z.gather(1, y[:, None])[:, 0])
+
+    def softmax_grad(self, h, w, y, lse, scale, out, label_logit):
+        """``scale·exp(z − lse)`` of the bf16 tile, the label logit where in range."""
+        self.calls.append("grad")
+        z = (h.float() @ w.float().t()).bfloat16().float()  # fp32 accumulation, one rounding, as the GPU's
+        inside = (y >= 0) & (y < z.shape[1])
+        label_logit.copy_(torch.where(inside, z.gather(1, y.clamp(0, z.shape[1] - 1)[:, None])[:, 0], label_logit))
+        out.copy_(scale[:, None] * torch.exp(z - lse[:, None]))
+
+    def scaled_exp_logits(self, h, w, y, out, *, sum_exp, max_log2, label_logit, tile_n, sum_ez=None):
+        """quack/epilogue/scaled_exp.py's: fp32 accumulation of the bf16 operands, ``k = rne(tile max·log2 e)``, the
+        fp32 Σ of the values (and, for the entropy, of their products with the logits), the stored tile rounded to
+        nearest bf16 once."""
+        self.calls.append("scaled" if sum_ez is None else "scaled+entropy")
+        z = h.float() @ w.float().t()
+        rows, v = z.shape
+        tiles = z.view(rows, v // tile_n, tile_n)
+        k = torch.round(tiles.amax(-1) * LOG2E)  # round half to even, as QuACK's roundeven
+        e = torch.exp2(tiles * LOG2E - k[..., None])
+        sum_exp.copy_(e.sum(-1))
+        if sum_ez is not None:
+            sum_ez.copy_((e * tiles).sum(-1))
+        max_log2.copy_(k)
+        out.copy_(e.view(rows, v))
+        label_logit.copy_(z.gather(1, y[:, None])[:, 0])
+
+
+def assert_turned_off_once(monkeypatch, epilogue: str, run, plain) -> None:
+    """A stand-in whose ``epilogue`` raises: the first ``run()`` warns once that QuACK is unavailable and returns
+    ``plain`` (the results of a process without QuACK) bit for bit, QuACK is off for the process, a second run
+    warns no more."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this DSL")
+
+    module = StandIn()
+    setattr(module, epilogue, broken)
+    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": module})
+    with pytest.warns(UserWarning, match="unavailable .*no kernel for this DSL"):
+        fallback = run()
+    for got, want in zip(fallback, plain):
+        assert torch.equal(got, want)
+    assert quack_bridge._QUACK["module"] is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run()  # off for the process: no second warning
