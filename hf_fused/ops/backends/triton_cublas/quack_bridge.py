@@ -3,9 +3,10 @@
 QuACK (``quack-kernels``) is imported only where it is installed and a call can use it: bf16 operands on a GPU of
 compute capability 9.x, contiguous, with rows of 16-byte multiples; the one pass's statistics only for the plain
 log-sum-exp (:func:`fuses_statistics`), the gradient pass's ``dz`` only where the gradient reaches the log-probs
-alone (:func:`fuses_softmax_grad`); the one pass's fp32-faithful tile where its vocabulary splits into QuACK's column
-tiles and the fp32 statistics are asked for (:func:`scaled_exp_tile_n`). A tile whose operands are not 16-byte aligned runs without it; a QuACK that
-cannot be imported or run is turned off for the process with one warning, and the caller does the work itself.
+alone (:func:`fuses_softmax_grad`); the one pass's fp32-faithful tile where its vocabulary splits into QuACK's
+column tiles and the fp32 statistics are asked for (:func:`scaled_exp_tile_n`). A tile whose operands are not 16-byte
+aligned runs without it; a QuACK that cannot be imported or run is turned off for the process with one warning, and
+the caller does the work itself.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@
 - :func:`softmax_grad`: the two passes' ``dz`` tile ``−g·exp(z − lse)`` and the gathered label logit, from which
   :func:`.logits_epilogues.label_grad_` sets the label column (the Triton fused-``dz`` kernel's bits, 16–22 % less
   time per tile on an H200).
-
 - :func:`scaled_exp_logits`: QuACK's own scaled-exp epilogue (``quack.epilogue.scaled_exp``): the tile stored as
   ``E = bf16(2^(z·log2 e − k))`` with ``k`` the rounded maximum of each (row, ``tile_n``-column tile), each tile's
   Σ E, its ``k`` and the label logit from the fp32 accumulator (fp32-faithful statistics), and, for the entropy,
