@@ -109,6 +109,20 @@ def test_off_the_gpu_it_is_not_asked_for(monkeypatch):
     assert quack_bridge.scaled_exp_tile_n(head, head.hidden, ()) is None
 
 
+def test_the_plan_says_where_quack_takes_the_one_pass(quack, monkeypatch):
+    """describe_plan's line names QuACK's scaled-exp matmul where a plain call would take it, the fused matmul's
+    accumulator where the fp32 statistics are asked without it, nothing with them off."""
+    from hf_fused.ops.backends.triton_cublas.plan import describe
+
+    w = torch.zeros(4352, 16, dtype=torch.bfloat16)
+    monkeypatch.setattr(quack_bridge, "scaled_exp_row_bytes", lambda head: 16 * 17)  # as on a Hopper GPU
+    assert describe(w, n_rows=64).endswith("; statistics from the fp32 accumulator of QuACK's scaled-exp matmul")
+    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": None})
+    assert describe(w, n_rows=64).endswith("; log-prob statistics from the matmul's fp32 accumulator")
+    with fp32_logits_rule.forced(False):
+        assert "statistics from" not in describe(w, n_rows=64)
+
+
 def test_the_statistics_from_the_partials():
     """``lse = log Σ_t sum_exp[t]·2^k_t`` and the shifts ``k·ln 2``, for partials of very different ``k`` (no term
     overflows: the largest ``k`` is factored out)."""
