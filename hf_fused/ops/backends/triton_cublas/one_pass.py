@@ -139,28 +139,34 @@ class TileStatistics:
         #: The shifts of the stored tile (fp32 ``[tile_rows, ⌈V / c⌉]``, :func:`~.fused_matmul.new_offsets`) or None.
         self.offsets = fused_matmul.new_offsets(self.tile_rows, self.weight.shape[0], device) if stored else None
 
+    def _scaled_exp_tile(self, h: torch.Tensor, y: torch.Tensor, dz: torch.Tensor, row_stats) -> bool:
+        """The tile from QuACK's scaled-exp matmul, its statistics from the partials; ``False`` where QuACK did not
+        take it (then off for the rest of the call: the fused matmul where the fp32 statistics were asked, else
+        cuBLAS)."""
+        rows = h.shape[0]
+        run_max, run_sum, run_zp, label_logit = row_stats[:4]
+        sum_exp, max_log2, offsets = self.sum_exp[:rows], self.max_log2[:rows], self.shifts[:rows]
+        sum_ez = None if self.sum_ez is None else self.sum_ez[:rows]
+        if quack_bridge.scaled_exp_logits(h, self.weight, y, dz, sum_exp, max_log2, label_logit, self.scaled_tile_n,
+                                          sum_ez):
+            quack_bridge.scaled_exp_statistics_(sum_exp, max_log2, run_max, offsets, sum_ez, run_zp)
+            run_sum.fill_(1.0)  # the log-sum-exp as (running max, Σexp) = (lse, 1), Σ p·z normalized
+            self.tile_offsets, self.log_tile = offsets, True
+            return True
+        self.scaled_tile_n = None
+        if self.fp32_after_scaled:
+            self._use_fp32()
+        return False
+
     def __call__(self, h: torch.Tensor, y: torch.Tensor, dz: torch.Tensor, row_stats) -> Optional[torch.Tensor]:
         """Fills ``dz`` with the tile's logits (but with ``fp32`` and no ``store_tile``; shifted with them, the
         rows' shifts in :attr:`offsets`; their exponentials with ``scaled_tile_n``) and ``row_stats`` with their
-        statistics; returns the log-sum-exp that
-        normalizes the stored tile's probabilities where it is not the statistics' own (``fp32`` with
-        ``store_tile``), else None."""
+        statistics; returns the log-sum-exp that normalizes the stored tile's probabilities where it is not the
+        statistics' own (``fp32`` with ``store_tile``), else None."""
         rows = h.shape[0]
         self.tile_offsets, self.log_tile = None, False
-        if self.scaled_tile_n is not None:
-            run_max, run_sum, run_zp, label_logit = row_stats[:4]
-            sum_exp, max_log2, offsets = self.sum_exp[:rows], self.max_log2[:rows], self.shifts[:rows]
-            sum_ez = None if self.sum_ez is None else self.sum_ez[:rows]
-            if quack_bridge.scaled_exp_logits(h, self.weight, y, dz, sum_exp, max_log2, label_logit,
-                                              self.scaled_tile_n, sum_ez):
-                quack_bridge.scaled_exp_statistics_(sum_exp, max_log2, run_max, offsets, sum_ez, run_zp)
-                run_sum.fill_(1.0)  # the log-sum-exp as (running max, Σexp) = (lse, 1), Σ p·z normalized
-                self.tile_offsets, self.log_tile = offsets, True
-                return None
-            # QuACK turned itself off: the fused matmul from here on where the fp32 statistics were asked, else cuBLAS
-            self.scaled_tile_n = None
-            if self.fp32_after_scaled:
-                self._use_fp32()
+        if self.scaled_tile_n is not None and self._scaled_exp_tile(h, y, dz, row_stats):
+            return None
         if self.fp32 and self.rounded_sum is None:  # dz from the accumulator later (TileGradients' recompute)
             fused_matmul.logits_statistics_(h, self.weight, y, row_stats, self.scalars,
                                             return_entropy=self.return_entropy, bias=self.bias)
