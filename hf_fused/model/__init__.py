@@ -2,8 +2,9 @@
 
 Its extension point for the integrations (:mod:`hf_fused.integrations`): :class:`ModelExtension`, registered with
 :func:`register_extension`, answers a library's own calls of a patched model and hears of each patch and removal;
-a call's instructions to the lm_head intercept are a :class:`FusedRequest` run under :func:`intercept_lm_head`,
-with the model's :class:`FusedLossState` (``model._hf_fused``).
+a call's instructions to the lm_head intercept are a :class:`FusedRequest` run under :func:`intercept_lm_head`
+(the original forward around it: :func:`run_intercepted`), with the model's :class:`FusedLossState`
+(``model._hf_fused``).
 """
 
 from .extensions import ModelExtension, patched_models, register_extension, registered_extensions, unregister_extension
@@ -14,11 +15,11 @@ from .forward import (
     FusedRequest,
     PatchedForward,
     as_kwargs,
-    dispatched_output_device,
     fused_forward,
     head_operands,
     intercept_lm_head,
     op_options,
+    run_intercepted,
 )
 from .lm_head import head_tensors
 from .patch import apply_fused_loss, is_fused, original_forward_only, remove_fused_loss, verify_patch

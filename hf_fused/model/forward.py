@@ -168,8 +168,7 @@ def fused_forward(model: nn.Module, *args, **kwargs):
     if mode not in FUSED_OUTPUTS:
         raise ValueError(f"fused_output must be one of {FUSED_OUTPUTS}, got {mode!r}")
 
-    request = FusedRequest(mode=mode, state=state, ignore_index=kwargs.get("ignore_index", -100),
-                           output_device=dispatched_output_device(model, kwargs))
+    request = FusedRequest(mode=mode, state=state, ignore_index=kwargs.get("ignore_index", -100))
     if mode in ("loss", "logprobs"):
         request.labels = _aligned_labels(labels, kwargs.pop("shift_labels", None), request.ignore_index, mode)
     if mode == "logprobs":
@@ -182,13 +181,7 @@ def fused_forward(model: nn.Module, *args, **kwargs):
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)
 
-    with intercept_lm_head(model.get_output_embeddings(), request):
-        out = original(**kwargs, return_dict=True)
-    if not request.called:
-        raise RuntimeError(
-            f"{type(model).__name__}.forward did not call its lm_head ({type(model.get_output_embeddings()).__name__}); "
-            "hf_fused cannot compute the loss from hidden states for this model."
-        )
+    out = run_intercepted(model, original, kwargs, request, "compute the loss from hidden states")
 
     fields = {k: v for k, v in out.items() if k not in ("logits", "loss")}
     loss = None
@@ -287,6 +280,23 @@ def intercept_lm_head(lm_head: nn.Module, request: FusedRequest):
     placeholder for the logits; the head is restored afterwards. Run the model's original forward inside."""
     with lm_head_answering(lm_head, lambda hidden: _head_forward(lm_head, request, hidden)):
         yield
+
+
+def run_intercepted(model: nn.Module, original, kwargs: dict, request: FusedRequest, purpose: str):
+    """``original(**kwargs, return_dict=True)`` under :func:`intercept_lm_head` for ``request``, its results headed
+    for the device the forward's outputs go to (:func:`dispatched_output_device`); returns the forward's output.
+
+    Raises:
+        RuntimeError: the forward never called ``model``'s lm_head (``purpose``: what hf_fused then cannot do).
+    """
+    lm_head = model.get_output_embeddings()
+    request.output_device = dispatched_output_device(model, kwargs)
+    with intercept_lm_head(lm_head, request):
+        out = original(**kwargs, return_dict=True)
+    if not request.called:
+        raise RuntimeError(f"{type(model).__name__}.forward did not call its lm_head ({type(lm_head).__name__}); "
+                           f"hf_fused cannot {purpose} for this model.")
+    return out
 
 
 @contextmanager

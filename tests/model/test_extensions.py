@@ -102,3 +102,43 @@ def test_patched_models_lists_copies_and_keeps_none_alive():
     del model, clone, listed
     gc.collect()
     assert all(ref() is None for ref in refs)
+
+
+class _LogitsWithoutTheModule(torch.nn.Module):
+    """A causal LM whose forward takes its logits from ``F.linear`` on lm_head's weight, never calling the module."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def get_output_embeddings(self):
+        return self.inner.lm_head
+
+    def forward(self, input_ids=None, labels=None, return_dict=True):
+        hidden = self.inner.model(input_ids=input_ids).last_hidden_state
+        return {"logits": torch.nn.functional.linear(hidden, self.inner.lm_head.weight)}
+
+
+def test_a_forward_that_never_calls_its_lm_head_is_refused():
+    """run_intercepted (every intercepted call: the patched forward, TRL's head, both distillation heads): a forward
+    that never calls lm_head gets a RuntimeError naming the model, its head and what hf_fused cannot do, not a
+    result read from an empty request. Through the public call too (a model patched without verification)."""
+    from hf_fused.model import run_intercepted
+
+    model = _LogitsWithoutTheModule(make_model("llama"))
+    request = FusedRequest(mode="loss", state=None)
+    with pytest.raises(RuntimeError, match=r"_LogitsWithoutTheModule.forward did not call its lm_head \(Linear\); "
+                                           r"hf_fused cannot serve the test"):
+        run_intercepted(model, model.forward, {"input_ids": make_batch()[0]}, request, "serve the test")
+
+    bypass = make_model("llama")
+    input_ids, labels = make_batch()[:2]
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        hidden = self.model(input_ids=input_ids).last_hidden_state
+        return {"logits": torch.nn.functional.linear(hidden, self.lm_head.weight)}
+
+    bypass.__class__ = type("Bypass", (type(bypass),), {"forward": forward})
+    apply_fused_loss(bypass, verify=False)
+    with pytest.raises(RuntimeError, match="Bypass.forward did not call its lm_head .*compute the loss from hidden"):
+        bypass(input_ids=input_ids, labels=labels)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from ...model import FusedRequest, as_kwargs, dispatched_output_device, head_tensors, intercept_lm_head
+from ...model import FusedRequest, as_kwargs, head_tensors, intercept_lm_head, run_intercepted
 from ...ops import DistillationOutput, linear_distillation_loss
 from .teacher_fsdp import fsdp1_whole
 
@@ -130,12 +130,8 @@ def distillation_forward(causal_lm: nn.Module, *args, **kwargs) -> DistillationO
         lm_head, hidden, state, call.teacher, beta=call.beta, temperature=call.temperature, labels=call.labels,
         num_items_in_batch=call.num_items_in_batch,
     ))
-    request.output_device = dispatched_output_device(causal_lm, kwargs)
-    with intercept_lm_head(causal_lm.get_output_embeddings(), request):
-        original(**kwargs, labels=None, return_dict=True)
-    if not request.called:
-        raise RuntimeError(f"{type(causal_lm).__name__}.forward did not call its lm_head; hf_fused cannot compute the "
-                           "distillation loss from its hidden states")
+    run_intercepted(causal_lm, original, {**kwargs, "labels": None}, request,
+                    "compute the distillation loss from its hidden states")
     return DistillationOutput(*request.result)
 
 

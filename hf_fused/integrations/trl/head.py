@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...model import FusedRequest, as_kwargs, dispatched_output_device, head_operands, intercept_lm_head, op_options
+from ...model import FusedRequest, as_kwargs, head_operands, op_options, run_intercepted
 from ...model.tensor_parallel import check_tensor_parallel_head, vocab_parallel_head
 from ...ops import TokenLossHint, linear_logprobs
 from .hooks import refused_reason
@@ -70,11 +70,7 @@ def trl_fused_forward(model: nn.Module, *args, **kwargs):
 
     request = FusedRequest(mode="logprobs", state=state, labels=aligned)
     request.head = functools.partial(_head, labels=aligned, options=options, state=state, grad_hint=grad_hint)
-    request.output_device = dispatched_output_device(model, kwargs)
-    with intercept_lm_head(model.get_output_embeddings(), request):
-        out = original(**kwargs, labels=None, return_dict=True)
-    if not request.called:
-        raise RuntimeError(f"{type(model).__name__}.forward did not call its lm_head; hf_fused cannot serve TRL's head")
+    out = run_intercepted(model, original, {**kwargs, "labels": None}, request, "serve TRL's head")
 
     fields = {k: (None if v is None else (v[:, :-1] if trim else v)) for k, v in request.result.items()}
     mask = (aligned != -100)[:, :-1] if trim else aligned != -100

@@ -35,8 +35,8 @@ import torch
 import torch.nn as nn
 
 from ...model import (
-    FusedLossBypassedWarning, FusedRequest, ModelExtension, as_kwargs, dispatched_output_device, find_causal_lm,
-    head_tensors, intercept_lm_head, is_fused, register_extension,
+    FusedLossBypassedWarning, FusedRequest, ModelExtension, as_kwargs, find_causal_lm, head_tensors, is_fused,
+    register_extension, run_intercepted,
 )
 from ...ops import sparse_distillation_loss
 from ..patching import ThirdPartyPatch
@@ -108,12 +108,8 @@ def sparse_distillation_forward(causal_lm: nn.Module, *args, **kwargs) -> tuple:
     kwargs["use_cache"] = False
     request = FusedRequest(mode="loss", state=state)
     request.head = lambda lm_head, hidden: student_sparse_divergence(lm_head, hidden, state, call)
-    request.output_device = dispatched_output_device(causal_lm, kwargs)
-    with intercept_lm_head(causal_lm.get_output_embeddings(), request):
-        original(**kwargs, labels=None, return_dict=True)
-    if not request.called:
-        raise RuntimeError(f"{type(causal_lm).__name__}.forward did not call its lm_head; hf_fused cannot compute the "
-                           "sparse distillation loss from its hidden states")
+    run_intercepted(causal_lm, original, {**kwargs, "labels": None}, request,
+                    "compute the sparse distillation loss from its hidden states")
     return tuple(request.result)
 
 
