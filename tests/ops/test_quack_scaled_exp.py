@@ -18,6 +18,7 @@ from hf_fused.ops.head_inputs import HeadInputs  # noqa: E402
 from hf_fused.ops.token_loss import TokenLossHint  # noqa: E402
 from quack_stand_in import LOG2E, StandIn, assert_turned_off_once  # noqa: E402
 
+
 def _inputs(seed=0, n=48, h=64, v=4352):
     """bf16 operands whose logits have a trained head's spread (standard deviation ~4), every 6th label ignored."""
     g = torch.Generator().manual_seed(seed)
@@ -39,9 +40,9 @@ def quack(monkeypatch):
         yield stand_in
 
 
-def _float64_reference(hidden, weight, labels, upstream=None, entropy_weight=0.0):
-    """Mean cross-entropy (``upstream`` None) or ``Σ upstream·logp + entropy_weight·Σ H`` over the kept rows, in
-    float64 from the bf16 operands: ``(value, logp, entropy, dX, dW)``."""
+def _float64_reference(hidden, weight, labels, upstream=None):
+    """Mean cross-entropy (``upstream`` None) or ``Σ upstream·logp`` over the kept rows, in float64 from the bf16
+    operands: ``(value, logp, entropy, dX, dW)``."""
     h, w = (t.detach().double().requires_grad_() for t in (hidden, weight))
     logp_all = torch.log_softmax(h @ w.T, -1)
     kept = labels != -100
@@ -50,7 +51,7 @@ def _float64_reference(hidden, weight, labels, upstream=None, entropy_weight=0.0
     if upstream is None:
         value = -logp.sum() / kept.sum()
     else:
-        value = (upstream.double() * logp).sum() + entropy_weight * (entropy * kept).sum()
+        value = (upstream.double() * logp).sum()
     return (value.detach(), logp.detach(), entropy.detach(), *torch.autograd.grad(value, (h, w)))
 
 
