@@ -176,7 +176,6 @@ def fused_forward(model: nn.Module, *args, **kwargs):
         request.return_entropy = bool(kwargs.pop("return_entropy", False))
         request.grad_hint = kwargs.pop("grad_hint", None)
     request.num_items_in_batch = kwargs.get("num_items_in_batch")
-    kwargs["labels"] = None
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)
@@ -283,13 +282,15 @@ def intercept_lm_head(lm_head: nn.Module, request: FusedRequest):
 
 
 def run_intercepted(model: nn.Module, original, kwargs: dict, request: FusedRequest, purpose: str):
-    """``original(**kwargs, return_dict=True)`` under :func:`intercept_lm_head` for ``request``, its results headed
-    for the device the forward's outputs go to (:func:`dispatched_output_device`); returns the forward's output.
+    """``original(**kwargs, labels=None, return_dict=True)`` under :func:`intercept_lm_head` for ``request`` (no
+    loss of the forward's own: lm_head returns no logits), its results headed for the device the forward's outputs
+    go to (:func:`dispatched_output_device`); returns the forward's output.
 
     Raises:
         RuntimeError: the forward never called ``model``'s lm_head (``purpose``: what hf_fused then cannot do).
     """
     lm_head = model.get_output_embeddings()
+    kwargs = {**kwargs, "labels": None}
     request.output_device = dispatched_output_device(model, kwargs)
     with intercept_lm_head(lm_head, request):
         out = original(**kwargs, return_dict=True)

@@ -130,8 +130,7 @@ def distillation_forward(causal_lm: nn.Module, *args, **kwargs) -> DistillationO
         lm_head, hidden, state, call.teacher, beta=call.beta, temperature=call.temperature, labels=call.labels,
         num_items_in_batch=call.num_items_in_batch,
     ))
-    run_intercepted(causal_lm, original, {**kwargs, "labels": None}, request,
-                    "compute the distillation loss from its hidden states")
+    run_intercepted(causal_lm, original, kwargs, request, "compute the distillation loss from its hidden states")
     return DistillationOutput(*request.result)
 
 

@@ -70,7 +70,7 @@ def trl_fused_forward(model: nn.Module, *args, **kwargs):
 
     request = FusedRequest(mode="logprobs", state=state, labels=aligned)
     request.head = functools.partial(_head, labels=aligned, options=options, state=state, grad_hint=grad_hint)
-    out = run_intercepted(model, original, {**kwargs, "labels": None}, request, "serve TRL's head")
+    out = run_intercepted(model, original, kwargs, request, "serve TRL's head")
 
     fields = {k: (None if v is None else (v[:, :-1] if trim else v)) for k, v in request.result.items()}
     mask = (aligned != -100)[:, :-1] if trim else aligned != -100

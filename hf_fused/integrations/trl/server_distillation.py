@@ -108,7 +108,7 @@ def sparse_distillation_forward(causal_lm: nn.Module, *args, **kwargs) -> tuple:
     kwargs["use_cache"] = False
     request = FusedRequest(mode="loss", state=state)
     request.head = lambda lm_head, hidden: student_sparse_divergence(lm_head, hidden, state, call)
-    run_intercepted(causal_lm, original, {**kwargs, "labels": None}, request,
+    run_intercepted(causal_lm, original, kwargs, request,
                     "compute the sparse distillation loss from its hidden states")
     return tuple(request.result)
 

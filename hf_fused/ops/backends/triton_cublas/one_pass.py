@@ -273,7 +273,8 @@ def run_one_pass(head: HeadInputs, tile_grads: Optional[TileGrads], need: Needed
     fused = quack_bridge.fuses_statistics(head, rows_operand, return_entropy and not late_entropy, statistics)
     fp32 = fp32_logits(head, "one_pass") and fp32_logits_rule.readable(rows_operand, weight)
     recompute = fp32 and fp32_logits_rule.one_pass_dz() == "recompute"
-    scaled_tile_n = quack_bridge.scaled_exp_tile_n(head, rows_operand, statistics) if m_rows and not recompute else None
+    scaled_tile_n = (quack_bridge.scaled_exp_tile_n(head, rows_operand, statistics)
+                     if m_rows and not recompute else None)
     gradients = TileGradients(head, plan, need, tile_grads, HeadGrads(mul_into=mul_into), scalars, return_entropy,
                               entropy_in_grads, recompute)
     tile_statistics = TileStatistics(fused, weight, bias, scalars, return_entropy, fp32, tile_buf.shape[0],

@@ -236,7 +236,7 @@ def describe(weight: torch.Tensor, *, n_rows: int, tile_budget_bytes: Optional[i
                                     min(plan.rows, max(n_rows, 1)), one_pass_extra_bytes(head, need),
                                     one_pass_row_bytes(head))
         return (f"one pass (6·N·H·V): {plan.rows} rows per tile, {size / 2**30:.2f} GiB working set with the "
-                f"weight-gradient accumulator {plan.accumulator!r}" + _one_pass_statistics_source(weight, head))
+                f"weight-gradient accumulator {plan.accumulator!r}" + _one_pass_statistics_source(head))
     gradient = plan_gradient_pass(head, need)
     tile, copy = gradient.tile, compact_bytes(head)
     size = tile.bytes
@@ -255,9 +255,10 @@ def _statistics_source(weight: torch.Tensor, schedule: str) -> str:
     return "; log-prob statistics from the matmul's fp32 accumulator"
 
 
-def _one_pass_statistics_source(weight: torch.Tensor, head: HeadInputs) -> str:
+def _one_pass_statistics_source(head: HeadInputs) -> str:
     """:func:`_statistics_source` of the one pass, whose default differs for the cross-entropy's loss and where QuACK
     is installed (:func:`~.quack_bridge.scaled_exp_tile_n`)."""
+    weight = head.weight
     if (quack_bridge.scaled_exp_row_bytes(head) and fp32_logits_rule.enabled("one_pass_quack", weight.device)
             and quack_bridge.load() is not None):
         return "; statistics from the fp32 accumulator of QuACK's scaled-exp matmul"

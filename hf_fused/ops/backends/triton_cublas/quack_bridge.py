@@ -54,8 +54,8 @@ def _failed(err: BaseException) -> None:
     _QUACK["module"] = None
     _QUACK_ERROR["error"] = f"{type(err).__name__}: {err}"
     warnings.warn(f"hf_fused: QuACK's fused epilogues are unavailable ({type(err).__name__}: {err}); hf_fused uses "
-                  "cuBLAS and its own Triton kernels instead. Measured with quack-kernels "
-                  "0.6.4 and nvidia-cutlass-dsl 4.6.2.", stacklevel=3)
+                  "cuBLAS and its own Triton kernels instead. Measured with quack-kernels 0.6.4 and nvidia-cutlass-dsl "
+                  "4.6.2.", stacklevel=3)
 
 
 def _run(launch, *operands: torch.Tensor) -> bool:
@@ -126,11 +126,12 @@ def tile_n_for(vocab_size: int) -> Optional[int]:
 
 def scaled_exp_tile_n(head: HeadInputs, h: torch.Tensor, statistics: Sequence[str]) -> Optional[int]:
     """The column tile with which the one pass takes its logits tile and fp32-faithful statistics (the log-sum-exp,
-    label logit and entropy) from QuACK's scaled-exp matmul for this call (:func:`.quack_epilogues.scaled_exp_logits`),
-    or None: no token statistics, bias or logit transform asked of it, operands it :func:`runs_on`, the fp32 statistics are asked for in ``"one_pass_quack"``
+    label logit and entropy) from QuACK's scaled-exp matmul for this call
+    (:func:`.quack_epilogues.scaled_exp_logits`), or None: no token statistics asked of it, :func:`raw_logits`,
+    operands it :func:`runs_on`, the fp32 statistics asked for in ``"one_pass_quack"``
     (:func:`~.fp32_logits_rule.enabled`: on by default on CUDA, off with ``HF_FUSED_FP32_LOGITS=0``), the vocabulary
     splits into whole column tiles (:func:`tile_n_for`), and QuACK loads."""
-    if statistics or head.bias is not None or not head.transform.is_identity or not runs_on(h, head.weight):
+    if statistics or not raw_logits(head) or not runs_on(h, head.weight):
         return None
     if not fp32_logits_rule.enabled("one_pass_quack", h.device):
         return None
@@ -144,11 +145,17 @@ def scaled_exp_row_bytes(head: HeadInputs) -> int:
     compute-capability-9 GPU as the matmuls read it, no column tile divides the vocabulary). No import of QuACK."""
     weight = head.weight
     tile_n = tile_n_for(weight.shape[0])
-    if (tile_n is None or head.bias is not None or not head.transform.is_identity or not weight.is_cuda
+    if (tile_n is None or not raw_logits(head) or not weight.is_cuda
             or head.operand_dtype != torch.bfloat16 or torch.cuda.get_device_capability(weight.device)[0] != 9
             or importlib.util.find_spec("quack") is None):
         return 0
     return 4 * 4 * (weight.shape[0] // tile_n)
+
+
+def raw_logits(head: HeadInputs) -> bool:
+    """Whether the call's logits are the matmul's own (no bias, soft-cap, temperature or logit scale): what every
+    QuACK epilogue here computes on."""
+    return head.bias is None and head.transform.is_identity
 
 
 def aligned16(*tensors: torch.Tensor) -> bool:
@@ -169,7 +176,7 @@ def fuses_statistics(head: HeadInputs, h: torch.Tensor, return_entropy: bool, st
     """Whether the one pass's logits matmul can take its statistics from QuACK's epilogue for this call: only the
     log-sum-exp and label logit asked of it (no entropy, no token statistics) of raw logits (no bias, soft-cap,
     temperature or logit scale), on operands it :func:`runs_on` (the kept rows ``h`` and the weight)."""
-    asks_lse_only = not return_entropy and not statistics and head.bias is None and head.transform.is_identity
+    asks_lse_only = not return_entropy and not statistics and raw_logits(head)
     return asks_lse_only and runs_on(h, head.weight)
 
 
@@ -178,5 +185,5 @@ def fuses_softmax_grad(head: HeadInputs, h: torch.Tensor, weight: torch.Tensor, 
     """Whether the gradient pass can take each ``dz`` tile from QuACK's epilogue: the gradient reaches the
     log-probs alone (no entropy gradient), no bias or logit transform, operands it :func:`runs_on`, QuACK
     loaded."""
-    return (has_g_lp and not has_g_ent and head.bias is None and head.transform.is_identity and runs_on(h, weight)
+    return (has_g_lp and not has_g_ent and raw_logits(head) and runs_on(h, weight)
             and load() is not None)

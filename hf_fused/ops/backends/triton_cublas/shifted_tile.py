@@ -170,7 +170,8 @@ def shifted_gradient_(tile: torch.Tensor, offsets: torch.Tensor, block: int, lse
                       log_tile: bool = False) -> None:
     """``tile [rows, V]`` (written shifted: :func:`logits_chunk_`, :func:`~.fused_matmul.logits_statistics_`) ←
     ``dz = ∂L/∂raw``: with ``z = tile + offsets`` the transformed logits (``log_tile``: ``z = log(tile) + offsets``,
-    the tile a stored ``exp(z − offset)``: QuACK's scaled-exp matmul, :func:`~.quack_bridge.scaled_exp_tile_n`), ``log p = z − lse``,
+    the tile a stored ``exp(z − offset)``: QuACK's scaled-exp matmul, :func:`~.quack_bridge.scaled_exp_tile_n`),
+    ``log p = z − lse``,
     ``∂L/∂z = g_lp·(1[c = label] − p) − g_ent·p·(log p + H)``, then × 1/temperature, × (1 − tanh²) for the soft-cap,
     × logit_scale (:func:`~.triton_kernels.logit_grad`), rounded once to the tile's dtype. Without ``labels`` no
     column is the label's (the support pass sets its candidate columns afterwards,
@@ -197,8 +198,7 @@ def shifted_gradient_(tile: torch.Tensor, offsets: torch.Tensor, block: int, lse
             lse if g_ent is None else g_ent, lse if labels is None else labels,
             lse if label_logit is None else label_logit, HAS_G_ENT=g_ent is not None, LABEL=labels is not None,
             ROUND=int(rounds_to_bf16(tile)), LOG_TILE=log_tile, BLOCK_V=GRAD_BLOCK_V, OFF_BLOCK=block,
-            num_warps=GRAD_WARPS,
-            **without_bias_flag(scalars),
+            num_warps=GRAD_WARPS, **without_bias_flag(scalars),
         )
 
 

@@ -27,7 +27,6 @@ tensors under ``TRITON_INTERPRET=1`` (CI).
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
