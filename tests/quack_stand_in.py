@@ -15,7 +15,8 @@ LOG2E = 1.0 / math.log(2.0)
 
 class StandIn:
     """Each epilogue as quack_epilogues defines it, recording its calls: ``"tile"`` (the bf16 tile and its statistics),
-    ``"grad"`` (the two passes' ``dz``), ``"scaled"`` / ``"scaled+entropy"`` (the scaled-exp tile)."""
+    ``"grad"`` / ``"grad_fp32"`` (the two passes' ``dz`` of the bf16 logits or of the fp32 accumulator), ``"scaled"``
+    / ``"scaled+entropy"`` (the scaled-exp tile), with `` stats`` where nothing is stored (the statistics pass)."""
 
     def __init__(self):
         self.calls = []
@@ -27,10 +28,12 @@ class StandIn:
         lse.copy_(torch.logsumexp(z, -1))
         label_logit.copy_(z.gather(1, y[:, None])[:, 0])
 
-    def softmax_grad(self, h, w, y, lse, scale, out, label_logit):
-        """``scale·exp(z − lse)`` of the bf16 tile, the label logit where in range."""
-        self.calls.append("grad")
-        z = (h.float() @ w.float().t()).bfloat16().float()  # fp32 accumulation, one rounding, as the GPU's
+    def softmax_grad(self, h, w, y, lse, scale, out, label_logit, *, round_logits=True):
+        """``scale·exp(z − lse)`` of the bf16 tile (or of the fp32 logits), the label logit where in range."""
+        self.calls.append("grad" if round_logits else "grad_fp32")
+        z = h.float() @ w.float().t()  # fp32 accumulation
+        if round_logits:
+            z = z.bfloat16().float()  # one rounding, as the GPU's
         inside = (y >= 0) & (y < z.shape[1])
         label_logit.copy_(torch.where(inside, z.gather(1, y.clamp(0, z.shape[1] - 1)[:, None])[:, 0], label_logit))
         out.copy_(scale[:, None] * torch.exp(z - lse[:, None]))
@@ -39,7 +42,7 @@ class StandIn:
         """quack/epilogue/scaled_exp.py's: fp32 accumulation of the bf16 operands, ``k = rne(tile max·log2 e)``, the
         fp32 Σ of the values (and, for the entropy, of their products with the logits), the stored tile rounded to
         nearest bf16 once."""
-        self.calls.append("scaled" if sum_ez is None else "scaled+entropy")
+        self.calls.append(("scaled" if sum_ez is None else "scaled+entropy") + (" stats" if out is None else ""))
         z = h.float() @ w.float().t()
         rows, v = z.shape
         tiles = z.view(rows, v // tile_n, tile_n)
@@ -49,7 +52,8 @@ class StandIn:
         if sum_ez is not None:
             sum_ez.copy_((e * tiles).sum(-1))
         max_log2.copy_(k)
-        out.copy_(e.view(rows, v))
+        if out is not None:
+            out.copy_(e.view(rows, v))
         label_logit.copy_(z.gather(1, y[:, None])[:, 0])
 
 

@@ -310,17 +310,18 @@ def test_statistics_pass_in_row_blocks_within_the_budget(monkeypatch):
 
 
 def test_runs_only_where_asked_and_where_it_can(monkeypatch):
-    """By default on a CUDA device in the two passes, the one pass of log-probs and QuACK's scaled-exp one pass, not in
-    the cross-entropy's one pass on the fused matmul, and never on CPU (whose results stay the stored tiles' path's); on under ``HF_FUSED_FP32_LOGITS=1`` or a
-    forced block, for bf16 or fp32 operands it can read; clear errors for another value of the variable or an
-    unknown schedule."""
+    """By default on a CUDA device in the two passes (QuACK's epilogues there too), the one pass of log-probs and
+    QuACK's scaled-exp one pass, not in the cross-entropy's one pass on the fused matmul, and never on CPU (whose
+    results stay the stored tiles' path's); on under ``HF_FUSED_FP32_LOGITS=1`` or a forced block, for bf16 or fp32
+    operands it can read; clear errors for another value of the variable or an unknown schedule."""
     h, w = torch.zeros(64, 16, dtype=torch.bfloat16), torch.zeros(300, 16, dtype=torch.bfloat16)
     monkeypatch.delenv(R.ENV, raising=False)
     assert R.DEFAULT_ENABLED == {"two_passes": True, "one_pass_logprobs": True, "one_pass": False,
-                                 "one_pass_quack": True}
+                                 "one_pass_quack": True, "two_passes_quack": True}
     cuda = torch.device("cuda")
     assert R.enabled("two_passes", cuda) and R.enabled("one_pass_logprobs", cuda) and not R.enabled("one_pass", cuda)
     assert R.enabled("one_pass_quack", cuda) and not R.enabled("one_pass_quack", torch.device("cpu"))
+    assert R.enabled("two_passes_quack", cuda) and not R.enabled("two_passes_quack", torch.device("cpu"))
     assert not R.applies(h, w, "two_passes") and not R.applies(h, w, "one_pass")  # CPU tensors
     monkeypatch.setitem(R.DEFAULT_ENABLED, "one_pass", True)
     assert R.enabled("one_pass", cuda) and not R.applies(h, w, "one_pass")

@@ -42,7 +42,13 @@ ENV = "HF_FUSED_FP32_LOGITS"
 #:   accuracy (loss 1.5–2.9e-6 from float64, gradients 2.3–2.4e-3) in 1.02–1.04× the bf16 tiles' time, GRPO's one pass
 #:   2–3 % faster than on the fused matmul; its log-probs agree with the statistics pass's to fp32 summation order
 #:   (1.9e-6 nats at most) rather than bit for bit (H200, 2026-11-30, docs/performance.md).
-DEFAULT_ENABLED = {"two_passes": True, "one_pass_logprobs": True, "one_pass": False, "one_pass_quack": True}
+#: * ``"two_passes_quack"``: the two passes' statistics and ``dz`` from QuACK's matmul epilogues where it is installed
+#:   and the call's logits are raw (no bias or transform) and its gradient reaches the log-probs alone: the statistics
+#:   pass as the scaled-exp matmul with nothing stored (:func:`~.quack_bridge.scaled_exp_row_stats_`), ``dz`` as
+#:   ``scale·exp(z − lse)`` of the accumulator (:func:`~.quack_bridge.softmax_grad`), both from the fp32 accumulator
+#:   like the fused matmul's in place of which they run.
+DEFAULT_ENABLED = {"two_passes": True, "one_pass_logprobs": True, "one_pass": False, "one_pass_quack": True,
+                   "two_passes_quack": True}
 
 #: How the one pass with the fp32 statistics makes ``dz``: ``"tile"``, the fused matmul also stores the bf16 tile,
 #: shifted by each 64 columns' row maximum (the shifts and its own normalizer beside it), and the gradient kernel

@@ -167,17 +167,29 @@ def fp32_logits(head: HeadInputs, schedule: str) -> bool:
     return fp32_logits_rule.runs_on(weight, schedule)
 
 
-def plan_fp32_statistics_pass(head: HeadInputs, statistics: int) -> LeanPlan:
+#: Row blocks of the fp32 statistics pass come in multiples of this many rows (below all of them): each block's
+#: label slice then starts 16-byte aligned, as QuACK's TMA needs (:func:`~.quack_bridge.aligned16`).
+STATISTICS_ROW_QUANTUM = 8
+
+
+def plan_fp32_statistics_pass(head: HeadInputs, statistics: int, return_entropy: bool = False) -> LeanPlan:
     """The fp32 statistics pass's row blocks (whole vocabulary rows, no tile): as many rows as fit in the tile
     budget (``DEFAULT_TILE_BUDGET_BYTES`` by default) at their partials' bytes (``statistics`` per output tile,
-    :func:`~.fused_matmul.partial_row_bytes`) and, where the statistics pass would gather its rows
-    (:func:`plan_statistics_pass`), their gathered hidden rows."""
+    :func:`~.fused_matmul.partial_row_bytes`, or QuACK's where it may take the pass and holds more:
+    :func:`~.quack_bridge.statistics_row_bytes`) and, where the statistics pass would gather its rows
+    (:func:`plan_statistics_pass`), their gathered hidden rows; in whole ``STATISTICS_ROW_QUANTUM``s where there
+    are several blocks and room for one."""
     vocab_size, hidden_size = head.weight.shape
     gather = plan_statistics_pass(head).gather_rows
     row_bytes = fused_matmul.partial_row_bytes(vocab_size, statistics, head.weight.device)
+    if quack_bridge.scaled_exp_row_bytes(head):
+        tile_n = quack_bridge.tile_n_for(vocab_size)
+        row_bytes = max(row_bytes, quack_bridge.statistics_row_bytes(vocab_size, tile_n, return_entropy))
     row_bytes += hidden_size * head.operand_dtype.itemsize if gather else 0
     budget = DEFAULT_TILE_BUDGET_BYTES if head.tile_budget_bytes is None else head.tile_budget_bytes
     rows = max(1, min(head.rows.numel(), budget // row_bytes))
+    if rows < head.rows.numel() and rows >= STATISTICS_ROW_QUANTUM:
+        rows -= rows % STATISTICS_ROW_QUANTUM
     return LeanPlan(rows, vocab_size, gather, rows * row_bytes)
 
 
@@ -245,7 +257,7 @@ def describe(weight: torch.Tensor, *, n_rows: int, tile_budget_bytes: Optional[i
     rows_how = "gathered per block" if tile.gather_rows else "a compact copy" if copy else "in place"
     return (f"two passes (8·N·H·V): {tile.block_rows}×{tile.cols} tile, {size / 2**30:.2f} GiB working set with the "
             f"hidden-state gradient's accumulator ({gradient.hidden_accumulator}, for {weight.dtype} hidden states), "
-            f"kept rows {rows_how}" + _statistics_source(weight, "two_passes"))
+            f"kept rows {rows_how}" + _two_passes_statistics_source(head))
 
 
 def _statistics_source(weight: torch.Tensor, schedule: str) -> str:
@@ -253,6 +265,16 @@ def _statistics_source(weight: torch.Tensor, schedule: str) -> str:
     if not fp32_logits_rule.runs_on(weight, schedule):
         return ""
     return "; log-prob statistics from the matmul's fp32 accumulator"
+
+
+def _two_passes_statistics_source(head: HeadInputs) -> str:
+    """:func:`_statistics_source` of the two passes, which take QuACK's epilogues where it is installed and asked
+    for (``"two_passes_quack"``: :func:`~.quack_bridge.statistics_tile_n`)."""
+    source = _statistics_source(head.weight, "two_passes")
+    if (source and quack_bridge.scaled_exp_row_bytes(head)
+            and fp32_logits_rule.enabled("two_passes_quack", head.weight.device) and quack_bridge.load() is not None):
+        return "; log-prob statistics from the fp32 accumulator of QuACK's matmul epilogues"
+    return source
 
 
 def _one_pass_statistics_source(head: HeadInputs) -> str:

@@ -82,15 +82,15 @@ def logits_with_statistics(h: torch.Tensor, weight: torch.Tensor, labels: torch.
 
 
 def softmax_grad(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                 scale: torch.Tensor, out: torch.Tensor, label_logit: torch.Tensor) -> bool:
+                 scale: torch.Tensor, out: torch.Tensor, label_logit: torch.Tensor, *, round_logits: bool = True) -> bool:
     """:func:`.quack_epilogues.softmax_grad` into ``out`` and ``label_logit`` (``out`` contiguous); ``False``: it
     did not run (the caller writes the tile itself)."""
     return out.is_contiguous() and _run(
-        lambda q: q.softmax_grad(h, weight, labels, lse, scale, out, label_logit),
+        lambda q: q.softmax_grad(h, weight, labels, lse, scale, out, label_logit, round_logits=round_logits),
         h, weight, labels, lse, scale, out, label_logit)
 
 
-def scaled_exp_logits(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, out: torch.Tensor,
+def scaled_exp_logits(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, out: Optional[torch.Tensor],
                       sum_exp: torch.Tensor, max_log2: torch.Tensor, label_logit: torch.Tensor, tile_n: int,
                       sum_ez: Optional[torch.Tensor] = None) -> bool:
     """:func:`.quack_epilogues.scaled_exp_logits` into ``out``, ``sum_exp``, ``max_log2``, ``label_logit`` (and
@@ -98,7 +98,8 @@ def scaled_exp_logits(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     extra = {} if sum_ez is None else {"sum_ez": sum_ez}
     return _run(lambda q: q.scaled_exp_logits(h, weight, labels, out, sum_exp=sum_exp, max_log2=max_log2,
                                               label_logit=label_logit, tile_n=tile_n, **extra),
-                h, weight, labels, out, sum_exp, max_log2, label_logit, *extra.values())
+                h, weight, labels, *([] if out is None else [out]), sum_exp, max_log2, label_logit,
+                *extra.values())
 
 
 def scaled_exp_statistics_(sum_exp: torch.Tensor, max_log2: torch.Tensor, lse: torch.Tensor,
@@ -117,6 +118,52 @@ def scaled_exp_statistics_(sum_exp: torch.Tensor, max_log2: torch.Tensor, lse: t
     torch.mul(max_log2, math.log(2.0), out=offsets)
     if sum_ez is not None:
         torch.div((sum_ez * scale).sum(dim=1), total, out=sum_pz)
+
+
+def scaled_exp_row_stats_(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, stats: tuple,
+                          tile_n: int, return_entropy: bool) -> bool:
+    """The two passes' statistics of whole vocabulary rows from QuACK's scaled-exp matmul with nothing stored
+    (:func:`scaled_exp_logits` with ``out=None``): each row's running max, Σexp(z − m), Σexp(z − m)·z (with
+    ``return_entropy``) and label logit written into ``stats`` (:data:`~.tiles.RowStats` of ``h``'s rows; ``m`` the
+    row's largest shift ``k_r·ln 2`` rather than its maximum, which leaves the log-sum-exp and entropy of
+    :func:`~.tiles.finish_row_stats` as they are: the formulas of :func:`scaled_exp_statistics_`). ``False``: it did
+    not run, ``stats`` untouched (the caller computes them itself)."""
+    rows, n_tiles = h.shape[0], weight.shape[0] // tile_n
+    f32 = dict(dtype=torch.float32, device=h.device)
+    sum_exp, max_log2 = torch.empty((rows, n_tiles), **f32), torch.empty((rows, n_tiles), **f32)
+    sum_ez = torch.empty((rows, n_tiles), **f32) if return_entropy else None
+    label_logit = torch.empty(rows, **f32)
+    if not scaled_exp_logits(h, weight, labels, None, sum_exp, max_log2, label_logit, tile_n, sum_ez):
+        return False
+    run_max, run_sum, run_zp, stats_label = stats[:4]
+    k_r = max_log2.amax(dim=1, keepdim=True)
+    scale = torch.exp2(max_log2.sub_(k_r))
+    torch.mul(k_r[:, 0], math.log(2.0), out=run_max)
+    torch.sum(sum_exp.mul_(scale), dim=1, out=run_sum)
+    if sum_ez is not None:
+        torch.sum(sum_ez.mul_(scale), dim=1, out=run_zp)
+    stats_label.copy_(label_logit)
+    return True
+
+
+def statistics_row_bytes(vocab_size: int, tile_n: int, return_entropy: bool) -> int:
+    """What :func:`scaled_exp_row_stats_` holds per row: its per-tile partials (Σ E, ``k``, and Σ E·z with the
+    entropy) and the shifts' scale, fp32."""
+    return 4 * (vocab_size // tile_n) * (3 + return_entropy) + 4
+
+
+def statistics_tile_n(head: HeadInputs, h: torch.Tensor, statistics: Sequence[str]) -> Optional[int]:
+    """The column tile with which the two passes' statistics pass takes each row's log-sum-exp, label logit and
+    entropy from QuACK's scaled-exp matmul with nothing stored (:func:`scaled_exp_row_stats_`), or None: no token
+    statistics asked of it, :func:`raw_logits`, operands it :func:`runs_on` (``h``: the rows as the pass reads
+    them), asked for (``"two_passes_quack"``, :func:`~.fp32_logits_rule.enabled`), the vocabulary splits into whole
+    column tiles (:func:`tile_n_for`), and QuACK loads."""
+    if statistics or not raw_logits(head) or not runs_on(h, head.weight):
+        return None
+    if not fp32_logits_rule.enabled("two_passes_quack", h.device):
+        return None
+    tile_n = tile_n_for(head.weight.shape[0])
+    return tile_n if tile_n is not None and load() is not None else None
 
 
 def tile_n_for(vocab_size: int) -> Optional[int]:
@@ -181,9 +228,12 @@ def fuses_statistics(head: HeadInputs, h: torch.Tensor, return_entropy: bool, st
 
 
 def fuses_softmax_grad(head: HeadInputs, h: torch.Tensor, weight: torch.Tensor, has_g_lp: bool,
-                       has_g_ent: bool) -> bool:
+                       has_g_ent: bool, from_accumulator: bool = False) -> bool:
     """Whether the gradient pass can take each ``dz`` tile from QuACK's epilogue: the gradient reaches the
     log-probs alone (no entropy gradient), no bias or logit transform, operands it :func:`runs_on`, QuACK
-    loaded."""
+    loaded; ``from_accumulator`` (``dz`` of the fp32 accumulator, after statistics taken from it): where asked for
+    (``"two_passes_quack"``, :func:`~.fp32_logits_rule.enabled`)."""
+    if from_accumulator and not fp32_logits_rule.enabled("two_passes_quack", h.device):
+        return False
     return (has_g_lp and not has_g_ent and raw_logits(head) and runs_on(h, weight)
             and load() is not None)

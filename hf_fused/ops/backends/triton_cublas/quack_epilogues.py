@@ -4,15 +4,16 @@
   in the matmul's epilogue (the statistics kernel's read of the tile gone: 3–6 % less time per step).
 - :func:`softmax_grad`: the two passes' ``dz`` tile ``−g·exp(z − lse)`` and the gathered label logit, from which
   :func:`.logits_epilogues.label_grad_` sets the label column (the Triton fused-``dz`` kernel's bits, 16–22 % less
-  time per tile on an H200).
+  time per tile on an H200); of the bf16 logit, or of the fp32 accumulator where the statistics came from it.
 - :func:`scaled_exp_logits`: QuACK's own scaled-exp epilogue (``quack.epilogue.scaled_exp``): the tile stored as
   ``E = bf16(2^(z·log2 e − k))`` with ``k`` the rounded maximum of each (row, ``tile_n``-column tile), each tile's
   Σ E, its ``k`` and the label logit from the fp32 accumulator (fp32-faithful statistics), and, for the entropy,
   hf_fused's variant of it that also reduces each tile's Σ E·z (:func:`scaled_exp_entropy_epi`);
-  :func:`~.shifted_tile.shifted_gradient_` turns ``E`` into ``dz``.
+  :func:`~.shifted_tile.shifted_gradient_` turns ``E`` into ``dz``. Without a tile to store, the two passes'
+  statistics pass: the partials alone.
 
-The first two round the fp32 accumulator to bf16 first, as the matmul's store does, so every statistic is that of
-the rounded tile (docs/design/numerics.md, "Epilogues"). This module imports QuACK and the CuTe DSL at import time;
+The first two round the fp32 accumulator to bf16 first (unless told not to), as the matmul's store does, so every
+statistic is that of the rounded tile (docs/design/numerics.md, "Epilogues"). This module imports QuACK and the CuTe DSL at import time;
 :mod:`.quack_bridge` imports it only where ``quack`` is installed and a call can use it, and turns it off for the
 process, with one warning, when importing or running it raises. Measured with quack-kernels 0.6.4 and
 nvidia-cutlass-dsl 4.6.2 (QuACK 0.6.5 with the DSL 4.7 and 4.8 could not build any epilogue).
@@ -74,12 +75,25 @@ def bf16_softmax_grad(acc, lse, scale):
     return {"D": scale * pexp(z - lse), "target_logit": z}
 
 
+@gemm_epilogue(
+    ops={"lse": ColVecLoad("lse"), "scale": ColVecLoad("scale")},
+    outs={"target_logit": ColVecSelect("target_logit", idx_op=_LABELS)},
+    extra_ops=(_LABELS,),
+)
+def fp32_softmax_grad(acc, lse, scale):
+    """:func:`bf16_softmax_grad` of the fp32 accumulator itself (statistics taken from it too): no logit is
+    rounded before the exponential."""
+    return {"D": scale * pexp(acc - lse), "target_logit": acc}
+
+
 def softmax_grad(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
-    out: torch.Tensor, label_logit: torch.Tensor,
+    out: torch.Tensor, label_logit: torch.Tensor, *, round_logits: bool = True,
 ) -> None:
-    """``out = scale[:, None]·exp(z − lse[:, None])`` rounded to bf16, ``z = bf16(hidden @ weight.T)``, and the
-    label logit of ``z`` where the label falls in the tile's columns (``label_logit`` left as it is elsewhere).
+    """``out = scale[:, None]·exp(z − lse[:, None])`` rounded to bf16, ``z = bf16(hidden @ weight.T)`` (with
+    ``round_logits``, as cuBLAS's tile holds it) or the matmul's fp32 accumulator itself (``round_logits=False``:
+    the two passes whose statistics came from the accumulator), and the label logit of ``z`` where the label falls in
+    the tile's columns (``label_logit`` left as it is elsewhere).
 
     Args:
         hidden: ``[M, H]`` bf16, contiguous, ``H`` a multiple of 8.  weight: ``[N, H]`` bf16, contiguous, ``N`` a
@@ -88,8 +102,8 @@ def softmax_grad(
         lse, scale: fp32 ``[M]``, contiguous (the row's log-sum-exp over the whole vocabulary; ``−∂L/∂logp``).
         out: ``[M, N]`` bf16, contiguous: written.  label_logit: fp32 ``[M]``: written where the label is inside.
     Every tensor must start 16-byte aligned (QuACK's TMA)."""
-    bf16_softmax_grad(hidden, weight.mT, out={"D": out}, lse=lse, scale=scale, target=labels,
-                      target_logit=label_logit, tuned=False)
+    (bf16_softmax_grad if round_logits else fp32_softmax_grad)(
+        hidden, weight.mT, out={"D": out}, lse=lse, scale=scale, target=labels, target_logit=label_logit, tuned=False)
 
 
 _entropy_max_log2 = MaxLog2("max_log2")
@@ -113,7 +127,8 @@ def scaled_exp_entropy_epi(acc, max_log2):
 
 
 def scaled_exp_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, out: torch.Tensor, *, sum_exp: torch.Tensor,
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, out: Optional[torch.Tensor], *,
+    sum_exp: torch.Tensor,
     max_log2: torch.Tensor, label_logit: torch.Tensor, tile_n: int, sum_ez: Optional[torch.Tensor] = None,
 ) -> None:
     """QuACK's scaled-exp logits matmul (``scaled_exp_target_epi``, launched as QuACK's own linear cross-entropy
@@ -124,7 +139,8 @@ def scaled_exp_logits(
     Args:
         hidden: ``[M, H]`` bf16, contiguous, ``H`` a multiple of 8.  weight: ``[V, H]`` bf16, contiguous.
         labels: ``[M]`` int64 in ``[0, V)``.
-        out: ``[M, V]`` bf16, contiguous: written.
+        out: ``[M, V]`` bf16, contiguous: written; or None: nothing is stored (the two passes' statistics pass,
+            which needs the partials alone).
         sum_exp, max_log2: fp32 ``[M, V // tile_n]``, contiguous: written.  label_logit: fp32 ``[M]``: written.
         tile_n: the matmul's column tile, which divides ``V`` (:func:`.quack_bridge.scaled_exp_tile_n`).
         sum_ez: fp32 ``[M, V // tile_n]``, contiguous, or None: written with each tile's fp32 Σ of the stored values

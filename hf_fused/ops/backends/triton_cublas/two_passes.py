@@ -56,19 +56,24 @@ def run_statistics_pass(head: HeadInputs, return_entropy: bool, statistics: Sequ
 
 def run_fp32_statistics_pass(head: HeadInputs, return_entropy: bool, statistics: Sequence[str]) -> HeadPass:
     """The statistics pass from the logits matmul's fp32 accumulator: per row block of
-    :func:`~.plan.plan_fp32_statistics_pass` (whole vocabulary rows), :func:`~.fused_matmul.logits_statistics_`
-    folds the rows' statistics; no logits tile is stored."""
+    :func:`~.plan.plan_fp32_statistics_pass` (whole vocabulary rows), QuACK's scaled-exp matmul with nothing stored
+    (:func:`~.quack_bridge.scaled_exp_row_stats_`, where :func:`~.quack_bridge.statistics_tile_n` gives its column
+    tile) or :func:`~.fused_matmul.logits_statistics_` gives the rows' statistics; no logits tile is stored."""
     weight, bias = head.weight, operand_bias(head)
     m_rows, vocab_size = head.rows.numel(), weight.shape[0]
-    plan = plan_fp32_statistics_pass(head, 2 + return_entropy + len(statistics))
+    plan = plan_fp32_statistics_pass(head, 2 + return_entropy + len(statistics), return_entropy)
     h, buf, y = rows_source(head, plan)
     if h is not None and not fp32_logits_rule.readable(h, weight):  # hidden itself, strided or off 16-byte alignment
         h = h.clone(memory_format=torch.contiguous_format)
     stats = new_row_stats(m_rows, weight.device, statistics)
     scalars = kernel_scalars(head.transform, bias)
+    tile_n = quack_bridge.statistics_tile_n(head, h if buf is None else buf, statistics)
     for r0, r1, h_rows in row_blocks(head, plan, h, buf):
-        fused_matmul.logits_statistics_(h_rows, weight, y[r0:r1], row_slice(stats, r0, r1), scalars,
-                                        return_entropy=return_entropy, bias=bias)
+        block = row_slice(stats, r0, r1)
+        if tile_n is None or not quack_bridge.scaled_exp_row_stats_(h_rows, weight, y[r0:r1], block, tile_n,
+                                                                    return_entropy):
+            fused_matmul.logits_statistics_(h_rows, weight, y[r0:r1], block, scalars, return_entropy=return_entropy,
+                                            bias=bias)
     logp, entropy, lse, token_stats = finish_row_stats(stats, y, vocab_size, return_entropy, statistics)
     return HeadPass(logp, entropy, lse, None, token_stats)
 
@@ -153,8 +158,9 @@ class EpilogueDz(CublasDz):
 
 class QuackDz:
     """``dz`` from QuACK's matmul epilogue (``−g_lp·p``), the label column set afterwards
-    (:func:`~.logits_epilogues.label_grad_`): the Triton epilogue's bits in 16 % less time per tile on an H200; a
-    tile QuACK does not take goes to ``fallback``."""
+    (:func:`~.logits_epilogues.label_grad_`): the Triton epilogue's bits in 16 % less time per tile on an H200, of
+    the bf16 logits or the fp32 accumulator as ``fallback.round_logits`` says; a tile QuACK does not take goes to
+    ``fallback``."""
 
     def __init__(self, fallback: EpilogueDz, block_rows: int) -> None:
         self.fallback = fallback
@@ -164,7 +170,7 @@ class QuackDz:
     def __call__(self, h_rows, w_chunk, dz, v0: int, r0: int, r1: int) -> None:
         f = self.fallback
         if quack_bridge.softmax_grad(h_rows, w_chunk, f.y[r0:r1] - v0, f.lse[r0:r1], self.neg_g_lp[r0:r1], dz,
-                                     self.label_logit[: r1 - r0]):
+                                     self.label_logit[: r1 - r0], round_logits=f.round_logits):
             logits_epilogues.label_grad_(dz, f.y[r0:r1], self.label_logit, f.lse[r0:r1], f.g_lp[r0:r1], col_offset=v0)
         else:
             f(h_rows, w_chunk, dz, v0, r0, r1)
@@ -172,14 +178,18 @@ class QuackDz:
 
 def dz_writer(head: HeadInputs, rows_operand, w_like, tile_buf, cublas: CublasDz):
     """Who writes the call's ``dz`` tiles: where the statistics came from the fp32 accumulator
-    (:func:`~.plan.fp32_logits`) the Triton matmul's epilogue from the unrounded accumulator; else QuACK's epilogue
-    where it runs and the gradient is the log-probs' alone, else the Triton matmul's epilogue where it applies
-    (:func:`~.logits_epilogues.applies`), else ``cublas``."""
+    (:func:`~.plan.fp32_logits`), from the unrounded accumulator, QuACK's epilogue where it runs, is asked for
+    (``"two_passes_quack"``) and the gradient is the log-probs' alone, else the Triton matmul's epilogue; otherwise
+    QuACK's epilogue of the bf16 logits where it runs and the gradient is the log-probs' alone, else the Triton
+    matmul's epilogue where it applies (:func:`~.logits_epilogues.applies`), else ``cublas``."""
     epilogue = EpilogueDz(cublas.bias, cublas.y, cublas.lse, cublas.ent, cublas.g_lp, cublas.g_ent, cublas.scalars,
                           cublas.has_g_lp, cublas.has_g_ent)
     if (fp32_logits(head, "two_passes") and fp32_logits_rule.readable(rows_operand, w_like)
             and tile_buf.dtype == w_like.dtype and tile_buf.stride(-1) == 1):
         epilogue.round_logits = False
+        if quack_bridge.fuses_softmax_grad(head, rows_operand, w_like, cublas.has_g_lp, cublas.has_g_ent,
+                                           from_accumulator=True):
+            return QuackDz(epilogue, tile_buf.shape[0])
         return epilogue
     if not logits_epilogues.applies(rows_operand, w_like, tile_buf):
         return cublas
