@@ -16,7 +16,8 @@ LOG2E = 1.0 / math.log(2.0)
 class StandIn:
     """Each epilogue as quack_epilogues defines it, recording its calls: ``"tile"`` (the bf16 tile and its statistics),
     ``"grad"`` / ``"grad_fp32"`` (the two passes' ``dz`` of the bf16 logits or of the fp32 accumulator), ``"scaled"``
-    / ``"scaled+entropy"`` (the scaled-exp tile), with `` stats`` where nothing is stored (the statistics pass)."""
+    / ``"scaled+entropy"`` (the scaled-exp tile), with `` stats`` where nothing is stored (the statistics pass),
+    ``"matmul_f32"`` / ``"matmul_f32+"`` (an fp32 product written / added)."""
 
     def __init__(self):
         self.calls = []
@@ -55,6 +56,15 @@ class StandIn:
         if out is not None:
             out.copy_(e.view(rows, v))
         label_logit.copy_(z.gather(1, y[:, None])[:, 0])
+
+
+    def matmul_f32(self, a, b, out, *, accumulate):
+        """``out (+)= a @ b`` in fp32: the CPU fallback's own operations, so its bits."""
+        self.calls.append("matmul_f32+" if accumulate else "matmul_f32")
+        if accumulate:
+            out.addmm_(a.float(), b.float())
+        else:
+            torch.mm(a.float(), b.float(), out=out)
 
 
 def assert_turned_off_once(monkeypatch, epilogue: str, run, plain) -> None:

@@ -25,7 +25,7 @@ from ...head_inputs import HeadInputs, NeededGrads
 from ..protocol import HeadPass, TileGrads
 from . import fp32_logits_rule, fused_matmul, logits_epilogues, quack_bridge, shifted_tile
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_, compensated_scale_, one_pass_config
-from .matmul import addmm_f32_, mm_f32_
+from .matmul import mm_f32_
 from .one_pass_rule import OnePassPlan
 from .operands import one_pass_rows
 from .plan import fp32_logits, plan_one_pass
@@ -35,13 +35,14 @@ from .tiles import finish_row_stats, gradient_tile, kernel_scalars, new_row_stat
 
 class Fp32WeightAccumulator:
     """An fp32 ``[V, H]`` buffer (``"fp32"`` for a gradient that is not 2-byte; ``"none"``: an fp32 gradient, which
-    the buffer is): each tile's ``dzᵀ·h`` added by cuBLAS, the first tile writing it."""
+    the buffer is): each tile's ``dzᵀ·h`` added by :func:`~.quack_bridge.matmul_f32_` (QuACK's matmul where it runs,
+    else cuBLAS), the first tile writing it."""
 
     def __init__(self, weight: torch.Tensor, new) -> None:
         self.acc = new(weight.shape, dtype=torch.float32, device=weight.device)
 
     def add(self, r0: int, dz: torch.Tensor, h: torch.Tensor) -> None:
-        (addmm_f32_ if r0 else mm_f32_)(self.acc, dz.t(), h)
+        quack_bridge.matmul_f32_(self.acc, dz.t(), h, accumulate=r0 > 0)
 
     def finish(self, grads: HeadGrads) -> None:
         grads.weight = self.acc
@@ -58,8 +59,8 @@ class SplitWeightAccumulator:
         self.tail, self.v_split = grads.weight_tail, self.head.shape[0]
 
     def add(self, r0: int, dz: torch.Tensor, h: torch.Tensor) -> None:
-        (addmm_f32_ if r0 else mm_f32_)(self.head, dz[:, : self.v_split].t(), h)
-        (addmm_f32_ if r0 else mm_f32_)(self.tail, dz[:, self.v_split :].t(), h)
+        quack_bridge.matmul_f32_(self.head, dz[:, : self.v_split].t(), h, accumulate=r0 > 0)
+        quack_bridge.matmul_f32_(self.tail, dz[:, self.v_split :].t(), h, accumulate=r0 > 0)
 
     def finish(self, grads: HeadGrads) -> None:
         pass  # the gradient and its tail are in grads already

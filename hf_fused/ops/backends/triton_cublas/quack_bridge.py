@@ -21,6 +21,7 @@ import torch
 
 from ...head_inputs import HeadInputs
 from . import fp32_logits_rule
+from .matmul import addmm_f32_, mm_f32_, tma_operand
 
 #: The scaled-exp matmul's column tiles (the granularity of its power-of-two shifts), in QuACK's own order of
 #: preference (``_pick_tile_n1`` in quack/linear_cross_entropy.py, 0.6.4: 192 measured best at Llama's vocabulary).
@@ -118,6 +119,29 @@ def scaled_exp_statistics_(sum_exp: torch.Tensor, max_log2: torch.Tensor, lse: t
     torch.mul(max_log2, math.log(2.0), out=offsets)
     if sum_ez is not None:
         torch.div((sum_ez * scale).sum(dim=1), total, out=sum_pz)
+
+
+#: Whether the fp32 accumulations of bf16 products (:func:`matmul_f32_`) take QuACK's matmul where it runs.
+MATMUL_F32 = True
+
+
+def matmul_f32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool) -> None:
+    """``out = a @ b`` (``accumulate``: ``out += a @ b``) into an fp32 ``out`` from bf16 operands: QuACK's
+    :func:`.quack_epilogues.matmul_f32` where it runs (the same fp32 sums as cuBLAS's up to their order; the
+    accumulation through TMA reduce-add stores), else cuBLAS (:func:`~.matmul.addmm_f32_`,
+    :func:`~.matmul.mm_f32_`)."""
+    if not (MATMUL_F32 and runs_matmul_f32(out, a, b)
+            and _run(lambda q: q.matmul_f32(a, b, out, accumulate=accumulate), a, b, out)):
+        (addmm_f32_ if accumulate else mm_f32_)(out, a, b)
+
+
+def runs_matmul_f32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether QuACK's fp32-output matmul can take ``out [M, N] += a [M, K] @ b [K, N]``: bf16 operands on a GPU of
+    compute capability 9.x that its TMA can read (``a`` row- or column-major, ``b`` row-major with ``N`` a multiple
+    of 8), an fp32 contiguous ``out``."""
+    return (out.dtype == torch.float32 and out.is_contiguous() and a.dtype == b.dtype == torch.bfloat16
+            and a.is_cuda and b.shape[1] % 8 == 0 and b.stride(1) == 1 and tma_operand(a) is None
+            and tma_operand(b) is None and torch.cuda.get_device_capability(a.device)[0] == 9)
 
 
 def scaled_exp_row_stats_(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, stats: tuple,

@@ -11,6 +11,8 @@
   hf_fused's variant of it that also reduces each tile's Σ E·z (:func:`scaled_exp_entropy_epi`);
   :func:`~.shifted_tile.shifted_gradient_` turns ``E`` into ``dz``. Without a tile to store, the two passes'
   statistics pass: the partials alone.
+- :func:`matmul_f32`: QuACK's fp32-output matmul, adding into an fp32 accumulator through TMA reduce-add stores
+  (the weight gradient's accumulation over tiles).
 
 The first two round the fp32 accumulator to bf16 first (unless told not to), as the matmul's store does, so every
 statistic is that of the rounded tile (docs/design/numerics.md, "Epilogues"). This module imports QuACK and the CuTe DSL at import time;
@@ -27,6 +29,7 @@ import cutlass
 import torch
 from cutlass import Float32
 from quack.epilogue.frontend import gemm_epilogue
+from quack.epilogue.library import identity_epi
 from quack.epilogue.math import pexp, pexp2
 from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce
 from quack.epilogue.scaled_exp import LOG2E, MaxLog2, _max_prepass, scaled_exp_target_epi
@@ -156,3 +159,19 @@ def scaled_exp_logits(
         # epilogue up to 208 columns
         tile_M=128, tile_N=tile_n, cluster_M=2, cluster_N=1, pingpong=tile_n <= 208,
     )
+
+
+def matmul_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, accumulate: bool) -> None:
+    """``out = a @ b``, or with ``accumulate`` ``out += a @ b``, in fp32 from bf16 operands: QuACK's fp32-output
+    weight-gradient matmul (``quack.epilogue.library.identity_epi``), launched as QuACK's linear cross-entropy
+    launches its ``dW`` (quack/linear_cross_entropy.py, 0.6.4); ``accumulate`` adds through the TMA reduce-add store,
+    so the multiprocessors never read ``out`` (half the accumulation's traffic of a matmul with ``C = out``).
+
+    Args:
+        a: ``[M, K]`` bf16, row- or column-major (a transposed view: ``dzᵀ``).
+        b: ``[K, N]`` bf16, row-major, ``N`` a multiple of 8.
+        out: ``[M, N]`` fp32, contiguous: written, or added to.
+    """
+    identity_epi.gemm(a, b.mT, out, epi_args={}, add_to_output=accumulate, tile_M=128,
+                      tile_N=192 if b.shape[1] % 192 == 0 else 256, tile_K=64, cluster_M=1, cluster_N=2)
+

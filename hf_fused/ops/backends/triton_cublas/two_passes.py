@@ -23,7 +23,7 @@ from ...head_inputs import HeadInputs, NeededGrads
 from ..protocol import HeadPass
 from . import fp32_logits_rule, fused_matmul, logits_epilogues, quack_bridge
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_
-from .matmul import addmm_f32_, mm_f32_
+from .matmul import mm_f32_
 from .operands import operand_bias, row_blocks, rows_source, weight_chunk_buffer
 from .plan import GradientPassPlan, fp32_logits, plan_fp32_statistics_pass, plan_gradient_pass, plan_statistics_pass
 from .scaled_round import mul_into
@@ -82,13 +82,14 @@ def run_fp32_statistics_pass(head: HeadInputs, return_entropy: bool, statistics:
 
 
 class Fp32HiddenAccumulator:
-    """An fp32 ``[M, H]`` buffer in the order of the kept rows, written by cuBLAS (the first chunk writes it)."""
+    """An fp32 ``[M, H]`` buffer in the order of the kept rows, written by the first chunk and added to by the others
+    (:func:`~.quack_bridge.matmul_f32_`: QuACK's matmul where it runs, else cuBLAS)."""
 
     def __init__(self, m_rows: int, hidden_size: int, device: torch.device) -> None:
         self.acc = torch.empty((m_rows, hidden_size), dtype=torch.float32, device=device)
 
     def add(self, v0: int, r0: int, r1: int, dz: torch.Tensor, w_chunk: torch.Tensor) -> None:
-        (addmm_f32_ if v0 else mm_f32_)(self.acc[r0:r1], dz, w_chunk)
+        quack_bridge.matmul_f32_(self.acc[r0:r1], dz, w_chunk, accumulate=v0 > 0)
 
     def finish(self, grads: HeadGrads) -> None:
         grads.hidden = self.acc
@@ -220,7 +221,7 @@ class WeightChunkGradient:
 
     def add(self, r0: int, dz: torch.Tensor, h_rows: torch.Tensor) -> None:
         if self.acc is not None:
-            (addmm_f32_ if r0 else mm_f32_)(self.acc, dz.t(), h_rows)
+            quack_bridge.matmul_f32_(self.acc, dz.t(), h_rows, accumulate=r0 > 0)
         elif self.need_weight:
             out = self.grads.weight[self.chunk.v0 : self.chunk.v1]
             if out.dtype == self.dtype:
