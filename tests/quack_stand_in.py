@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from hf_fused.ops.backends.triton_cublas import quack_bridge
+from hf_fused.ops.backends.triton_cublas import fp32_logits_rule, quack_bridge
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -65,6 +65,39 @@ class StandIn:
             out.addmm_(a.float(), b.float())
         else:
             torch.mm(a.float(), b.float(), out=out)
+
+
+def trained_head_inputs(seed=0, n=48, h=64, v=4352, requires_grad=True):
+    """bf16 ``(hidden [n, h], weight [v, h], labels [n])`` whose logits have a trained head's spread (standard
+    deviation ~4), every 6th label ignored."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).bfloat16().requires_grad_(requires_grad)
+    weight = (torch.randn(v, h, generator=g) * 4 / h**0.5).bfloat16().requires_grad_(requires_grad)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[::6] = -100
+    return hidden, weight, labels
+
+
+@pytest.fixture(name="quack")
+def quack_fixture(monkeypatch):
+    """The stand-in as the loaded QuACK, its operands accepted on CPU, the fp32 statistics asked for (on a GPU they
+    are by default; on CPU only when asked). A test module takes it with ``from quack_stand_in import
+    quack_fixture``."""
+    stand_in = StandIn()
+    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": stand_in})
+    monkeypatch.setattr(quack_bridge, "runs_on", lambda h, w: True)
+    with fp32_logits_rule.forced(True):
+        yield stand_in
+
+
+def without_quack(monkeypatch, run):
+    """``run()`` with QuACK missing (what a process without it computes), then the loaded module back."""
+    loaded = quack_bridge._QUACK["module"]
+    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": None})
+    try:
+        return run()
+    finally:
+        monkeypatch.setattr(quack_bridge, "_QUACK", {"module": loaded})
 
 
 def assert_turned_off_once(monkeypatch, epilogue: str, run, plain) -> None:

@@ -14,16 +14,13 @@ from hf_fused.ops.backends.triton_cublas import fp32_logits_rule, quack_bridge  
 from hf_fused.ops.backends.triton_cublas.one_pass_rule import OnePassPlan  # noqa: E402
 from hf_fused.ops.backends.triton_cublas.plan import forced_plans  # noqa: E402
 from hf_fused.ops.backends.triton_cublas.two_pass_rule import LeanPlan  # noqa: E402
-from quack_stand_in import StandIn, assert_turned_off_once  # noqa: E402
+from quack_stand_in import (  # noqa: E402
+    StandIn, assert_turned_off_once, trained_head_inputs, without_quack as _without_quack,
+)
 
 
 def _inputs(seed=0, n=72, h=64, v=4352):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n, h, generator=g).bfloat16()
-    weight = (torch.randn(v, h, generator=g) * 4 / h**0.5).bfloat16()
-    labels = torch.randint(0, v, (n,), generator=g)
-    labels[::6] = -100
-    return hidden, weight, labels
+    return trained_head_inputs(seed, n, h, v, requires_grad=False)
 
 
 def _cross_entropy(hidden, weight, labels, budget):
@@ -45,15 +42,6 @@ def quack(monkeypatch):
     monkeypatch.setattr(quack_bridge, "_QUACK", {"module": stand_in})
     monkeypatch.setattr(quack_bridge, "runs_matmul_f32", lambda out, a, b: a.dtype == torch.bfloat16)
     return stand_in
-
-
-def _without_quack(monkeypatch, run):
-    loaded = quack_bridge._QUACK["module"]
-    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": None})
-    try:
-        return run()
-    finally:
-        monkeypatch.setattr(quack_bridge, "_QUACK", {"module": loaded})
 
 
 @pytest.mark.parametrize("case", ["one_pass", "two_passes", "two_passes_logprobs"])

@@ -16,28 +16,11 @@ from hf_fused.ops import LogitTransform, linear_cross_entropy, linear_logprobs  
 from hf_fused.ops.backends.triton_cublas import fp32_logits_rule, quack_bridge  # noqa: E402
 from hf_fused.ops.head_inputs import HeadInputs  # noqa: E402
 from hf_fused.ops.token_loss import TokenLossHint  # noqa: E402
-from quack_stand_in import LOG2E, StandIn, assert_turned_off_once  # noqa: E402
+from quack_stand_in import (  # noqa: E402
+    LOG2E, StandIn, assert_turned_off_once, quack_fixture, trained_head_inputs as _inputs,
+)
 
-
-def _inputs(seed=0, n=48, h=64, v=4352):
-    """bf16 operands whose logits have a trained head's spread (standard deviation ~4), every 6th label ignored."""
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n, h, generator=g).bfloat16().requires_grad_()
-    weight = (torch.randn(v, h, generator=g) * 4 / h**0.5).bfloat16().requires_grad_()
-    labels = torch.randint(0, v, (n,), generator=g)
-    labels[::6] = -100
-    return hidden, weight, labels
-
-
-@pytest.fixture
-def quack(monkeypatch):
-    """The stand-in as the loaded QuACK, its operands accepted on CPU, the fp32 statistics asked for (on a GPU they
-    are by default; on CPU only when asked)."""
-    stand_in = StandIn()
-    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": stand_in})
-    monkeypatch.setattr(quack_bridge, "runs_on", lambda h, w: True)
-    with fp32_logits_rule.forced(True):
-        yield stand_in
+quack = quack_fixture  # the shared fixture "quack", in this module for pytest to find
 
 
 def _float64_reference(hidden, weight, labels, upstream=None):

@@ -13,31 +13,18 @@ pytest.importorskip("triton")
 
 from hf_fused.ops import linear_cross_entropy, linear_logprobs  # noqa: E402
 from hf_fused.ops.backends.triton_cublas import fp32_logits_rule, plan, quack_bridge  # noqa: E402
-from quack_stand_in import StandIn, assert_turned_off_once  # noqa: E402
+from quack_stand_in import (  # noqa: E402
+    assert_turned_off_once, quack_fixture, trained_head_inputs, without_quack as _without_quack,
+)
+
+quack = quack_fixture  # the shared fixture "quack", in this module for pytest to find
 
 #: An explicit budget small enough for the two passes at these sizes (several row blocks and vocabulary chunks).
 LEAN = 2**17
 
 
 def _inputs(seed=0, n=72, h=64, v=4352):
-    """bf16 operands whose logits have a trained head's spread (standard deviation ~4), every 6th label ignored."""
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n, h, generator=g).bfloat16().requires_grad_()
-    weight = (torch.randn(v, h, generator=g) * 4 / h**0.5).bfloat16().requires_grad_()
-    labels = torch.randint(0, v, (n,), generator=g)
-    labels[::6] = -100
-    return hidden, weight, labels
-
-
-@pytest.fixture
-def quack(monkeypatch):
-    """The stand-in as the loaded QuACK, its operands accepted on CPU, the fp32 statistics asked for (on a GPU they
-    are by default; on CPU only when asked)."""
-    stand_in = StandIn()
-    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": stand_in})
-    monkeypatch.setattr(quack_bridge, "runs_on", lambda h, w: True)
-    with fp32_logits_rule.forced(True):
-        yield stand_in
+    return trained_head_inputs(seed, n, h, v)
 
 
 def _float64(hidden, weight, labels, upstream, entropy_weight=0.0):
@@ -65,16 +52,6 @@ def _logprobs_pass(hidden, weight, labels, upstream, entropy_weight=0.0, budget=
     if entropy_weight:
         loss = loss + entropy_weight * (ent * (labels != -100)).sum()
     return (lp.detach(), ent.detach(), *torch.autograd.grad(loss, (h, w)))
-
-
-def _without_quack(monkeypatch, run):
-    """``run()`` with QuACK missing: the fused Triton matmul's statistics and ``dz`` from the fp32 accumulator."""
-    loaded = quack_bridge._QUACK["module"]
-    monkeypatch.setattr(quack_bridge, "_QUACK", {"module": None})
-    try:
-        return run()
-    finally:
-        monkeypatch.setattr(quack_bridge, "_QUACK", {"module": loaded})
 
 
 def test_the_statistics_pass_is_asked_for_by_default_on_cuda_only(monkeypatch):

@@ -269,7 +269,7 @@ def _statistics_source(weight: torch.Tensor, schedule: str) -> str:
 
 def _two_passes_statistics_source(head: HeadInputs) -> str:
     """:func:`_statistics_source` of the two passes, which take QuACK's epilogues where it is installed and asked
-    for (``"two_passes_quack"``: :func:`~.quack_bridge.statistics_tile_n`)."""
+    for (``"two_passes_quack"``: :func:`~.quack_bridge.scaled_exp_tile_n`)."""
     source = _statistics_source(head.weight, "two_passes")
     if (source and quack_bridge.scaled_exp_row_bytes(head)
             and fp32_logits_rule.enabled("two_passes_quack", head.weight.device) and quack_bridge.load() is not None):

@@ -176,35 +176,23 @@ def statistics_row_bytes(vocab_size: int, tile_n: int, return_entropy: bool) -> 
     return 4 * (vocab_size // tile_n) * (3 + return_entropy) + 4
 
 
-def statistics_tile_n(head: HeadInputs, h: torch.Tensor, statistics: Sequence[str]) -> Optional[int]:
-    """The column tile with which the two passes' statistics pass takes each row's log-sum-exp, label logit and
-    entropy from QuACK's scaled-exp matmul with nothing stored (:func:`scaled_exp_row_stats_`), or None: no token
-    statistics asked of it, :func:`raw_logits`, operands it :func:`runs_on` (``h``: the rows as the pass reads
-    them), asked for (``"two_passes_quack"``, :func:`~.fp32_logits_rule.enabled`), the vocabulary splits into whole
-    column tiles (:func:`tile_n_for`), and QuACK loads."""
-    if statistics or not raw_logits(head) or not runs_on(h, head.weight):
-        return None
-    if not fp32_logits_rule.enabled("two_passes_quack", h.device):
-        return None
-    tile_n = tile_n_for(head.weight.shape[0])
-    return tile_n if tile_n is not None and load() is not None else None
-
-
 def tile_n_for(vocab_size: int) -> Optional[int]:
     """The first of :data:`SCALED_EXP_TILES` that divides ``vocab_size`` (the shifts are per whole tile), or None."""
     return next((n for n in SCALED_EXP_TILES if vocab_size % n == 0), None)
 
 
-def scaled_exp_tile_n(head: HeadInputs, h: torch.Tensor, statistics: Sequence[str]) -> Optional[int]:
-    """The column tile with which the one pass takes its logits tile and fp32-faithful statistics (the log-sum-exp,
-    label logit and entropy) from QuACK's scaled-exp matmul for this call
-    (:func:`.quack_epilogues.scaled_exp_logits`), or None: no token statistics asked of it, :func:`raw_logits`,
-    operands it :func:`runs_on`, the fp32 statistics asked for in ``"one_pass_quack"``
-    (:func:`~.fp32_logits_rule.enabled`: on by default on CUDA, off with ``HF_FUSED_FP32_LOGITS=0``), the vocabulary
-    splits into whole column tiles (:func:`tile_n_for`), and QuACK loads."""
+def scaled_exp_tile_n(head: HeadInputs, h: torch.Tensor, statistics: Sequence[str],
+                      schedule: str = "one_pass_quack") -> Optional[int]:
+    """The column tile with which a call takes its fp32-faithful statistics (the log-sum-exp, label logit and
+    entropy) from QuACK's scaled-exp matmul (:func:`.quack_epilogues.scaled_exp_logits`): in the one pass with its
+    logits tile (``schedule`` ``"one_pass_quack"``), in the two passes' statistics pass with nothing stored
+    (``"two_passes_quack"``, :func:`scaled_exp_row_stats_`); or None: no token statistics asked of it,
+    :func:`raw_logits`, operands it :func:`runs_on` (``h``: the rows as the pass reads them), asked for in
+    ``schedule`` (:func:`~.fp32_logits_rule.enabled`: on by default on CUDA, off with ``HF_FUSED_FP32_LOGITS=0``), the
+    vocabulary splits into whole column tiles (:func:`tile_n_for`), and QuACK loads."""
     if statistics or not raw_logits(head) or not runs_on(h, head.weight):
         return None
-    if not fp32_logits_rule.enabled("one_pass_quack", h.device):
+    if not fp32_logits_rule.enabled(schedule, h.device):
         return None
     tile_n = tile_n_for(head.weight.shape[0])
     return tile_n if tile_n is not None and load() is not None else None

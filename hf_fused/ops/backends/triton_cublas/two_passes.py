@@ -57,7 +57,7 @@ def run_statistics_pass(head: HeadInputs, return_entropy: bool, statistics: Sequ
 def run_fp32_statistics_pass(head: HeadInputs, return_entropy: bool, statistics: Sequence[str]) -> HeadPass:
     """The statistics pass from the logits matmul's fp32 accumulator: per row block of
     :func:`~.plan.plan_fp32_statistics_pass` (whole vocabulary rows), QuACK's scaled-exp matmul with nothing stored
-    (:func:`~.quack_bridge.scaled_exp_row_stats_`, where :func:`~.quack_bridge.statistics_tile_n` gives its column
+    (:func:`~.quack_bridge.scaled_exp_row_stats_`, where :func:`~.quack_bridge.scaled_exp_tile_n` gives its column
     tile) or :func:`~.fused_matmul.logits_statistics_` gives the rows' statistics; no logits tile is stored."""
     weight, bias = head.weight, operand_bias(head)
     m_rows, vocab_size = head.rows.numel(), weight.shape[0]
@@ -67,7 +67,7 @@ def run_fp32_statistics_pass(head: HeadInputs, return_entropy: bool, statistics:
         h = h.clone(memory_format=torch.contiguous_format)
     stats = new_row_stats(m_rows, weight.device, statistics)
     scalars = kernel_scalars(head.transform, bias)
-    tile_n = quack_bridge.statistics_tile_n(head, h if buf is None else buf, statistics)
+    tile_n = quack_bridge.scaled_exp_tile_n(head, h if buf is None else buf, statistics, "two_passes_quack")
     for r0, r1, h_rows in row_blocks(head, plan, h, buf):
         block = row_slice(stats, r0, r1)
         if tile_n is None or not quack_bridge.scaled_exp_row_stats_(h_rows, weight, y[r0:r1], block, tile_n,
