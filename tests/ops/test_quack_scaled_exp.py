@@ -235,7 +235,7 @@ def _hopper_inputs(n, h, v, seed=0):
 def test_the_kernel_on_gpu_is_the_stand_ins(n, v):
     """QuACK's kernel against the stand-in on the same operands (rows not a multiple of its 128-row tile; the
     128- and 192-column tiles): the same shifts, the stored values within one bf16 step, the sums and the label
-    logits to fp32 summation order."""
+    logits to fp32 summation order; with nothing stored (the two passes' statistics), the same partials."""
     hidden, weight, labels = _hopper_inputs(n, 1024, v)
     y = labels.clamp_min(0)
     tile_n = quack_bridge.tile_n_for(v)
@@ -247,6 +247,10 @@ def test_the_kernel_on_gpu_is_the_stand_ins(n, v):
     StandIn().scaled_exp_logits(hidden.detach(), weight.detach(), y, outs[1][0], sum_exp=outs[1][1],
                                  max_log2=outs[1][2], label_logit=outs[1][3], tile_n=tile_n)
     (e, s, k, zy), (e_ref, s_ref, k_ref, zy_ref) = outs
+    partials = [torch.empty_like(t) for t in outs[0][1:]]
+    assert quack_bridge.scaled_exp_logits(hidden.detach(), weight.detach(), y, None, *partials, tile_n)
+    for stored, alone in zip((s, k, zy), partials):
+        assert torch.equal(stored, alone)  # the same epilogue without its store
     # k rounds tile max · log2 e: a max within fp32 summation order of a half-integer may round the other way
     assert (k != k_ref).float().mean() < 1e-3
     same = (k == k_ref).repeat_interleave(tile_n, dim=1)
