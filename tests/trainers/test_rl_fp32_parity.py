@@ -6,8 +6,9 @@ from it (:mod:`hf_fused.ops.backends.triton_cublas.fp32_logits_rule`), so both a
 on the same weights and hidden states (also with the one pass's ``dz`` recomputed from the accumulator), at a
 Qwen3-1.7B head (H 2048, V 151,936) on completions the model sampled itself, and they agree with each other at the
 same weights: the first off-policy iteration's ratio is 1 (to fp32 rounding: the statistics kernel's launch shape is
-tuned apart for the pass that also stores the tile, measured 0; where QuACK is installed the one pass runs its matmul,
-measured 1.9e-6 at most, H200, 2026-11-30). The stored bf16 tiles' and TRL's head's distances
+tuned apart for the pass that also stores the tile, measured 0; where QuACK is installed both run its scaled-exp
+matmul, the statistics pass with nothing stored: 1.9e-6 at most, H200, 2026-11-30, measured while the statistics pass
+still ran the fused matmul). The stored bf16 tiles' and TRL's head's distances
 are reported beside them, not pinned. ``python -m benchmarks.rl_parity`` measures the same rows at the documented
 shape (docs/grpo.md).
 """
