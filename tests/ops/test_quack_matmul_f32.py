@@ -97,9 +97,10 @@ def test_a_launch_that_fails_falls_back_with_one_warning(monkeypatch):
 @pytest.mark.parametrize("case", ["one_pass", "lean", "two_passes_logprobs"])
 def test_quacks_matmul_on_gpu_matches_cublas(monkeypatch, case):
     """On a Hopper GPU with QuACK: the one pass's cross-entropy, the lean two passes' (64 MiB, several row blocks)
-    and the default two passes' log-probs with QuACK's fp32 accumulations against the same calls on cuBLAS (``MATMUL_F32`` off): the
-    same loss (its statistics do not depend on them), gradients within 2⁻⁸ of each other in norm (the same fp32 sums
-    in another order, then one rounding to bf16) and no further from float64 (1 % of their distance)."""
+    and the default two passes' log-probs with QuACK's fp32 accumulations against the same calls on cuBLAS
+    (``MATMUL_F32`` off): the same loss (its statistics do not depend on them), gradients within 2⁻⁸ of each other in
+    norm (the same fp32 sums in another order, then one rounding to bf16) and no further from float64 (1 % of their
+    distance)."""
     pytest.importorskip("quack")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("QuACK's SM90 matmul needs a GPU of compute capability 9.x")

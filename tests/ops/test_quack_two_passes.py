@@ -1,10 +1,10 @@
 """QuACK's epilogues in the GPU backend's two passes (the memory-lean path), where the statistics come from the fp32
 accumulator: the statistics pass as QuACK's scaled-exp matmul with nothing stored
-(hf_fused.ops.backends.triton_cublas.quack_bridge.scaled_exp_row_stats_) and each ``dz`` tile as ``scale·exp(z − lse)``
-of the accumulator (quack_bridge.softmax_grad with ``round_logits=False``). Which calls take them; that the passes
-turn their outputs into an fp32 head's loss, log-probs, entropy and gradients (CPU: the PyTorch stand-in under Triton's
-interpreter, against float64 and against the fused Triton matmul that runs in their place without QuACK); the row
-blocks; what happens when a launch fails; and the real kernels on a Hopper GPU with QuACK."""
+(hf_fused.ops.backends.triton_cublas.quack_bridge.scaled_exp_row_stats_) and each ``dz`` tile as
+``scale·exp(z − lse)`` of the accumulator (quack_bridge.softmax_grad with ``round_logits=False``). Which calls take
+them; that the passes turn their outputs into an fp32 head's loss, log-probs, entropy and gradients (CPU: the
+PyTorch stand-in under Triton's interpreter, against float64 and against the fused Triton matmul that runs in their
+place without QuACK); the row blocks; what happens when a launch fails; and the real kernels on a Hopper GPU with QuACK."""
 
 import pytest
 import torch

@@ -83,7 +83,8 @@ def logits_with_statistics(h: torch.Tensor, weight: torch.Tensor, labels: torch.
 
 
 def softmax_grad(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                 scale: torch.Tensor, out: torch.Tensor, label_logit: torch.Tensor, *, round_logits: bool = True) -> bool:
+                 scale: torch.Tensor, out: torch.Tensor, label_logit: torch.Tensor, *,
+                 round_logits: bool = True) -> bool:
     """:func:`.quack_epilogues.softmax_grad` into ``out`` and ``label_logit`` (``out`` contiguous); ``False``: it
     did not run (the caller writes the tile itself)."""
     return out.is_contiguous() and _run(

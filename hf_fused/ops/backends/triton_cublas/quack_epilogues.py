@@ -15,9 +15,9 @@
   (the weight gradient's accumulation over tiles).
 
 The first two round the fp32 accumulator to bf16 first (unless told not to), as the matmul's store does, so every
-statistic is that of the rounded tile (docs/design/numerics.md, "Epilogues"). This module imports QuACK and the CuTe DSL at import time;
-:mod:`.quack_bridge` imports it only where ``quack`` is installed and a call can use it, and turns it off for the
-process, with one warning, when importing or running it raises. Measured with quack-kernels 0.6.4 and
+statistic is that of the rounded tile (docs/design/numerics.md, "Epilogues"). This module imports QuACK and the CuTe
+DSL at import time; :mod:`.quack_bridge` imports it only where ``quack`` is installed and a call can use it, and turns
+it off for the process, with one warning, when importing or running it raises. Measured with quack-kernels 0.6.4 and
 nvidia-cutlass-dsl 4.6.2 (QuACK 0.6.5 with the DSL 4.7 and 4.8 could not build any epilogue).
 """
 
@@ -131,8 +131,8 @@ def scaled_exp_entropy_epi(acc, max_log2):
 
 def scaled_exp_logits(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, out: Optional[torch.Tensor], *,
-    sum_exp: torch.Tensor,
-    max_log2: torch.Tensor, label_logit: torch.Tensor, tile_n: int, sum_ez: Optional[torch.Tensor] = None,
+    sum_exp: torch.Tensor, max_log2: torch.Tensor, label_logit: torch.Tensor, tile_n: int,
+    sum_ez: Optional[torch.Tensor] = None,
 ) -> None:
     """QuACK's scaled-exp logits matmul (``scaled_exp_target_epi``, launched as QuACK's own linear cross-entropy
     launches it): with ``z = hidden @ weight.T`` in fp32 and ``k[r, t] = rne(log2 e · max of z[r, t·tile_n :
@@ -174,4 +174,3 @@ def matmul_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, accumulat
     """
     identity_epi.gemm(a, b.mT, out, epi_args={}, add_to_output=accumulate, tile_M=128,
                       tile_N=192 if b.shape[1] % 192 == 0 else 256, tile_K=64, cluster_M=1, cluster_N=2)
-
