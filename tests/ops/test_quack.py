@@ -4,6 +4,7 @@ missing or fails (CPU: Triton's interpreter, a stand-in launcher), and its resul
 
 import builtins
 import sys
+import warnings
 
 import pytest
 import torch
@@ -219,6 +220,27 @@ def test_without_quack_installed_nothing_is_imported(monkeypatch):
     monkeypatch.setattr(quack_bridge, "_QUACK", {})
     monkeypatch.setattr(quack_bridge.importlib.util, "find_spec", lambda name: None)
     assert quack_bridge.load() is None
+
+
+def test_hf_fused_quack_0_keeps_an_installed_quack_off(monkeypatch):
+    """``HF_FUSED_QUACK=0``: QuACK installed but never imported, silently (the user's choice, not a failure);
+    ``1`` or unset: used; another value: a clear error."""
+    monkeypatch.setattr(quack_bridge, "_QUACK", {})
+    monkeypatch.setattr(quack_bridge.importlib.util, "find_spec", lambda name: object())  # as if installed
+    # what an import would find: load() would return it
+    monkeypatch.setitem(sys.modules, "hf_fused.ops.backends.triton_cublas.quack_epilogues", type(sys)("stand-in"))
+    monkeypatch.setenv(quack_bridge.ENV, "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not quack_bridge.installed() and quack_bridge.load() is None
+    for value in ("1", ""):
+        monkeypatch.setenv(quack_bridge.ENV, value)
+        assert quack_bridge.installed()
+    monkeypatch.setattr(quack_bridge, "_QUACK", {})
+    assert quack_bridge.load() is sys.modules["hf_fused.ops.backends.triton_cublas.quack_epilogues"]
+    monkeypatch.setenv(quack_bridge.ENV, "off")
+    with pytest.raises(ValueError, match="HF_FUSED_QUACK must be 0 or 1"):
+        quack_bridge.installed()
 
 
 def test_label_grad_sets_only_the_labels_in_the_chunk():

@@ -6,13 +6,14 @@ log-sum-exp (:func:`fuses_statistics`), the gradient pass's ``dz`` only where th
 alone (:func:`fuses_softmax_grad`); the one pass's fp32-faithful tile where its vocabulary splits into QuACK's
 column tiles and the fp32 statistics are asked for (:func:`scaled_exp_tile_n`). A tile whose operands are not 16-byte
 aligned runs without it; a QuACK that cannot be imported or run is turned off for the process with one warning, and
-the caller does the work itself.
+the caller does the work itself; ``HF_FUSED_QUACK=0`` keeps it off where it is installed (:data:`ENV`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import warnings
 from types import ModuleType
 from typing import Optional, Sequence
@@ -33,11 +34,29 @@ _QUACK: dict[str, Optional[ModuleType]] = {}
 _QUACK_ERROR: dict[str, str] = {}
 
 
+#: The environment variable that keeps QuACK off for the process where it is installed (``0``); unset or ``1``: used
+#: where it runs. Read where a call first asks for QuACK.
+ENV = "HF_FUSED_QUACK"
+
+
+def installed() -> bool:
+    """Whether QuACK is installed and not turned off by :data:`ENV` (no import).
+
+    Raises:
+        ValueError: for a value of :data:`ENV` other than ``0`` or ``1``.
+    """
+    value = os.environ.get(ENV) or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV} must be 0 or 1 (QuACK's kernels off or on where installed), got {value!r}")
+    return value == "1" and importlib.util.find_spec("quack") is not None
+
+
 def load() -> Optional[ModuleType]:
-    """:mod:`.quack_epilogues`, or ``None`` where QuACK is not installed or could not be imported (said once)."""
+    """:mod:`.quack_epilogues`, or ``None`` where QuACK is not :func:`installed` or could not be imported (said
+    once)."""
     if "module" not in _QUACK:
         module = None
-        if importlib.util.find_spec("quack") is not None:
+        if installed():
             try:
                 from . import quack_epilogues as module
             except Exception as err:  # noqa: BLE001 - any QuACK / CuTe DSL version that cannot build it
@@ -207,7 +226,7 @@ def scaled_exp_row_bytes(head: HeadInputs) -> int:
     tile_n = tile_n_for(weight.shape[0])
     if (tile_n is None or not raw_logits(head) or not weight.is_cuda
             or head.operand_dtype != torch.bfloat16 or torch.cuda.get_device_capability(weight.device)[0] != 9
-            or importlib.util.find_spec("quack") is None):
+            or not installed()):
         return 0
     return 4 * 4 * (weight.shape[0] // tile_n)
 
