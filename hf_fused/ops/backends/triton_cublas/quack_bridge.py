@@ -124,21 +124,23 @@ def scaled_exp_logits(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
 
 
 def scaled_exp_statistics_(sum_exp: torch.Tensor, max_log2: torch.Tensor, lse: torch.Tensor,
-                           offsets: torch.Tensor, sum_ez: Optional[torch.Tensor] = None,
+                           offsets: Optional[torch.Tensor] = None, sum_ez: Optional[torch.Tensor] = None,
                            sum_pz: Optional[torch.Tensor] = None) -> None:
     """From :func:`scaled_exp_logits`' per-tile partials (fp32 ``[rows, T]``: Σ of ``E = 2^(z·log2 e − k)`` and
     ``k``): each row's log-sum-exp ``k_r·ln 2 + log Σ_t sum_exp[t]·2^(k_t − k_r)`` (``k_r`` the row's largest ``k``,
-    so no term overflows) into ``lse [rows]``; each tile's shift in nats, ``k·ln 2``, into ``offsets [rows, T]`` (the
-    stored value is ``exp(z − offset)``, :func:`~.shifted_tile.shifted_gradient_`'s ``log_tile``); with ``sum_ez``
-    (Σ E·z per tile), each row's ``Σ p·z = Σ_t sum_ez[t]·2^(k_t − k_r) / Σ_t sum_exp[t]·2^(k_t − k_r)`` into
-    ``sum_pz [rows]`` (the entropy is ``lse − Σ p·z``)."""
+    so no term overflows) into ``lse [rows]``; where given, each tile's shift in nats, ``k·ln 2``, into ``offsets
+    [rows, T]`` (the stored value is ``exp(z − offset)``, :func:`~.shifted_tile.shifted_gradient_`'s ``log_tile``);
+    with ``sum_ez`` (Σ E·z per tile), each row's ``Σ p·z = Σ_t sum_ez[t]·2^(k_t − k_r) / Σ_t sum_exp[t]·2^(k_t −
+    k_r)`` into ``sum_pz [rows]`` (the entropy is ``lse − Σ p·z``). The partials are scaled in place (no buffer of
+    their size beside them)."""
+    if offsets is not None:
+        torch.mul(max_log2, math.log(2.0), out=offsets)
     k_r = max_log2.amax(dim=1, keepdim=True)
-    scale = torch.exp2(max_log2 - k_r)
-    total = (sum_exp * scale).sum(dim=1)
+    scale = torch.exp2(max_log2.sub_(k_r))
+    total = sum_exp.mul_(scale).sum(dim=1)
     torch.add(total.log(), k_r[:, 0], alpha=math.log(2.0), out=lse)
-    torch.mul(max_log2, math.log(2.0), out=offsets)
     if sum_ez is not None:
-        torch.div((sum_ez * scale).sum(dim=1), total, out=sum_pz)
+        torch.div(sum_ez.mul_(scale).sum(dim=1), total, out=sum_pz)
 
 
 #: Whether the fp32 accumulations of bf16 products (:func:`matmul_f32_`) take QuACK's matmul where it runs.
@@ -167,11 +169,10 @@ def runs_matmul_f32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool
 def scaled_exp_row_stats_(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, stats: tuple,
                           tile_n: int, return_entropy: bool) -> bool:
     """The two passes' statistics of whole vocabulary rows from QuACK's scaled-exp matmul with nothing stored
-    (:func:`scaled_exp_logits` with ``out=None``): each row's running max, Σexp(z − m), Σexp(z − m)·z (with
-    ``return_entropy``) and label logit written into ``stats`` (:data:`~.tiles.RowStats` of ``h``'s rows; ``m`` the
-    row's largest shift ``k_r·ln 2`` rather than its maximum, which leaves the log-sum-exp and entropy of
-    :func:`~.tiles.finish_row_stats` as they are: the formulas of :func:`scaled_exp_statistics_`). ``False``: it did
-    not run, ``stats`` untouched (the caller computes them itself)."""
+    (:func:`scaled_exp_logits` with ``out=None``), folded by :func:`scaled_exp_statistics_` as the one pass folds
+    its tiles': into ``stats`` (:data:`~.tiles.RowStats` of ``h``'s rows) the log-sum-exp as (running max, Σexp) =
+    (lse, 1), Σ p·z (with ``return_entropy``) and the label logit, which :func:`~.tiles.finish_row_stats` reads.
+    ``False``: it did not run, ``stats`` untouched (the caller computes them itself)."""
     rows, n_tiles = h.shape[0], weight.shape[0] // tile_n
     f32 = dict(dtype=torch.float32, device=h.device)
     sum_exp, max_log2 = torch.empty((rows, n_tiles), **f32), torch.empty((rows, n_tiles), **f32)
@@ -180,19 +181,15 @@ def scaled_exp_row_stats_(h: torch.Tensor, weight: torch.Tensor, labels: torch.T
     if not scaled_exp_logits(h, weight, labels, None, sum_exp, max_log2, label_logit, tile_n, sum_ez):
         return False
     run_max, run_sum, run_zp, stats_label = stats[:4]
-    k_r = max_log2.amax(dim=1, keepdim=True)
-    scale = torch.exp2(max_log2.sub_(k_r))
-    torch.mul(k_r[:, 0], math.log(2.0), out=run_max)
-    torch.sum(sum_exp.mul_(scale), dim=1, out=run_sum)
-    if sum_ez is not None:
-        torch.sum(sum_ez.mul_(scale), dim=1, out=run_zp)
+    scaled_exp_statistics_(sum_exp, max_log2, run_max, None, sum_ez, run_zp)
+    run_sum.fill_(1.0)
     stats_label.copy_(label_logit)
     return True
 
 
 def statistics_row_bytes(vocab_size: int, tile_n: int, return_entropy: bool) -> int:
     """What :func:`scaled_exp_row_stats_` holds per row: its per-tile partials (Σ E, ``k``, and Σ E·z with the
-    entropy) and the shifts' scale, fp32."""
+    entropy), their scale and the row's total, fp32."""
     return 4 * (vocab_size // tile_n) * (3 + return_entropy) + 4
 
 
