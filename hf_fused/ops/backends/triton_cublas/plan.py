@@ -267,22 +267,27 @@ def _statistics_source(weight: torch.Tensor, schedule: str) -> str:
     return "; log-prob statistics from the matmul's fp32 accumulator"
 
 
+def _takes_quack(head: HeadInputs, schedule: str) -> bool:
+    """Whether a call like ``head``'s would take QuACK's scaled-exp matmul in ``schedule`` (``"one_pass_quack"`` or
+    ``"two_passes_quack"``, :func:`~.quack_bridge.scaled_exp_tile_n`'s rule without the rows operand)."""
+    return (quack_bridge.scaled_exp_row_bytes(head) > 0 and fp32_logits_rule.enabled(schedule, head.weight.device)
+            and quack_bridge.load() is not None)
+
+
 def _two_passes_statistics_source(head: HeadInputs) -> str:
     """:func:`_statistics_source` of the two passes, which take QuACK's epilogues where it is installed and asked
-    for (``"two_passes_quack"``: :func:`~.quack_bridge.scaled_exp_tile_n`)."""
+    for (``"two_passes_quack"``)."""
     source = _statistics_source(head.weight, "two_passes")
-    if (source and quack_bridge.scaled_exp_row_bytes(head)
-            and fp32_logits_rule.enabled("two_passes_quack", head.weight.device) and quack_bridge.load() is not None):
+    if source and _takes_quack(head, "two_passes_quack"):
         return "; log-prob statistics from the fp32 accumulator of QuACK's matmul epilogues"
     return source
 
 
 def _one_pass_statistics_source(head: HeadInputs) -> str:
     """:func:`_statistics_source` of the one pass, whose default differs for the cross-entropy's loss and where QuACK
-    is installed (:func:`~.quack_bridge.scaled_exp_tile_n`)."""
+    is installed (``"one_pass_quack"``)."""
     weight = head.weight
-    if (quack_bridge.scaled_exp_row_bytes(head) and fp32_logits_rule.enabled("one_pass_quack", weight.device)
-            and quack_bridge.load() is not None):
+    if _takes_quack(head, "one_pass_quack"):
         return "; statistics from the fp32 accumulator of QuACK's scaled-exp matmul"
     source = _statistics_source(weight, "one_pass_logprobs")
     if source and not fp32_logits_rule.runs_on(weight, "one_pass"):
