@@ -39,12 +39,12 @@ class StandIn:
         label_logit.copy_(torch.where(inside, z.gather(1, y.clamp(0, z.shape[1] - 1)[:, None])[:, 0], label_logit))
         out.copy_(scale[:, None] * torch.exp(z - lse[:, None]))
 
-    def scaled_exp_logits(self, h, w, y, out, *, sum_exp, max_log2, label_logit, tile_n, sum_ez=None):
+    def scaled_exp_logits(self, h, w, y, out, *, sum_exp, max_log2, label_logit, tile_n, sum_ez=None, scale=1.0):
         """quack/epilogue/scaled_exp.py's: fp32 accumulation of the bf16 operands, ``k = rne(tile max·log2 e)``, the
         fp32 Σ of the values (and, for the entropy, of their products with the logits), the stored tile rounded to
         nearest bf16 once."""
         self.calls.append(("scaled" if sum_ez is None else "scaled+entropy") + (" stats" if out is None else ""))
-        z = h.float() @ w.float().t()
+        z = (h.float() @ w.float().t()) * scale  # one fp32 rounding of the scaled accumulator (none at 1)
         rows, v = z.shape
         tiles = z.view(rows, v // tile_n, tile_n)
         k = torch.round(tiles.amax(-1) * LOG2E)  # round half to even, as QuACK's roundeven

@@ -23,11 +23,11 @@ from quack_stand_in import (  # noqa: E402
 quack = quack_fixture  # the shared fixture "quack", in this module for pytest to find
 
 
-def _float64_reference(hidden, weight, labels, upstream=None):
+def _float64_reference(hidden, weight, labels, upstream=None, scale=1.0):
     """Mean cross-entropy (``upstream`` None) or ``Σ upstream·logp`` over the kept rows, in float64 from the bf16
-    operands: ``(value, logp, entropy, dX, dW)``."""
+    operands, of the logits ``(h·Wᵀ)·scale``: ``(value, logp, entropy, dX, dW)``."""
     h, w = (t.detach().double().requires_grad_() for t in (hidden, weight))
-    logp_all = torch.log_softmax(h @ w.T, -1)
+    logp_all = torch.log_softmax((h @ w.T) * scale, -1)
     kept = labels != -100
     logp = logp_all.gather(1, labels.clamp_min(0)[:, None])[:, 0] * kept
     entropy = -(logp_all.exp() * logp_all).sum(-1)
@@ -65,15 +65,18 @@ def _head(v=4352, **kw):
 
 
 def test_which_calls_take_the_scaled_tile(quack, monkeypatch):
-    """The log-sum-exp, label logit and entropy (what the scaled-exp epilogues reduce) of raw logits over a vocabulary
-    of whole column tiles, the fp32 statistics asked for; not with a token statistic, a bias or a logit transform,
-    another vocabulary, ``HF_FUSED_FP32_LOGITS=0``, or QuACK missing."""
+    """The log-sum-exp, label logit and entropy (what the scaled-exp epilogues reduce) of logits that are the matmul's
+    times a constant (raw, a logit scale, a temperature) over a vocabulary of whole column tiles, the fp32 statistics
+    asked for; not with a token statistic, a bias or a soft-cap, another vocabulary, ``HF_FUSED_FP32_LOGITS=0``, or
+    QuACK missing."""
     head = _head()
     assert quack_bridge.scaled_exp_tile_n(head, head.hidden, ()) == 256
     assert quack_bridge.scaled_exp_tile_n(head, head.hidden, ("is_top1",)) is None
-    for transform in ({"softcap": 30.0}, {"temperature": 0.7}, {"logit_scale": 0.5}):
+    for transform, scale in (({"temperature": 0.7}, 1 / 0.7), ({"logit_scale": 0.5}, 0.5),
+                             ({"logit_scale": 0.5, "temperature": 0.8}, 0.625), ({"softcap": 30.0}, None)):
         other = _head(transform=LogitTransform(**transform))
-        assert quack_bridge.scaled_exp_tile_n(other, other.hidden, ()) is None
+        assert quack_bridge.logits_scale(other) == scale
+        assert quack_bridge.scaled_exp_tile_n(other, other.hidden, ()) == (None if scale is None else 256)
     biased = _head(bias=torch.zeros(4352, dtype=torch.bfloat16))
     assert quack_bridge.scaled_exp_tile_n(biased, biased.hidden, ()) is None
     odd = _head(v=4300)
@@ -139,9 +142,9 @@ def test_cross_entropy_from_the_scaled_tile_is_an_fp32_heads(quack, monkeypatch)
         assert _error(got, want) < 2.0**-8  # the gradients' own bf16 rounding is 2⁻⁹ relative at most
 
 
-def _grpo_pass(hidden, weight, labels, hint, loss_of):
+def _grpo_pass(hidden, weight, labels, hint, loss_of, temperature=1.0):
     lp, ent = linear_logprobs(hidden, weight, labels, return_entropy=True, grad_hint=hint, backend="triton",
-                              tile_budget_bytes=2**30)
+                              tile_budget_bytes=2**30, temperature=temperature)
     return (lp.detach(), ent.detach(), *torch.autograd.grad(loss_of(lp), (hidden, weight)))
 
 
@@ -182,6 +185,44 @@ def test_grpo_one_pass_from_the_scaled_tile(quack, case):
     assert (scaled[1].double() - entropy)[kept].abs().max() < 1e-5
     for got, bf16_tile, want in zip(scaled[2:], rounded[2:], grads):
         assert _error(got, want) < 0.75 * _error(bf16_tile, want), (_error(got, want), _error(bf16_tile, want))
+
+
+def test_a_logit_scale_and_a_temperature_take_the_scaled_tile(quack):
+    """Cohere's logit scale (cross-entropy) and a sampling temperature (GRPO's log-probs and entropy, on-policy):
+    the scaled-exp matmul of ``acc·scale``, the rest of the pass as for raw logits (the gradient kernel's chain
+    factor); against float64 of the scaled logits as closely as raw logits are, strictly closer than the bf16
+    tile's."""
+    hidden, weight, labels = _inputs(5)
+    kept = labels != -100
+
+    def ce():
+        h, w = (t.detach().clone().requires_grad_() for t in (hidden, weight))
+        loss = linear_cross_entropy(h, w, labels, backend="triton", tile_budget_bytes=2**30,
+                                    transform=LogitTransform(logit_scale=0.5))
+        return (loss.detach(), *torch.autograd.grad(loss, (h, w)))
+
+    scaled = ce()
+    with fp32_logits_rule.forced(False):
+        rounded = ce()
+    assert quack.calls == ["scaled"]  # the bf16 tile with a logit scale: cuBLAS and the statistics kernel
+    exact = _float64_reference(hidden, weight, labels, scale=0.5)
+    assert abs(scaled[0].double() - exact[0]).item() / exact[0].item() < 1e-6
+    for got, bf16_tile, want in zip(scaled[1:], rounded[1:], exact[3:]):
+        assert _error(got, want) < 0.75 * _error(bf16_tile, want), (_error(got, want), _error(bf16_tile, want))
+
+    g = torch.Generator().manual_seed(6)
+    hint = torch.randn(labels.shape, generator=g) * kept
+    h, w = (t.detach().clone().requires_grad_() for t in (hidden, weight))
+    got = _grpo_pass(h, w, labels, hint, lambda lp: (lp * hint).sum(), temperature=0.7)
+    assert quack.calls[-1] == "scaled+entropy"
+    h, w = (t.detach().clone().requires_grad_() for t in (hidden, weight))
+    with fp32_logits_rule.forced(False):
+        bf16_tile = _grpo_pass(h, w, labels, hint, lambda lp: (lp * hint).sum(), temperature=0.7)
+    _, logp, entropy, *grads = _float64_reference(hidden, weight, labels, hint * kept, scale=1 / 0.7)
+    assert (got[0].double() - logp)[kept].abs().max() < 1e-5
+    assert (got[1].double() - entropy)[kept].abs().max() < 1e-5
+    for mine, theirs, want in zip(got[2:], bf16_tile[2:], grads):
+        assert _error(mine, want) < 0.75 * _error(theirs, want), (_error(mine, want), _error(theirs, want))
 
 
 def test_a_scaled_call_that_fails_falls_back_with_one_warning(quack, monkeypatch):
@@ -231,24 +272,26 @@ def _hopper_inputs(n, h, v, seed=0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n, v", [(1000, 151936), (2048, 128256)])
-def test_the_kernel_on_gpu_is_the_stand_ins(n, v):
+@pytest.mark.parametrize("n, v, scale", [(1000, 151936, 1.0), (2048, 128256, 1.0), (1000, 151936, 1 / 0.7),
+                                         (2048, 128256, 0.5)])
+def test_the_kernel_on_gpu_is_the_stand_ins(n, v, scale):
     """QuACK's kernel against the stand-in on the same operands (rows not a multiple of its 128-row tile; the
-    128- and 192-column tiles): the same shifts, the stored values within one bf16 step, the sums and the label
-    logits to fp32 summation order; with nothing stored (the two passes' statistics), the same partials."""
+    128- and 192-column tiles; raw logits, a temperature of 0.7, a logit scale of 0.5): the same shifts, the stored
+    values within one bf16 step, the sums and the label logits to fp32 summation order; with nothing stored, the
+    same partials."""
     hidden, weight, labels = _hopper_inputs(n, 1024, v)
     y = labels.clamp_min(0)
     tile_n = quack_bridge.tile_n_for(v)
     outs = [(torch.empty(n, v, dtype=torch.bfloat16, device="cuda"),
              *(torch.empty(n, v // tile_n, device="cuda") for _ in range(2)), torch.empty(n, device="cuda"))
             for _ in range(2)]
-    assert quack_bridge.scaled_exp_logits(hidden.detach(), weight.detach(), y, *outs[0], tile_n), \
+    assert quack_bridge.scaled_exp_logits(hidden.detach(), weight.detach(), y, *outs[0], tile_n, scale=scale), \
         quack_bridge.last_error()
     StandIn().scaled_exp_logits(hidden.detach(), weight.detach(), y, outs[1][0], sum_exp=outs[1][1],
-                                 max_log2=outs[1][2], label_logit=outs[1][3], tile_n=tile_n)
+                                 max_log2=outs[1][2], label_logit=outs[1][3], tile_n=tile_n, scale=scale)
     (e, s, k, zy), (e_ref, s_ref, k_ref, zy_ref) = outs
     partials = [torch.empty_like(t) for t in outs[0][1:]]
-    assert quack_bridge.scaled_exp_logits(hidden.detach(), weight.detach(), y, None, *partials, tile_n)
+    assert quack_bridge.scaled_exp_logits(hidden.detach(), weight.detach(), y, None, *partials, tile_n, scale=scale)
     for stored, alone in zip((s, k, zy), partials):
         assert torch.equal(stored, alone)  # the same epilogue without its store
     # k rounds tile max · log2 e: a max within fp32 summation order of a half-integer may round the other way
@@ -297,12 +340,14 @@ def test_cross_entropy_on_gpu_is_as_accurate_as_quacks(n, h, v, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_grpo_one_pass_on_gpu_takes_the_scaled_tile_with_the_entropy():
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_grpo_one_pass_on_gpu_takes_the_scaled_tile_with_the_entropy(temperature):
     """FusedGRPOTrainer's one pass on a Hopper GPU with QuACK (log-probs with a fixed per-token weight, the entropy
-    returned) takes hf_fused's scaled-exp epilogue with the Σ E·z reduction: log-probs and entropy within 1e-4 nats of
-    an fp32 head on the same bf16 operands on every kept token (the issue's bound: two fp32 accumulations of 2048
-    products apart; 3.4e-5 at most at this head in tests/trainers/test_rl_fp32_parity.py), gradients less than half
-    as far from float64 as the bf16 tile's."""
+    returned; raw logits and a sampling temperature) takes hf_fused's scaled-exp epilogue with the Σ E·z reduction:
+    log-probs and entropy within 1e-4/T nats of an fp32 head on the same bf16 operands on every kept token (the
+    issue's bound at T = 1: two fp32 accumulations of 2048 products apart; a temperature divides the logits and with
+    them the accumulations' difference: 8.0e-5 / 1.34e-4 at most at T = 1 / 0.7 on an H200, 2026-11-30, the fused
+    Triton matmul's the same to the digit), gradients less than half as far from float64 as the bf16 tile's."""
     hidden, weight, labels = _hopper_inputs(4096, 2048, 151936)
     kept = labels != -100
     hint = torch.randn(labels.shape, generator=torch.Generator().manual_seed(5)).cuda() * kept
@@ -310,11 +355,11 @@ def test_grpo_one_pass_on_gpu_takes_the_scaled_tile_with_the_entropy():
     real = quack_bridge.scaled_exp_logits
 
     def spy(*a):
-        calls.append(a[-1] is not None)  # sum_ez given: the entropy epilogue
+        calls.append(a[8] is not None)  # sum_ez given: the entropy epilogue
         return real(*a)
 
     def run():
-        return _grpo_pass(hidden, weight, labels, hint, lambda lp: (lp * hint).sum())
+        return _grpo_pass(hidden, weight, labels, hint, lambda lp: (lp * hint).sum(), temperature=temperature)
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(quack_bridge, "scaled_exp_logits", spy)
@@ -323,12 +368,12 @@ def test_grpo_one_pass_on_gpu_takes_the_scaled_tile_with_the_entropy():
     with fp32_logits_rule.forced(False):
         rounded = run()
     assert not torch.backends.cuda.matmul.allow_tf32
-    fp32_logp = torch.log_softmax(hidden.detach().float() @ weight.detach().float().T, -1)
+    fp32_logp = torch.log_softmax(hidden.detach().float() @ weight.detach().float().T / temperature, -1)
     fp32_entropy = -(fp32_logp.exp() * fp32_logp).sum(-1)
     fp32_logp = fp32_logp.gather(1, labels.clamp_min(0)[:, None])[:, 0]
-    assert (scaled[0] - fp32_logp)[kept].abs().max() < 1e-4
-    assert (scaled[1] - fp32_entropy)[kept].abs().max() < 1e-4
+    assert (scaled[0] - fp32_logp)[kept].abs().max() < 1e-4 / temperature
+    assert (scaled[1] - fp32_entropy)[kept].abs().max() < 1e-4 / temperature
     assert (rounded[0] - fp32_logp)[kept].abs().max() > 1e-3  # the bf16 logits' error the scaled tile avoids
-    *_, d_hidden, d_weight = _float64_reference(hidden, weight, labels, hint)
+    *_, d_hidden, d_weight = _float64_reference(hidden, weight, labels, hint, scale=1 / temperature)
     for got, bf16_tile, want in zip(scaled[2:], rounded[2:], (d_hidden, d_weight)):
         assert _error(got, want) < 0.5 * _error(bf16_tile, want), (_error(got, want), _error(bf16_tile, want))

@@ -27,11 +27,11 @@ def _inputs(seed=0, n=72, h=64, v=4352):
     return trained_head_inputs(seed, n, h, v)
 
 
-def _float64(hidden, weight, labels, upstream, entropy_weight=0.0):
-    """``Σ upstream·logp + entropy_weight·Σ entropy`` over the kept rows in float64 from the bf16 operands:
-    ``(logp, entropy, dX, dW)``."""
+def _float64(hidden, weight, labels, upstream, entropy_weight=0.0, temperature=1.0):
+    """``Σ upstream·logp + entropy_weight·Σ entropy`` over the kept rows in float64 from the bf16 operands (the
+    logits divided by ``temperature``): ``(logp, entropy, dX, dW)``."""
     h, w = (t.detach().double().requires_grad_() for t in (hidden, weight))
-    logp_all = torch.log_softmax(h @ w.T, -1)
+    logp_all = torch.log_softmax(h @ w.T / temperature, -1)
     kept = labels != -100
     logp = logp_all.gather(1, labels.clamp_min(0)[:, None])[:, 0] * kept
     entropy = -(logp_all.exp() * logp_all).sum(-1)
@@ -43,11 +43,12 @@ def _error(got, exact):
     return ((got.double() - exact).norm() / exact.norm()).item()
 
 
-def _logprobs_pass(hidden, weight, labels, upstream, entropy_weight=0.0, budget=LEAN):
+def _logprobs_pass(hidden, weight, labels, upstream, entropy_weight=0.0, budget=LEAN, temperature=1.0):
     """Log-probs with the entropy, no hint, under an explicit budget (the two passes); the gradient of
     ``Σ upstream·logp (+ entropy_weight·Σ entropy)``: ``(logp, entropy, dX, dW)``."""
     h, w = (t.detach().clone().requires_grad_() for t in (hidden, weight))
-    lp, ent = linear_logprobs(h, w, labels, return_entropy=True, backend="triton", tile_budget_bytes=budget)
+    lp, ent = linear_logprobs(h, w, labels, return_entropy=True, backend="triton", tile_budget_bytes=budget,
+                              temperature=temperature)
     loss = (lp * upstream).sum()
     if entropy_weight:
         loss = loss + entropy_weight * (ent * (labels != -100)).sum()
@@ -87,6 +88,25 @@ def test_logprobs_two_passes_take_quacks_epilogues(quack, monkeypatch, entropy_g
     for mine, theirs, exact in zip(got[2:], fused[2:], grads):
         # The interpreter's fp32 → bf16 store truncates the Triton epilogue's dz where the stand-in rounds to nearest:
         # no worse than the kernel's (the GPU test below compares the real kernels).
+        assert _error(mine, exact) <= 1.02 * _error(theirs, exact) + 1e-6, (_error(mine, exact), _error(theirs, exact))
+
+
+def test_a_temperature_takes_the_scaled_statistics(quack, monkeypatch):
+    """A sampling temperature: the statistics pass on the scaled-exp matmul of ``acc / T`` (``dz`` then from the
+    Triton epilogue, QuACK's takes raw logits alone); log-probs and entropy within 1e-5 nats of float64 and as close
+    as the fused matmul's, gradients no further."""
+    hidden, weight, labels = _inputs(6)
+    upstream = torch.randn(labels.shape, generator=torch.Generator().manual_seed(7)) * (labels != -100)
+    got = _logprobs_pass(hidden, weight, labels, upstream, temperature=0.7)
+    assert quack.calls == ["scaled+entropy stats"]
+    fused = _without_quack(monkeypatch, lambda: _logprobs_pass(hidden, weight, labels, upstream, temperature=0.7))
+    logp, entropy, *grads = _float64(hidden, weight, labels, upstream, temperature=0.7)
+    kept = labels != -100
+    for mine, theirs, exact in zip(got[:2], fused[:2], (logp, entropy)):
+        rms = lambda t: (t.double() - exact)[kept].pow(2).mean().sqrt().item()  # noqa: E731
+        assert (mine.double() - exact)[kept].abs().max() < 1e-5
+        assert rms(mine) <= 1.5 * rms(theirs), (rms(mine), rms(theirs))
+    for mine, theirs, exact in zip(got[2:], fused[2:], grads):
         assert _error(mine, exact) <= 1.02 * _error(theirs, exact) + 1e-6, (_error(mine, exact), _error(theirs, exact))
 
 

@@ -113,8 +113,9 @@ class TileStatistics:
 
     def __init__(self, fused: bool, weight: torch.Tensor, bias: Optional[torch.Tensor], scalars: dict,
                  return_entropy: bool, fp32: bool = False, tile_rows: int = 0, store_tile: bool = True,
-                 scaled_tile_n: Optional[int] = None) -> None:
+                 scaled_tile_n: Optional[int] = None, logits_scale: float = 1.0) -> None:
         self.scaled_tile_n, self.tile_rows, self.store_tile = scaled_tile_n, tile_rows, store_tile
+        self.logits_scale = logits_scale  # the scaled-exp matmul's z = acc·logits_scale (quack_bridge.logits_scale)
         self.fp32_after_scaled = fp32 and scaled_tile_n is not None  # where QuACK turns itself off mid-call
         fp32 = fp32 and scaled_tile_n is None
         # the scaled-exp matmul reduces the entropy's Σ p·z too: its statistics are complete, not "fused"
@@ -149,7 +150,7 @@ class TileStatistics:
         sum_exp, max_log2, offsets = self.sum_exp[:rows], self.max_log2[:rows], self.shifts[:rows]
         sum_ez = None if self.sum_ez is None else self.sum_ez[:rows]
         if quack_bridge.scaled_exp_logits(h, self.weight, y, dz, sum_exp, max_log2, label_logit, self.scaled_tile_n,
-                                          sum_ez):
+                                          sum_ez, self.logits_scale):
             quack_bridge.scaled_exp_statistics_(sum_exp, max_log2, run_max, offsets, sum_ez, run_zp)
             run_sum.fill_(1.0)  # the log-sum-exp as (running max, Σexp) = (lse, 1), Σ p·z normalized
             self.tile_offsets, self.log_tile = offsets, True
@@ -279,7 +280,8 @@ def run_one_pass(head: HeadInputs, tile_grads: Optional[TileGrads], need: Needed
     gradients = TileGradients(head, plan, need, tile_grads, HeadGrads(mul_into=mul_into), scalars, return_entropy,
                               entropy_in_grads, recompute)
     tile_statistics = TileStatistics(fused, weight, bias, scalars, return_entropy, fp32, tile_buf.shape[0],
-                                     store_tile=not recompute, scaled_tile_n=scaled_tile_n)
+                                     store_tile=not recompute, scaled_tile_n=scaled_tile_n,
+                                     logits_scale=quack_bridge.logits_scale(head) if scaled_tile_n else 1.0)
     for r0, r1, h in blocks:  # h: the tile's kept hidden rows [r1 − r0, H], in weight's dtype
         dz, row_stats = tile_buf[: r1 - r0], row_slice(stats, r0, r1)
         tile_lse = tile_statistics(h, y[r0:r1], dz, row_stats)

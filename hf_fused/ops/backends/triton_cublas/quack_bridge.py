@@ -3,8 +3,10 @@
 QuACK (``quack-kernels``) is imported only where it is installed and a call can use it: bf16 operands on a GPU of
 compute capability 9.x, contiguous, with rows of 16-byte multiples; the one pass's statistics only for the plain
 log-sum-exp (:func:`fuses_statistics`), the gradient pass's ``dz`` only where the gradient reaches the log-probs
-alone (:func:`fuses_softmax_grad`); the one pass's fp32-faithful tile where its vocabulary splits into QuACK's
-column tiles and the fp32 statistics are asked for (:func:`scaled_exp_tile_n`). A tile whose operands are not 16-byte
+alone (:func:`fuses_softmax_grad`); the one pass's fp32-faithful tile and the two passes' statistics where the
+vocabulary splits into QuACK's column tiles, the logits are a multiple of the matmul's (a logit scale or temperature:
+:func:`logits_scale`) and the fp32 statistics are asked for (:func:`scaled_exp_tile_n`); the fp32 accumulations of
+bf16 products (:func:`matmul_f32_`). A tile whose operands are not 16-byte
 aligned runs without it; a QuACK that cannot be imported or run is turned off for the process with one warning, and
 the caller does the work itself; ``HF_FUSED_QUACK=0`` keeps it off where it is installed (:data:`ENV`).
 """
@@ -113,12 +115,12 @@ def softmax_grad(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ls
 
 def scaled_exp_logits(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, out: Optional[torch.Tensor],
                       sum_exp: torch.Tensor, max_log2: torch.Tensor, label_logit: torch.Tensor, tile_n: int,
-                      sum_ez: Optional[torch.Tensor] = None) -> bool:
+                      sum_ez: Optional[torch.Tensor] = None, scale: float = 1.0) -> bool:
     """:func:`.quack_epilogues.scaled_exp_logits` into ``out``, ``sum_exp``, ``max_log2``, ``label_logit`` (and
     ``sum_ez`` where given); ``False``: it did not run (the caller computes the tile and its statistics itself)."""
     extra = {} if sum_ez is None else {"sum_ez": sum_ez}
     return _run(lambda q: q.scaled_exp_logits(h, weight, labels, out, sum_exp=sum_exp, max_log2=max_log2,
-                                              label_logit=label_logit, tile_n=tile_n, **extra),
+                                              label_logit=label_logit, tile_n=tile_n, scale=scale, **extra),
                 h, weight, labels, *([] if out is None else [out]), sum_exp, max_log2, label_logit,
                 *extra.values())
 
@@ -167,18 +169,18 @@ def runs_matmul_f32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool
 
 
 def scaled_exp_row_stats_(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, stats: tuple,
-                          tile_n: int, return_entropy: bool) -> bool:
+                          tile_n: int, return_entropy: bool, scale: float = 1.0) -> bool:
     """The two passes' statistics of whole vocabulary rows from QuACK's scaled-exp matmul with nothing stored
     (:func:`scaled_exp_logits` with ``out=None``), folded by :func:`scaled_exp_statistics_` as the one pass folds
     its tiles': into ``stats`` (:data:`~.tiles.RowStats` of ``h``'s rows) the log-sum-exp as (running max, Σexp) =
     (lse, 1), Σ p·z (with ``return_entropy``) and the label logit, which :func:`~.tiles.finish_row_stats` reads.
-    ``False``: it did not run, ``stats`` untouched (the caller computes them itself)."""
+    ``False``: it did not run, ``stats`` untouched (the caller computes them itself). ``scale``: :func:`logits_scale`."""
     rows, n_tiles = h.shape[0], weight.shape[0] // tile_n
     f32 = dict(dtype=torch.float32, device=h.device)
     sum_exp, max_log2 = torch.empty((rows, n_tiles), **f32), torch.empty((rows, n_tiles), **f32)
     sum_ez = torch.empty((rows, n_tiles), **f32) if return_entropy else None
     label_logit = torch.empty(rows, **f32)
-    if not scaled_exp_logits(h, weight, labels, None, sum_exp, max_log2, label_logit, tile_n, sum_ez):
+    if not scaled_exp_logits(h, weight, labels, None, sum_exp, max_log2, label_logit, tile_n, sum_ez, scale):
         return False
     run_max, run_sum, run_zp, stats_label = stats[:4]
     scaled_exp_statistics_(sum_exp, max_log2, run_max, None, sum_ez, run_zp)
@@ -203,11 +205,11 @@ def scaled_exp_tile_n(head: HeadInputs, h: torch.Tensor, statistics: Sequence[st
     """The column tile with which a call takes its fp32-faithful statistics (the log-sum-exp, label logit and
     entropy) from QuACK's scaled-exp matmul (:func:`.quack_epilogues.scaled_exp_logits`): in the one pass with its
     logits tile (``schedule`` ``"one_pass_quack"``), in the two passes' statistics pass with nothing stored
-    (``"two_passes_quack"``, :func:`scaled_exp_row_stats_`); or None: no token statistics asked of it,
-    :func:`raw_logits`, operands it :func:`runs_on` (``h``: the rows as the pass reads them), asked for in
+    (``"two_passes_quack"``, :func:`scaled_exp_row_stats_`); or None: no token statistics asked of it, logits
+    that are not a multiple of the matmul's (:func:`logits_scale`), operands it :func:`runs_on` (``h``: the rows as the pass reads them), asked for in
     ``schedule`` (:func:`~.fp32_logits_rule.enabled`: on by default on CUDA, off with ``HF_FUSED_FP32_LOGITS=0``), the
     vocabulary splits into whole column tiles (:func:`tile_n_for`), and QuACK loads."""
-    if statistics or not raw_logits(head) or not runs_on(h, head.weight):
+    if statistics or logits_scale(head) is None or not runs_on(h, head.weight):
         return None
     if not fp32_logits_rule.enabled(schedule, h.device):
         return None
@@ -217,15 +219,24 @@ def scaled_exp_tile_n(head: HeadInputs, h: torch.Tensor, statistics: Sequence[st
 
 def scaled_exp_row_bytes(head: HeadInputs) -> int:
     """What :func:`scaled_exp_tile_n`'s path holds per tile row beside the tile (its per-tile sums, Σ E·z, maxima
-    and shifts, fp32): 0 where it cannot run (a bias or logit transform, QuACK not installed, not a bf16 weight of a
+    and shifts, fp32): 0 where it cannot run (a bias or soft-cap, QuACK not installed, not a bf16 weight of a
     compute-capability-9 GPU as the matmuls read it, no column tile divides the vocabulary). No import of QuACK."""
     weight = head.weight
     tile_n = tile_n_for(weight.shape[0])
-    if (tile_n is None or not raw_logits(head) or not weight.is_cuda
+    if (tile_n is None or logits_scale(head) is None or not weight.is_cuda
             or head.operand_dtype != torch.bfloat16 or torch.cuda.get_device_capability(weight.device)[0] != 9
             or not installed()):
         return 0
     return 4 * 4 * (weight.shape[0] // tile_n)
+
+
+def logits_scale(head: HeadInputs) -> Optional[float]:
+    """``s`` where the call's logits are the matmul's times ``s`` (no bias, no soft-cap): ``logit_scale /
+    temperature``, what the scaled-exp epilogues multiply the accumulator by; None otherwise."""
+    transform = head.transform
+    if head.bias is not None or transform.softcap is not None:
+        return None
+    return float(transform.logit_scale) / float(transform.temperature)
 
 
 def raw_logits(head: HeadInputs) -> bool:

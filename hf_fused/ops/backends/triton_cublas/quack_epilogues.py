@@ -10,7 +10,8 @@
   Σ E, its ``k`` and the label logit from the fp32 accumulator (fp32-faithful statistics), and, for the entropy,
   hf_fused's variant of it that also reduces each tile's Σ E·z (:func:`scaled_exp_entropy_epi`);
   :func:`~.shifted_tile.shifted_gradient_` turns ``E`` into ``dz``. Without a tile to store, the two passes'
-  statistics pass: the partials alone.
+  statistics pass: the partials alone. Logits that are the matmul's times a constant (a logit scale, a sampling
+  temperature) take hf_fused's variants of both, of ``acc·scale`` (:func:`scaled_exp_logit_scale_epi`).
 - :func:`matmul_f32`: QuACK's fp32-output matmul, adding into an fp32 accumulator through TMA reduce-add stores
   (the weight gradient's accumulation over tiles).
 
@@ -31,7 +32,7 @@ from cutlass import Float32
 from quack.epilogue.frontend import gemm_epilogue
 from quack.epilogue.library import identity_epi
 from quack.epilogue.math import pexp, pexp2
-from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce
+from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, Scalar
 from quack.epilogue.scaled_exp import LOG2E, MaxLog2, _max_prepass, scaled_exp_target_epi
 
 _LABELS = ColVecLoad("target")
@@ -129,10 +130,53 @@ def scaled_exp_entropy_epi(acc, max_log2):
     return {"D": e, "sum_exp": e, "sum_ez": (e, acc), "target_logit": acc}
 
 
+def _scaled_max_prepass(acc, scale):
+    return {"max_log2": acc * scale}
+
+
+_scaled_max_log2 = MaxLog2("max_log2")
+_scaled_labels = ColVecLoad("target")
+
+
+@gemm_epilogue(
+    ops={"max_log2": _scaled_max_log2, "scale": Scalar("scale")},
+    prepass=_scaled_max_prepass,
+    prepass_outs=("max_log2",),
+    reduces={"sum_exp": ColVecReduce("sum_exp")},
+    outs={"target_logit": ColVecSelect("target_logit", idx_op=_scaled_labels)},
+    extra_ops=(_scaled_max_log2.out("max_log2_out"), _scaled_labels),
+)
+def scaled_exp_logit_scale_epi(acc, max_log2, scale):
+    """QuACK's ``scaled_exp_target_epi`` of the logits ``z = acc·scale`` (a logit scale over a temperature, one
+    fp32 rounding): the shifts from their maximum, the tile, sums and label logit of ``z``."""
+    z = acc * scale
+    e = pexp2(z * LOG2E - max_log2)
+    return {"D": e, "sum_exp": e, "target_logit": z}
+
+
+_scaled_entropy_max_log2 = MaxLog2("max_log2")
+_scaled_entropy_labels = ColVecLoad("target")
+
+
+@gemm_epilogue(
+    ops={"max_log2": _scaled_entropy_max_log2, "scale": Scalar("scale")},
+    prepass=_scaled_max_prepass,
+    prepass_outs=("max_log2",),
+    reduces={"sum_exp": ColVecReduce("sum_exp"), "sum_ez": ColVecReduce("sum_ez", scaled=True)},
+    outs={"target_logit": ColVecSelect("target_logit", idx_op=_scaled_entropy_labels)},
+    extra_ops=(_scaled_entropy_max_log2.out("max_log2_out"), _scaled_entropy_labels),
+)
+def scaled_exp_logit_scale_entropy_epi(acc, max_log2, scale):
+    """:func:`scaled_exp_entropy_epi` of the logits ``z = acc·scale``."""
+    z = acc * scale
+    e = pexp2(z * LOG2E - max_log2)
+    return {"D": e, "sum_exp": e, "sum_ez": (e, z), "target_logit": z}
+
+
 def scaled_exp_logits(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, out: Optional[torch.Tensor], *,
     sum_exp: torch.Tensor, max_log2: torch.Tensor, label_logit: torch.Tensor, tile_n: int,
-    sum_ez: Optional[torch.Tensor] = None,
+    sum_ez: Optional[torch.Tensor] = None, scale: float = 1.0,
 ) -> None:
     """QuACK's scaled-exp logits matmul (``scaled_exp_target_epi``, launched as QuACK's own linear cross-entropy
     launches it): with ``z = hidden @ weight.T`` in fp32 and ``k[r, t] = rne(log2 e · max of z[r, t·tile_n :
@@ -148,12 +192,19 @@ def scaled_exp_logits(
         tile_n: the matmul's column tile, which divides ``V`` (:func:`.quack_bridge.scaled_exp_tile_n`).
         sum_ez: fp32 ``[M, V // tile_n]``, contiguous, or None: written with each tile's fp32 Σ of the stored values
             times their logits (:func:`scaled_exp_entropy_epi`).
+        scale: the logits are ``z = (hidden @ weight.T)·scale`` (a logit scale over a sampling temperature; 1: QuACK's
+            own epilogue, :func:`scaled_exp_logit_scale_epi` otherwise), everything above of those.
     """
     epi_args = dict(max_log2=tile_n, sum_exp=sum_exp, max_log2_out=max_log2, target=labels,
                     target_logit=label_logit)
     if sum_ez is not None:
         epi_args["sum_ez"] = sum_ez
-    (scaled_exp_target_epi if sum_ez is None else scaled_exp_entropy_epi).gemm(
+    if scale == 1.0:
+        epilogue = scaled_exp_target_epi if sum_ez is None else scaled_exp_entropy_epi
+    else:
+        epilogue = scaled_exp_logit_scale_epi if sum_ez is None else scaled_exp_logit_scale_entropy_epi
+        epi_args["scale"] = float(scale)
+    epilogue.gemm(
         hidden, weight, out, epi_args=epi_args,
         # QuACK's own launch of this epilogue (quack/linear_cross_entropy.py, 0.6.4): ping-pong hides the two-phase
         # epilogue up to 208 columns
