@@ -42,10 +42,11 @@ ENV = "HF_FUSED_FP32_LOGITS"
 #:   accuracy (loss 1.5–2.9e-6 from float64, gradients 2.3–2.4e-3) in 1.02–1.04× the bf16 tiles' time, GRPO's one pass
 #:   2–3 % faster than on the fused matmul; its log-probs agree with the statistics pass's to fp32 summation order
 #:   (1.9e-6 nats at most) rather than bit for bit (H200, 2026-11-30, docs/performance.md).
-#: * ``"two_passes_quack"``: the two passes' statistics and ``dz`` from QuACK's matmul epilogues where it is installed
-#:   and the call's logits are raw (no bias or transform) and its gradient reaches the log-probs alone: the statistics
-#:   pass as the scaled-exp matmul with nothing stored (:func:`~.quack_bridge.scaled_exp_row_stats_`), ``dz`` as
-#:   ``scale·exp(z − lse)`` of the accumulator (:func:`~.quack_bridge.softmax_grad`), both from the fp32 accumulator
+#: * ``"two_passes_quack"``: the two passes' statistics and ``dz`` from QuACK's matmul epilogues where it is installed:
+#:   the statistics pass as the scaled-exp matmul with nothing stored (:func:`~.quack_bridge.scaled_exp_row_stats_`;
+#:   logits that are the matmul's times a constant: raw, a logit scale, a temperature), ``dz`` as
+#:   ``scale·exp(z − lse)`` of the accumulator (:func:`~.quack_bridge.softmax_grad`; raw logits and a gradient that
+#:   reaches the log-probs alone, else the fused matmul's epilogue), both from the fp32 accumulator
 #:   like the fused matmul's in place of which they run: on; the lean cross-entropy (256 MiB) 29.6 / 118.3 / 109.6 ms
 #:   against 31.6 / 123.3 / 106.6 on the fused matmul at 8192–32768 × 2048–4096 × 128256–151936, GRPO's lean path
 #:   117.8 / 233.1 / 117.9 against 121.5 / 236.1 / 124.9 (H200, 2026-11-30, docs/performance.md).

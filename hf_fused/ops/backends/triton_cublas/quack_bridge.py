@@ -205,10 +205,11 @@ def scaled_exp_tile_n(head: HeadInputs, h: torch.Tensor, statistics: Sequence[st
     """The column tile with which a call takes its fp32-faithful statistics (the log-sum-exp, label logit and
     entropy) from QuACK's scaled-exp matmul (:func:`.quack_epilogues.scaled_exp_logits`): in the one pass with its
     logits tile (``schedule`` ``"one_pass_quack"``), in the two passes' statistics pass with nothing stored
-    (``"two_passes_quack"``, :func:`scaled_exp_row_stats_`); or None: no token statistics asked of it, logits
-    that are not a multiple of the matmul's (:func:`logits_scale`), operands it :func:`runs_on` (``h``: the rows as the pass reads them), asked for in
-    ``schedule`` (:func:`~.fp32_logits_rule.enabled`: on by default on CUDA, off with ``HF_FUSED_FP32_LOGITS=0``), the
-    vocabulary splits into whole column tiles (:func:`tile_n_for`), and QuACK loads."""
+    (``"two_passes_quack"``, :func:`scaled_exp_row_stats_`); or None. It takes them where no token statistics are
+    asked of it, the logits are a multiple of the matmul's (:func:`logits_scale`: raw, a logit scale, a temperature),
+    it :func:`runs_on` the operands (``h``: the rows as the pass reads them), ``schedule`` asks for it
+    (:func:`~.fp32_logits_rule.enabled`: on by default on CUDA, off with ``HF_FUSED_FP32_LOGITS=0``), the vocabulary
+    splits into whole column tiles (:func:`tile_n_for`) and QuACK loads."""
     if statistics or logits_scale(head) is None or not runs_on(h, head.weight):
         return None
     if not fp32_logits_rule.enabled(schedule, h.device):
