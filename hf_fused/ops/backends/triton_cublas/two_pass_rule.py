@@ -97,32 +97,14 @@ def _aligned_cols(cols: int, vocab_size: int) -> int:
     return min(vocab_size, max(CHUNK_COL_ALIGN, cols // CHUNK_COL_ALIGN * CHUNK_COL_ALIGN))
 
 
-def lean_two_pass_plan(
+def lean_two_pass_options(
     n_rows: int, hidden_size: int, vocab_size: int, elem_bytes: int, tile_budget_bytes: int, *,
     reserved_bytes: int = 0, copy_bytes: int = 0, gather_row_bytes: int = 0, accumulator_row_bytes: int = 0,
     weight_chunk: bool = False, row_quantum: int = 1, col_bytes: int = 0,
-) -> LeanPlan:
-    """The tile of the two passes when ``tile_budget_bytes`` is given: a hard bound on everything the pass
-    holds beyond its inputs and outputs, not on the tile alone.
-
-    The working set: ``reserved_bytes`` (the hidden gradient's accumulator, :func:`hidden_accumulator`);
-    ``ROW_VECTOR_BYTES`` per row; the kept hidden rows in the weight's dtype, either one compact copy
-    (``copy_bytes``, 0 when every row is kept) or a ``[block_rows, H]`` gather buffer (``gather_row_bytes`` per
-    row); the ``[block_rows, cols]`` tile; and ``col_bytes`` per chunk column (the ``[cols, H]`` buffer a weight in
-    another dtype than the operands' is cast into, chunk by chunk). When several row blocks add into one
-    vocabulary chunk's weight gradient (``weight_chunk``), its fp32 ``[cols, H]`` accumulator costs no budget (it
-    lives in the weight gradient's unwritten rows or the tile's unused part,
-    :func:`~.weight_chunks.weight_gradient_chunks`) but its traffic counts. Among the plans that fit (the rows in 1,
-    2, 4, ... equal blocks of at least ``MIN_LEAN_BLOCK_ROWS``, or in the fewest equal blocks beside a ``MIN_CHUNK_COLS``
-    chunk; each with its widest chunk), the one that moves the fewest bytes in what it repeats: per vocabulary
-    chunk, the accumulator's read and write (``accumulator_row_bytes`` per row) and the gather; per row block and
-    chunk, the fp32 weight-gradient chunk's read and write (ties go to the compact copy). With ``row_quantum``
-    > 1 a split makes blocks of a whole number of quanta (rounded down and up from the candidates above; the last
-    block takes the rest) instead of equal ones, and equal blocks only where none of those fits: the backend
-    passes the rows whose accumulation tiles fill whole waves of the GPU's multiprocessors
-    (:func:`~.matmul.wave_rows`), because a persistent matmul's last, partly filled wave
-    costs a whole one. When nothing fits, the plan of
-    :func:`two_pass_plan` with a ``MIN_TWO_PASS_TILE_BYTES`` floor (its ``bytes`` then exceeds the budget).
+) -> list[tuple[bool, int, LeanPlan]]:
+    """The plans :func:`lean_two_pass_plan` weighs (its arguments), each as ``(unquantized, moved, plan)``: whether
+    its blocks are equal ones despite a ``row_quantum``, the bytes its cost model counts, the plan; empty where
+    nothing fits. ``benchmarks.lean_breakdown`` times each.
 
     Raises:
         ValueError: if the budget is not a positive integer.
@@ -157,8 +139,47 @@ def lean_two_pass_plan(
             moved += chunks * n_blocks * cols * hidden_size * 8 if split else 0
             used = fixed + reserved_bytes + block_rows * (cols * elem_bytes + row_bytes) + cols * col_bytes
             options.append((unquantized, moved, LeanPlan(block_rows, cols, gather, used)))
+    return options
+
+
+def lean_two_pass_plan(
+    n_rows: int, hidden_size: int, vocab_size: int, elem_bytes: int, tile_budget_bytes: int, *,
+    reserved_bytes: int = 0, copy_bytes: int = 0, gather_row_bytes: int = 0, accumulator_row_bytes: int = 0,
+    weight_chunk: bool = False, row_quantum: int = 1, col_bytes: int = 0,
+) -> LeanPlan:
+    """The tile of the two passes when ``tile_budget_bytes`` is given: a hard bound on everything the pass
+    holds beyond its inputs and outputs, not on the tile alone.
+
+    The working set: ``reserved_bytes`` (the hidden gradient's accumulator, :func:`hidden_accumulator`);
+    ``ROW_VECTOR_BYTES`` per row; the kept hidden rows in the weight's dtype, either one compact copy
+    (``copy_bytes``, 0 when every row is kept) or a ``[block_rows, H]`` gather buffer (``gather_row_bytes`` per
+    row); the ``[block_rows, cols]`` tile; and ``col_bytes`` per chunk column (the ``[cols, H]`` buffer a weight in
+    another dtype than the operands' is cast into, chunk by chunk). When several row blocks add into one
+    vocabulary chunk's weight gradient (``weight_chunk``), its fp32 ``[cols, H]`` accumulator costs no budget (it
+    lives in the weight gradient's unwritten rows or the tile's unused part,
+    :func:`~.weight_chunks.weight_gradient_chunks`) but its traffic counts. Among the plans that fit (the rows in 1,
+    2, 4, ... equal blocks of at least ``MIN_LEAN_BLOCK_ROWS``, or in the fewest equal blocks beside a ``MIN_CHUNK_COLS``
+    chunk; each with its widest chunk), the one that moves the fewest bytes in what it repeats: per vocabulary
+    chunk, the accumulator's read and write (``accumulator_row_bytes`` per row) and the gather; per row block and
+    chunk, the fp32 weight-gradient chunk's read and write (ties go to the compact copy). With ``row_quantum``
+    > 1 a split makes blocks of a whole number of quanta (rounded down and up from the candidates above; the last
+    block takes the rest) instead of equal ones, and equal blocks only where none of those fits: the backend
+    passes the rows whose accumulation tiles fill whole waves of the GPU's multiprocessors
+    (:func:`~.matmul.wave_rows`), because a persistent matmul's last, partly filled wave
+    costs a whole one. When nothing fits, the plan of
+    :func:`two_pass_plan` with a ``MIN_TWO_PASS_TILE_BYTES`` floor (its ``bytes`` then exceeds the budget).
+
+    Raises:
+        ValueError: if the budget is not a positive integer.
+    """
+    options = lean_two_pass_options(
+        n_rows, hidden_size, vocab_size, elem_bytes, tile_budget_bytes, reserved_bytes=reserved_bytes,
+        copy_bytes=copy_bytes, gather_row_bytes=gather_row_bytes, accumulator_row_bytes=accumulator_row_bytes,
+        weight_chunk=weight_chunk, row_quantum=row_quantum, col_bytes=col_bytes)
     if options:  # the first of the cheapest: the compact copy, then larger blocks, win ties
         return min(options, key=lambda option: option[:2])[2]
+    m = max(n_rows, 1)
+    reserved_bytes += m * ROW_VECTOR_BYTES
     block_rows, cols = two_pass_plan(n_rows, vocab_size, elem_bytes, tile_budget_bytes, reserved_bytes + copy_bytes)
     block_rows = -(-m // -(-m // block_rows))  # the same number of blocks, equal
     return LeanPlan(block_rows, cols, False,
