@@ -2,7 +2,7 @@
 with ``device_map="auto"`` under FSDP, which splits it over every GPU a rank sees). The original forward's outputs
 come back on the inputs' device (accelerate's ``io_same_device`` hook); the patched forward's loss, log-probs and
 entropy must too, with the unpatched model's values and gradients, and ``apply_fused_loss``'s verification must pass
-on it (2 GPUs). The hook accelerate puts on lm_head itself (moving its input to lm_head's device) still runs around
+on it (2 GPUs; lm_head with the final norm, or tied to the embeddings on the other GPU). The hook accelerate puts on lm_head itself (moving its input to lm_head's device) still runs around
 hf_fused's head (CPU, with a hook of accelerate's that records what it hands on), and a model offloaded by accelerate
 (weights on meta between calls) scores through the fused head (CPU)."""
 
@@ -17,26 +17,30 @@ from references import assert_close, assert_same_grads, shifted_token_logprobs
 from hf_fused import apply_fused_loss
 
 
-def _dispatched(path):
-    """Two copies of a tiny fp32 Llama, embeddings and layer 0 on cuda:0, layer 1, the norm and lm_head on cuda:1."""
+def _dispatched(path, tied):
+    """Two copies of a tiny fp32 Llama, embeddings and layer 0 on cuda:0, layer 1 and the norm on cuda:1; lm_head on
+    cuda:1, or, ``tied`` to the embeddings, with them on cuda:0 (the final hidden states cross back to it)."""
     from transformers import LlamaForCausalLM
 
-    make_model("llama", tie_word_embeddings=False).save_pretrained(path)
+    make_model("llama", tie_word_embeddings=tied).save_pretrained(path)
     first = ["embed_tokens", "rotary_emb", "layers.0"]
     model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
     device_map = {f"model.{name}": 0 if name in first else 1
                   for name, _ in model.model.named_children() if name != "layers"}
     device_map.update({f"model.layers.{i}": 0 if i == 0 else 1 for i in range(len(model.model.layers))})
-    device_map["lm_head"] = 1
+    device_map["lm_head"] = 0 if tied else 1
     return [LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, device_map=device_map).train()
             for _ in range(2)]
 
 
 @pytest.mark.multigpu
-def test_a_model_dispatched_over_two_gpus_answers_on_its_inputs_device(tmp_path):
-    stock, fused = _dispatched(tmp_path)
-    assert fused.lm_head.weight.device == torch.device("cuda", 1)
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_model_dispatched_over_two_gpus_answers_on_its_inputs_device(tmp_path, tied):
+    stock, fused = _dispatched(tmp_path, tied)
+    assert fused.lm_head.weight.device == torch.device("cuda", 0 if tied else 1)
+    assert fused.model.norm.weight.device == torch.device("cuda", 1)
     assert fused.model.embed_tokens.weight.device == torch.device("cuda", 0)
+    assert (fused.lm_head.weight is fused.model.embed_tokens.weight) == tied
     apply_fused_loss(fused)  # its verification compares the fused log-probs with the original forward's
 
     input_ids, attention_mask, labels = (t.to("cuda:0") for t in make_batch())
