@@ -110,19 +110,27 @@ def softmax_grad(
         hidden, weight.mT, out={"D": out}, lse=lse, scale=scale, target=labels, target_logit=label_logit, tuned=False)
 
 
-_entropy_max_log2 = MaxLog2("max_log2")
-_entropy_labels = ColVecLoad("target")
+def _scaled_max_prepass(acc, scale):
+    return {"max_log2": acc * scale}
 
 
-@gemm_epilogue(
-    ops={"max_log2": _entropy_max_log2},
-    prepass=_max_prepass,
-    prepass_outs=("max_log2",),
-    # Σ E·z as a product reduce: one fused multiply-add per element, the product never rounded on its own
-    reduces={"sum_exp": ColVecReduce("sum_exp"), "sum_ez": ColVecReduce("sum_ez", scaled=True)},
-    outs={"target_logit": ColVecSelect("target_logit", idx_op=_entropy_labels)},
-    extra_ops=(_entropy_max_log2.out("max_log2_out"), _entropy_labels),
-)
+def _scaled_exp_declaration(entropy: bool, logit_scale: bool) -> dict:
+    """``gemm_epilogue``'s arguments for QuACK's scaled-exp epilogue as ``scaled_exp_target_epi`` declares it (the
+    prepass maximum, each tile's Σ E, its shift and the label logit) with each (row, tile)'s Σ E·z too (``entropy``)
+    and of the logits ``acc·scale`` (``logit_scale``: a ``scale`` scalar operand). Fresh ops for each epilogue."""
+    max_log2, labels = MaxLog2("max_log2"), ColVecLoad("target")
+    reduces = {"sum_exp": ColVecReduce("sum_exp")}
+    if entropy:  # Σ E·z as a product reduce: one fused multiply-add per element, the product never rounded on its own
+        reduces["sum_ez"] = ColVecReduce("sum_ez", scaled=True)
+    return dict(
+        ops={"max_log2": max_log2, **({"scale": Scalar("scale")} if logit_scale else {})},
+        prepass=_scaled_max_prepass if logit_scale else _max_prepass, prepass_outs=("max_log2",), reduces=reduces,
+        outs={"target_logit": ColVecSelect("target_logit", idx_op=labels)},
+        extra_ops=(max_log2.out("max_log2_out"), labels),
+    )
+
+
+@gemm_epilogue(**_scaled_exp_declaration(entropy=True, logit_scale=False))
 def scaled_exp_entropy_epi(acc, max_log2):
     """QuACK's ``scaled_exp_target_epi`` plus each (row, tile)'s Σ E·z of the fp32 logits ``z``: the entropy's
     ``Σ p·z`` from the accumulator, not from the stored bf16 values."""
@@ -130,22 +138,7 @@ def scaled_exp_entropy_epi(acc, max_log2):
     return {"D": e, "sum_exp": e, "sum_ez": (e, acc), "target_logit": acc}
 
 
-def _scaled_max_prepass(acc, scale):
-    return {"max_log2": acc * scale}
-
-
-_scaled_max_log2 = MaxLog2("max_log2")
-_scaled_labels = ColVecLoad("target")
-
-
-@gemm_epilogue(
-    ops={"max_log2": _scaled_max_log2, "scale": Scalar("scale")},
-    prepass=_scaled_max_prepass,
-    prepass_outs=("max_log2",),
-    reduces={"sum_exp": ColVecReduce("sum_exp")},
-    outs={"target_logit": ColVecSelect("target_logit", idx_op=_scaled_labels)},
-    extra_ops=(_scaled_max_log2.out("max_log2_out"), _scaled_labels),
-)
+@gemm_epilogue(**_scaled_exp_declaration(entropy=False, logit_scale=True))
 def scaled_exp_logit_scale_epi(acc, max_log2, scale):
     """QuACK's ``scaled_exp_target_epi`` of the logits ``z = acc·scale`` (a logit scale over a temperature, one
     fp32 rounding): the shifts from their maximum, the tile, sums and label logit of ``z``."""
@@ -154,18 +147,7 @@ def scaled_exp_logit_scale_epi(acc, max_log2, scale):
     return {"D": e, "sum_exp": e, "target_logit": z}
 
 
-_scaled_entropy_max_log2 = MaxLog2("max_log2")
-_scaled_entropy_labels = ColVecLoad("target")
-
-
-@gemm_epilogue(
-    ops={"max_log2": _scaled_entropy_max_log2, "scale": Scalar("scale")},
-    prepass=_scaled_max_prepass,
-    prepass_outs=("max_log2",),
-    reduces={"sum_exp": ColVecReduce("sum_exp"), "sum_ez": ColVecReduce("sum_ez", scaled=True)},
-    outs={"target_logit": ColVecSelect("target_logit", idx_op=_scaled_entropy_labels)},
-    extra_ops=(_scaled_entropy_max_log2.out("max_log2_out"), _scaled_entropy_labels),
-)
+@gemm_epilogue(**_scaled_exp_declaration(entropy=True, logit_scale=True))
 def scaled_exp_logit_scale_entropy_epi(acc, max_log2, scale):
     """:func:`scaled_exp_entropy_epi` of the logits ``z = acc·scale``."""
     z = acc * scale
