@@ -29,10 +29,12 @@ class StandIn:
         lse.copy_(torch.logsumexp(z, -1))
         label_logit.copy_(z.gather(1, y[:, None])[:, 0])
 
-    def softmax_grad(self, h, w, y, lse, scale, out, label_logit, *, round_logits=True):
-        """``scale·exp(z − lse)`` of the bf16 tile (or of the fp32 logits), the label logit where in range."""
+    def softmax_grad(self, h, w, y, lse, scale, out, label_logit, *, round_logits=True, logit_scale=1.0):
+        """``scale·exp(z − lse)`` of the bf16 tile (or of the fp32 logits, times ``logit_scale``), the label logit
+        where in range."""
+        assert logit_scale == 1.0 or not round_logits
         self.calls.append("grad" if round_logits else "grad_fp32")
-        z = h.float() @ w.float().t()  # fp32 accumulation
+        z = (h.float() @ w.float().t()) * logit_scale  # fp32 accumulation, one rounding of the scaled value
         if round_logits:
             z = z.bfloat16().float()  # one rounding, as the GPU's
         inside = (y >= 0) & (y < z.shape[1])

@@ -45,8 +45,8 @@ ENV = "HF_FUSED_FP32_LOGITS"
 #: * ``"two_passes_quack"``: the two passes' statistics and ``dz`` from QuACK's matmul epilogues where it is installed:
 #:   the statistics pass as the scaled-exp matmul with nothing stored (:func:`~.quack_bridge.scaled_exp_row_stats_`;
 #:   logits that are the matmul's times a constant: raw, a logit scale, a temperature), ``dz`` as
-#:   ``scale·exp(z − lse)`` of the accumulator (:func:`~.quack_bridge.softmax_grad`; raw logits and a gradient that
-#:   reaches the log-probs alone, else the fused matmul's epilogue), both from the fp32 accumulator
+#:   ``scale·exp(z − lse)`` of the accumulator (:func:`~.quack_bridge.softmax_grad`; the same logits, and a gradient
+#:   that reaches the log-probs alone, else the fused matmul's epilogue), both from the fp32 accumulator
 #:   like the fused matmul's in place of which they run: on; the lean cross-entropy (256 MiB) 29.6 / 118.3 / 109.6 ms
 #:   against 31.6 / 123.3 / 106.6 on the fused matmul at 8192–32768 × 2048–4096 × 128256–151936, GRPO's lean path
 #:   117.8 / 233.1 / 117.9 against 121.5 / 236.1 / 124.9 (H200, 2026-11-30, docs/performance.md).

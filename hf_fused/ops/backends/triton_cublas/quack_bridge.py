@@ -105,11 +105,13 @@ def logits_with_statistics(h: torch.Tensor, weight: torch.Tensor, labels: torch.
 
 def softmax_grad(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
                  scale: torch.Tensor, out: torch.Tensor, label_logit: torch.Tensor, *,
-                 round_logits: bool = True) -> bool:
-    """:func:`.quack_epilogues.softmax_grad` into ``out`` and ``label_logit`` (``out`` contiguous); ``False``: it
-    did not run (the caller writes the tile itself)."""
+                 round_logits: bool = True, logit_scale: float = 1.0) -> bool:
+    """:func:`.quack_epilogues.softmax_grad` into ``out`` and ``label_logit`` (``out`` contiguous; ``logit_scale``:
+    :func:`logits_scale`, with ``round_logits=False`` only); ``False``: it did not run (the caller writes the tile
+    itself)."""
+    extra = {} if logit_scale == 1.0 else {"logit_scale": logit_scale}
     return out.is_contiguous() and _run(
-        lambda q: q.softmax_grad(h, weight, labels, lse, scale, out, label_logit, round_logits=round_logits),
+        lambda q: q.softmax_grad(h, weight, labels, lse, scale, out, label_logit, round_logits=round_logits, **extra),
         h, weight, labels, lse, scale, out, label_logit)
 
 
@@ -271,10 +273,11 @@ def fuses_statistics(head: HeadInputs, h: torch.Tensor, return_entropy: bool, st
 def fuses_softmax_grad(head: HeadInputs, h: torch.Tensor, weight: torch.Tensor, has_g_lp: bool,
                        has_g_ent: bool, from_accumulator: bool = False) -> bool:
     """Whether the gradient pass can take each ``dz`` tile from QuACK's epilogue: the gradient reaches the
-    log-probs alone (no entropy gradient), no bias or logit transform, operands it :func:`runs_on`, QuACK
-    loaded; ``from_accumulator`` (``dz`` of the fp32 accumulator, after statistics taken from it): where asked for
-    (``"two_passes_quack"``, :func:`~.fp32_logits_rule.enabled`)."""
+    log-probs alone (no entropy gradient), operands it :func:`runs_on`, QuACK loaded, and raw logits (no bias or
+    logit transform); ``from_accumulator`` (``dz`` of the fp32 accumulator, after statistics taken from it): where
+    asked for (``"two_passes_quack"``, :func:`~.fp32_logits_rule.enabled`), also logits that are the matmul's times a
+    constant (:func:`logits_scale`: a logit scale, a temperature)."""
     if from_accumulator and not fp32_logits_rule.enabled("two_passes_quack", h.device):
         return False
-    return (has_g_lp and not has_g_ent and raw_logits(head) and runs_on(h, weight)
-            and load() is not None)
+    logits_ok = raw_logits(head) or (from_accumulator and logits_scale(head) is not None)
+    return has_g_lp and not has_g_ent and logits_ok and runs_on(h, weight) and load() is not None

@@ -4,7 +4,8 @@
   in the matmul's epilogue (the statistics kernel's read of the tile gone: 3–6 % less time per step).
 - :func:`softmax_grad`: the two passes' ``dz`` tile ``−g·exp(z − lse)`` and the gathered label logit, from which
   :func:`.logits_epilogues.label_grad_` sets the label column (the Triton fused-``dz`` kernel's bits, 16–22 % less
-  time per tile on an H200); of the bf16 logit, or of the fp32 accumulator where the statistics came from it.
+  time per tile on an H200); of the bf16 logit, or of the fp32 accumulator where the statistics came from it
+  (there also of ``acc·logit_scale``: :func:`fp32_scaled_softmax_grad`).
 - :func:`scaled_exp_logits`: QuACK's own scaled-exp epilogue (``quack.epilogue.scaled_exp``): the tile stored as
   ``E = bf16(2^(z·log2 e − k))`` with ``k`` the rounded maximum of each (row, ``tile_n``-column tile), each tile's
   Σ E, its ``k`` and the label logit from the fp32 accumulator (fp32-faithful statistics), and, for the entropy,
@@ -90,9 +91,21 @@ def fp32_softmax_grad(acc, lse, scale):
     return {"D": scale * pexp(acc - lse), "target_logit": acc}
 
 
+@gemm_epilogue(
+    ops={"lse": ColVecLoad("lse"), "scale": ColVecLoad("scale"), "logit_scale": Scalar("logit_scale")},
+    outs={"target_logit": ColVecSelect("target_logit", idx_op=_LABELS)},
+    extra_ops=(_LABELS,),
+)
+def fp32_scaled_softmax_grad(acc, lse, scale, logit_scale):
+    """:func:`fp32_softmax_grad` of the logits ``z = acc·logit_scale`` (a logit scale over a temperature: one fp32
+    rounding, as :func:`scaled_exp_logit_scale_epi` takes them for the statistics)."""
+    z = acc * logit_scale
+    return {"D": scale * pexp(z - lse), "target_logit": z}
+
+
 def softmax_grad(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
-    out: torch.Tensor, label_logit: torch.Tensor, *, round_logits: bool = True,
+    out: torch.Tensor, label_logit: torch.Tensor, *, round_logits: bool = True, logit_scale: float = 1.0,
 ) -> None:
     """``out = scale[:, None]·exp(z − lse[:, None])`` rounded to bf16, ``z = bf16(hidden @ weight.T)`` (with
     ``round_logits``, as cuBLAS's tile holds it) or the matmul's fp32 accumulator itself (``round_logits=False``:
@@ -105,7 +118,18 @@ def softmax_grad(
         labels: ``[M]`` int64, each row's label column relative to the slice (out of ``[0, N)``: none here).
         lse, scale: fp32 ``[M]``, contiguous (the row's log-sum-exp over the whole vocabulary; ``−∂L/∂logp``).
         out: ``[M, N]`` bf16, contiguous: written.  label_logit: fp32 ``[M]``: written where the label is inside.
-    Every tensor must start 16-byte aligned (QuACK's TMA)."""
+        logit_scale: the logits are ``z = acc·logit_scale`` (a logit scale over a sampling temperature; only with
+            ``round_logits=False``, :func:`fp32_scaled_softmax_grad`), ``lse`` and the label logit of those.
+    Every tensor must start 16-byte aligned (QuACK's TMA).
+
+    Raises:
+        ValueError: a ``logit_scale`` other than 1 with ``round_logits``."""
+    if logit_scale != 1.0:
+        if round_logits:
+            raise ValueError("softmax_grad: a logit_scale other than 1 takes the fp32 accumulator (round_logits=False)")
+        fp32_scaled_softmax_grad(hidden, weight.mT, out={"D": out}, lse=lse, scale=scale,
+                                 logit_scale=float(logit_scale), target=labels, target_logit=label_logit, tuned=False)
+        return
     (bf16_softmax_grad if round_logits else fp32_softmax_grad)(
         hidden, weight.mT, out={"D": out}, lse=lse, scale=scale, target=labels, target_logit=label_logit, tuned=False)
 
