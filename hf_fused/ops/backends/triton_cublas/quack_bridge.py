@@ -175,8 +175,9 @@ def scaled_exp_row_stats_(h: torch.Tensor, weight: torch.Tensor, labels: torch.T
     """The two passes' statistics of whole vocabulary rows from QuACK's scaled-exp matmul with nothing stored
     (:func:`scaled_exp_logits` with ``out=None``), folded by :func:`scaled_exp_statistics_` as the one pass folds
     its tiles': into ``stats`` (:data:`~.tiles.RowStats` of ``h``'s rows) the log-sum-exp as (running max, Σexp) =
-    (lse, 1), Σ p·z (with ``return_entropy``) and the label logit, which :func:`~.tiles.finish_row_stats` reads.
-    ``False``: it did not run, ``stats`` untouched (the caller computes them itself). ``scale``: :func:`logits_scale`."""
+    (lse, 1), Σ p·z (with ``return_entropy``) and the label logit, which :func:`~.tiles.finish_row_stats` reads;
+    ``scale``: :func:`logits_scale`. ``False``: it did not run, ``stats`` untouched (the caller computes them
+    itself)."""
     rows, n_tiles = h.shape[0], weight.shape[0] // tile_n
     f32 = dict(dtype=torch.float32, device=h.device)
     sum_exp, max_log2 = torch.empty((rows, n_tiles), **f32), torch.empty((rows, n_tiles), **f32)
@@ -243,8 +244,8 @@ def logits_scale(head: HeadInputs) -> Optional[float]:
 
 
 def raw_logits(head: HeadInputs) -> bool:
-    """Whether the call's logits are the matmul's own (no bias, soft-cap, temperature or logit scale): what every
-    QuACK epilogue here computes on."""
+    """Whether the call's logits are the matmul's own (no bias, soft-cap, temperature or logit scale): what the
+    QuACK epilogues of the bf16 logits compute on."""
     return head.bias is None and head.transform.is_identity
 
 

@@ -166,7 +166,7 @@ class QuackDz:
 
     def __init__(self, fallback: EpilogueDz, block_rows: int, logit_scale: float = 1.0) -> None:
         self.fallback, self.logit_scale = fallback, logit_scale
-        # the chain factor of z = acc·logit_scale folded into the per-row factor: dz = −g_lp·logit_scale·p off the label
+        # z = acc·logit_scale: its chain factor in the per-row factor, dz = −g_lp·logit_scale·p off the label
         self.g_lp = fallback.g_lp if logit_scale == 1.0 else fallback.g_lp * logit_scale
         self.neg_g_lp = self.g_lp.neg()
         self.label_logit = torch.empty(block_rows, dtype=torch.float32, device=fallback.g_lp.device)
