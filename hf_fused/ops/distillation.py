@@ -31,14 +31,13 @@ pass). Its products, per model
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Protocol, Union, runtime_checkable
 
 import torch
 
 from .backward import upstream_rows
-from .distillation_math import DISTILLATION_TILE_BUFFERS, tile_divergence
+from .distillation_math import DISTILLATION_TILE_BUFFERS, check_beta, check_temperature, tile_divergence
 from .distillation_tiles import DistillationPass, TileHead, half_products
 from .grads import HeadGrads
 from .head_inputs import HeadInputs, NeededGrads
@@ -252,21 +251,6 @@ def _token_labels(mask, labels, ignore_index: int, student_hidden: torch.Tensor)
     return torch.where(mask != 0, 0, -100), -100
 
 
-def _check_beta(beta) -> float:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (0.0 <= beta <= 1.0):
-        raise ValueError(
-            f"beta must be a number in [0, 1] (0: forward KL(teacher ‖ student), 1: reverse KL(student ‖ teacher), "
-            f"between: the generalized JSD), got {beta!r}"
-        )
-    return float(beta)
-
-
-def _check_temperature(temperature) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-        math.isfinite(temperature) and temperature > 0
-    ):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    return float(temperature)
 
 
 # -- the op --------------------------------------------------------------------------------------------------------
@@ -379,7 +363,7 @@ def linear_distillation_loss(
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if reduction == "none" and num_items_in_batch is not None:
         raise ValueError("num_items_in_batch applies to reduction='mean' or 'sum', not 'none'")
-    beta, temperature = _check_beta(beta), _check_temperature(temperature)
+    beta, temperature = check_beta(beta), check_temperature(temperature)
     token_labels, ignore_index = _token_labels(mask, labels, ignore_index, student_hidden)
     student = _prepare("student", student_hidden, student_weight, token_labels, student_bias,
                        ignore_index=ignore_index, temperature=temperature, softcap=student_softcap,

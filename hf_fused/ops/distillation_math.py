@@ -50,6 +50,31 @@ DISTILLATION_TILE_BUFFERS = 6
 _DOT_COLS = 4096
 
 
+def check_beta(beta) -> float:
+    """``beta`` as a float, the divergence's mixing weight (the formulas above).
+
+    Raises:
+        ValueError: ``beta`` not a number in [0, 1] (a bool included)."""
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (0.0 <= beta <= 1.0):
+        raise ValueError(
+            f"beta must be a number in [0, 1] (0: forward KL(teacher ‖ student), 1: reverse KL(student ‖ teacher), "
+            f"between: the generalized JSD), got {beta!r}"
+        )
+    return float(beta)
+
+
+def check_temperature(temperature) -> float:
+    """``temperature`` as a float, the shared temperature ``T`` both models' logits are divided by.
+
+    Raises:
+        ValueError: ``temperature`` not a finite number > 0 (a bool included)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+        math.isfinite(temperature) and temperature > 0
+    ):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    return float(temperature)
+
+
 class TileDivergence(NamedTuple):
     """What :func:`tile_divergence` computes for ``r`` rows: ``divergence`` and student ``entropy`` fp32 ``[r]``;
     ``grad`` the fp32 ``[r, V]`` ``∂divergence/∂z_s`` (module docstring), or ``None`` when not asked."""

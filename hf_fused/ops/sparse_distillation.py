@@ -6,11 +6,11 @@ with TRL 1.16's semantics: the divergence as a per-token function of the student
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple, Optional, Union
 
 import torch
 
+from .distillation_math import check_beta, check_temperature
 from .logit_transform import LogitTransform
 from .support_loss import support_loss_call
 
@@ -115,20 +115,6 @@ def sparse_divergence(logprobs: torch.Tensor, entropy: Optional[torch.Tensor], *
 # -- checks --------------------------------------------------------------------------------------------------------
 
 
-def _check_beta(beta) -> float:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (0.0 <= beta <= 1.0):
-        raise ValueError(
-            f"beta must be a number in [0, 1] (0: forward KL(teacher ‖ student), 1: reverse KL(student ‖ teacher), "
-            f"between: the generalized JSD), got {beta!r}"
-        )
-    return float(beta)
-
-
-def _check_temperature(temperature) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-        math.isfinite(temperature) and temperature > 0
-    ):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
 
 def _teacher_logprobs(teacher_logprobs, support_ids) -> torch.Tensor:
@@ -261,9 +247,9 @@ def sparse_distillation_loss(
         raise ValueError("num_teachers is given without teacher_index; pass both (multi-teacher) or neither")
     if teacher_index is not None and num_teachers is None:
         raise ValueError("teacher_index needs num_teachers, the number of teachers of the run")
-    beta = _check_beta(beta)
+    beta = check_beta(beta)
     if transform is None:
-        _check_temperature(temperature)
+        check_temperature(temperature)
     teacher = _teacher_logprobs(teacher_logprobs, support_ids)
     # The teacher's distribution on the support, once for all rows (a per-token constant of the loss). A support_mask
     # that linear_support_loss will refuse leaves it None: the op raises before the loss runs.
