@@ -32,6 +32,24 @@ def upstream_rows(grad: Optional[torch.Tensor], rows: torch.Tensor) -> Optional[
     return None if grad is None else grad.float().index_select(0, rows)
 
 
+def stored_grads(ctx, op: str, recomputes: bool = True) -> HeadGrads:
+    """The gradients a one-pass forward stored in ``ctx.grads``, handed over once: ``ctx.grads`` is cleared, so
+    that they are freed as soon as the caller is done with them.
+
+    Args:
+        ctx: the autograd Function's context.  op: the public op's name, for the error.
+        recomputes: whether the op has a ``reduction='none'`` that recomputes (named in the error as the way out).
+
+    Raises:
+        RuntimeError: a second backward through the same forward (``retain_graph=True``)."""
+    if ctx.grads is None:
+        way_out = " (or use reduction='none', which recomputes)" if recomputes else ""
+        raise RuntimeError(f"{op} computed its gradients in the forward and handed them to backward once; to "
+                           f"backpropagate twice, call {op} again{way_out}.")
+    grads, ctx.grads = ctx.grads, None
+    return grads
+
+
 def recompute_grads(backend: Backend, head: HeadInputs, lse, ent_rows, g_lp, g_h, need: NeededGrads):
     """The recompute backward of the per-token outputs: ``(grads, rows)`` from upstream ``g_lp`` / ``g_h``
     (fp32 ``[M]`` over ``head.rows``, either may be ``None``), with autocast off. Rows whose upstream gradients

@@ -7,6 +7,7 @@ from typing import Optional, Union
 
 import torch
 
+from .backward import stored_grads
 from .head_inputs import HeadInputs, NeededGrads
 from .logit_transform import LogitTransform
 from .logprobs import logprobs_outputs
@@ -72,13 +73,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if not need.any:
             return None, None, None, d_row_weights, None
         if lse is None:  # one pass: the gradients were computed in the forward
-            if ctx.grads is None:
-                raise RuntimeError(
-                    "linear_cross_entropy computed its gradients in the forward and handed them to backward once; "
-                    "to backpropagate twice, call linear_cross_entropy again (or use reduction='none', which "
-                    "recomputes)."
-                )
-            grads, ctx.grads = ctx.grads, None  # free the stored gradients as soon as they are handed over
+            grads = stored_grads(ctx, "linear_cross_entropy")
         else:
             with autocast_off(given.hidden.device.type):
                 g_lp = _grad_logprobs(grad_scale, factor, row_weights, given.rows)

@@ -36,7 +36,7 @@ from typing import NamedTuple, Optional, Protocol, Union, runtime_checkable
 
 import torch
 
-from .backward import upstream_rows
+from .backward import stored_grads, upstream_rows
 from .distillation_math import DISTILLATION_TILE_BUFFERS, check_beta, check_temperature, tile_divergence
 from .distillation_tiles import DistillationPass, TileHead, half_products
 from .grads import HeadGrads
@@ -195,13 +195,7 @@ class LinearDistillationFunction(torch.autograd.Function):
             return None, None, None, None
         call = ctx.call
         if call is None:  # one pass: the gradients were computed in the forward
-            if ctx.grads is None:
-                raise RuntimeError(
-                    "linear_distillation_loss computed its gradients in the forward and handed them to backward "
-                    "once; to backpropagate twice, call linear_distillation_loss again (or use reduction='none', "
-                    "which recomputes)."
-                )
-            grads, ctx.grads = ctx.grads, None  # freed as soon as they are handed over
+            grads = stored_grads(ctx, "linear_distillation_loss")
             # an fp32 tensor on the device: no host sync, and the factor is never rounded to bf16
             factor = grad_loss.detach().to(torch.float32)
         else:  # "none": each token's upstream gradient, folded into a recompute of the tiles

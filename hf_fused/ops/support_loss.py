@@ -10,7 +10,7 @@ from typing import Callable, Mapping, NamedTuple, Optional, Protocol, runtime_ch
 
 import torch
 
-from .backward import upstream_rows
+from .backward import stored_grads, upstream_rows
 from .grads import HeadGrads
 from .head_inputs import HeadInputs, NeededGrads
 from .logit_transform import LogitTransform
@@ -324,12 +324,7 @@ class LinearSupportLossFunction(torch.autograd.Function):
             return None, None, None, None
         call = ctx.call
         if call is None:  # one pass: the gradients were computed in the forward
-            if ctx.grads is None:
-                raise RuntimeError(
-                    "linear_support_loss computed its gradients in the forward and handed them to backward once; to "
-                    "backpropagate twice, call linear_support_loss again (or use reduction='none', which recomputes)."
-                )
-            grads, ctx.grads = ctx.grads, None  # freed as soon as they are handed over
+            grads = stored_grads(ctx, "linear_support_loss")
             factor = grad_loss.detach().to(torch.float32)  # on the device: no host sync, never rounded to bf16
         else:  # "none": each token's upstream gradient, folded into a recompute of the tiles
             up = upstream_rows(grad_loss, rows).unsqueeze(1)

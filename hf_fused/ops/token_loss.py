@@ -8,7 +8,7 @@ from typing import Mapping, NamedTuple, Optional
 
 import torch
 
-from .backward import recompute_grads
+from .backward import recompute_grads, stored_grads
 from .head_inputs import HeadInputs, NeededGrads
 from .hints import TokenLossHint, pad_hint  # noqa: F401  (their import path before hints.py existed)
 from .logit_transform import LogitTransform
@@ -89,12 +89,7 @@ class LinearTokenLossFunction(torch.autograd.Function):
         factor = grad_loss.detach().to(torch.float32)
         rows = given.rows
         if lse is None:  # one pass: the gradients were computed in the forward
-            if ctx.grads is None:
-                raise RuntimeError(
-                    "linear_token_loss computed its gradients in the forward and handed them to backward once; "
-                    "to backpropagate twice, call linear_token_loss again."
-                )
-            grads, ctx.grads = ctx.grads, None
+            grads = stored_grads(ctx, "linear_token_loss", recomputes=False)
         else:
             if ctx.row_grads is None:
                 raise RuntimeError("linear_token_loss: backward ran twice; call linear_token_loss again.")
