@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from hf_fused.ops import linear_cross_entropy, linear_logprobs  # noqa: E402
-from hf_fused.ops.backends.triton_cublas import fp32_logits_rule, plan, quack_bridge  # noqa: E402
+from hf_fused.ops.backends.triton_cublas import fp32_logits_rule, logits_epilogues, plan, quack_bridge  # noqa: E402
 from quack_stand_in import (  # noqa: E402
     assert_turned_off_once, quack_fixture, trained_head_inputs, without_quack as _without_quack,
 )
@@ -192,11 +192,15 @@ def test_a_statistics_launch_that_fails_falls_back_with_one_warning(quack, monke
 
 def test_without_fp32_statistics_nothing_changes(quack):
     """With the fp32 statistics off, the statistics pass reads cuBLAS's bf16 tiles as before (no scaled-exp launch;
-    ``dz`` of the bf16 logits where QuACK takes it)."""
+    ``dz`` of the bf16 logits where QuACK takes it: raw logits only, a temperature keeps the Triton kernels)."""
     hidden, weight, labels = _inputs(5)
-    with fp32_logits_rule.forced(False):
+    with fp32_logits_rule.forced(False), logits_epilogues.forced(True):  # the bf16 dz epilogues as on a Hopper GPU
         _logprobs_pass(hidden, weight, labels, torch.ones(labels.shape))
-    assert not any(call.endswith("stats") or call == "grad_fp32" for call in quack.calls)
+        assert not any(call.endswith("stats") or call == "grad_fp32" for call in quack.calls)
+        assert "grad" in quack.calls
+        quack.calls.clear()
+        _logprobs_pass(hidden, weight, labels, torch.ones(labels.shape), temperature=0.7)
+    assert quack.calls == []
 
 
 def _hopper(n, h, v, seed=0):
