@@ -109,9 +109,9 @@ def softmax_grad(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ls
     """:func:`.quack_epilogues.softmax_grad` into ``out`` and ``label_logit`` (``out`` contiguous; ``logit_scale``:
     :func:`logits_scale`, with ``round_logits=False`` only); ``False``: it did not run (the caller writes the tile
     itself)."""
-    extra = {} if logit_scale == 1.0 else {"logit_scale": logit_scale}
     return out.is_contiguous() and _run(
-        lambda q: q.softmax_grad(h, weight, labels, lse, scale, out, label_logit, round_logits=round_logits, **extra),
+        lambda q: q.softmax_grad(h, weight, labels, lse, scale, out, label_logit, round_logits=round_logits,
+                                 logit_scale=logit_scale),
         h, weight, labels, lse, scale, out, label_logit)
 
 

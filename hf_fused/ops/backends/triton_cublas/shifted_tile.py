@@ -171,10 +171,9 @@ def shifted_gradient_(tile: torch.Tensor, offsets: torch.Tensor, block: int, lse
     """``tile [rows, V]`` (written shifted: :func:`logits_chunk_`, :func:`~.fused_matmul.logits_statistics_`) ←
     ``dz = ∂L/∂raw``: with ``z = tile + offsets`` the transformed logits (``log_tile``: ``z = log(tile) + offsets``,
     the tile a stored ``exp(z − offset)``: QuACK's scaled-exp matmul, :func:`~.quack_bridge.scaled_exp_tile_n`),
-    ``log p = z − lse``,
-    ``∂L/∂z = g_lp·(1[c = label] − p) − g_ent·p·(log p + H)``, then × 1/temperature, × (1 − tanh²) for the soft-cap,
-    × logit_scale (:func:`~.triton_kernels.logit_grad`), rounded once to the tile's dtype. Without ``labels`` no
-    column is the label's (the support pass sets its candidate columns afterwards,
+    ``log p = z − lse``, ``∂L/∂z = g_lp·(1[c = label] − p) − g_ent·p·(log p + H)``, then × 1/temperature,
+    × (1 − tanh²) for the soft-cap, × logit_scale (:func:`~.triton_kernels.logit_grad`), rounded once to the tile's
+    dtype. Without ``labels`` no column is the label's (the support pass sets its candidate columns afterwards,
     :func:`~.support_kernels.scatter_support_grad_`); with them, the label column's ``z`` is ``label_logit``, the
     fp32 logit itself.
 

@@ -68,10 +68,11 @@ def run_fp32_statistics_pass(head: HeadInputs, return_entropy: bool, statistics:
     stats = new_row_stats(m_rows, weight.device, statistics)
     scalars = kernel_scalars(head.transform, bias)
     tile_n = quack_bridge.scaled_exp_tile_n(head, h if buf is None else buf, statistics, "two_passes_quack")
+    scale = quack_bridge.logits_scale(head) if tile_n else 1.0
     for r0, r1, h_rows in row_blocks(head, plan, h, buf):
         block = row_slice(stats, r0, r1)
         if tile_n is None or not quack_bridge.scaled_exp_row_stats_(h_rows, weight, y[r0:r1], block, tile_n,
-                                                                    return_entropy, quack_bridge.logits_scale(head)):
+                                                                    return_entropy, scale):
             fused_matmul.logits_statistics_(h_rows, weight, y[r0:r1], block, scalars, return_entropy=return_entropy,
                                             bias=bias)
     logp, entropy, lse, token_stats = finish_row_stats(stats, y, vocab_size, return_entropy, statistics)
