@@ -443,6 +443,51 @@ def test_shifted_gradient_matches_float64(transform, tile_dtype, with_entropy):
 
 
 @interpreted
+@pytest.mark.parametrize("block", [64, 192], ids=["blocks-of-64", "blocks-of-192"])
+@pytest.mark.parametrize("transform", [{}, {"temperature": 0.7, "logit_scale": 0.5}], ids=["raw", "scaled"])
+def test_an_exponential_tiles_gradient_needs_no_logarithm(transform, block):
+    """:func:`shifted_gradient_` on a tile of exponentials ``E = exp(z − offset)`` (QuACK's scaled-exp matmul: a
+    power-of-two shift per row and block) without an entropy gradient or soft-cap takes ``p = E·exp(offset − lse)``
+    (one exponential per run of columns, no logarithm): each element the general kernel's (``log E + offset``, read
+    through ``g_ent = 0``) or its bf16 neighbour, and within its own rounding plus the stored ``E``'s (``2⁻⁸·|dz|``
+    each) of float64's ``g·(1[label] − p)·∂z/∂raw`` (the label's ``p`` from its fp32 logit, a row without a label
+    column, a row of zero weight)."""
+    from hf_fused.ops.logit_transform import LogitTransform
+    from hf_fused.ops.backends.triton_cublas.shifted_tile import shifted_gradient_
+    from hf_fused.ops.backends.triton_cublas.tiles import kernel_scalars
+
+    rows, v = 5, 3 * block
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(rows, v, generator=g) * 4  # the transformed logits, as the matmul's epilogue forms them
+    z[:, 5] += 12  # a likely token
+    ln2 = torch.log(torch.tensor(2.0))
+    offsets = torch.round(z.view(rows, -1, block).amax(-1) / ln2) * ln2
+    tile = (z - offsets.repeat_interleave(block, 1)).exp().to(torch.bfloat16)
+    lse = torch.logsumexp(z.double(), -1)
+    labels = torch.tensor([5, 0, v - 1, -100, 17])
+    g_lp = torch.randn(rows, generator=g)
+    g_lp[4] = 0.0
+    label_logit = z.gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    scalars = kernel_scalars(LogitTransform(**transform), None)
+    fast, general = tile.clone(), tile.clone()
+    shifted_gradient_(fast, offsets, block, lse.float(), lse.float(), g_lp, None, scalars, labels=labels,
+                      label_logit=label_logit, log_tile=True)
+    shifted_gradient_(general, offsets, block, lse.float(), lse.float(), g_lp, torch.zeros(rows), scalars,
+                      labels=labels, label_logit=label_logit, log_tile=True)
+    # two roundings of fp32 values a few ulps apart land on the same bf16 value or on neighbours (2⁻⁷·|x| apart at most)
+    one_ulp = 2.0**-7 * general.double().abs() + 1e-30
+    assert ((fast.double() - general.double()).abs() <= one_ulp).all()
+    assert (fast == general).float().mean() > 0.99
+    chain = 1 / transform.get("temperature", 1.0) * transform.get("logit_scale", 1.0)
+    p = (z.double() - lse[:, None]).exp()
+    is_label = torch.arange(v)[None, :] == labels[:, None]
+    dz64 = g_lp.double()[:, None] * (is_label.double() - p) * chain
+    stored = 2.0**-8 * (g_lp.double()[:, None] * p * chain).abs()
+    assert ((fast.double() - dz64).abs() <= 2.0**-8 * dz64.abs() + stored + 1e-12).all()
+    assert (fast[4] == 0).all() and not (fast[:4] == 0).all()
+
+
+@interpreted
 @pytest.mark.parametrize("cols", [16, 40], ids=["chunks-of-16", "chunks-of-40-blocks-of-8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_chunked_pass_matches_float64(dtype, cols):

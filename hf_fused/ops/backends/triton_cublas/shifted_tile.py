@@ -36,6 +36,8 @@ from .triton_kernels import apply_transform, logit_grad
 
 #: Columns of a block with one shift (and of one step of :func:`logits_chunk_`'s loop): 8 per thread of 4 warps.
 BLOCK_V, CHUNK_WARPS = 1024, 4
+#: Columns of an exponential tile read with one shift (every shift block is a multiple: 64 to 256 columns).
+_EXP_RUN = 8
 #: Below every finite fp32 value: the masked columns' value in a block's maximum.
 _NO_MAX = tl.constexpr(-3.4028234663852886e38)
 
@@ -126,6 +128,31 @@ def _shifted_grad_kernel(
         _store(t_row + cols, dz, mask, ROUND)
 
 
+@triton.jit
+def _exp_tile_grad_kernel(
+    T, stride_t, Off, stride_off, n_cols, LSE, G_LP, Labels, ZY, chain,
+    LABEL: tl.constexpr, ROUND: tl.constexpr, BLOCK_V: tl.constexpr, OFF_BLOCK: tl.constexpr, VEC: tl.constexpr,
+):
+    # _shifted_grad_kernel's LOG_TILE case without entropy gradient or soft-cap, where p = E·exp(offset − lse) needs
+    # no logarithm: one exp per VEC columns (a run within one shift's block) instead of a log and an exp per column
+    row = tl.program_id(0).to(tl.int64)
+    t_row, off_row = T + row * stride_t, Off + row * stride_off
+    lse, g = tl.load(LSE + row), tl.load(G_LP + row) * chain
+    label, dz_label = -1, 0.0
+    if LABEL:  # the label's p from its fp32 logit
+        label = tl.load(Labels + row)
+        dz_label = g * (1.0 - tl.exp(tl.load(ZY + row) - lse))
+    for start in range(0, n_cols, BLOCK_V):
+        runs = start + tl.arange(0, BLOCK_V // VEC) * VEC
+        factor = -g * tl.exp(tl.load(off_row + runs // OFF_BLOCK, mask=runs < n_cols, other=0.0) - lse)
+        cols = runs[:, None] + tl.arange(0, VEC)[None, :]
+        mask = cols < n_cols
+        dz = tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32) * factor[:, None]
+        if LABEL:
+            dz = tl.where(cols == label, dz_label, dz)
+        _store(t_row + cols, dz, mask, ROUND)
+
+
 def chunk_block(cols: int, vocab_size: int) -> int:
     """The shifts' block for vocabulary chunks of ``cols`` columns: ``BLOCK_V``, or, where the vocabulary has several
     chunks, the largest power of two dividing ``cols`` if that is smaller (chunks start on block boundaries)."""
@@ -184,13 +211,25 @@ def shifted_gradient_(tile: torch.Tensor, offsets: torch.Tensor, block: int, lse
         labels: int64 ``[rows]`` (any value outside ``[0, V)``: no label column) or None.
         label_logit: fp32 ``[rows]``, the transformed label logits (read where the label is a column), with
             ``labels``.
-        log_tile: the tile holds ``exp(z − offsets)`` (a 0 there is a probability below fp32's range: no gradient).
+        log_tile: the tile holds ``exp(z − offsets)`` (a 0 there is a probability below fp32's range: no gradient);
+            without ``g_ent`` or a soft-cap ``p = tile·exp(offsets − lse)``, one exponential per run of columns and
+            no logarithm (the same fp32 value up to its last bits).
     """
     rows, vocab_size = tile.shape
     if rows == 0:
         return
     if (labels is None) != (label_logit is None):
         raise ValueError("shifted_gradient_: labels and label_logit come together; pass both or neither")
+    if log_tile and g_ent is None and not scalars["SOFTCAP"] and block % _EXP_RUN == 0:
+        chain = scalars["inv_temperature"] * scalars["logit_scale"] if scalars["SCALED"] else 1.0
+        with kernel_device(tile):
+            _exp_tile_grad_kernel[(rows,)](
+                tile, tile.stride(0), offsets, offsets.stride(0), vocab_size, lse, g_lp,
+                lse if labels is None else labels, lse if label_logit is None else label_logit, chain,
+                LABEL=labels is not None, ROUND=int(rounds_to_bf16(tile)), BLOCK_V=GRAD_BLOCK_V, OFF_BLOCK=block,
+                VEC=_EXP_RUN, num_warps=GRAD_WARPS,
+            )
+        return
     with kernel_device(tile):
         _shifted_grad_kernel[(rows,)](
             tile, tile.stride(0), offsets, offsets.stride(0), vocab_size, lse, ent, g_lp,
