@@ -94,10 +94,32 @@ def test_a_launch_that_fails_falls_back_with_one_warning(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["one_pass", "lean", "two_passes_logprobs"])
+@pytest.mark.parametrize("k, n", [(1000, 1024), (2048, 4096), (3000, 1024), (3000, 4096)])
+def test_each_tile_configuration_on_gpu_adds_an_fp32_matmul(k, n):
+    """:func:`~hf_fused.ops.backends.triton_cublas.quack_epilogues.matmul_f32` under each of its configurations (the
+    ping-pong kernel for a short ``K``, ``192`` or ``128`` rows per tile by ``N``; the cooperative one beyond): written,
+    then added to, it holds float64's ``a @ b`` (twice) to fp32 accumulation's error, on a transposed ``a`` as the
+    one pass passes ``dzᵀ``."""
+    pytest.importorskip("quack")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("QuACK's SM90 matmul needs a GPU of compute capability 9.x")
+    quack = quack_bridge.load()
+    assert quack is not None, f"QuACK did not load: {quack_bridge.last_error()}"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(k, 1152, device="cuda", generator=g).to(torch.bfloat16).t()
+    b = torch.randn(k, n, device="cuda", generator=g).to(torch.bfloat16)
+    out = torch.empty(1152, n, device="cuda")
+    quack.matmul_f32(a, b, out, accumulate=False)
+    quack.matmul_f32(a, b, out, accumulate=True)
+    exact = 2 * (a.double() @ b.double())
+    assert ((out.double() - exact).norm() / exact.norm()).item() <= 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["one_pass", "one_pass_h4096", "lean", "two_passes_logprobs"])
 def test_quacks_matmul_on_gpu_matches_cublas(monkeypatch, case):
-    """On a Hopper GPU with QuACK: the one pass's cross-entropy, the lean two passes' (64 MiB, several row blocks)
-    and the default two passes' log-probs with QuACK's fp32 accumulations against the same calls on cuBLAS
+    """On a Hopper GPU with QuACK: the one pass's cross-entropy (H 1024 and 4096: both ping-pong tiles), the lean two
+    passes' (64 MiB, several row blocks) and the default two passes' log-probs with QuACK's fp32 accumulations against the same calls on cuBLAS
     (``MATMUL_F32`` off): the same loss (its statistics do not depend on them), gradients within 2⁻⁸ of each other in
     norm (the same fp32 sums in another order, then one rounding to bf16) and no further from float64 (1 % of their
     distance)."""
@@ -105,7 +127,8 @@ def test_quacks_matmul_on_gpu_matches_cublas(monkeypatch, case):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("QuACK's SM90 matmul needs a GPU of compute capability 9.x")
     monkeypatch.delenv(fp32_logits_rule.ENV, raising=False)
-    hidden, weight, labels = (t.cuda() for t in _inputs(3, n=4096, h=1024, v=151936))
+    hidden, weight, labels = (t.cuda() for t in _inputs(3, n=4096, h=4096 if case == "one_pass_h4096" else 1024,
+                                                          v=151936))
     # the lean case in 1024-row blocks of 8192 columns: each chunk's weight gradient added up over four blocks
     plans = dict(one_pass=False, two_pass=LeanPlan(1024, 8192, False, 0)) if case == "lean" else {}
 

@@ -14,7 +14,7 @@
   statistics pass: the partials alone. Logits that are the matmul's times a constant (a logit scale, a sampling
   temperature) take hf_fused's variants of both, of ``acc·scale`` (:func:`scaled_exp_logit_scale_epi`).
 - :func:`matmul_f32`: QuACK's fp32-output matmul, adding into an fp32 accumulator through TMA reduce-add stores
-  (the weight gradient's accumulation over tiles).
+  (the weight gradient's accumulation over tiles; ping-pong for a short reduction, :func:`matmul_f32_config`).
 
 The first two round the fp32 accumulator to bf16 first (unless told not to), as the matmul's store does, so every
 statistic is that of the rounded tile (docs/design/numerics.md, "Epilogues"). This module imports QuACK and the CuTe
@@ -229,5 +229,21 @@ def matmul_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, accumulat
         b: ``[K, N]`` bf16, row-major, ``N`` a multiple of 8.
         out: ``[M, N]`` fp32, contiguous: written, or added to.
     """
-    identity_epi.gemm(a, b.mT, out, epi_args={}, add_to_output=accumulate, tile_M=128,
-                      tile_N=192 if b.shape[1] % 192 == 0 else 256, tile_K=64, cluster_M=1, cluster_N=2)
+    identity_epi.gemm(a, b.mT, out, epi_args={}, add_to_output=accumulate, tile_K=64, **matmul_f32_config(*b.shape))
+
+
+def matmul_f32_config(k: int, n: int) -> dict:
+    """:func:`matmul_f32`'s tiles for ``K`` and ``N``: QuACK's linear cross-entropy's (cooperative ``128 × 256``, or
+    ``× 192`` where it divides ``N``), but for a ``K`` of at most :data:`PINGPONG_MAX_K` (the one pass's ``dW`` over
+    one tile of rows) the ping-pong kernel, whose epilogue (the fp32 reduce-add store) runs while the other
+    warpgroup multiplies: at ``K`` 1966, ``[75968, 2048]`` 0.833 ms against 0.934 cooperative (``192 × 128``), at ``K``
+    2048, ``[64128, 4096]`` 1.543 against 1.566 (``128 × 128``), the same sums (docs/performance.md, H200,
+    2026-11-30)."""
+    if k <= PINGPONG_MAX_K:
+        return dict(tile_M=192 if n <= 2048 else 128, tile_N=128, cluster_M=1, cluster_N=2, pingpong=True)
+    return dict(tile_M=128, tile_N=192 if n % 192 == 0 else 256, cluster_M=1, cluster_N=2)
+
+
+#: The longest reduction for which :func:`matmul_f32` takes the ping-pong kernel (measured up to 2048; a longer
+#: ``K`` spends relatively less in the epilogue that it hides).
+PINGPONG_MAX_K = 2048
