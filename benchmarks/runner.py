@@ -69,7 +69,7 @@ def matmul_dtype(cfg: RunConfig) -> torch.dtype:
     return cfg.autocast if cfg.autocast is not None else cfg.dtype
 
 
-def _step(peer: Peer, problem: Problem, inp: Inputs, autocast: Optional[torch.dtype] = None):
+def run_step(peer: Peer, problem: Problem, inp: Inputs, autocast: Optional[torch.dtype] = None):
     """One forward+backward (under ``torch.autocast(dtype=autocast)`` when given, as ``Trainer(bf16=True)`` runs a
     step); returns detached (loss, logps, entropy)."""
     device_type = inp.weight.device.type
@@ -131,7 +131,7 @@ def run_pair(peer: Peer, problem: Problem, inp: Inputs, ref: Optional[Reference]
             return rec
     rec["has_entropy"] = problem.kind == "grpo" and peer.has_entropy and peer.with_entropy
     phase = "warm-up"
-    step = lambda: _step(peer, problem, inp, cfg.autocast)  # noqa: E731
+    step = lambda: run_step(peer, problem, inp, cfg.autocast)  # noqa: E731
     try:
         for t in (inp.hidden, inp.weight):  # the warm-up accumulates into .grad buffers, as the timed steps do
             t.grad = torch.zeros_like(t)
