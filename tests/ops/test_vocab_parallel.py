@@ -348,6 +348,40 @@ def test_ties_across_slices_keep_the_first_maximum():
         assert_rank_matches(rank_result, ref, chunk_bounds(12, 4)[r], f"statistics, rank {r}")
 
 
+#: A vocabulary wide enough that fp32's rounding of the shifted sum shows (a mean 1e-5, a maximum 40).
+V_WIDE = 3000
+
+
+def test_mean_logits_near_zero_beside_a_large_maximum():
+    """A row of 3000 logits whose largest is 40 and whose mean is near 0 (what a DPO step logs as ``logits/chosen``, no
+    transform): over 3 ranks ``mean_logits`` is within fp32's rounding of the logits themselves (``4·eps·mean|z|``)
+    of float64's mean, as the unsharded op is: summed from the logits, not from their distances to the maximum,
+    whose fp32 sum carries the maximum's rounding into a mean it cancels down to."""
+    hidden, weight, bias, labels = make_inputs(V_WIDE, seed=6)
+    row = hidden[0, 2]
+    others = torch.arange(V_WIDE) != 3
+    bias[3] = 40.0 - float(row @ weight[3])
+    bias[others] -= float((row @ weight[others].t() + bias[others]).sum() + 40.0 - 0.03) / (V_WIDE - 1)
+    z = dense_logits(hidden.double(), weight.double(), bias.double())[0, 2]
+    exact = float(z.mean())
+    assert z.max() > 39 and abs(exact) < 0.01
+    bounds = chunk_bounds(V_WIDE, 3)
+
+    def call(group=None, shard=(0, V_WIDE)):
+        start, stop = shard
+        kw = dict(tile_budget_bytes=budget_for(4, V_WIDE // 3 + 1))
+        if group is not None:
+            kw["vocab_parallel"] = VocabShard(start, stop, group)
+        stats = linear_token_statistics(hidden, weight[start:stop], labels, bias[start:stop], **kw)
+        return float(stats["mean_logits"][0, 2])
+
+    bound = 4 * torch.finfo(torch.float32).eps * float(z.abs().mean())
+    assert abs(call() - exact) <= bound
+    got, _ = run_ranks(3, lambda r, group: call(group, bounds[r]))
+    for value in got:
+        assert abs(value - exact) <= bound, (value, exact)
+
+
 def test_empty_shard_and_any_rank_order():
     """A vocabulary smaller than ranks × ceil-width leaves the last rank no rows (9 over 4: 3/3/3/0), and shards
     may be held in any rank order (here rank 0 holds the top rows): the results are the same."""
