@@ -11,6 +11,8 @@ import torch
 from hf_fused.ops.backends.triton_cublas import fp32_logits_rule, quack_bridge
 
 LOG2E = 1.0 / math.log(2.0)
+#: quack_epilogues.SHIFT_WINDOW (that module imports QuACK, which CPU machines lack)
+SHIFT_WINDOW = 64
 
 
 class StandIn:
@@ -42,14 +44,15 @@ class StandIn:
         out.copy_(scale[:, None] * torch.exp(z - lse[:, None]))
 
     def scaled_exp_logits(self, h, w, y, out, *, sum_exp, max_log2, label_logit, tile_n, sum_ez=None, scale=1.0):
-        """quack/epilogue/scaled_exp.py's: fp32 accumulation of the bf16 operands, ``k = rne(tile max·log2 e)``, the
-        fp32 Σ of the values (and, for the entropy, of their products with the logits), the stored tile rounded to
-        nearest bf16 once."""
+        """quack/epilogue/scaled_exp.py's with the shifts' window: fp32 accumulation of the bf16 operands, ``k =
+        rne(tile max·log2 e)`` less its clamp to ``±SHIFT_WINDOW`` (0 inside), the fp32 Σ of the values (and, for
+        the entropy, of their products with the logits), the stored tile rounded to nearest bf16 once."""
         self.calls.append(("scaled" if sum_ez is None else "scaled+entropy") + (" stats" if out is None else ""))
         z = (h.float() @ w.float().t()) * scale  # one fp32 rounding of the scaled accumulator (none at 1)
         rows, v = z.shape
         tiles = z.view(rows, v // tile_n, tile_n)
         k = torch.round(tiles.amax(-1) * LOG2E)  # round half to even, as QuACK's roundeven
+        k -= k.clamp(-SHIFT_WINDOW, SHIFT_WINDOW)  # quack_epilogues.WindowedMaxLog2
         e = torch.exp2(tiles * LOG2E - k[..., None])
         sum_exp.copy_(e.sum(-1))
         if sum_ez is not None:

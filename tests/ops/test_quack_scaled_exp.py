@@ -142,6 +142,34 @@ def test_cross_entropy_from_the_scaled_tile_is_an_fp32_heads(quack, monkeypatch)
         assert _error(got, want) < 2.0**-8  # the gradients' own bf16 rounding is 2⁻⁹ relative at most
 
 
+@pytest.mark.parametrize("spread", [1.0, 16.0], ids=["in-the-window", "rows-beyond-it"])
+def test_the_one_pass_takes_the_tile_scaled_per_row(quack, monkeypatch, spread):
+    """With a loss of the log-probs alone the one pass never writes ``dz``: it takes the exponential tile scaled per
+    row (one_pass.FACTORED_EXP_TILE, :func:`~.shifted_tile.exp_tile_row_factors_`), for rows whose logits stay
+    within the shifts' window (one shift, 0) and for rows with logits of ±150 nats (every third row: tiles shifted
+    apart, rescaled to one). The loss is the gradient kernel's path's to the bit (the same statistics), the
+    gradients as close to float64 as that path's: the hidden gradient within 10 % (the same rounding of the stored
+    values, no rounding of ``dz``), the weight gradient within 1.5x (``s·h`` rounded to bf16 instead of ``dz``)."""
+    from hf_fused.ops.backends.triton_cublas import one_pass, shifted_tile
+
+    hidden, weight, labels = _inputs(7)
+    with torch.no_grad():
+        hidden[::3] *= spread
+    calls = []
+    real = shifted_tile.exp_tile_row_factors_
+    monkeypatch.setattr(shifted_tile, "exp_tile_row_factors_", lambda *a: calls.append(1) or real(*a))
+    factored = _ce(hidden, weight, labels)
+    assert calls and quack.calls == ["scaled"]
+    monkeypatch.setattr(one_pass, "FACTORED_EXP_TILE", False)
+    kernel = _ce(hidden, weight, labels)
+    assert len(calls) == 1
+    exact = _float64_reference(hidden, weight, labels)
+    assert torch.equal(factored[0], kernel[0])
+    for got, theirs, want, ratio in zip(factored[1:], kernel[1:], exact[3:], (1.1, 1.5)):
+        assert _error(got, want) < 2.0**-8
+        assert _error(got, want) < ratio * _error(theirs, want), (_error(got, want), _error(theirs, want))
+
+
 def _grpo_pass(hidden, weight, labels, hint, loss_of, temperature=1.0):
     lp, ent = linear_logprobs(hidden, weight, labels, return_entropy=True, grad_hint=hint, backend="triton",
                               tile_budget_bytes=2**30, temperature=temperature)

@@ -33,6 +33,12 @@ from .scaled_round import mul_into
 from .tiles import finish_row_stats, gradient_tile, kernel_scalars, new_row_stats, row_slice, statistics_tile
 
 
+#: Whether an exponential tile's gradients are taken row-scaled (:func:`~.shifted_tile.exp_tile_row_factors_`: no
+#: pass writes ``dz``) where the loss has no entropy gradient and the logits no soft-cap and no bias; else the
+#: gradient kernel turns the tile into ``dz`` first.
+FACTORED_EXP_TILE = True
+
+
 class Fp32WeightAccumulator:
     """An fp32 ``[V, H]`` buffer (``"fp32"`` for a gradient that is not 2-byte; ``"none"``: an fp32 gradient, which
     the buffer is): each tile's ``dzᵀ·h`` added by :func:`~.quack_bridge.matmul_f32_` (QuACK's matmul where it runs,
@@ -196,7 +202,10 @@ class TileGradients:
     None)`` on the tile's rows, the gradient kernel turning the same tile into ``dz`` (a shifted tile's,
     :func:`~.shifted_tile.shifted_gradient_`, where it comes with its shifts; or, with ``recompute``, the logits
     matmul again with ``dz`` from its fp32 accumulator, :func:`~.logits_epilogues.logits_grad_`), then ``dh``
-    (complete within the tile), the weight accumulator's ``dW`` (:func:`weight_accumulator`) and the bias's."""
+    (complete within the tile), the weight accumulator's ``dW`` (:func:`weight_accumulator`) and the bias's. An
+    exponential tile (QuACK's scaled-exp matmul) under a loss of the log-probs alone is not turned into ``dz``: it
+    becomes ``dz``'s row-scaled form (:func:`~.shifted_tile.exp_tile_row_factors_`, :data:`FACTORED_EXP_TILE`),
+    the row scale applied to ``dh`` after its matmul and to ``h`` before ``dW``'s."""
 
     def __init__(self, head: HeadInputs, plan: OnePassPlan, need: NeededGrads, tile_grads: TileGrads,
                  grads: HeadGrads, scalars: dict, return_entropy: bool, entropy_in_grads: bool,
@@ -223,12 +232,18 @@ class TileGradients:
         ent = lse - run_zp / run_sum if self.entropy_in_grads and self.return_entropy and not fused else None
         g_lp, g_ent = self.tile_grads(r0, r1, label_logit - lse, ent)
         lse = lse if tile_lse is None else tile_lse
+        row_scale = None  # dz = row_scale[:, None]·tile where the tile is left as it is
         if self.recompute:
             zeros = torch.zeros_like(lse)
             logits_epilogues.logits_grad_(
                 h, self.weight, dz, y, lse, zeros if ent is None else ent, g_lp.float().contiguous(),
                 zeros if g_ent is None else g_ent.float().contiguous(), has_g_lp=True, has_g_ent=g_ent is not None,
                 col_offset=0, bias=self.bias, scalars=self.scalars, round_logits=False)
+        elif (log_tile and g_ent is None and not self.scalars["SOFTCAP"] and self.grads.bias is None
+              and FACTORED_EXP_TILE):
+            # dz = s·E is never written: dh = s·(E @ W) and dW += Eᵀ·(s·h) (s·h rounded once to the operands' dtype)
+            row_scale = shifted_tile.exp_tile_row_factors_(dz, offsets, dz.shape[1] // offsets.shape[1], lse, g_lp,
+                                                           self.scalars, y, label_logit)
         elif offsets is not None:
             block = dz.shape[1] // offsets.shape[1] if log_tile else fused_matmul.shift_columns(dz.device)
             shifted_tile.shifted_gradient_(dz, offsets, block, lse, lse if ent is None else ent, g_lp, g_ent,
@@ -240,8 +255,10 @@ class TileGradients:
                           sum_pz=run_zp if self.return_entropy and fused else None)
         if self.d_hidden is not None:  # each row's dh is complete within its tile
             mm_f32_(self.d_hidden[r0:r1], dz, self.weight)
+            if row_scale is not None:
+                self.d_hidden[r0:r1].mul_(row_scale[:, None])
         if self.d_weight is not None:
-            self.d_weight.add(r0, dz, h)
+            self.d_weight.add(r0, dz, h if row_scale is None else torch.mul(h, row_scale[:, None]).to(h.dtype))
         if self.grads.bias is not None:
             self.grads.bias += dz.float().sum(0)
 

@@ -6,11 +6,13 @@
   :func:`.logits_epilogues.label_grad_` sets the label column (the Triton fused-``dz`` kernel's bits, 16–22 % less
   time per tile on an H200); of the bf16 logit, or of the fp32 accumulator where the statistics came from it
   (there also of ``acc·logit_scale``: :func:`fp32_scaled_softmax_grad`).
-- :func:`scaled_exp_logits`: QuACK's own scaled-exp epilogue (``quack.epilogue.scaled_exp``): the tile stored as
-  ``E = bf16(2^(z·log2 e − k))`` with ``k`` the rounded maximum of each (row, ``tile_n``-column tile), each tile's
-  Σ E, its ``k`` and the label logit from the fp32 accumulator (fp32-faithful statistics), and, for the entropy,
-  hf_fused's variant of it that also reduces each tile's Σ E·z (:func:`scaled_exp_entropy_epi`);
-  :func:`~.shifted_tile.shifted_gradient_` turns ``E`` into ``dz``. Without a tile to store, the two passes'
+- :func:`scaled_exp_logits`: QuACK's scaled-exp epilogue (``quack.epilogue.scaled_exp``) with a window on its
+  shifts: the tile stored as ``E = bf16(2^(z·log2 e − k))`` with ``k`` the rounded maximum of each (row,
+  ``tile_n``-column tile) outside ``±SHIFT_WINDOW`` and 0 inside (:class:`WindowedMaxLog2`), each tile's Σ E, its
+  ``k`` and the label logit from the fp32 accumulator (fp32-faithful statistics), and, for the entropy, a variant
+  that also reduces each tile's Σ E·z (:func:`scaled_exp_entropy_epi`); the one pass takes ``dz`` as ``E`` scaled
+  per row (:func:`~.shifted_tile.exp_tile_row_factors_`: one shift per row, which the window gives every row whose
+  logits lie within ±44 nats) or :func:`~.shifted_tile.shifted_gradient_` turns ``E`` into ``dz``. Without a tile to store, the two passes'
   statistics pass: the partials alone. Logits that are the matmul's times a constant (a logit scale, a sampling
   temperature) take hf_fused's variants of both, of ``acc·scale`` (:func:`scaled_exp_logit_scale_epi`).
 - :func:`matmul_f32`: QuACK's fp32-output matmul, adding into an fp32 accumulator through TMA reduce-add stores
@@ -28,13 +30,14 @@ from __future__ import annotations
 from typing import Optional
 
 import cutlass
+import cutlass.cute as cute
 import torch
 from cutlass import Float32
 from quack.epilogue.frontend import gemm_epilogue
 from quack.epilogue.library import identity_epi
 from quack.epilogue.math import pexp, pexp2
 from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, Scalar
-from quack.epilogue.scaled_exp import LOG2E, MaxLog2, _max_prepass, scaled_exp_target_epi
+from quack.epilogue.scaled_exp import LOG2E, MaxLog2, _max_prepass
 
 _LABELS = ColVecLoad("target")
 
@@ -134,15 +137,36 @@ def softmax_grad(
         hidden, weight.mT, out={"D": out}, lse=lse, scale=scale, target=labels, target_logit=label_logit, tuned=False)
 
 
+#: The shifts' window, in powers of two: a column tile whose rounded maximum ``k`` (in log2 units) lies in
+#: ``[−SHIFT_WINDOW, SHIFT_WINDOW]`` (logits within ±44 nats) is stored unshifted, ``exp(z)``; one outside it is
+#: shifted by ``k ∓ SHIFT_WINDOW``, so no stored value passes ``2^(SHIFT_WINDOW + 1/2)`` and none in a tile above the
+#: window's floor underflows unless ``2^−62`` below its maximum. A row whose tiles are all inside has one shift, 0,
+#: and its gradient is the tile scaled per row (:func:`~.shifted_tile.exp_tile_row_factors_`).
+SHIFT_WINDOW = 64
+
+
+class WindowedMaxLog2(MaxLog2):
+    """QuACK's ``MaxLog2`` (``k = rne(max·log2 e)`` per row and column tile) with the shifts' window:
+    ``k − clamp(k, −SHIFT_WINDOW, SHIFT_WINDOW)``, for the stored values and the written ``k`` alike."""
+
+    def config_key(self):
+        return (self.round_to_int, SHIFT_WINDOW)
+
+    @cute.jit
+    def stat_value(self, total, group_cols):
+        k = cute.math.roundeven(total * Float32(LOG2E))
+        return k - cute.arch.fmin(cute.arch.fmax(k, Float32(-SHIFT_WINDOW)), Float32(SHIFT_WINDOW))
+
+
 def _scaled_max_prepass(acc, scale):
     return {"max_log2": acc * scale}
 
 
 def _scaled_exp_declaration(entropy: bool, logit_scale: bool) -> dict:
     """``gemm_epilogue``'s arguments for QuACK's scaled-exp epilogue as ``scaled_exp_target_epi`` declares it (the
-    prepass maximum, each tile's Σ E, its shift and the label logit) with each (row, tile)'s Σ E·z too (``entropy``)
+    prepass maximum, windowed: :class:`WindowedMaxLog2`; each tile's Σ E, its shift and the label logit) with each (row, tile)'s Σ E·z too (``entropy``)
     and of the logits ``acc·scale`` (``logit_scale``: a ``scale`` scalar operand). Fresh ops for each epilogue."""
-    max_log2, labels = MaxLog2("max_log2"), ColVecLoad("target")
+    max_log2, labels = WindowedMaxLog2("max_log2"), ColVecLoad("target")
     reduces = {"sum_exp": ColVecReduce("sum_exp")}
     if entropy:  # Σ E·z as a product reduce: one fused multiply-add per element, the product never rounded on its own
         reduces["sum_ez"] = ColVecReduce("sum_ez", scaled=True)
@@ -152,6 +176,14 @@ def _scaled_exp_declaration(entropy: bool, logit_scale: bool) -> dict:
         outs={"target_logit": ColVecSelect("target_logit", idx_op=labels)},
         extra_ops=(max_log2.out("max_log2_out"), labels),
     )
+
+
+@gemm_epilogue(**_scaled_exp_declaration(entropy=False, logit_scale=False))
+def scaled_exp_epi(acc, max_log2):
+    """QuACK's ``scaled_exp_target_epi`` with the shifts' window (:class:`WindowedMaxLog2`): the tile ``E``, each
+    (row, tile)'s Σ E and shift, the label logit, from the fp32 accumulator."""
+    e = pexp2(acc * LOG2E - max_log2)
+    return {"D": e, "sum_exp": e, "target_logit": acc}
 
 
 @gemm_epilogue(**_scaled_exp_declaration(entropy=True, logit_scale=False))
@@ -184,10 +216,11 @@ def scaled_exp_logits(
     sum_exp: torch.Tensor, max_log2: torch.Tensor, label_logit: torch.Tensor, tile_n: int,
     sum_ez: Optional[torch.Tensor] = None, scale: float = 1.0,
 ) -> None:
-    """QuACK's scaled-exp logits matmul (``scaled_exp_target_epi``, launched as QuACK's own linear cross-entropy
-    launches it): with ``z = hidden @ weight.T`` in fp32 and ``k[r, t] = rne(log2 e · max of z[r, t·tile_n :
-    (t + 1)·tile_n])``, ``out[r, c] = bf16(2^(z[r, c]·log2 e − k[r, c // tile_n]))``, ``sum_exp[r, t]`` the fp32 Σ of
-    the tile's values before rounding, ``max_log2 = k``, ``label_logit[r] = z[r, labels[r]]``.
+    """QuACK's scaled-exp logits matmul (``scaled_exp_target_epi`` with the shifts' window, launched as QuACK's own
+    linear cross-entropy launches it): with ``z = hidden @ weight.T`` in fp32, ``m[r, t] = rne(log2 e · max of z[r,
+    t·tile_n : (t + 1)·tile_n])`` and ``k = m − clamp(m, −SHIFT_WINDOW, SHIFT_WINDOW)``, ``out[r, c] =
+    bf16(2^(z[r, c]·log2 e − k[r, c // tile_n]))``, ``sum_exp[r, t]`` the fp32 Σ of the tile's values before
+    rounding, ``max_log2 = k``, ``label_logit[r] = z[r, labels[r]]``.
 
     Args:
         hidden: ``[M, H]`` bf16, contiguous, ``H`` a multiple of 8.  weight: ``[V, H]`` bf16, contiguous.
@@ -206,7 +239,7 @@ def scaled_exp_logits(
     if sum_ez is not None:
         epi_args["sum_ez"] = sum_ez
     if scale == 1.0:
-        epilogue = scaled_exp_target_epi if sum_ez is None else scaled_exp_entropy_epi
+        epilogue = scaled_exp_epi if sum_ez is None else scaled_exp_entropy_epi
     else:
         epilogue = scaled_exp_logit_scale_epi if sum_ez is None else scaled_exp_logit_scale_entropy_epi
         epi_args["scale"] = float(scale)

@@ -153,6 +153,90 @@ def _exp_tile_grad_kernel(
         _store(t_row + cols, dz, mask, ROUND)
 
 
+@triton.jit
+def _exp_tile_row_factors_kernel(
+    T, stride_t, Off, stride_off, n_cols, n_blocks, LSE, G_LP, Labels, ZY, S, chain,
+    ROUND: tl.constexpr, OFF_BLOCK: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    t_row, off_row = T + row * stride_t, Off + row * stride_off
+    m = _NO_MAX
+    for start in range(0, n_blocks, BLOCK_T):
+        b = start + tl.arange(0, BLOCK_T)
+        m = tl.maximum(m, tl.max(tl.load(off_row + b, mask=b < n_blocks, other=_NO_MAX), axis=0))
+    # blocks shifted less than the row's largest shift: rescaled to it by exact powers of two (none where every
+    # block of the row kept its logits unshifted, as the windowed shifts do for logits within ±44 nats)
+    for start in range(0, n_blocks, BLOCK_T):
+        b = start + tl.arange(0, BLOCK_T)
+        below = tl.sum((tl.load(off_row + b, mask=b < n_blocks, other=m) < m).to(tl.int32), axis=0)
+        if below > 0:
+            for j in range(0, BLOCK_T):
+                blk = start + j
+                if blk < n_blocks:
+                    off = tl.load(off_row + blk)
+                    if off < m:
+                        k = tl.floor((off - m) * 1.4426950408889634 + 0.5).to(tl.int32)  # an integer in exact math
+                        factor = ((tl.maximum(k, -126) + 127) << 23).to(tl.float32, bitcast=True)
+                        factor = tl.where(k < -126, 0.0, factor)  # below fp32's normal range of the row's maximum
+                        cols = blk * OFF_BLOCK + tl.arange(0, BLOCK_COLS)
+                        mask = tl.arange(0, BLOCK_COLS) < OFF_BLOCK
+                        e = tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32)
+                        _store(t_row + cols, e * factor, mask, ROUND)
+                        tl.store(off_row + blk, m)
+    g = tl.load(G_LP + row) * chain
+    lse = tl.load(LSE + row)
+    s = -g * tl.exp(m - lse)
+    tl.store(S + row, s)
+    label = tl.load(Labels + row)
+    dz_label = g * (1.0 - tl.exp(tl.load(ZY + row) - lse))  # the label's p from its fp32 logit
+    # every warp's rescaled values stored before the label's column is overwritten
+    tl.debug_barrier()
+    inside = (label >= 0) & (label < n_cols)
+    _store(t_row + tl.where(inside, label, 0), tl.where(s != 0.0, dz_label / tl.where(s != 0.0, s, 1.0), 0.0),
+           inside, ROUND)
+
+
+def exp_tile_row_factors_(tile: torch.Tensor, offsets: torch.Tensor, block: int, lse: torch.Tensor,
+                          g_lp: torch.Tensor, scalars: dict, labels: torch.Tensor,
+                          label_logit: torch.Tensor) -> torch.Tensor:
+    """Make an exponential tile (``tile = exp(z − offsets)``, QuACK's scaled-exp matmul) a row-scaled logits
+    gradient: afterwards ``dz = s[:, None]·tile`` (returned ``s``, fp32 ``[rows]``), so the hidden gradient is
+    ``s·(tile @ W)`` and the weight gradient's update ``tileᵀ·(s·h)``: no pass over the tile writes ``dz``.
+
+    Per row, with ``m`` its largest shift: blocks shifted less are rescaled to ``m`` by exact powers of two (and
+    their ``offsets`` set to ``m``: the tile stays an exponential tile); ``s = −g·exp(m − lse)`` (``g`` =
+    ``g_lp`` times the transform's chain factor: :func:`shifted_gradient_`'s ``∂L/∂z = g·(1[c = label] − p)``
+    with ``p = tile·exp(m − lse)``); the label's column set to ``g·(1 − exp(label_logit − lse)) / s`` (its ``p`` from
+    the fp32 logit; 0 where ``s`` is), rounded to the tile's dtype as ``dz`` would be. For a loss of the log-probs
+    alone (no entropy gradient) and no soft-cap: ``shifted_gradient_``'s ``log_tile`` case otherwise.
+
+    Args:
+        tile: ``[rows, V]``, unit column stride, written.  offsets: fp32 ``[rows, V // block]``, written.
+        block: the columns of one shift.  lse, g_lp, label_logit: fp32 ``[rows]``.  labels: int64 ``[rows]`` (a
+            value outside ``[0, V)``: no label column).  scalars: :func:`~.tiles.kernel_scalars` (no soft-cap).
+
+    Raises:
+        ValueError: a soft-cap in ``scalars``, or ``block`` not dividing ``V``.
+    """
+    rows, vocab_size = tile.shape
+    if scalars["SOFTCAP"]:
+        raise ValueError("exp_tile_row_factors_: a soft-cap's derivative is per logit, not per row")
+    if vocab_size != block * offsets.shape[1]:
+        raise ValueError(f"exp_tile_row_factors_: {offsets.shape[1]} blocks of {block} columns are not V = {vocab_size}")
+    s = torch.empty(rows, dtype=torch.float32, device=tile.device)
+    if rows == 0:
+        return s
+    chain = scalars["inv_temperature"] * scalars["logit_scale"] if scalars["SCALED"] else 1.0
+    n_blocks = offsets.shape[1]
+    with kernel_device(tile):
+        _exp_tile_row_factors_kernel[(rows,)](
+            tile, tile.stride(0), offsets, offsets.stride(0), vocab_size, n_blocks, lse, g_lp, labels, label_logit,
+            s, chain, ROUND=int(rounds_to_bf16(tile)), OFF_BLOCK=block, BLOCK_COLS=triton.next_power_of_2(block),
+            BLOCK_T=min(2048, triton.next_power_of_2(n_blocks)), num_warps=4,
+        )
+    return s
+
+
 def chunk_block(cols: int, vocab_size: int) -> int:
     """The shifts' block for vocabulary chunks of ``cols`` columns: ``BLOCK_V``, or, where the vocabulary has several
     chunks, the largest power of two dividing ``cols`` if that is smaller (chunks start on block boundaries)."""
@@ -240,4 +324,4 @@ def shifted_gradient_(tile: torch.Tensor, offsets: torch.Tensor, block: int, lse
         )
 
 
-__all__ = ["BLOCK_V", "chunk_block", "logits_chunk_", "shifted_gradient_"]
+__all__ = ["BLOCK_V", "chunk_block", "exp_tile_row_factors_", "logits_chunk_", "shifted_gradient_"]
