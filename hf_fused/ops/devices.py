@@ -1,10 +1,13 @@
 """The current CUDA device around the ops' kernel launches: Triton launches a kernel on the current device, not on
 its tensors' (cuBLAS and PyTorch's own kernels follow the tensors), so a call whose tensors sit on another GPU than
-the current one (lm_head of a model dispatched over several GPUs) makes their GPU current first."""
+the current one (lm_head of a model dispatched over several GPUs) makes their GPU current first. And a GPU's fixed
+properties, read once per process: the kernel choices of every call ask for them after the call's host sync, while
+the GPU waits, and ``torch.cuda.get_device_capability`` reads the whole property struct at each call)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -14,4 +17,14 @@ def kernel_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-__all__ = ["kernel_device"]
+def capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability ``(major, minor)`` of a CUDA ``device`` (``cuda`` alone: the current one)."""
+    return _capability(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+__all__ = ["capability", "kernel_device"]

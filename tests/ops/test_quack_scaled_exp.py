@@ -304,32 +304,43 @@ def _hopper_inputs(n, h, v, seed=0):
                                          (2048, 128256, 0.5)])
 def test_the_kernel_on_gpu_is_the_stand_ins(n, v, scale):
     """QuACK's kernel against the stand-in on the same operands (rows not a multiple of its 128-row tile; the
-    128- and 192-column tiles; raw logits, a temperature of 0.7, a logit scale of 0.5): the same shifts, the stored
-    values within one bf16 step, the sums and the label logits to fp32 summation order; with nothing stored, the
-    same partials."""
+    128- and 192-column tiles; raw logits, a temperature of 0.7, a logit scale of 0.5; every fifth row's logits
+    beyond the shifts' window): the same shifts (0 within the window), the stored values within one bf16 step, the
+    sums and the label logits to fp32 summation order; with nothing stored, the same partials."""
     hidden, weight, labels = _hopper_inputs(n, 1024, v)
+    hidden = hidden.detach().clone()
+    hidden[::5] *= 16  # logits of ±200 nats: tiles shifted outside the window
     y = labels.clamp_min(0)
     tile_n = quack_bridge.tile_n_for(v)
     outs = [(torch.empty(n, v, dtype=torch.bfloat16, device="cuda"),
              *(torch.empty(n, v // tile_n, device="cuda") for _ in range(2)), torch.empty(n, device="cuda"))
             for _ in range(2)]
-    assert quack_bridge.scaled_exp_logits(hidden.detach(), weight.detach(), y, *outs[0], tile_n, scale=scale), \
+    assert quack_bridge.scaled_exp_logits(hidden, weight.detach(), y, *outs[0], tile_n, scale=scale), \
         quack_bridge.last_error()
-    StandIn().scaled_exp_logits(hidden.detach(), weight.detach(), y, outs[1][0], sum_exp=outs[1][1],
+    StandIn().scaled_exp_logits(hidden, weight.detach(), y, outs[1][0], sum_exp=outs[1][1],
                                  max_log2=outs[1][2], label_logit=outs[1][3], tile_n=tile_n, scale=scale)
     (e, s, k, zy), (e_ref, s_ref, k_ref, zy_ref) = outs
+    assert (k_ref == 0).float().mean() > 0.7 and (k_ref != 0).any()  # both sides of the window
     partials = [torch.empty_like(t) for t in outs[0][1:]]
-    assert quack_bridge.scaled_exp_logits(hidden.detach(), weight.detach(), y, None, *partials, tile_n, scale=scale)
+    assert quack_bridge.scaled_exp_logits(hidden, weight.detach(), y, None, *partials, tile_n, scale=scale)
     for stored, alone in zip((s, k, zy), partials):
         assert torch.equal(stored, alone)  # the same epilogue without its store
     # k rounds tile max · log2 e: a max within fp32 summation order of a half-integer may round the other way
     assert (k != k_ref).float().mean() < 1e-3
     same = (k == k_ref).repeat_interleave(tile_n, dim=1)
     # one bf16 step (2⁻⁷ relative at most): QuACK's exp2 is the hardware's approximation, a value near a rounding
-    # boundary may round the other way
-    torch.testing.assert_close(e.float()[same], e_ref.float()[same], rtol=2.0**-7, atol=0)
-    torch.testing.assert_close(s[k == k_ref], s_ref[k == k_ref], rtol=1e-4, atol=0)
-    torch.testing.assert_close(zy, zy_ref, rtol=0, atol=1e-4)
+    # boundary may round the other way; below bf16's normal range (2⁻¹²⁶: an unshifted logit under −87 nats, a
+    # probability under e⁻⁴³ beside a tile maximum inside the window) the hardware's exp2 flushes to 0 where the
+    # stand-in keeps a subnormal
+    torch.testing.assert_close(e.float()[same], e_ref.float()[same], rtol=2.0**-7, atol=2.0**-126)
+    # the sums and label logits to fp32 summation order of the logits: their difference grows with the logits, 16x on
+    # the rows scaled by 16 (3.4e-4 relative in the sums there, H200, 2026-11-30)
+    spread = torch.ones(n, 1, device="cuda")
+    spread[::5] = 16
+    plain = (k == k_ref) & (spread == 1)
+    torch.testing.assert_close(s[plain], s_ref[plain], rtol=1e-4, atol=0)
+    torch.testing.assert_close(s[k == k_ref], s_ref[k == k_ref], rtol=16e-4, atol=0)
+    torch.testing.assert_close(zy / spread[:, 0], zy_ref / spread[:, 0], rtol=0, atol=1e-4)
 
 
 @pytest.mark.gpu

@@ -502,7 +502,7 @@ def test_an_exponential_tile_scaled_per_row_is_its_gradient(transform, block):
     Rows: in the window; every block above it; one block above it; every block below it; a row without a label
     column; a row of zero weight; then a trained head's."""
     from hf_fused.ops.logit_transform import LogitTransform
-    from hf_fused.ops.backends.triton_cublas.shifted_tile import exp_tile_row_factors_, shifted_gradient_
+    from hf_fused.ops.backends.triton_cublas.shifted_tile import exp_tile_row_factors_, scaled_rows_, shifted_gradient_
     from hf_fused.ops.backends.triton_cublas.tiles import kernel_scalars
 
     rows, v, h = 64, 4 * block, 32  # six rows of special cases, the rest a trained head's
@@ -544,7 +544,9 @@ def test_an_exponential_tile_scaled_per_row_is_its_gradient(transform, block):
     hidden, weight = torch.randn(rows, h, generator=g).bfloat16(), torch.randn(v, h, generator=g).bfloat16()
     dh64, dw64 = dz64 @ weight.double(), dz64.T @ hidden.double()
     dh = s[:, None] * (tile.float() @ weight.float())
-    dw = tile.float().T @ (hidden.float() * s[:, None]).bfloat16().float()
+    scaled = scaled_rows_(torch.empty_like(hidden), hidden, s)
+    assert torch.equal(scaled, (hidden.float() * s[:, None]).bfloat16())  # one fp32 product, rounded to nearest
+    dw = tile.float().T @ scaled.float()
     # against the kernel's dz: dh carries the same rounding of E (its dz's own rounding gone, within 10 %); dW the
     # rounding of s·h to bf16 where the kernel rounds dz (1.03-1.29x the kernel's error in these cases)
     for got, kernel, want, ratio in ((dh, general.float() @ weight.float(), dh64, 1.1),

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...devices import kernel_device
+from ...devices import capability, kernel_device
 from .matmul import (
     LARGE, GemmConfig, default_config, halves, multiprocessors, round_bf16, tile_order, tma_operand, tma_tile_product,
     to_fp32,
@@ -371,7 +371,7 @@ def _tma_unmet(hi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: GemmC
     ``a`` or ``b`` fails :func:`~.matmul.tma_operand`."""
     if config.tma is False:
         return "config.tma is False"
-    if hi.is_cuda and torch.cuda.get_device_capability(hi.device) < (9, 0):
+    if hi.is_cuda and capability(hi.device) < (9, 0):
         return f"{torch.cuda.get_device_name(hi.device)} is not a Hopper (sm_90) or later GPU"
     for t, name in ((a, "a"), (b, "b")):
         reason = tma_operand(t)

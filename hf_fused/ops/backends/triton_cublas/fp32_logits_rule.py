@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from ...devices import capability
 from .matmul import tma_operand
 
 #: The environment variable that turns the fp32 statistics on (``1``) or off (``0``) for the process, in every
@@ -135,7 +136,7 @@ def runs_on(weight: torch.Tensor, schedule: str = "two_passes") -> bool:
     if not enabled(schedule, weight.device) or weight.dim() != 2:
         return False
     if weight.is_cuda:
-        if weight.dtype != torch.bfloat16 or torch.cuda.get_device_capability(weight.device) < (9, 0):
+        if weight.dtype != torch.bfloat16 or capability(weight.device) < (9, 0):
             return False
     elif weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return False

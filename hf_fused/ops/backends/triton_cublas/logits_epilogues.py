@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...devices import kernel_device
+from ...devices import capability, kernel_device
 from .matmul import GemmConfig, halves, multiprocessors, round_bf16, tile_order, tma_operand, tma_tile_product
 from .triton_kernels import apply_transform, logit_grad
 
@@ -60,7 +60,7 @@ def applies(h: torch.Tensor, weight: torch.Tensor, tile: torch.Tensor) -> bool:
     if enabled is None:
         if not (weight.is_cuda and weight.dtype == torch.bfloat16):
             return False
-        if torch.cuda.get_device_capability(weight.device) < (9, 0):
+        if capability(weight.device) < (9, 0):
             return False
     elif weight.dtype not in (torch.bfloat16, torch.float32) or (weight.is_cuda and weight.dtype != torch.bfloat16):
         return False

@@ -214,6 +214,7 @@ class TileGradients:
         self.weight, self.bias, self.scalars, self.grads, self.tile_grads = weight, bias, scalars, grads, tile_grads
         self.return_entropy, self.entropy_in_grads, self.recompute = return_entropy, entropy_in_grads, recompute
         self.d_weight = weight_accumulator(plan, head, need, grads)
+        self.scaled_h: Optional[torch.Tensor] = None  # s·h of a row-scaled tile's rows (FACTORED_EXP_TILE)
         self.d_hidden = (torch.empty((head.rows.numel(), weight.shape[1]), dtype=torch.float32, device=weight.device)
                          if need.hidden else None)
         if need.bias and bias is not None:
@@ -258,7 +259,11 @@ class TileGradients:
             if row_scale is not None:
                 self.d_hidden[r0:r1].mul_(row_scale[:, None])
         if self.d_weight is not None:
-            self.d_weight.add(r0, dz, h if row_scale is None else torch.mul(h, row_scale[:, None]).to(h.dtype))
+            if row_scale is not None:
+                if self.scaled_h is None or self.scaled_h.shape[0] < h.shape[0]:  # one buffer for the call's tiles
+                    self.scaled_h = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+                h = shifted_tile.scaled_rows_(self.scaled_h[: h.shape[0]], h, row_scale)
+            self.d_weight.add(r0, dz, h)
         if self.grads.bias is not None:
             self.grads.bias += dz.float().sum(0)
 

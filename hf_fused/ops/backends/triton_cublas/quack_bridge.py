@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ...devices import capability
 from ...head_inputs import HeadInputs
 from . import fp32_logits_rule
 from .matmul import addmm_f32_, mm_f32_, tma_operand
@@ -167,7 +168,7 @@ def runs_matmul_f32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool
     of 8), an fp32 contiguous ``out``."""
     return (out.dtype == torch.float32 and out.is_contiguous() and a.dtype == b.dtype == torch.bfloat16
             and a.is_cuda and b.shape[1] % 8 == 0 and b.stride(1) == 1 and tma_operand(a) is None
-            and tma_operand(b) is None and torch.cuda.get_device_capability(a.device)[0] == 9)
+            and tma_operand(b) is None and capability(a.device)[0] == 9)
 
 
 def scaled_exp_row_stats_(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, stats: tuple,
@@ -228,7 +229,7 @@ def scaled_exp_row_bytes(head: HeadInputs) -> int:
     weight = head.weight
     tile_n = tile_n_for(weight.shape[0])
     if (tile_n is None or logits_scale(head) is None or not weight.is_cuda
-            or head.operand_dtype != torch.bfloat16 or torch.cuda.get_device_capability(weight.device)[0] != 9
+            or head.operand_dtype != torch.bfloat16 or capability(weight.device)[0] != 9
             or not installed()):
         return 0
     return 4 * 4 * (weight.shape[0] // tile_n)
@@ -260,7 +261,7 @@ def runs_on(h: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether QuACK's SM90 GEMM can take these operands: bf16 on a GPU of compute capability 9.x, contiguous,
     rows of 16-byte multiples (its TMA loads)."""
     return (h.is_cuda and h.dtype == weight.dtype == torch.bfloat16 and h.is_contiguous() and weight.is_contiguous()
-            and h.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0 and torch.cuda.get_device_capability(h.device)[0] == 9)
+            and h.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0 and capability(h.device)[0] == 9)
 
 
 def fuses_statistics(head: HeadInputs, h: torch.Tensor, return_entropy: bool, statistics: Sequence[str]) -> bool:

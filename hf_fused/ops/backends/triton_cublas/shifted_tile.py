@@ -237,6 +237,34 @@ def exp_tile_row_factors_(tile: torch.Tensor, offsets: torch.Tensor, block: int,
     return s
 
 
+@triton.jit
+def _scaled_rows_kernel(X, stride_x, S, OUT, stride_out, n_cols, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(S + row)
+    _store(OUT + row * stride_out + cols, x, mask, ROUND)
+
+
+def scaled_rows_(out: torch.Tensor, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``out ← x · s[:, None]``, each product in fp32 rounded once to ``out``'s dtype (no fp32 copy of ``x``: the
+    weight gradient's ``s·h`` beside :func:`exp_tile_row_factors_`); returns ``out``.
+
+    Args:
+        out: ``[rows, H]``, unit column stride, written.  x: ``[rows, H]``.  s: fp32 ``[rows]``.
+    """
+    rows, n_cols = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if rows and n_cols:
+        block = min(1024, triton.next_power_of_2(n_cols))
+        with kernel_device(x):
+            _scaled_rows_kernel[(rows, triton.cdiv(n_cols, block))](
+                x, x.stride(0), s, out, out.stride(0), n_cols, ROUND=int(rounds_to_bf16(out)), BLOCK=block,
+                num_warps=4,
+            )
+    return out
+
+
 def chunk_block(cols: int, vocab_size: int) -> int:
     """The shifts' block for vocabulary chunks of ``cols`` columns: ``BLOCK_V``, or, where the vocabulary has several
     chunks, the largest power of two dividing ``cols`` if that is smaller (chunks start on block boundaries)."""
@@ -324,4 +352,4 @@ def shifted_gradient_(tile: torch.Tensor, offsets: torch.Tensor, block: int, lse
         )
 
 
-__all__ = ["BLOCK_V", "chunk_block", "exp_tile_row_factors_", "logits_chunk_", "shifted_gradient_"]
+__all__ = ["BLOCK_V", "chunk_block", "exp_tile_row_factors_", "logits_chunk_", "scaled_rows_", "shifted_gradient_"]
