@@ -19,7 +19,9 @@ from quack_stand_in import (  # noqa: E402
 )
 
 
-def _inputs(seed=0, n=72, h=64, v=4352):
+def _inputs(seed=0, n=40, h=64, v=2176):
+    """On CPU: 33 kept rows (several row blocks of 16 or 32) and 2176 columns (1024-column chunks, then the halving's
+    "gradient" and "tile" ones), small enough for Triton's interpreter; the checks compare bits with bits."""
     return trained_head_inputs(seed, n, h, v, requires_grad=False)
 
 

@@ -27,6 +27,13 @@ def _inputs(seed=0, n=72, h=64, v=4352):
     return trained_head_inputs(seed, n, h, v)
 
 
+def _small_inputs(seed):
+    """Fewer rows and half the vocabulary of :func:`_inputs`, still two passes of two gradient tiles under ``LEAN``: for
+    the tests that compare which launches ran, or bits with bits, where the size of the sums does not matter (the
+    interpreter's time grows with it)."""
+    return _inputs(seed, n=40, v=2176)
+
+
 def _float64(hidden, weight, labels, upstream, entropy_weight=0.0, temperature=1.0):
     """``Σ upstream·logp + entropy_weight·Σ entropy`` over the kept rows in float64 from the bf16 operands (the
     logits divided by ``temperature``): ``(logp, entropy, dX, dW)``."""
@@ -183,7 +190,7 @@ def test_the_plan_says_where_quack_takes_the_two_passes(quack, monkeypatch):
 def test_a_statistics_launch_that_fails_falls_back_with_one_warning(quack, monkeypatch):
     """A scaled-exp launch that raises turns QuACK off for the process (one warning) and the pass goes on with the
     fused matmul: the results are those of a process without QuACK, bit for bit."""
-    hidden, weight, labels = _inputs(4)
+    hidden, weight, labels = _small_inputs(4)
     upstream = torch.ones(labels.shape)
     plain = _without_quack(monkeypatch, lambda: _logprobs_pass(hidden, weight, labels, upstream))
     assert_turned_off_once(monkeypatch, "scaled_exp_logits",
@@ -193,7 +200,7 @@ def test_a_statistics_launch_that_fails_falls_back_with_one_warning(quack, monke
 def test_without_fp32_statistics_nothing_changes(quack):
     """With the fp32 statistics off, the statistics pass reads cuBLAS's bf16 tiles as before (no scaled-exp launch;
     ``dz`` of the bf16 logits where QuACK takes it: raw logits only, a temperature keeps the Triton kernels)."""
-    hidden, weight, labels = _inputs(5)
+    hidden, weight, labels = _small_inputs(5)
     with fp32_logits_rule.forced(False), logits_epilogues.forced(True):  # the bf16 dz epilogues as on a Hopper GPU
         _logprobs_pass(hidden, weight, labels, torch.ones(labels.shape))
         assert not any(call.endswith("stats") or call == "grad_fp32" for call in quack.calls)
