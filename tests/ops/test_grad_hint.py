@@ -181,7 +181,10 @@ def test_hint_on_gpu_bf16_matches_the_recompute_path():
     """bf16 on the GPU: the one-pass path (hint) against the recompute path on the same inputs, both
     against float64. Their logits tiles have different shapes (whole vocabulary rows vs vocabulary
     chunks), so cuBLAS may round a logit to bf16 differently: each output's error is pinned to the
-    recompute path's own, not bit-equality (measured: entropy differed by more than 1e-6 relative)."""
+    recompute path's own, not bit-equality (measured: entropy differed by more than 1e-6 relative). The one pass's
+    weight gradient where QuACK is installed comes from the stored exponentials and ``s·h`` rounded to bf16 (two
+    roundings, the row-scaled tile: one_pass.FACTORED_EXP_TILE) where the recompute rounds ``dz`` once: up to
+    √2 × 1.1 of the recompute's error."""
     n, h, v = 4096, 1024, 32000
     hid, w, y, gen = _gpu_inputs(n, h, v, seed=0, ignore_every=9)
     hint = torch.randn(n, generator=gen).cuda()
@@ -196,8 +199,9 @@ def test_hint_on_gpu_bf16_matches_the_recompute_path():
     ref_lp, ref_ent = dense_logprobs(h64, w64, y)
     (ref_lp * hint.double() * 0.5).sum().backward()
     (lp1, ent1, dh1, dw1), (lp2, ent2, dh2, dw2) = results
-    for ours, theirs, ref in ((lp1, lp2, ref_lp), (ent1, ent2, ref_ent), (dh1, dh2, h64.grad), (dw1, dw2, w64.grad)):
-        assert rel_err(ours, ref) <= 1.1 * rel_err(theirs, ref) + 1e-6, (rel_err(ours, ref), rel_err(theirs, ref))
+    for ours, theirs, ref, bound in ((lp1, lp2, ref_lp, 1.1), (ent1, ent2, ref_ent, 1.1), (dh1, dh2, h64.grad, 1.1),
+                                     (dw1, dw2, w64.grad, 1.1 * 2**0.5)):
+        assert rel_err(ours, ref) <= bound * rel_err(theirs, ref) + 1e-6, (rel_err(ours, ref), rel_err(theirs, ref))
 
 
 @pytest.mark.gpu
