@@ -347,12 +347,11 @@ def test_the_kernel_on_gpu_is_the_stand_ins(n, v, scale):
 @pytest.mark.parametrize("n, h, v", [(4096, 2048, 151936), (4000, 1024, 128256)])
 def test_cross_entropy_on_gpu_is_as_accurate_as_quacks(n, h, v, monkeypatch):
     """The default cross-entropy on a Hopper GPU with QuACK takes the scaled tile: its loss is within 2e-6 of float64
-    (the issue's target), its gradients less than half as far from float64 as the bf16 tile's and about as far as
-    QuACK's own linear cross-entropy's, which stores the same values: its weight gradient closer (QuACK rounds the
-    row-scaled hidden states to bf16 for it, hf_fused keeps them), its hidden-state gradient up to 1.3x further: hf_fused
-    rounds ``dz = g·(1[label] − p)`` to bf16 from the stored values (a second rounding of 2⁻⁹) where QuACK scales them
-    by exact powers of two inside its matmul; three roundings against two, adding in quadrature, expect √(3/2) ≈ 1.22
-    (1.07 and 1.24 measured at these shapes, H200, 2026-11-30)."""
+    (the issue's target), its gradients less than half as far from float64 as the bf16 tile's and as far as QuACK's
+    own linear cross-entropy's, which stores the same values: the hidden-state gradient to 2 % (both carry the one
+    rounding of the stored values: hf_fused takes the tile row-scaled, ``s·(E @ W)``, QuACK scales it by powers of
+    two inside its matmul; 1.0004x and 0.998x, H200, 2026-11-30), the weight gradient closer (both round the
+    row-scaled hidden states to bf16; hf_fused's label column comes from the fp32 label logit: 0.89x / 0.87x)."""
     from quack.linear_cross_entropy import chunked_linear_cross_entropy
 
     hidden, weight, labels = _hopper_inputs(n, h, v)
@@ -375,7 +374,7 @@ def test_cross_entropy_on_gpu_is_as_accurate_as_quacks(n, h, v, monkeypatch):
     assert ours_err[0] < 2e-6, ours_err
     assert ours_err[1] < 0.5 * rounded_err[1] and ours_err[2] < 0.5 * rounded_err[2], (ours_err, rounded_err)
     assert ours_err[2] <= theirs_err[2], (ours_err, theirs_err)
-    assert ours_err[1] <= 1.3 * theirs_err[1], (ours_err, theirs_err)
+    assert ours_err[1] <= 1.02 * theirs_err[1], (ours_err, theirs_err)
 
 
 @pytest.mark.gpu
