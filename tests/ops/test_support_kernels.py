@@ -556,6 +556,22 @@ def test_an_exponential_tile_scaled_per_row_is_its_gradient(transform, block):
         assert error < 2.0**-8 and error < ratio * kernel_error, (error, kernel_error)
 
 
+def test_row_factors_refuse_what_no_row_scale_can_hold():
+    """A soft-cap's derivative differs per logit, and shifts that do not tile the vocabulary: a clear error each."""
+    from hf_fused.ops.logit_transform import LogitTransform
+    from hf_fused.ops.backends.triton_cublas.shifted_tile import exp_tile_row_factors_
+    from hf_fused.ops.backends.triton_cublas.tiles import kernel_scalars
+
+    tile, rows = torch.ones(2, 128, dtype=torch.bfloat16), torch.zeros(2)
+    labels = torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="soft-cap"):
+        exp_tile_row_factors_(tile, torch.zeros(2, 2), 64, rows, rows, kernel_scalars(LogitTransform(softcap=30.0), None),
+                              labels, rows)
+    with pytest.raises(ValueError, match="3 blocks of 64 columns are not V = 128"):
+        exp_tile_row_factors_(tile, torch.zeros(2, 3), 64, rows, rows, kernel_scalars(LogitTransform(), None), labels,
+                              rows)
+
+
 @interpreted
 @pytest.mark.parametrize("cols", [16, 40], ids=["chunks-of-16", "chunks-of-40-blocks-of-8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
