@@ -8,8 +8,10 @@ matmul, which folds the statistics from the accumulator, fp32-faithful log-probs
 shifted: each 64 columns' logits minus their row maximum in bf16, the maxima in fp32 beside it), the per-row
 gradients of the token loss from the block's statistics, the gradient kernel turning the same tile into ``dz`` (the
 shifted tile's, :func:`~.shifted_tile.shifted_gradient_`: as accurate as ``dz`` from the accumulator, each likely
-logit stored near 0 where bf16 is fine-grained, the label's from its fp32 logit), then the hidden gradient (complete
-within the tile) and the weight gradient's accumulation (:class:`TileGradients`). What varies per call is chosen once, before the loop:
+logit stored near 0 where bf16 is fine-grained, the label's from its fp32 logit; QuACK's exponential tile under a
+loss of the log-probs alone is left as ``dz``'s row-scaled form instead, :func:`~.shifted_tile.exp_tile_row_factors_`),
+then the hidden gradient (complete within the tile) and the weight gradient's accumulation (:class:`TileGradients`).
+What varies per call is chosen once, before the loop:
 where each tile's statistics come from (:class:`TileStatistics`) and how the weight gradient adds up over tiles
 (:func:`weight_accumulator`: an fp32 buffer, the split fp32 accumulator, or the compensated pair).
 """

@@ -15,6 +15,9 @@ The gradients from such a tile are as close to float64 as those from an fp32 til
   log-probs (the gradient kernel's ``g·(1[label] − p) − g_H·p·(log p + H)``; the support pass's has no label
   column, the one pass's takes the label's fp32 logit) through the transform's derivative; it also reads the
   one pass's tile, which :mod:`.fused_matmul` stores shifted per epilogue slice.
+* :func:`exp_tile_row_factors_`: an exponential tile (QuACK's scaled-exp matmul) left in place as ``dz``'s row-scaled
+  form, ``dz = s·tile``, for a loss of the log-probs alone; :func:`scaled_rows_` forms the ``s·h`` its weight
+  gradient reads.
 
 Rounding to bf16 is to nearest, ties to even, on the GPU and under the interpreter (:func:`~.matmul.round_bf16`).
 One program per row. Run on CPU tensors under ``TRITON_INTERPRET=1`` (CI).
