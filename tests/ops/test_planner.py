@@ -389,7 +389,10 @@ def test_gpu_two_pass_gathered_row_blocks_match_the_compact_copy(monkeypatch):
     same operands reach the same matmuls), for bf16 hidden states and for fp32 ones cast to a bf16 weight."""
 
     g = torch.Generator().manual_seed(1)
-    n, h, v = 40, 32, 4300
+    # Small for Triton's interpreter (its time goes with rows × chunks): 13 kept rows in blocks of 5, 5 and 3; 128-column
+    # tiles of a vocabulary of 200, 2 statistics chunks and 6 gradient chunks whose accumulators live in the gradient,
+    # then the tile (as 27 rows in blocks of 10 and 2048-column tiles of 4300)
+    n, h, v, cols = 20, 32, 200, 128
     weight = (torch.randn(v, h, generator=g) * 0.5).bfloat16()
     labels = torch.randint(0, v, (n,), generator=g)
     rows = torch.arange(n)[torch.arange(n) % 3 != 1]
@@ -401,7 +404,7 @@ def test_gpu_two_pass_gathered_row_blocks_match_the_compact_copy(monkeypatch):
         head = HeadInputs(hidden, weight, None, labels, rows, LogitTransform(), 2**20)
         results = []
         for gather in (False, True):
-            forced = two_pass_rule.LeanPlan(block_rows=10, cols=2048, gather_rows=gather, bytes=0)
+            forced = two_pass_rule.LeanPlan(block_rows=5, cols=cols, gather_rows=gather, bytes=0)
             monkeypatch.setattr(planning, "plan_two_passes", lambda *a, **k: forced)
             fwd = backend.logprobs_forward(head, return_entropy=True)
             grads = backend.logprobs_backward(head, fwd.lse, fwd.entropy, g_lp, g_ent, need=need)
@@ -540,7 +543,9 @@ def test_gpu_two_pass_asks_for_row_blocks_in_waves_and_unequal_blocks_agree(monk
     chunk adds the row blocks' products in another grouping, then rounds once to bf16)."""
 
     g = torch.Generator().manual_seed(3)
-    n, h, v = 45, 32, 4300
+    # 128-column tiles of a vocabulary of 300 (less interpreter time than 2048 of 4300): 6 gradient chunks, their
+    # fp32 accumulators in the gradient then the tile, over both blockings
+    n, h, v, cols = 45, 32, 300, 128
     hidden = torch.randn(n, h, generator=g).bfloat16()
     weight = (torch.randn(v, h, generator=g) * 0.5).bfloat16()
     labels = torch.randint(0, v, (n,), generator=g)
@@ -554,7 +559,7 @@ def test_gpu_two_pass_asks_for_row_blocks_in_waves_and_unequal_blocks_agree(monk
     monkeypatch.setattr(planning, "wave_rows", lambda n_cols, device: 16)
     asked, results = [], []
     for block_rows in (17, 16):  # 34 rows: two equal blocks, then blocks of 16, 16 and 2
-        forced = two_pass_rule.LeanPlan(block_rows=block_rows, cols=2048, gather_rows=False, bytes=0)
+        forced = two_pass_rule.LeanPlan(block_rows=block_rows, cols=cols, gather_rows=False, bytes=0)
         monkeypatch.setattr(planning, "plan_two_passes",
                             lambda *a, **k: asked.append(k.get("row_quantum")) or forced)
         grads = backend.logprobs_backward(head, fwd.lse, None, g_lp, None, need=need)
