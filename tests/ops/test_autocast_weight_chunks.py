@@ -24,13 +24,13 @@ N, H, V = 40, 32, 1000
 ALL = NeededGrads(True, True, False)
 
 
-def _head(budget=None, bias=False, seed=0):
+def _head(budget=None, bias=False, seed=0, n=N, v=V):
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(N, H, generator=g)
-    weight = torch.randn(V, H, generator=g) / H**0.5
-    labels = torch.randint(0, V, (N,), generator=g)
-    rows = torch.arange(N)[torch.arange(N) % 5 != 0]  # some rows ignored: the kept rows are gathered or copied
-    b = torch.randn(V, generator=g) if bias else None
+    hidden = torch.randn(n, H, generator=g)
+    weight = torch.randn(v, H, generator=g) / H**0.5
+    labels = torch.randint(0, v, (n,), generator=g)
+    rows = torch.arange(n)[torch.arange(n) % 5 != 0]  # some rows ignored: the kept rows are gathered or copied
+    b = torch.randn(v, generator=g) if bias else None
     return HeadInputs(hidden, weight, b, labels, rows, LogitTransform(), budget, compute_dtype=torch.bfloat16)
 
 
@@ -56,13 +56,16 @@ def test_two_passes_cast_chunk_by_chunk_with_the_whole_casts_bits(plan, bias):
     """Statistics and every gradient of the two passes from the fp32 head equal those from its whole-cast twin
     (:meth:`HeadInputs.computed`, what the op passed before) bit for bit, and no ``[V, H]`` bf16 tensor is ever
     made: the only weight-sized tensors are the fp32 inputs and gradient."""
-    backend, head = TritonCublasBackend(), _head(bias=bias)
+    # 16 kept rows of 20 (blocks of 13 and 3, or two of 8) and a vocabulary of 400 (two chunks, the last ragged, in
+    # either plan): every kernel of the two passes runs per row and chunk under Triton's interpreter
+    v = 400
+    backend, head = TritonCublasBackend(), _head(bias=bias, n=20, v=v)
     g = torch.Generator().manual_seed(1)
     m = head.rows.numel()
     g_lp, g_ent = torch.randn(m, generator=g), torch.randn(m, generator=g)
     outs = {}
     for name, h in (("chunks", head), ("whole", head.computed())):
-        with planning.forced_plans(one_pass=False, two_pass=plan), _BigAllocations(V * H) as seen:
+        with planning.forced_plans(one_pass=False, two_pass=plan), _BigAllocations(v * H) as seen:
             fwd = backend.logprobs_forward(h, return_entropy=True)
             grads = backend.logprobs_backward(h, fwd.lse, fwd.entropy, g_lp, g_ent, need=ALL)
         outs[name] = (fwd, grads, seen.seen)
