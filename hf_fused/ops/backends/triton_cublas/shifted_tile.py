@@ -199,6 +199,12 @@ def _exp_tile_row_factors_kernel(
            inside, ROUND)
 
 
+def _chain(scalars: dict) -> float:
+    """``∂z/∂raw`` of a transform without a soft-cap (:func:`~.tiles.kernel_scalars`): the logit scale over the
+    temperature, a constant per call."""
+    return scalars["inv_temperature"] * scalars["logit_scale"] if scalars["SCALED"] else 1.0
+
+
 def exp_tile_row_factors_(tile: torch.Tensor, offsets: torch.Tensor, block: int, lse: torch.Tensor,
                           g_lp: torch.Tensor, scalars: dict, labels: torch.Tensor,
                           label_logit: torch.Tensor) -> torch.Tensor:
@@ -229,7 +235,7 @@ def exp_tile_row_factors_(tile: torch.Tensor, offsets: torch.Tensor, block: int,
     s = torch.empty(rows, dtype=torch.float32, device=tile.device)
     if rows == 0:
         return s
-    chain = scalars["inv_temperature"] * scalars["logit_scale"] if scalars["SCALED"] else 1.0
+    chain = _chain(scalars)
     n_blocks = offsets.shape[1]
     with kernel_device(tile):
         _exp_tile_row_factors_kernel[(rows,)](
@@ -336,7 +342,7 @@ def shifted_gradient_(tile: torch.Tensor, offsets: torch.Tensor, block: int, lse
     if (labels is None) != (label_logit is None):
         raise ValueError("shifted_gradient_: labels and label_logit come together; pass both or neither")
     if log_tile and g_ent is None and not scalars["SOFTCAP"] and block % _EXP_RUN == 0:
-        chain = scalars["inv_temperature"] * scalars["logit_scale"] if scalars["SCALED"] else 1.0
+        chain = _chain(scalars)
         with kernel_device(tile):
             _exp_tile_grad_kernel[(rows,)](
                 tile, tile.stride(0), offsets, offsets.stride(0), vocab_size, lse, g_lp,
