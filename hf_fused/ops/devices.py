@@ -1,8 +1,8 @@
 """The current CUDA device around the ops' kernel launches: Triton launches a kernel on the current device, not on
 its tensors' (cuBLAS and PyTorch's own kernels follow the tensors), so a call whose tensors sit on another GPU than
-the current one (lm_head of a model dispatched over several GPUs) makes their GPU current first. And a GPU's fixed
-properties, read once per process: the kernel choices of every call ask for them after the call's host sync, while
-the GPU waits, and ``torch.cuda.get_device_capability`` reads the whole property struct at each call)."""
+the current one (lm_head of a model dispatched over several GPUs) makes their GPU current first. And a GPU's compute
+capability, read once per process: the kernel choices of every call ask for it after the call's host sync, while
+the GPU waits, and ``torch.cuda.get_device_capability`` reads the whole property struct at each call."""
 
 from __future__ import annotations
 
