@@ -391,7 +391,7 @@ def test_gpu_two_pass_gathered_row_blocks_match_the_compact_copy(monkeypatch):
     g = torch.Generator().manual_seed(1)
     # Small for Triton's interpreter (its time goes with rows × chunks): 13 kept rows in blocks of 5, 5 and 3; 128-column
     # tiles of a vocabulary of 200, 2 statistics chunks and 6 gradient chunks whose accumulators live in the gradient,
-    # then the tile (as 27 rows in blocks of 10 and 2048-column tiles of 4300)
+    # then the tile
     n, h, v, cols = 20, 32, 200, 128
     weight = (torch.randn(v, h, generator=g) * 0.5).bfloat16()
     labels = torch.randint(0, v, (n,), generator=g)
@@ -543,7 +543,7 @@ def test_gpu_two_pass_asks_for_row_blocks_in_waves_and_unequal_blocks_agree(monk
     chunk adds the row blocks' products in another grouping, then rounds once to bf16)."""
 
     g = torch.Generator().manual_seed(3)
-    # 128-column tiles of a vocabulary of 300 (less interpreter time than 2048 of 4300): 6 gradient chunks, their
+    # 128-column tiles of a vocabulary of 300 (small for Triton's interpreter): 6 gradient chunks, their
     # fp32 accumulators in the gradient then the tile, over both blockings
     n, h, v, cols = 45, 32, 300, 128
     hidden = torch.randn(n, h, generator=g).bfloat16()
