@@ -24,7 +24,13 @@ class _CrossEntropyCall:
     row weights. ``prepared``'s rows are the kept rows of non-zero weight."""
 
     prepared: PreparedHead
-    grad_scale: Union[float, torch.Tensor]  # 1 / (the loss's normalizer)
+    scale: Union[None, float, torch.Tensor]  # 1 / (the loss's normalizer); None: 1 / (the number of kept rows)
+
+    @property
+    def grad_scale(self) -> Union[float, torch.Tensor]:
+        """1 / (the loss's normalizer); for the mean over the kept rows, read from their count (the op reads it only
+        once the one pass has launched its first tile: :mod:`hf_fused.ops.kept_rows`)."""
+        return 1.0 / max(self.prepared.rows.numel(), 1) if self.scale is None else self.scale
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -39,16 +45,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, row_weights, call: _CrossEntropyCall):
-        prepared, grad_scale = call.prepared, call.grad_scale
-        given, backend, rows = prepared.given(hidden, weight, bias), prepared.backend, prepared.rows
+        prepared = call.prepared
+        given, backend = prepared.given(hidden, weight, bias), prepared.backend
         need = NeededGrads.of(ctx, bias, prepared.grad_enabled)
         need_row_weights = prepared.grad_enabled and row_weights is not None and ctx.needs_input_grad[3]
-        ctx.config = (grad_scale, backend, need, need_row_weights)
         ctx.grads, lse, one_pass = None, None, None
         with autocast_off(hidden.device.type):
             if need.any:  # the loss alone leaves the op: the one pass may keep its stored tiles' statistics
+                # the row gradients are built when the pass first needs them: their size is the count of kept rows
                 one_pass = backend.logprobs_with_grads(
-                    replace(given, returns_logprobs=False), _grad_logprobs(grad_scale, 1.0, row_weights, rows),
+                    replace(given, returns_logprobs=False),
+                    lambda: _grad_logprobs(call.grad_scale, 1.0, row_weights, prepared.rows),
                     need=need,
                 )
             if one_pass is not None:
@@ -56,6 +63,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             else:
                 statistics = backend.logprobs_forward(given)
                 logp, lse = statistics.logprobs, statistics.lse
+        grad_scale = call.grad_scale
+        ctx.config = (grad_scale, backend, need, need_row_weights)
         given.save_for_backward(ctx, lse, row_weights, logp if need_row_weights else None)
         loss_sum = -(logp if row_weights is None else logp * row_weights).sum()
         return loss_sum * grad_scale
@@ -209,7 +218,6 @@ def linear_cross_entropy(
         if bool((~torch.isfinite(weights) & kept).any()):
             _raise_not_finite()
         return -logprobs * torch.where(kept, weights, 0.0)
-    n_valid = prepared.rows.numel()
     row_weights = None
     if token_weights is not None:
         learned = prepared.grad_enabled and getattr(token_weights, "requires_grad", False)
@@ -227,7 +235,7 @@ def linear_cross_entropy(
         if isinstance(grad_scale, torch.Tensor):
             grad_scale = grad_scale.to(device=hidden.device, dtype=torch.float32)
     elif reduction == "mean":
-        grad_scale = 1.0 / max(n_valid, 1)
+        grad_scale = None  # 1 / the number of kept rows, read where the Function first needs it
     else:
         grad_scale = 1.0
     return prepared.apply(LinearCrossEntropyFunction, row_weights, _CrossEntropyCall(prepared, grad_scale))

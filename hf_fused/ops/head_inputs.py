@@ -4,10 +4,11 @@ of their gradients a call needs (:class:`NeededGrads`). The ops build them in :f
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 
+from .kept_rows import KeptRows
 from .logit_transform import LogitTransform
 
 
@@ -16,8 +17,9 @@ class HeadInputs:
     """The operands a backend computes from: one flattened head and how to tile it.
 
     hidden: ``[N, H]``.  weight: ``[V, H]``.  bias: ``[V]`` or ``None``.  labels: ``[N]`` int64.
-    rows: ``[M]`` int64, the rows to compute, ascending; every per-row tensor of the contract is ``[M]`` in
-        this order.
+    kept_rows: the rows to compute: ``[M]`` int64 ascending, or a :class:`~hf_fused.ops.kept_rows.KeptRows` whose
+        count is read at the first use of :attr:`rows`; every per-row tensor of the contract is ``[M]`` in this
+        order.
     transform: the logit transform.  tile_budget_bytes: the working-set bound the planner
         (:mod:`hf_fused.ops.tiling`, and the GPU backend's own plan) tiles within; ``None``: its default rule.
     compute_dtype: the dtype ``F.linear`` would compute in under autocast (``None`` outside it). Backends take
@@ -34,7 +36,7 @@ class HeadInputs:
     weight: torch.Tensor
     bias: Optional[torch.Tensor]
     labels: torch.Tensor
-    rows: torch.Tensor
+    kept_rows: Union[torch.Tensor, KeptRows]
     transform: LogitTransform
     tile_budget_bytes: Optional[int]
     compute_dtype: Optional[torch.dtype] = None
@@ -46,6 +48,15 @@ class HeadInputs:
     #: statistics on every schedule: the GPU backend's one pass takes them from the matmul's fp32 accumulator by
     #: default where this is True (:mod:`~hf_fused.ops.backends.triton_cublas.fp32_logits_rule`).
     returns_logprobs: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kept_rows, torch.Tensor):
+            object.__setattr__(self, "kept_rows", KeptRows.of(self.kept_rows))
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The rows to compute, ``[M]`` int64 ascending (the first use may read their count: a host sync)."""
+        return self.kept_rows.rows()
 
     @property
     def operand_dtype(self) -> torch.dtype:
@@ -88,7 +99,7 @@ class HeadInputs:
 
     def with_rows(self, rows: torch.Tensor) -> "HeadInputs":
         """The same head restricted to ``rows`` (a subset of :attr:`rows`, ascending)."""
-        return replace(self, rows=rows)
+        return replace(self, kept_rows=rows)
 
     def save_for_backward(self, ctx, *tensors: Optional[torch.Tensor]) -> None:
         """Save this head (its tensors through ``ctx.save_for_backward``, so that they are freed after backward

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from .backends import Backend, HeadGrads, HeadPass
 from .backward import hinted_input_grads, warn_hint_missed
 from .head_inputs import HeadInputs, NeededGrads
-from .prepare import PreparedHead
+from .prepare import PreparedHead, check_per_token
 from .tile_loss import TileLoss, TokenLossFn, token_loss_one_pass
 
 
@@ -123,15 +123,24 @@ _TOKEN_LOSS_MISSED = (
 
 
 class TensorHintRows:
-    """A tensor ``grad_hint`` at the kept rows (fp32 ``[M]``): the one pass computes the gradients of
-    ``Σ hint·logprobs``."""
+    """A tensor ``grad_hint`` at the kept rows (fp32 ``[M]``, :attr:`rows`): the one pass computes the gradients of
+    ``Σ hint·logprobs``. Gathered at its first use: the pass asks for it after launching its first tile, so that
+    reading the count of kept rows does not wait on the op's set-up (:mod:`hf_fused.ops.kept_rows`)."""
 
-    def __init__(self, rows: torch.Tensor):
-        self.rows = rows
+    def __init__(self, grad_hint: torch.Tensor, prepared: PreparedHead):
+        self._values = check_per_token(grad_hint, prepared.labels, "grad_hint").reshape(-1)
+        self._prepared, self._rows = prepared, None
+
+    @property
+    def rows(self) -> torch.Tensor:
+        if self._rows is None:
+            self._rows = self._values.index_select(0, self._prepared.rows)
+            self._values = self._prepared = None
+        return self._rows
 
     def one_pass(self, backend: Backend, head: HeadInputs, need: NeededGrads, *, return_entropy: bool,
                  statistics: Sequence[str]) -> Optional[HeadPass]:
-        return backend.logprobs_with_grads(head, self.rows, need=need, return_entropy=return_entropy,
+        return backend.logprobs_with_grads(head, lambda: self.rows, need=need, return_entropy=return_entropy,
                                            statistics=statistics)
 
     def handover(self, one_pass: HeadPass) -> Handover:
@@ -144,7 +153,9 @@ class TokenLossHintRows:
 
     def __init__(self, hint: TokenLossHint, prepared: PreparedHead):
         consts = prepared.per_token_constants(hint.per_token)
-        self.tile_loss = TileLoss(hint.token_loss, consts, prepared.rows, differentiate=True, keep_row_grads=True)
+        # the kept rows read at the first tile's gradients, after the pass has launched that tile
+        self.tile_loss = TileLoss(hint.token_loss, consts, prepared.head.kept_rows, differentiate=True,
+                                  keep_row_grads=True)
         self.need_entropy = bool(hint.need_entropy)
 
     def one_pass(self, backend: Backend, head: HeadInputs, need: NeededGrads, *, return_entropy: bool,
@@ -172,4 +183,4 @@ def hint_rows(grad_hint, prepared: PreparedHead) -> Optional[HintRows]:
         return None
     if isinstance(grad_hint, TokenLossHint):
         return TokenLossHintRows(grad_hint, prepared)
-    return TensorHintRows(prepared.per_token_rows(grad_hint, "grad_hint"))
+    return TensorHintRows(grad_hint, prepared)

@@ -15,11 +15,17 @@ import torch.nn.functional as F
 from .backends import Backend, get_backend
 from .backends.vocab_parallel import vocab_parallel_backend
 from .head_inputs import HeadInputs
+from .kept_rows import KeptRows
 from .logit_transform import LogitTransform
 from .devices import kernel_device
 from .precision import autocast_dtype
 from .tiling import validate_tile_budget
 from .vocab_parallel import VocabParallel, as_vocab_shard, resolve_vocab_shard, sum_gradient_over
+
+
+#: Device types on which the count of kept rows is read at its first use rather than in :func:`prepare` (a read on
+#: them waits for the device's queue, :mod:`hf_fused.ops.kept_rows`).
+DEFERRED_COUNT_DEVICES = frozenset({"cuda"})
 
 
 def causal_shift(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -98,7 +104,9 @@ class PreparedHead:
         Autograd runs the backward on the gradients' device itself."""
         hidden = self.head.hidden
         with kernel_device(hidden):
-            return function.apply(hidden, self.head.weight, self.head.bias, *args)
+            out = function.apply(hidden, self.head.weight, self.head.bias, *args)
+        self.head.rows  # the count and the input checks read at the latest here, whatever the Function used
+        return out
 
     def per_token_rows(self, values, name: str, *, differentiable: bool = False) -> torch.Tensor:
         """A per-token tensor shaped like the labels (``token_weights``, a tensor ``grad_hint``), named ``name`` in
@@ -181,7 +189,9 @@ def prepare(
     matmul); builds the logit transform (:func:`logit_transform`: ``transform`` whole or the three keywords);
     checks the tile budget; reads the autocast dtype ``F.linear`` would compute in; picks the backend
     (``backend``, else ``$HF_FUSED_BACKEND``, else the fastest for the device). One host sync in all (the label
-    checks, the count of kept rows and a tensor ``num_items_in_batch`` read together).
+    checks, the count of kept rows and a tensor ``num_items_in_batch`` read together), on a GPU at the rows' first
+    use (:class:`~hf_fused.ops.kept_rows.KeptRows`): a bad label or ``num_items_in_batch`` raises from there, inside
+    the op (:meth:`PreparedHead.apply` reads it at the latest when the Function returns).
 
     An op is then one autograd Function and this one call (the distillation divergence, say)::
 
@@ -237,10 +247,12 @@ def prepare(
 
 
 def _flatten(hidden, weight, labels, bias, ignore_index, num_items_in_batch, shard=None):
-    """``(hidden [N, H], labels [N] int64, kept rows [M], num_items_in_batch, vocabulary layout or None)`` after
-    the checks of :func:`prepare`. One host sync: every sync drains the GPU queue, and a training step of a patched
-    model should cost no more of them than the unpatched model's (the rows come from ``nonzero_static`` with the
-    count read). A vocabulary shard adds the sync of its collective check (:func:`resolve_vocab_shard`)."""
+    """``(hidden [N, H], labels [N] int64, kept rows, num_items_in_batch, vocabulary layout or None)`` after the
+    checks of :func:`prepare`. One host sync: every sync drains the GPU queue, and a training step of a patched
+    model should cost no more of them than the unpatched model's. On a device of :data:`DEFERRED_COUNT_DEVICES` it
+    is left to the rows' first use (:class:`~hf_fused.ops.kept_rows.KeptRows`: the count, the label check and a
+    tensor ``num_items_in_batch``'s check read together); elsewhere, under Dynamo and for a vocabulary shard (whose
+    collective check syncs anyway, :func:`resolve_vocab_shard`) it is read here."""
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -303,19 +315,31 @@ def _flatten(hidden, weight, labels, bias, ignore_index, num_items_in_batch, sha
     if items_tensor:  # whether it is one finite number > 0, as an int64 flag (float64 is not on every device)
         items = num_items_in_batch.detach().reshape(())
         counts.append((torch.isfinite(items) & (items > 0)).to(device=kept.device, dtype=torch.int64))
-    host = torch.stack(counts).tolist()  # the one host sync
-    if host[1]:
-        first = flat_labels[bad][0].item()
-        raise ValueError(
-            f"labels contain {first}, outside [0, {vocab_size}) and not ignore_index={ignore_index}; "
-            "mask padding with ignore_index or check the tokenizer/vocabulary size"
-        )
-    if items_tensor and host[2]:
-        num_items_in_batch = num_items_in_batch.reshape(())  # valid: stays on its device
+        num_items_in_batch = num_items_in_batch.reshape(())  # stays on its device; checked with the count
     elif num_items_in_batch is not None:
         num_items_in_batch = check_num_items(num_items_in_batch)  # a number, or raises naming the bad value
-    rows = torch.nonzero_static(kept, size=int(host[0])).squeeze(1)
+
+    def check(host: list) -> None:
+        if host[1]:
+            first = flat_labels[bad][0].item()
+            raise ValueError(
+                f"labels contain {first}, outside [0, {vocab_size}) and not ignore_index={ignore_index}; "
+                "mask padding with ignore_index or check the tokenizer/vocabulary size"
+            )
+        if items_tensor and not host[2]:
+            check_num_items(num_items_in_batch)  # raises naming the bad value
+
+    rows = KeptRows(kept, torch.stack(counts), check)
+    if layout is not None or _tracing() or kept.device.type not in DEFERRED_COUNT_DEVICES:
+        rows.rows()  # read now: a sharded vocabulary's ranks agree on it, Dynamo breaks its graph here, a CPU waits
     return hidden.reshape(-1, hidden_size), flat_labels, rows, num_items_in_batch, layout
+
+
+def _tracing() -> bool:
+    """Whether Dynamo is tracing the call (``torch.compile``): the count is read in :func:`prepare` there, where the
+    graph breaks before the op's autograd Function, rather than inside the Function's forward."""
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())
 
 
 def _refuse_dtensors(**tensors) -> None:

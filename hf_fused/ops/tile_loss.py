@@ -4,12 +4,13 @@ tile's rows and differentiates it there (the per-row gradients a backend's one p
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
 from .backends import Backend, HeadPass
 from .head_inputs import HeadInputs, NeededGrads
+from .kept_rows import KeptRows
 
 #: ``token_loss(logprobs [r], entropy [r] or None, **per_token_rows) -> losses [r]``
 TokenLossFn = Callable[..., torch.Tensor]
@@ -20,15 +21,20 @@ class TileLoss:
     summed loss. Called by the backend between a tile's statistics and its gradient (one pass), or once on
     all rows (statistics + recompute)."""
 
-    def __init__(self, token_loss: TokenLossFn, per_token: dict[str, torch.Tensor], rows: torch.Tensor,
-                 differentiate: bool, keep_row_grads: bool = False):
+    def __init__(self, token_loss: TokenLossFn, per_token: dict[str, torch.Tensor],
+                 rows: Union[torch.Tensor, KeptRows], differentiate: bool, keep_row_grads: bool = False):
         self.token_loss = token_loss
         self.per_token = per_token  # name -> flat [N]
-        self.rows = rows
+        self._rows = rows if isinstance(rows, KeptRows) else KeptRows.of(rows)  # read at the first tile's call
         self.differentiate = differentiate
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=rows.device)
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self._rows.device)
         # With keep_row_grads, every call's (g_lp, g_ent) in row order (a TokenLossHint checks them in backward).
         self.row_grads: Optional[list] = [] if keep_row_grads else None
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The kept rows ``[M]`` the per-token constants are gathered at."""
+        return self._rows.rows()
 
     def __call__(self, start: int, stop: int, logp: torch.Tensor, entropy: Optional[torch.Tensor]):
         """``(g_lp [r], g_H [r] or None)`` fp32 for kept rows ``start:stop`` with fp32 ``logp``/``entropy [r]``;

@@ -68,7 +68,7 @@ def test_one_pass_counts_the_kept_rows_buffers(monkeypatch):
     monkeypatch.setattr(planning, "one_pass_plan", lambda *a: seen.append(a))
     planning.plan_one_pass(head, NeededGrads(True, True, False))
     assert seen[-1][-2:] == (kept * H * 4, H * BF16)  # the fp32 hidden gradient; a gathered row per tile row
-    every_row = replace(head, rows=head.rows.new_empty(n))
+    every_row = replace(head, kept_rows=head.rows.new_empty(n))
     planning.plan_one_pass(every_row, NeededGrads(True, True, False))
     assert seen[-1][-2:] == (n * H * 4, 0)  # every row kept: tiles slice hidden itself
     planning.plan_one_pass(replace(every_row, hidden=hidden.float()), NeededGrads(False, True, False))

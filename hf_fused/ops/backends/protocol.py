@@ -14,7 +14,7 @@ the same logits tiles (no second pass over the vocabulary)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
@@ -28,6 +28,20 @@ RowStatistics = dict[str, torch.Tensor]
 #: ``tile_grads(start, stop, logp [r], entropy [r] or None) -> (g_lp [r], g_ent [r] or None)``: the per-row
 #: gradients of a token loss for kept rows ``start:stop`` (:meth:`TokenLossBackend.token_loss_with_grads`).
 TileGrads = Callable[[int, int, torch.Tensor, Optional[torch.Tensor]], tuple]
+
+
+def logprob_tile_grads(grad_logprobs: Union[torch.Tensor, Callable[[], torch.Tensor]]) -> TileGrads:
+    """The :data:`TileGrads` of ``Σ grad_logprobs·logprobs``: each tile's rows of ``grad_logprobs`` (fp32 ``[M]``, or
+    a callable building it, called at the first tile's gradients), no entropy gradient."""
+    built = []
+
+    def tile_grads(start: int, stop: int, logp: torch.Tensor, entropy: Optional[torch.Tensor]):
+        if not built:
+            values = grad_logprobs() if callable(grad_logprobs) else grad_logprobs
+            built.append(values.to(torch.float32).contiguous())
+        return built[0][start:stop], None
+
+    return tile_grads
 
 
 @dataclass
@@ -60,12 +74,14 @@ class Backend(Protocol):
     name: str
 
     def logprobs_with_grads(
-        self, head: HeadInputs, grad_logprobs: Optional[torch.Tensor], *, need: NeededGrads,
-        return_entropy: bool = False, statistics: Sequence[str] = (),
+        self, head: HeadInputs, grad_logprobs: Union[None, torch.Tensor, Callable[[], torch.Tensor]], *,
+        need: NeededGrads, return_entropy: bool = False, statistics: Sequence[str] = (),
     ) -> Optional[HeadPass]:
         """One pass: the statistics and, when ``need.any``, the gradients of ``Σ grad_logprobs·logprobs``
-        (``grad_logprobs`` fp32 ``[M]``, may be ``None`` without ``need``) in :attr:`HeadPass.grads`; or ``None``
-        when the planner chooses two passes (the op then calls the two methods below)."""
+        (``grad_logprobs`` fp32 ``[M]``, or a callable returning it, called once where the pass first needs it:
+        the ops build it late because its size is the count of kept rows, :mod:`hf_fused.ops.kept_rows`; may be
+        ``None`` without ``need``) in :attr:`HeadPass.grads`; or ``None`` when the planner chooses two passes (the
+        op then calls the two methods below)."""
 
     def logprobs_forward(
         self, head: HeadInputs, *, return_entropy: bool = False, statistics: Sequence[str] = (),

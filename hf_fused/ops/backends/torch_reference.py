@@ -17,14 +17,14 @@ The gradient-free token statistics (:mod:`hf_fused.ops.token_statistics`) come f
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from ..grads import HeadGrads
 from ..head_inputs import HeadInputs, NeededGrads
 from ..tiling import TILE_BUFFERS, rows_per_tile, tiles
-from .protocol import HeadPass, TileGrads
+from .protocol import HeadPass, TileGrads, logprob_tile_grads
 
 _NO_GRADS = NeededGrads(False, False, False)
 
@@ -70,8 +70,8 @@ class TorchReferenceBackend:
 
     # -- log-probabilities and the gradients of Σ g·logp, in one pass --------------------------------
     def logprobs_with_grads(
-        self, head: HeadInputs, grad_logprobs: Optional[torch.Tensor], *, need: NeededGrads,
-        return_entropy: bool = False, statistics: Sequence[str] = (),
+        self, head: HeadInputs, grad_logprobs: Union[None, torch.Tensor, Callable[[], torch.Tensor]], *,
+        need: NeededGrads, return_entropy: bool = False, statistics: Sequence[str] = (),
     ) -> HeadPass:
         """Per-row statistics and, from the same logits, the gradients of ``Σ grad_logprobs · logprobs``
         (``grad_logprobs`` fp32 ``[M]``): each tile's ``dz = g·(onehot(y) − p)`` right after its log-sum-exp.
@@ -81,9 +81,7 @@ class TorchReferenceBackend:
 
         ``statistics``: names among :data:`~hf_fused.ops.token_statistics.TOKEN_STATISTICS`, computed from the
         same logits tiles into :attr:`HeadPass.statistics` (fp32, ``is_top1`` bool)."""
-        tile_grads = None
-        if need.any:
-            tile_grads = lambda start, stop, logp, entropy: (grad_logprobs[start:stop], None)  # noqa: E731
+        tile_grads = logprob_tile_grads(grad_logprobs) if need.any else None
         return self._one_pass(head, tile_grads, need, return_entropy, statistics)
 
     # -- a token-separable loss and its gradients, in one pass (hf_fused.ops.token_loss) ---------------

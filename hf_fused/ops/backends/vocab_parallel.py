@@ -14,7 +14,7 @@ log-sum-exp and entropy of the forward are all it reads.
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -22,7 +22,7 @@ from ..grads import HeadGrads
 from ..head_inputs import HeadInputs, NeededGrads
 from ..tiling import rows_per_tile, tiles
 from ..vocab_parallel import VocabLayout, label_gradient_, merged_tile_statistics
-from .protocol import HeadPass, TileGrads
+from .protocol import HeadPass, TileGrads, logprob_tile_grads
 from .torch_reference import TorchReferenceBackend
 
 _NO_GRADS = NeededGrads(False, False, False)
@@ -74,13 +74,11 @@ class VocabParallelBackend:
         return rows_per_tile(self.layout.max_width, head.tile_budget_bytes)
 
     def logprobs_with_grads(
-        self, head: HeadInputs, grad_logprobs: Optional[torch.Tensor], *, need: NeededGrads,
-        return_entropy: bool = False, statistics: Sequence[str] = (),
+        self, head: HeadInputs, grad_logprobs: Union[None, torch.Tensor, Callable[[], torch.Tensor]], *,
+        need: NeededGrads, return_entropy: bool = False, statistics: Sequence[str] = (),
     ) -> HeadPass:
         """As :meth:`TorchReferenceBackend.logprobs_with_grads`, over this rank's slice (never ``None``)."""
-        tile_grads = None
-        if need.any:
-            tile_grads = lambda start, stop, logp, entropy: (grad_logprobs[start:stop], None)  # noqa: E731
+        tile_grads = logprob_tile_grads(grad_logprobs) if need.any else None
         return self._one_pass(head, tile_grads, need, return_entropy, statistics)
 
     def token_loss_with_grads(

@@ -8,13 +8,13 @@ passes' statistics and gradient passes (:mod:`.two_passes`); ``distillation_pass
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from ...grads import HeadGrads
 from ...head_inputs import HeadInputs, NeededGrads
-from ..protocol import HeadPass, TileGrads
+from ..protocol import HeadPass, TileGrads, logprob_tile_grads
 from .one_pass import run_one_pass
 from .plan import describe
 from .two_passes import run_gradient_pass, run_statistics_pass
@@ -28,15 +28,12 @@ class TritonCublasBackend:
     name = "triton"
 
     def logprobs_with_grads(
-        self, head: HeadInputs, grad_logprobs: Optional[torch.Tensor], *, need: NeededGrads,
-        return_entropy: bool = False, statistics: Sequence[str] = (),
+        self, head: HeadInputs, grad_logprobs: Union[None, torch.Tensor, Callable[[], torch.Tensor]], *,
+        need: NeededGrads, return_entropy: bool = False, statistics: Sequence[str] = (),
     ) -> Optional[HeadPass]:
         """Like :meth:`TorchReferenceBackend.logprobs_with_grads`: one pass (6·M·H·V), token rows outside
         and whole vocabulary rows per tile, or ``None`` when the plan chooses the two passes."""
-        tile_grads = None
-        if need.any:
-            g_lp = grad_logprobs.to(torch.float32).contiguous()
-            tile_grads = lambda r0, r1, logp, entropy: (g_lp[r0:r1], None)  # noqa: E731
+        tile_grads = logprob_tile_grads(grad_logprobs) if need.any else None
         return run_one_pass(head, tile_grads, need, return_entropy, statistics, entropy_in_grads=False)
 
     def token_loss_with_grads(

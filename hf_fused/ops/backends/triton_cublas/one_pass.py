@@ -29,7 +29,7 @@ from . import fp32_logits_rule, fused_matmul, logits_epilogues, quack_bridge, sh
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_, compensated_scale_, one_pass_config
 from .matmul import mm_f32_
 from .one_pass_rule import OnePassPlan
-from .operands import one_pass_rows
+from .operands import gather_rows, new_rows_buffer, one_pass_rows
 from .plan import fp32_logits, plan_one_pass
 from .scaled_round import mul_into
 from .tiles import finish_row_stats, gradient_tile, kernel_scalars, new_row_stats, row_slice, statistics_tile
@@ -283,29 +283,41 @@ def run_one_pass(head: HeadInputs, tile_grads: Optional[TileGrads], need: Needed
     (:class:`TileStatistics`), then, when ``tile_grads`` is given, the gradients (:class:`TileGradients`). ``None``
     when the planner chooses two passes; ``grads`` is ``None`` without ``tile_grads``. ``tile_grads`` is passed the
     entropy only with ``entropy_in_grads`` (its loss reads it); without, where QuACK's epilogue gives the
-    statistics, a returned entropy comes from the gradient kernel's Σ p·z."""
+    statistics, a returned entropy comes from the gradient kernel's Σ p·z.
+
+    Where the count of kept rows is still unread (:class:`~hf_fused.ops.kept_rows.KeptRows`) and more rows than one
+    tile's are given, the first tile's statistics are launched on the first kept rows before the count is read
+    (:data:`LEAD_TILE`): the host sync then waits for the queue while the device already has the tile's matmul,
+    instead of leaving the device idle through the pass's set-up. Where fewer rows are kept than that tile holds,
+    the tile is dropped and the pass starts over on the rows there are."""
     plan = plan_one_pass(head, need, fused_statistics=True)
     if plan is None:
         return None
     # Every tile reads the whole weight: under autocast one cast copy for the pass (the plan counted it)
     head = head.computed()
-    weight, bias = head.weight, head.bias
-    m_rows, vocab_size = head.rows.numel(), weight.shape[0]
-    y, rows_operand, blocks = one_pass_rows(head, plan.rows)
-    scalars = kernel_scalars(head.transform, bias)
-    stats = new_row_stats(m_rows, weight.device, statistics)
-    tile_buf = torch.empty((min(plan.rows, max(m_rows, 1)), vocab_size), dtype=weight.dtype, device=weight.device)
-    late_entropy = return_entropy and tile_grads is not None and not entropy_in_grads
-    fused = quack_bridge.fuses_statistics(head, rows_operand, return_entropy and not late_entropy, statistics)
-    fp32 = fp32_logits(head, "one_pass") and fp32_logits_rule.readable(rows_operand, weight)
-    recompute = fp32 and fp32_logits_rule.one_pass_dz() == "recompute"
-    scaled_tile_n = (quack_bridge.scaled_exp_tile_n(head, rows_operand, statistics)
-                     if m_rows and not recompute else None)
+    weight, vocab_size = head.weight, head.weight.shape[0]
+    scalars = kernel_scalars(head.transform, head.bias)
+    kept = head.kept_rows
+    lead = None
+    if LEAD_TILE and not kept.known and kept.bound > plan.rows:
+        lead = _lead_tile(head, plan, tile_grads, return_entropy, entropy_in_grads, statistics, scalars)
+        if head.rows.numel() < plan.rows:  # the count read: fewer kept rows than the lead tile's
+            lead = None
+    if lead is None:
+        m_rows = head.rows.numel()
+        y, rows_operand, blocks = one_pass_rows(head, plan.rows)
+        stats = new_row_stats(m_rows, weight.device, statistics)
+        tile_statistics, tile_buf, recompute = _tile_statistics(head, plan, rows_operand, tile_grads, return_entropy,
+                                                                entropy_in_grads, statistics, scalars)
+    else:
+        (tile_statistics, tile_buf, recompute), lead_stats, lead_h, stats, lead_state = lead
+        stats = row_slice(stats, 0, head.rows.numel())
+        # the later tiles' rows gathered into the lead tile's buffer: its gradients are queued before the next gather
+        y, _, blocks = one_pass_rows(head, plan.rows, start=plan.rows, buf=lead_h)
     gradients = TileGradients(head, plan, need, tile_grads, HeadGrads(mul_into=mul_into), scalars, return_entropy,
                               entropy_in_grads, recompute)
-    tile_statistics = TileStatistics(fused, weight, bias, scalars, return_entropy, fp32, tile_buf.shape[0],
-                                     store_tile=not recompute, scaled_tile_n=scaled_tile_n,
-                                     logits_scale=quack_bridge.logits_scale(head) if scaled_tile_n else 1.0)
+    if lead is not None and tile_grads is not None:
+        gradients(0, plan.rows, lead_h, y[: plan.rows], tile_buf[: plan.rows], lead_stats, *lead_state)
     for r0, r1, h in blocks:  # h: the tile's kept hidden rows [r1 − r0, H], in weight's dtype
         dz, row_stats = tile_buf[: r1 - r0], row_slice(stats, r0, r1)
         tile_lse = tile_statistics(h, y[r0:r1], dz, row_stats)
@@ -315,3 +327,47 @@ def run_one_pass(head: HeadInputs, tile_grads: Optional[TileGrads], need: Needed
     grads = gradients.finish()
     logp, entropy, lse, token_stats = finish_row_stats(stats, y, vocab_size, return_entropy, statistics)
     return HeadPass(logp, entropy, lse, grads if tile_grads is not None else None, token_stats)
+
+
+#: Whether :func:`run_one_pass` launches its first tile before reading the count of kept rows (where it is unread
+#: and more rows than a tile's are given); off, the count is read before the pass's set-up.
+LEAD_TILE = True
+
+
+def _tile_statistics(head: HeadInputs, plan: OnePassPlan, rows_operand: torch.Tensor,
+                     tile_grads: Optional[TileGrads], return_entropy: bool, entropy_in_grads: bool,
+                     statistics: Sequence[str], scalars: dict) -> tuple[TileStatistics, torch.Tensor, bool]:
+    """``(the pass's TileStatistics, its [rows, V] tile buffer, whether dz is recomputed from the accumulator)``
+    for the rows operand the tiles are read from."""
+    weight = head.weight
+    tile_rows = min(plan.rows, max(head.kept_rows.bound, 1))
+    late_entropy = return_entropy and tile_grads is not None and not entropy_in_grads
+    fused = quack_bridge.fuses_statistics(head, rows_operand, return_entropy and not late_entropy, statistics)
+    fp32 = fp32_logits(head, "one_pass") and fp32_logits_rule.readable(rows_operand, weight)
+    recompute = fp32 and fp32_logits_rule.one_pass_dz() == "recompute"
+    scaled_tile_n = (quack_bridge.scaled_exp_tile_n(head, rows_operand, statistics)
+                     if head.kept_rows.bound and not recompute else None)
+    tile_statistics = TileStatistics(fused, weight, head.bias, scalars, return_entropy, fp32, tile_rows,
+                                     store_tile=not recompute, scaled_tile_n=scaled_tile_n,
+                                     logits_scale=quack_bridge.logits_scale(head) if scaled_tile_n else 1.0)
+    return tile_statistics, torch.empty((tile_rows, weight.shape[0]), dtype=weight.dtype, device=weight.device), recompute
+
+
+def _lead_tile(head: HeadInputs, plan: OnePassPlan, tile_grads: Optional[TileGrads], return_entropy: bool,
+               entropy_in_grads: bool, statistics: Sequence[str], scalars: dict):
+    """The first tile's statistics launched on the first ``plan.rows`` kept rows, their count unread
+    (:meth:`~hf_fused.ops.kept_rows.KeptRows.leading`): ``(_tile_statistics' triple, the tile's row statistics, its
+    hidden rows, the per-row accumulators of all N rows, (fused, tile_lse, offsets, log_tile))`` for
+    :class:`TileGradients`. Its labels are clamped into ``[0, V)`` for the launch: the labels' range is checked
+    with the count, and a row missing where fewer rows are kept is row 0, whatever its label."""
+    rows, kept = plan.rows, head.kept_rows
+    index = kept.leading(rows)
+    h = gather_rows(head, index, new_rows_buffer(head, rows))
+    y = head.labels.index_select(0, index).clamp_(0, head.weight.shape[0] - 1)
+    stats = new_row_stats(kept.bound, head.weight.device, statistics)
+    chosen = _tile_statistics(head, plan, h, tile_grads, return_entropy, entropy_in_grads, statistics, scalars)
+    tile_statistics, tile_buf, _ = chosen
+    row_stats = row_slice(stats, 0, rows)
+    tile_lse = tile_statistics(h, y, tile_buf[:rows], row_stats)
+    state = (tile_statistics.fused, tile_lse, tile_statistics.tile_offsets, tile_statistics.log_tile)
+    return chosen, row_stats, h, stats, state

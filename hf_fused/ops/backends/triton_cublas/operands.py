@@ -44,47 +44,58 @@ def rows_source(head: HeadInputs, plan: LeanPlan):
 
 
 def row_blocks(head: HeadInputs, plan: LeanPlan, compact: Optional[torch.Tensor],
-               buf: Optional[torch.Tensor]) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """``(r0, r1, hidden rows [r1 − r0, H] in the operands' dtype)`` for each row block of ``plan``: slices of the
-    ``compact`` copy, or (``plan.gather_rows``) the block gathered into ``buf`` (``[block_rows, H]``, one buffer
-    for the whole pass: a block still referenced when the next chunk starts must not hold a second one).
-    Iterate once per vocabulary chunk."""
+               buf: Optional[torch.Tensor], start: int = 0) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(r0, r1, hidden rows [r1 − r0, H] in the operands' dtype)`` for each row block of ``plan`` from row
+    ``start`` on: slices of the ``compact`` copy, or (``plan.gather_rows``) the block gathered into ``buf``
+    (``[block_rows, H]``, one buffer for the whole pass: a block still referenced when the next chunk starts must
+    not hold a second one). Iterate once per vocabulary chunk."""
     m_rows = head.rows.numel()
     if compact is not None:
-        for r0 in range(0, m_rows, plan.block_rows):
+        for r0 in range(start, m_rows, plan.block_rows):
             yield r0, min(r0 + plan.block_rows, m_rows), compact[r0 : r0 + plan.block_rows]
         return
-    hidden, dtype = head.hidden, head.operand_dtype
-    for r0 in range(0, m_rows, plan.block_rows):
+    for r0 in range(start, m_rows, plan.block_rows):
         r1 = min(r0 + plan.block_rows, m_rows)
-        index = head.rows[r0:r1]
-        if hidden.dtype == dtype:
-            yield r0, r1, torch.index_select(hidden, 0, index, out=buf[: r1 - r0])
-        else:
-            yield r0, r1, buf[: r1 - r0].copy_(hidden.index_select(0, index))
+        yield r0, r1, gather_rows(head, head.rows[r0:r1], buf)
+
+
+def gather_rows(head: HeadInputs, index: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """Hidden's rows ``index`` in the operands' dtype, into the first ``len(index)`` rows of ``buf`` (that view)."""
+    hidden, out = head.hidden, buf[: index.numel()]
+    if hidden.dtype == head.operand_dtype:
+        return torch.index_select(hidden, 0, index, out=out)
+    return out.copy_(hidden.index_select(0, index))
 
 
 def one_pass_gathers(head: HeadInputs) -> bool:
     """Whether the one pass gathers each tile's kept hidden rows into a ``[rows, H]`` buffer (some rows are
     ignored, or hidden's dtype is not the weight's) instead of slicing hidden itself: a buffer the size of one
-    tile's rows rather than a compact copy of every kept row (0.11 GiB at 29,491 × 2048 in bf16)."""
-    return head.rows.numel() != head.hidden.shape[0] or head.hidden.dtype != head.weight.dtype
+    tile's rows rather than a compact copy of every kept row (0.11 GiB at 29,491 × 2048 in bf16). Before the count
+    of kept rows is read (:mod:`hf_fused.ops.kept_rows`): True, the bound a plan counts."""
+    if head.hidden.dtype != head.weight.dtype or not head.kept_rows.known:
+        return True
+    return head.rows.numel() != head.hidden.shape[0]
 
 
-def one_pass_rows(head: HeadInputs, tile_rows: int):
-    """``(the kept rows' labels, the rows operand, row blocks)`` of the one pass's ``tile_rows``-row tiles: slices of
-    hidden itself where every row is kept in the weight's dtype, else each tile's rows gathered into one
-    ``[tile_rows, H]`` buffer (:func:`one_pass_gathers`), which is then the rows operand."""
-    m_rows, (vocab_size, hidden_size) = head.rows.numel(), head.weight.shape
-    gathers = one_pass_gathers(head)
+def new_rows_buffer(head: HeadInputs, tile_rows: int) -> torch.Tensor:
+    """The one pass's ``[tile_rows, H]`` buffer of gathered hidden rows, in the weight's dtype."""
+    return torch.empty((tile_rows, head.weight.shape[1]), dtype=head.weight.dtype, device=head.weight.device)
+
+
+def one_pass_rows(head: HeadInputs, tile_rows: int, *, start: int = 0, buf: Optional[torch.Tensor] = None):
+    """``(the kept rows' labels, the rows operand, row blocks from row start)`` of the one pass's ``tile_rows``-row
+    tiles: slices of hidden itself where every row is kept in the weight's dtype, else each tile's rows gathered
+    into one ``[tile_rows, H]`` buffer (:func:`one_pass_gathers`), which is then the rows operand. With ``buf``
+    (the buffer of tiles gathered before the count was read) the rows are gathered into it whatever the count."""
+    m_rows, vocab_size = head.rows.numel(), head.weight.shape[0]
+    gathers = buf is not None or one_pass_gathers(head)
     if gathers:
         y = head.labels.index_select(0, head.rows)
-        rows_buf = torch.empty((min(tile_rows, max(m_rows, 1)), hidden_size), dtype=head.weight.dtype,
-                               device=head.weight.device)
+        rows_buf = new_rows_buffer(head, min(tile_rows, max(m_rows, 1))) if buf is None else buf
     else:
         y, rows_buf = head.labels, head.hidden
     compact, gather_buf = (None, rows_buf) if gathers else (rows_buf, None)
-    return y, rows_buf, row_blocks(head, LeanPlan(tile_rows, vocab_size, gathers, 0), compact, gather_buf)
+    return y, rows_buf, row_blocks(head, LeanPlan(tile_rows, vocab_size, gathers, 0), compact, gather_buf, start)
 
 
 def one_pass_gather_row_bytes(head: HeadInputs) -> int:

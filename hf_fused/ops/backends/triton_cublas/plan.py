@@ -79,9 +79,10 @@ def forced_two_pass_plan() -> Optional[LeanPlan]:
 
 def one_pass_extra_bytes(head: HeadInputs, need: NeededGrads) -> int:
     """What the one pass holds beyond its accumulator and tile that depends on the call's rows: the kept rows'
-    fp32 hidden gradient (held until backward) and, under autocast, the whole casts the pass makes
-    (:meth:`~hf_fused.ops.head_inputs.HeadInputs.cast_bytes`)."""
-    gradient = head.rows.numel() * head.weight.shape[1] * 4 if need.hidden else 0
+    fp32 hidden gradient (held until backward; before their count is read, all rows', the bound
+    :class:`~hf_fused.ops.kept_rows.KeptRows` gives without a host sync) and, under autocast, the whole casts the
+    pass makes (:meth:`~hf_fused.ops.head_inputs.HeadInputs.cast_bytes`)."""
+    gradient = head.kept_rows.bound * head.weight.shape[1] * 4 if need.hidden else 0
     return gradient + head.cast_bytes()
 
 
@@ -106,6 +107,8 @@ def plan_one_pass(head: HeadInputs, need: NeededGrads, *, fused_statistics: bool
     :func:`one_pass_extra_bytes` and each tile row's :func:`one_pass_row_bytes` (``fused_statistics``: the caller
     takes the statistics from the fused matmul where :func:`fp32_logits` says so, as :mod:`.one_pass`'s loop does;
     other passes that borrow the one pass's plan count their own buffers)."""
+    if head.tile_budget_bytes is not None:
+        head.rows  # an explicit budget is tiled by the call's own count of kept rows: read it first
     view = head.computed(meta=True)
     weight = view.weight
     vocab_size, hidden_size = weight.shape

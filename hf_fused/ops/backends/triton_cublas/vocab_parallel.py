@@ -24,14 +24,14 @@ are not used here (they hold no running maximum to merge).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from ...grads import HeadGrads
 from ...head_inputs import HeadInputs, NeededGrads
 from ...vocab_parallel import VocabLayout, all_reduce_
-from ..protocol import HeadPass, TileGrads
+from ..protocol import HeadPass, TileGrads, logprob_tile_grads
 from .one_pass import TileGradients
 from .one_pass_rule import OnePassPlan
 from .operands import one_pass_rows, operand_bias, row_blocks, rows_source, weight_chunk_buffer
@@ -53,14 +53,11 @@ class TritonVocabParallelBackend:
         self.layout = layout
 
     def logprobs_with_grads(
-        self, head: HeadInputs, grad_logprobs: Optional[torch.Tensor], *, need: NeededGrads,
-        return_entropy: bool = False, statistics: Sequence[str] = (),
+        self, head: HeadInputs, grad_logprobs: Union[None, torch.Tensor, Callable[[], torch.Tensor]], *,
+        need: NeededGrads, return_entropy: bool = False, statistics: Sequence[str] = (),
     ) -> Optional[HeadPass]:
         """As :meth:`~.backend.TritonCublasBackend.logprobs_with_grads`, over this rank's slice."""
-        tile_grads = None
-        if need.any:
-            g_lp = grad_logprobs.to(torch.float32).contiguous()
-            tile_grads = lambda r0, r1, logp, entropy: (g_lp[r0:r1], None)  # noqa: E731
+        tile_grads = logprob_tile_grads(grad_logprobs) if need.any else None
         return self._one_pass(head, tile_grads, need, return_entropy, statistics, entropy_in_grads=False)
 
     def token_loss_with_grads(
