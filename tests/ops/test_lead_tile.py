@@ -51,9 +51,9 @@ def _cross_entropy(hidden, weight, labels, **options):
     return (loss.detach(), *torch.autograd.grad(loss, (hidden, weight)))
 
 
-def _both(monkeypatch, run):
+def _both(monkeypatch, run, rows=TILE):
     """``run()`` with the lead tile and then with the count read before the pass's set-up."""
-    with _plan():
+    with _plan(rows):
         lead = run()
         monkeypatch.setattr(one_pass, "LEAD_TILE", False)
         first = run()
@@ -164,3 +164,34 @@ def test_the_count_is_read_once_and_kept():
     assert not rows.known
     assert rows.rows().tolist() == [1, 2, 4] and rows.rows().tolist() == [1, 2, 4]
     assert reads == [[3]] and rows.known and rows.bound == 3 and rows.leading(2).tolist() == [1, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kept_rows", [None, 700], ids=["a-tenth-ignored", "fewer-than-a-tile"])
+def test_on_gpu_the_lead_tile_gives_the_count_first_results(deferred, monkeypatch, kept_rows):
+    """On a GPU with the library's defaults (QuACK's scaled tile where it is installed): cross-entropy and the GRPO
+    hint's log-probs, entropy and gradients with the lead tile equal, bit for bit, the pass that reads the count
+    first (1024-row tiles over 4096 rows; or 700 kept rows, fewer than a tile, where the lead tile is dropped)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(4096, 1024, device="cuda", generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(32000, 1024, device="cuda", generator=g) * 4 / 32).bfloat16().requires_grad_()
+    labels = torch.randint(0, 32000, (4096,), device="cuda", generator=g)
+    labels[::10] = -100
+    if kept_rows is not None:
+        labels[kept_rows:] = -100
+    hint = torch.randn(4096, device="cuda", generator=g) * (labels != -100)
+
+    def run():
+        loss = linear_cross_entropy(hidden, weight, labels)
+        lp, ent = linear_logprobs(hidden, weight, labels, return_entropy=True, grad_hint=hint)
+        return (loss.detach(), *torch.autograd.grad(loss, (hidden, weight)), lp.detach(), ent.detach(),
+                *torch.autograd.grad((lp * hint).sum(), (hidden, weight)))
+
+    with _plan(1024):
+        run()  # compilation
+    deferred.clear()
+    lead, first = _both(monkeypatch, run, rows=1024)
+    assert deferred[:2] == ["tile", "count"], deferred
+    _assert_equal(lead, first)
