@@ -33,9 +33,9 @@ class KeptRows:
         if counts.is_cuda:
             # the copy queued now, right behind the counting kernels, and waited for alone at the first use: work
             # the op queues in between (the first tile) does not delay the read
-            self._counts = counts.to("cpu", non_blocking=True)
+            self._counts = counts.to("cpu", non_blocking=True)  # into pinned memory
             self._ready = torch.cuda.Event()
-            self._ready.record()
+            self._ready.record(torch.cuda.current_stream(counts.device))  # the copy's stream, whatever is current
 
     @classmethod
     def of(cls, rows: torch.Tensor) -> "KeptRows":

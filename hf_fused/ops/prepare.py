@@ -85,7 +85,7 @@ class PreparedHead:
 
     @property
     def rows(self) -> torch.Tensor:
-        """The kept rows, ``[M]`` int64 ascending."""
+        """The kept rows, ``[M]`` int64 ascending (the first use reads their count: :mod:`hf_fused.ops.kept_rows`)."""
         return self.head.rows
 
     def with_rows(self, rows: torch.Tensor) -> "PreparedHead":
@@ -109,8 +109,8 @@ class PreparedHead:
         return out
 
     def per_token_rows(self, values, name: str, *, differentiable: bool = False) -> torch.Tensor:
-        """A per-token tensor shaped like the labels (``token_weights``, a tensor ``grad_hint``), named ``name`` in
-        errors, as fp32 ``[M]`` at the kept rows; detached unless ``differentiable``.
+        """A per-token tensor shaped like the labels (``token_weights``), named ``name`` in errors, as fp32 ``[M]`` at
+        the kept rows (their count read, on a GPU a host sync); detached unless ``differentiable``.
 
         Raises:
             TypeError: not a floating-point tensor.
