@@ -36,11 +36,10 @@ import triton
 import triton.language as tl
 
 from .matmul import round_bf16
-from .triton_kernels import apply_transform
+from .triton_kernels import LOG2E, apply_transform
 
 # Below every finite fp32 value (finite, so a lane's rescale exp(m_old − m_new) is never exp(−inf + inf)).
 _NO_MAX = tl.constexpr(-3.4028234663852886e38)
-_LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
 # The smallest normal fp32: a floor for the mixture m, whose two exponentials may both underflow far in a row's
 # tail (log2(0) would give 0·inf where the weights are 0; a subnormal m may be flushed by a fast logarithm).
@@ -145,8 +144,8 @@ def stats_kernel(
                               t_cap, t_inv_t, False, HAS_BIAS_S, SOFTCAP_S, SCALED_S, HAS_BIAS_T, SOFTCAP_T, SCALED_T)
             ms_new = tl.maximum(ms, tl.max(zs, axis=1))
             mt_new = tl.maximum(mt, tl.max(zt, axis=1))
-            es_b = tl.exp2(zs * _LOG2E - (ms_new * _LOG2E)[:, None])
-            et_b = tl.exp2(zt * _LOG2E - (mt_new * _LOG2E)[:, None])
+            es_b = tl.exp2(zs * LOG2E - (ms_new * LOG2E)[:, None])
+            et_b = tl.exp2(zt * LOG2E - (mt_new * LOG2E)[:, None])
         else:
             valid = cols < n_cols
             zs, _, zt = _pair(S_row, T_row, cols, valid, BiasS, BiasT, s_scale, s_cap, s_inv_t, t_scale, t_cap,
@@ -154,10 +153,10 @@ def stats_kernel(
             ms_new = tl.maximum(ms, tl.max(tl.where(valid, zs, _NO_MAX), axis=1))
             mt_new = tl.maximum(mt, tl.max(tl.where(valid, zt, _NO_MAX), axis=1))
             # a lane with no valid column yet keeps _NO_MAX, whose product with log2e would overflow
-            ms_l2 = tl.where(ms_new > _NO_MAX, ms_new, 0.0) * _LOG2E
-            mt_l2 = tl.where(mt_new > _NO_MAX, mt_new, 0.0) * _LOG2E
-            es_b = tl.exp2(tl.where(valid, zs * _LOG2E - ms_l2[:, None], float("-inf")))
-            et_b = tl.exp2(tl.where(valid, zt * _LOG2E - mt_l2[:, None], float("-inf")))
+            ms_l2 = tl.where(ms_new > _NO_MAX, ms_new, 0.0) * LOG2E
+            mt_l2 = tl.where(mt_new > _NO_MAX, mt_new, 0.0) * LOG2E
+            es_b = tl.exp2(tl.where(valid, zs * LOG2E - ms_l2[:, None], float("-inf")))
+            et_b = tl.exp2(tl.where(valid, zt * LOG2E - mt_l2[:, None], float("-inf")))
         alpha_s = tl.exp(ms - ms_new)  # 0 on a lane's first valid block, 1 while its max holds
         alpha_t = tl.exp(mt - mt_new)
         ss = ss * alpha_s + tl.sum(es_b, axis=1)
@@ -208,8 +207,8 @@ def _mixture(zs, zt, lse_s, lse_t, one_m_beta, beta, COMPILED: tl.constexpr):
     """``(p_s, p_t, log2 p_s − log2 m, log2 p_t − log2 m)`` with ``m = (1 − β)·p_s + β·p_t``: each log-probability
     is formed in nats (``z − lse``, exact where it matters: near 0, where the weights are large) before its change
     of base."""
-    s2 = (zs - lse_s) * _LOG2E
-    t2 = (zt - lse_t) * _LOG2E
+    s2 = (zs - lse_s) * LOG2E
+    t2 = (zt - lse_t) * LOG2E
     ps = tl.exp2(s2)
     pt = tl.exp2(t2)
     log2_m = _log2(tl.maximum(one_m_beta * ps + beta * pt, _TINY), COMPILED)

@@ -53,10 +53,9 @@ from .fused_matmul_launch import (
 )
 from .matmul import halves, multiprocessors, round_bf16, tile_order, tma_tile_product
 from .statistics_partials import merge_partials_, new_partials
-from .triton_kernels import apply_transform
+from .triton_kernels import LOG2E, apply_transform
 
 _NO_MAX = tl.constexpr(-3.4028234663852886e38)  # below every finite fp32 value (the statistics kernel's)
-_LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def _fold_slice(raw, n0, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy, zsum, arg, s2, sr, Z,
@@ -85,7 +84,7 @@ def _fold_slice(raw, n0, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy,
     m_slice = tl.max(z, axis=1)  # −inf for a slice wholly past the last column
     m_new = tl.maximum(m, m_slice)  # finite: every tile's first slice holds a valid column
     alpha = tl.exp(m - m_new)  # 0 before the first slice (m = _NO_MAX: no overflow), 1 while the max holds
-    e = tl.exp2((z - m_new[:, None]) * _LOG2E)
+    e = tl.exp2((z - m_new[:, None]) * LOG2E)
     s = s * alpha + tl.sum(e, axis=1)
     if ENTROPY:
         t = t * alpha + tl.sum(e * tl.where(valid, z, 0.0), axis=1)  # 0·(−inf) would be NaN
@@ -124,7 +123,7 @@ def _fold_slice(raw, n0, M, N, col_offset, off_m, rm, Bias, labels, m, s, t, zy,
         # a slice wholly past the last column has no shift
         shift_rows = Off + off_m.to(tl.int64) * stride_off
         tl.store(shift_rows + (rm - off_m) * stride_off + n0 // SLICE, m_shift, mask=row_ok & (rm * 0 + n0 < N))
-        sr = sr * alpha + tl.sum(tl.exp2((rounded + (m_shift - m_new)[:, None]) * _LOG2E), axis=1)
+        sr = sr * alpha + tl.sum(tl.exp2((rounded + (m_shift - m_new)[:, None]) * LOG2E), axis=1)
     return m_new, s, t, zy, zsum, arg, s2, sr
 
 

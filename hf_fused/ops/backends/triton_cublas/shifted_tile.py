@@ -35,7 +35,7 @@ from ...devices import kernel_device
 from .matmul import round_bf16
 from .support_kernels import candidate_block
 from .tiles import GRAD_BLOCK_V, GRAD_WARPS, rounds_to_bf16, without_bias_flag
-from .triton_kernels import apply_transform, logit_grad
+from .triton_kernels import LOG2E, apply_transform, logit_grad
 
 #: Columns of a block with one shift (and of one step of :func:`logits_chunk_`'s loop): 8 per thread of 4 warps.
 BLOCK_V, CHUNK_WARPS = 1024, 4
@@ -178,7 +178,7 @@ def _exp_tile_row_factors_kernel(
                 if blk < n_blocks:
                     off = tl.load(off_row + blk)
                     if off < m:
-                        k = tl.floor((off - m) * 1.4426950408889634 + 0.5).to(tl.int32)  # an integer in exact math
+                        k = tl.floor((off - m) * LOG2E + 0.5).to(tl.int32)  # an integer in exact math
                         factor = ((tl.maximum(k, -126) + 127) << 23).to(tl.float32, bitcast=True)
                         factor = tl.where(k < -126, 0.0, factor)  # below fp32's normal range of the row's maximum
                         cols = blk * OFF_BLOCK + tl.arange(0, BLOCK_COLS)

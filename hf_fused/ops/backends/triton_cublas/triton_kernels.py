@@ -17,7 +17,8 @@ import triton.language as tl
 # Below every finite fp32 value: a lane's max before its first column, and the value of masked-out
 # columns. Finite (unlike −inf) so that a lane's rescale ``exp(m_old − m_new)`` is never ``exp(−inf + inf)``.
 _NO_MAX = tl.constexpr(-3.4028234663852886e38)
-_LOG2E = tl.constexpr(1.4426950408889634)
+#: log2(e): exp(x) = exp2(x·LOG2E), the form the kernels take exponentials in (one multiply and the fast exp2)
+LOG2E = tl.constexpr(1.4426950408889634)
 # Columns of one lane of the statistics kernel: one 16-byte load of bf16 logits per thread.
 _VEC = tl.constexpr(8)
 
@@ -84,7 +85,7 @@ def _row_lanes(z_row, n_cols, col_offset, Bias, logit_scale, softcap, inv_temper
             z, _ = apply_transform(raw, logit_scale, softcap, inv_temperature, SOFTCAP, SCALED)
             z_max = z
             m_new = tl.maximum(m_lane, tl.max(z, axis=1))
-            e = tl.exp2(z * _LOG2E - (m_new * _LOG2E)[:, None])
+            e = tl.exp2(z * LOG2E - (m_new * LOG2E)[:, None])
         else:
             valid = cols < n_cols
             # masked columns load as 0, which every logit transform maps to 0: nothing added to Σz or Σe·z
@@ -93,8 +94,8 @@ def _row_lanes(z_row, n_cols, col_offset, Bias, logit_scale, softcap, inv_temper
             z_max = tl.where(valid, z, _NO_MAX)
             m_new = tl.maximum(m_lane, tl.max(z_max, axis=1))
             # a lane with no valid column yet keeps m_new = _NO_MAX, whose product with log2e would overflow
-            m_scaled = tl.where(m_new > _NO_MAX, m_new, 0.0) * _LOG2E
-            e = tl.exp2(tl.where(valid, z * _LOG2E - m_scaled[:, None], float("-inf")))
+            m_scaled = tl.where(m_new > _NO_MAX, m_new, 0.0) * LOG2E
+            e = tl.exp2(tl.where(valid, z * LOG2E - m_scaled[:, None], float("-inf")))
         if SUM_Z:
             zsum_lane += tl.sum(z, axis=1)
         alpha = tl.exp(m_lane - m_new)  # 0 on a lane's first valid block, 1 while its max holds
