@@ -21,7 +21,7 @@ from quack_stand_in import StandIn, assert_turned_off_once  # noqa: E402
 def _head(**kw):
     n, h, v = 8, 16, 64
     fields = dict(hidden=torch.zeros(n, h, dtype=torch.bfloat16), weight=torch.zeros(v, h, dtype=torch.bfloat16),
-                  bias=None, labels=torch.zeros(n, dtype=torch.long), rows=torch.arange(n),
+                  bias=None, labels=torch.zeros(n, dtype=torch.long), kept_rows=torch.arange(n),
                   transform=LogitTransform(), tile_budget_bytes=None)
     fields.update(kw)
     return HeadInputs(**fields)

@@ -58,7 +58,7 @@ def test_the_column_tile_is_quacks_choice(vocab, tile_n):
 def _head(v=4352, **kw):
     n, h = 8, 16
     fields = dict(hidden=torch.zeros(n, h, dtype=torch.bfloat16), weight=torch.zeros(v, h, dtype=torch.bfloat16),
-                  bias=None, labels=torch.zeros(n, dtype=torch.long), rows=torch.arange(n),
+                  bias=None, labels=torch.zeros(n, dtype=torch.long), kept_rows=torch.arange(n),
                   transform=LogitTransform(), tile_budget_bytes=None)
     fields.update(kw)
     return HeadInputs(**fields)
