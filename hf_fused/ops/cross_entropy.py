@@ -218,8 +218,9 @@ def linear_cross_entropy(
         if bool((~torch.isfinite(weights) & kept).any()):
             _raise_not_finite()
         return -logprobs * torch.where(kept, weights, 0.0)
-    row_weights = None
+    row_weights, n_kept = None, None
     if token_weights is not None:
+        n_kept = prepared.rows.numel()  # the mean's normalizer counts the tokens of weight 0 skipped below
         learned = prepared.grad_enabled and getattr(token_weights, "requires_grad", False)
         row_weights = prepared.per_token_rows(token_weights, "token_weights", differentiable=learned)
         nonzero = row_weights != 0
@@ -235,7 +236,8 @@ def linear_cross_entropy(
         if isinstance(grad_scale, torch.Tensor):
             grad_scale = grad_scale.to(device=hidden.device, dtype=torch.float32)
     elif reduction == "mean":
-        grad_scale = None  # 1 / the number of kept rows, read where the Function first needs it
+        # 1 / the number of kept rows; without token weights read where the Function first needs it
+        grad_scale = None if n_kept is None else 1.0 / max(n_kept, 1)
     else:
         grad_scale = 1.0
     return prepared.apply(LinearCrossEntropyFunction, row_weights, _CrossEntropyCall(prepared, grad_scale))
