@@ -23,14 +23,17 @@ class KeptRows:
             own checks, read in the same transfer.
         check: called once with the counts as Python ints when they are read; raises for bad input (labels out of
             range, say), so that the error reaches the caller from the op whichever use reads them first.
+        defer: False reads the count here (a plain ``tolist``, no copy or event: what Dynamo traces).
     """
 
     def __init__(self, kept: torch.Tensor, counts: torch.Tensor,
-                 check: Optional[Callable[[list], None]] = None) -> None:
+                 check: Optional[Callable[[list], None]] = None, *, defer: bool = True) -> None:
         self._kept, self._counts, self._check = kept, counts, check
         self._rows: Optional[torch.Tensor] = None
         self._ready = None
-        if counts.is_cuda:
+        if not defer:
+            self.rows()
+        elif counts.is_cuda:
             # the copy queued now, right behind the counting kernels, and waited for alone at the first use: work
             # the op queues in between (the first tile) does not delay the read
             self._counts = counts.to("cpu", non_blocking=True)  # into pinned memory

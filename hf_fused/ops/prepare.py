@@ -329,9 +329,9 @@ def _flatten(hidden, weight, labels, bias, ignore_index, num_items_in_batch, sha
         if items_tensor and not host[2]:
             check_num_items(num_items_in_batch)  # raises naming the bad value
 
-    rows = KeptRows(kept, torch.stack(counts), check)
-    if layout is not None or _tracing() or kept.device.type not in DEFERRED_COUNT_DEVICES:
-        rows.rows()  # read now: a sharded vocabulary's ranks agree on it, Dynamo breaks its graph here, a CPU waits
+    # read now for a sharded vocabulary (its ranks agree on it), under Dynamo (the graph breaks here) and off a GPU
+    defer = layout is None and not _tracing() and kept.device.type in DEFERRED_COUNT_DEVICES
+    rows = KeptRows(kept, torch.stack(counts), check, defer=defer)
     return hidden.reshape(-1, hidden_size), flat_labels, rows, num_items_in_batch, layout
 
 
