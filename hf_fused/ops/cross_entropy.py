@@ -207,7 +207,7 @@ def linear_cross_entropy(
     prepared = prepare(hidden, weight, labels, bias, ignore_index=ignore_index, transform=transform,
                        temperature=temperature, softcap=softcap, logit_scale=logit_scale,
                        tile_budget_bytes=tile_budget_bytes, backend=backend, num_items_in_batch=num_items_in_batch,
-                       vocab_parallel=vocab_parallel)
+                       vocab_parallel=vocab_parallel, defer_count=True)
     if reduction == "none":
         logprobs, _ = logprobs_outputs(prepared)
         if token_weights is None:

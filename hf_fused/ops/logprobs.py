@@ -177,7 +177,8 @@ def linear_logprobs(
         )
     prepared = prepare(hidden, weight, labels, bias, ignore_index=ignore_index, transform=transform,
                        temperature=temperature, softcap=softcap, logit_scale=logit_scale,
-                       tile_budget_bytes=tile_budget_bytes, backend=backend, vocab_parallel=vocab_parallel)
+                       tile_budget_bytes=tile_budget_bytes, backend=backend, vocab_parallel=vocab_parallel,
+                       defer_count=True)
     logprobs, entropy, *stat_outputs = logprobs_outputs(prepared, return_entropy=return_entropy,
                                                         grad_hint=grad_hint, statistics=names or ())
     if names is None:

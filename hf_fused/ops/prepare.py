@@ -23,8 +23,8 @@ from .tiling import validate_tile_budget
 from .vocab_parallel import VocabParallel, as_vocab_shard, resolve_vocab_shard, sum_gradient_over
 
 
-#: Device types on which the count of kept rows is read at its first use rather than in :func:`prepare` (a read on
-#: them waits for the device's queue, :mod:`hf_fused.ops.kept_rows`).
+#: Device types on which ``prepare(..., defer_count=True)`` reads the count of kept rows at its first use rather than
+#: at once (a read on them waits for the device's queue, :mod:`hf_fused.ops.kept_rows`).
 DEFERRED_COUNT_DEVICES = frozenset({"cuda"})
 
 
@@ -179,6 +179,7 @@ def prepare(
     backend: Optional[str] = None,
     num_items_in_batch=None,
     vocab_parallel: Optional[VocabParallel] = None,
+    defer_count: bool = False,
 ) -> PreparedHead:
     """The prologue of every public op: the head's inputs checked and flattened, with everything the op's
     autograd Function needs to compute from them.
@@ -189,9 +190,10 @@ def prepare(
     matmul); builds the logit transform (:func:`logit_transform`: ``transform`` whole or the three keywords);
     checks the tile budget; reads the autocast dtype ``F.linear`` would compute in; picks the backend
     (``backend``, else ``$HF_FUSED_BACKEND``, else the fastest for the device). One host sync in all (the label
-    checks, the count of kept rows and a tensor ``num_items_in_batch`` read together), on a GPU at the rows' first
-    use (:class:`~hf_fused.ops.kept_rows.KeptRows`): a bad label or ``num_items_in_batch`` raises from there, inside
-    the op (:meth:`PreparedHead.apply` reads it at the latest when the Function returns).
+    checks, the count of kept rows and a tensor ``num_items_in_batch`` read together); with ``defer_count``, on a
+    GPU, at the rows' first use (:class:`~hf_fused.ops.kept_rows.KeptRows`): a bad label or ``num_items_in_batch``
+    then raises from there, inside the op (:meth:`PreparedHead.apply` reads the count at the latest when the
+    Function returns).
 
     An op is then one autograd Function and this one call (the distillation divergence, say)::
 
@@ -214,6 +216,12 @@ def prepare(
         transform, temperature, softcap, logit_scale: the logit transform (:func:`logit_transform`).
         tile_budget_bytes: ``None`` (the planner's rule) or a positive int.  backend: a registered name or ``None``.
         num_items_in_batch: ``None`` or one finite number > 0 (a Python number or a one-element tensor).
+        defer_count: read the count of kept rows at their first use rather than here (on a device of
+            :data:`DEFERRED_COUNT_DEVICES`, outside Dynamo, without ``vocab_parallel``): for an op whose labels are
+            read only through :attr:`PreparedHead.rows` and whose pass launches work before that first use (the
+            GPU backend's one pass launches its first tile), so that the host's set-up runs while the device
+            works through its queue. An op that reads the labels otherwise must leave it False: their range is
+            checked with the count.
         vocab_parallel: ``None``, or this rank's :class:`~hf_fused.ops.vocab_parallel.VocabShard` (or a
             ``(start, stop, group)`` tuple) of a head sharded over the vocabulary: ``weight`` (and ``bias``) are the
             rank's rows ``[start, stop)``, ``labels`` global ids. The shards are checked against the group's
@@ -236,7 +244,7 @@ def prepare(
     transform = logit_transform(transform, temperature=temperature, softcap=softcap, logit_scale=logit_scale)
     shard = None if vocab_parallel is None else as_vocab_shard(vocab_parallel)
     flat_hidden, flat_labels, rows, num_items_in_batch, layout = _flatten(hidden, weight, labels, bias, ignore_index,
-                                                                          num_items_in_batch, shard)
+                                                                          num_items_in_batch, shard, defer_count)
     head = HeadInputs(sum_gradient_over(flat_hidden, layout), weight, bias, flat_labels, rows, transform,
                       validate_tile_budget(tile_budget_bytes), autocast_dtype(flat_hidden.device.type))
     if layout is not None and layout.sharded:
@@ -246,13 +254,13 @@ def prepare(
     return PreparedHead(head, chosen, labels, hidden.shape[:-1], num_items_in_batch, torch.is_grad_enabled())
 
 
-def _flatten(hidden, weight, labels, bias, ignore_index, num_items_in_batch, shard=None):
+def _flatten(hidden, weight, labels, bias, ignore_index, num_items_in_batch, shard=None, defer_count=False):
     """``(hidden [N, H], labels [N] int64, kept rows, num_items_in_batch, vocabulary layout or None)`` after the
     checks of :func:`prepare`. One host sync: every sync drains the GPU queue, and a training step of a patched
-    model should cost no more of them than the unpatched model's. On a device of :data:`DEFERRED_COUNT_DEVICES` it
-    is left to the rows' first use (:class:`~hf_fused.ops.kept_rows.KeptRows`: the count, the label check and a
-    tensor ``num_items_in_batch``'s check read together); elsewhere, under Dynamo and for a vocabulary shard (whose
-    collective check syncs anyway, :func:`resolve_vocab_shard`) it is read here."""
+    model should cost no more of them than the unpatched model's. With ``defer_count`` on a device of
+    :data:`DEFERRED_COUNT_DEVICES` it is left to the rows' first use (:class:`~hf_fused.ops.kept_rows.KeptRows`: the
+    count, the label check and a tensor ``num_items_in_batch``'s check read together); otherwise, under Dynamo and
+    for a vocabulary shard (whose collective check syncs anyway, :func:`resolve_vocab_shard`) it is read here."""
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -330,7 +338,7 @@ def _flatten(hidden, weight, labels, bias, ignore_index, num_items_in_batch, sha
             check_num_items(num_items_in_batch)  # raises naming the bad value
 
     # read now for a sharded vocabulary (its ranks agree on it), under Dynamo (the graph breaks here) and off a GPU
-    defer = layout is None and not _tracing() and kept.device.type in DEFERRED_COUNT_DEVICES
+    defer = defer_count and layout is None and not _tracing() and kept.device.type in DEFERRED_COUNT_DEVICES
     rows = KeptRows(kept, torch.stack(counts), check, defer=defer)
     return hidden.reshape(-1, hidden_size), flat_labels, rows, num_items_in_batch, layout
 

@@ -195,3 +195,12 @@ def test_on_gpu_the_lead_tile_gives_the_count_first_results(deferred, monkeypatc
     lead, first = _both(monkeypatch, run, rows=1024)
     assert deferred[:2] == ["tile", "count"], deferred
     _assert_equal(lead, first)
+
+
+def test_only_the_ops_that_ask_defer_the_count(deferred):
+    """prepare reads the count at once unless the op asks (defer_count=True: the cross-entropy and log-prob ops, which
+    read the labels only through the rows): an op that reads the labels itself (top-k log-probs, distillation) gets
+    the label check before it does, as before."""
+    hidden, weight, labels = trained_head_inputs(seed=6, n=48)
+    assert prepare_module.prepare(hidden, weight, labels).head.kept_rows.known
+    assert not prepare_module.prepare(hidden, weight, labels, defer_count=True).head.kept_rows.known
