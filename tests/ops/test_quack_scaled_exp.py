@@ -352,9 +352,9 @@ def test_cross_entropy_on_gpu_is_as_accurate_as_quacks(n, h, v, monkeypatch):
     rounding of the stored values: hf_fused takes the tile row-scaled, ``s·(E @ W)``, QuACK scales it by powers of
     two inside its matmul; 1.0004x and 0.998x, H200, 2026-11-30), the weight gradient closer (both round the
     row-scaled hidden states to bf16; hf_fused's label column comes from the fp32 label logit: 0.89x / 0.87x)."""
+    hidden, weight, labels = _hopper_inputs(n, h, v)  # skips without QuACK or a Hopper GPU
     from quack.linear_cross_entropy import chunked_linear_cross_entropy
 
-    hidden, weight, labels = _hopper_inputs(n, h, v)
     calls = []
     real = quack_bridge.scaled_exp_logits
     monkeypatch.setattr(quack_bridge, "scaled_exp_logits", lambda *a: calls.append(1) or real(*a))
