@@ -2,7 +2,8 @@
 its tensors' (cuBLAS and PyTorch's own kernels follow the tensors), so a call whose tensors sit on another GPU than
 the current one (lm_head of a model dispatched over several GPUs) makes their GPU current first. And a GPU's compute
 capability, read once per process: the kernel choices of every call ask for it after the call's host sync, while
-the GPU waits, and ``torch.cuda.get_device_capability`` reads the whole property struct at each call."""
+the GPU waits, and ``torch.cuda.get_device_capability`` reads the whole property struct at each call; its
+multiprocessor count likewise (the Triton kernels' persistent grids)."""
 
 from __future__ import annotations
 
@@ -27,4 +28,17 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-__all__ = ["capability", "kernel_device"]
+def multiprocessors(device: torch.device) -> int:
+    """The multiprocessor count of a CUDA ``device`` (``cuda`` alone: the current one); 1 elsewhere (Triton's
+    interpreter: the fewest, largest programs are fastest)."""
+    if device.type != "cuda":
+        return 1
+    return _multiprocessors(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+__all__ = ["capability", "kernel_device", "multiprocessors"]

@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...devices import capability, kernel_device
+from ...devices import capability, kernel_device, multiprocessors
 from .matmul import (
-    LARGE, GemmConfig, default_config, halves, multiprocessors, round_bf16, tile_order, tma_operand, tma_tile_product,
+    LARGE, GemmConfig, default_config, halves, round_bf16, tile_order, tma_operand, tma_tile_product,
     to_fp32,
 )
 

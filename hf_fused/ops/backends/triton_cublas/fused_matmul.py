@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...devices import kernel_device
+from ...devices import kernel_device, multiprocessors
 from .fused_matmul_launch import (
     CONFIGS,
     INTERPRETER_CONFIG,
@@ -51,7 +51,7 @@ from .fused_matmul_launch import (
     tma_tile_store,
     tma_tile_store_forced,
 )
-from .matmul import halves, multiprocessors, round_bf16, tile_order, tma_tile_product
+from .matmul import halves, round_bf16, tile_order, tma_tile_product
 from .statistics_partials import merge_partials_, new_partials
 from .triton_kernels import LOG2E, apply_transform
 

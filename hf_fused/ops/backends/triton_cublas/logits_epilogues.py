@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...devices import capability, kernel_device
-from .matmul import GemmConfig, halves, multiprocessors, round_bf16, tile_order, tma_operand, tma_tile_product
+from ...devices import capability, kernel_device, multiprocessors
+from .matmul import GemmConfig, halves, round_bf16, tile_order, tma_operand, tma_tile_product
 from .triton_kernels import apply_transform, logit_grad
 
 #: The launch shape: 128×256 output tiles on 8 warps, 4 pipelined stages, the epilogue on four 64-column slices

@@ -15,13 +15,14 @@ docs/design/numerics.md ("Launch shapes").
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from ...devices import multiprocessors
 
 
 def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -91,15 +92,6 @@ SWEEP_CONFIGS = tuple(dataclasses.replace(c, tma=False) for c in _NEIGHBOURS) + 
     dataclasses.replace(c, tma=True)
     for c in _NEIGHBOURS + (GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4, epilogue_split=2),)
 )
-
-
-@functools.lru_cache(maxsize=None)
-def multiprocessors(device: torch.device) -> int:
-    """The multiprocessor count of a CUDA ``device``; 1 elsewhere (the interpreter: fewest, largest programs are
-    fastest)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def default_config(m: int, n: int, device: torch.device) -> GemmConfig:

@@ -5,7 +5,7 @@
 - :func:`softmax_grad`: the two passes' ``dz`` tile ``−g·exp(z − lse)`` and the gathered label logit, from which
   :func:`.logits_epilogues.label_grad_` sets the label column (the Triton fused-``dz`` kernel's bits, 16–22 % less
   time per tile on an H200); of the bf16 logit, or of the fp32 accumulator where the statistics came from it
-  (there also of ``acc·logit_scale``: :func:`fp32_scaled_softmax_grad`).
+  (there also of ``acc·logit_scale``).
 - :func:`scaled_exp_logits`: QuACK's scaled-exp epilogue (``quack.epilogue.scaled_exp``) with a window on its
   shifts: the tile stored as ``E = bf16(2^(z·log2 e − k))`` with ``k`` the rounded maximum of each (row,
   ``tile_n``-column tile) outside ``±SHIFT_WINDOW`` and 0 inside (:class:`WindowedMaxLog2`), each tile's Σ E, its
@@ -84,24 +84,15 @@ def bf16_softmax_grad(acc, lse, scale):
 
 
 @gemm_epilogue(
-    ops={"lse": ColVecLoad("lse"), "scale": ColVecLoad("scale")},
-    outs={"target_logit": ColVecSelect("target_logit", idx_op=_LABELS)},
-    extra_ops=(_LABELS,),
-)
-def fp32_softmax_grad(acc, lse, scale):
-    """:func:`bf16_softmax_grad` of the fp32 accumulator itself (statistics taken from it too): no logit is
-    rounded before the exponential."""
-    return {"D": scale * pexp(acc - lse), "target_logit": acc}
-
-
-@gemm_epilogue(
     ops={"lse": ColVecLoad("lse"), "scale": ColVecLoad("scale"), "logit_scale": Scalar("logit_scale")},
     outs={"target_logit": ColVecSelect("target_logit", idx_op=_LABELS)},
     extra_ops=(_LABELS,),
 )
-def fp32_scaled_softmax_grad(acc, lse, scale, logit_scale):
-    """:func:`fp32_softmax_grad` of the logits ``z = acc·logit_scale`` (a logit scale over a temperature: one fp32
-    rounding, as :func:`scaled_exp_logit_scale_epi` takes them for the statistics)."""
+def fp32_softmax_grad(acc, lse, scale, logit_scale):
+    """:func:`bf16_softmax_grad` of the logits ``z = acc·logit_scale`` taken from the fp32 accumulator itself
+    (statistics taken from it too): no logit is rounded before the exponential. A logit scale over a temperature is
+    one fp32 rounding, as :func:`scaled_exp_logit_scale_epi` takes them for the statistics; at 1 the product is
+    ``acc`` itself, bit for bit."""
     z = acc * logit_scale
     return {"D": scale * pexp(z - lse), "target_logit": z}
 
@@ -122,19 +113,19 @@ def softmax_grad(
         lse, scale: fp32 ``[M]``, contiguous (the row's log-sum-exp over the whole vocabulary; ``−∂L/∂logp``).
         out: ``[M, N]`` bf16, contiguous: written.  label_logit: fp32 ``[M]``: written where the label is inside.
         logit_scale: the logits are ``z = acc·logit_scale`` (a logit scale over a sampling temperature; only with
-            ``round_logits=False``, :func:`fp32_scaled_softmax_grad`), ``lse`` and the label logit of those.
+            ``round_logits=False``, :func:`fp32_softmax_grad`), ``lse`` and the label logit of those.
     Every tensor must start 16-byte aligned (QuACK's TMA).
 
     Raises:
         ValueError: a ``logit_scale`` other than 1 with ``round_logits``."""
-    if logit_scale != 1.0:
-        if round_logits:
+    if round_logits:
+        if logit_scale != 1.0:
             raise ValueError("softmax_grad: a logit_scale other than 1 takes the fp32 accumulator (round_logits=False)")
-        fp32_scaled_softmax_grad(hidden, weight.mT, out={"D": out}, lse=lse, scale=scale,
-                                 logit_scale=float(logit_scale), target=labels, target_logit=label_logit, tuned=False)
+        bf16_softmax_grad(hidden, weight.mT, out={"D": out}, lse=lse, scale=scale, target=labels,
+                          target_logit=label_logit, tuned=False)
         return
-    (bf16_softmax_grad if round_logits else fp32_softmax_grad)(
-        hidden, weight.mT, out={"D": out}, lse=lse, scale=scale, target=labels, target_logit=label_logit, tuned=False)
+    fp32_softmax_grad(hidden, weight.mT, out={"D": out}, lse=lse, scale=scale, logit_scale=float(logit_scale),
+                      target=labels, target_logit=label_logit, tuned=False)
 
 
 #: The shifts' window, in powers of two: a column tile whose rounded maximum ``k`` (in log2 units) lies in
