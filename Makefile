@@ -1,10 +1,13 @@
 # Two commands for a fresh clone: `make demo` (fine-tune on real text) and `make test`.
-# Each creates .venv on first use. torch is installed first, alone, so that the CPU build is taken
-# and nothing later pulls the multi-GB CUDA build (pip keeps an installed torch that satisfies >=2.6);
+# Each creates .venv on first use. torch is installed first (beside uv), so that the CPU build is taken
+# and nothing later pulls the multi-GB CUDA build (pip and uv keep an installed torch that satisfies >=2.6);
 # on a GPU machine run `make TORCH=torch demo` or install into your own environment (README).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# uv installs the package and its dependencies (a minute faster than pip on 2 cores); pip installs torch (uv does not
+# look where the CPU build lies) and DeepSpeed (its build reads the installed torch)
+UV := $(VENV)/bin/uv pip install -q --python $(PY)
 TORCH ?= torch==2.13.0
 
 .PHONY: venv demo demo-grpo test notebooks docs wheel clean
@@ -12,8 +15,8 @@ TORCH ?= torch==2.13.0
 $(VENV)/.installed: setup.cfg setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,examples]"
+	$(PY) -m pip install -q "$(TORCH)" uv
+	$(UV) -e ".[test,examples]"
 	# DeepSpeed for tests/distributed (ZeRO-2/3 on CPU ranks); after torch, no compiled ops, keeps torch
 	DS_BUILD_OPS=0 $(PY) -m pip install -q "deepspeed>=0.19"
 	# ...except the shared-memory op its CPU ranks build on first use (a minute or two of C++): built once here, not
@@ -43,7 +46,7 @@ notebooks: venv
 # The documentation site (mkdocs.yml) into site/, every warning an error: a broken link or anchor, an unresolved
 # reference, a public name without a docstring or missing from docs/reference/ (docs/hooks/api_check.py).
 docs: venv
-	$(PY) -m pip install -q -e ".[docs]"
+	$(UV) -e ".[docs]"
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # The wheel, and a check that it holds the library only.
