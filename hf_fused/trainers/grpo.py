@@ -11,10 +11,12 @@ answered by hf_fused's ops), plus what only a subclass can add:
    on them (β = 0, no entropy bonus or mask, no off-policy mask, no vLLM correction, token-level
    importance sampling, a loss type listed in ``_HINTED_LOSS_TYPES``), TRL's loss sends them the gradient
    ``−A·mask`` times a per-sequence or global constant, known before the forward. ``_compute_loss`` then
-   passes that as ``grad_hint`` (:func:`hf_fused.ops.linear_logprobs`) with the fused-head call: with a
-   ``tile_budget_bytes`` that holds the ``[V, H]`` weight-gradient accumulator (fp32, or the compensated pair
-   for a bf16 weight; :func:`hf_fused.ops.describe_plan` says which schedule a call takes) the head's gradients
-   come out of the forward's single pass (6·N·H·V FLOPs instead of 8). Backward checks that the gradient
+   passes that as ``grad_hint`` (:func:`hf_fused.ops.linear_logprobs`) with the fused-head call: where the
+   call's plan is the one pass (by default on a GPU whenever its working set fits in a quarter of the free
+   memory; under an explicit ``tile_budget_bytes`` when that holds the ``[V, H]`` weight-gradient accumulator,
+   fp32 or the compensated pair for a bf16 weight, and 512 tile rows; :func:`hf_fused.ops.describe_plan` says
+   which schedule a call takes) the head's gradients come out of the forward's single pass (6·N·H·V FLOPs
+   instead of 8). Backward checks that the gradient
    TRL's loss really sends matches and recomputes if not, so this can cost time, never exactness.
    Otherwise, for every loss type and option that is token-separable (off-policy ratios, β > 0, entropy
    bonus, vLLM importance sampling; :mod:`hf_fused.trainers.grpo_objective` lists what is not), the hint is
@@ -55,13 +57,29 @@ class FusedGRPOTrainer(GRPOTrainer):
     """Drop-in replacement for :class:`trl.GRPOTrainer` (TRL 1.16); same arguments, same objective,
     gradients and metrics. Differences: log-probs and entropies are computed tile by tile by hf_fused
     inside the model's forward, a PEFT adapter on ``lm_head`` is supported and trained, and on-policy
-    steps can compute the head's gradients in the forward (module docstring, point 2)."""
+    steps can compute the head's gradients in the forward (module docstring, point 2).
+
+    Args:
+        model (str | transformers.PreTrainedModel): a model id (loaded as TRL loads it, then patched) or a
+            causal LM (patched in place by :func:`hf_fused.apply_fused_loss` before TRL sees it). Every other
+            argument is :class:`trl.GRPOTrainer`'s.
+        fused_options: keyword arguments for :func:`hf_fused.apply_fused_loss` (``tile_budget_bytes``,
+            ``backend``, ``verify``).
+
+    Raises:
+        TypeError, NotImplementedError, FusedLossVerificationError: from :func:`hf_fused.apply_fused_loss`, for a
+            model it cannot patch or whose patched forward disagrees with the original on its probe;
+            :class:`trl.GRPOTrainer`'s own errors otherwise.
+    """
 
     def __init__(self, model, *args, fused_options: Optional[dict] = None, **kwargs):
         """Same arguments as :class:`trl.GRPOTrainer`, plus ``fused_options``: keyword arguments for
-        :func:`hf_fused.apply_fused_loss` (``tile_budget_bytes``, ``backend``, ``verify``). A
-        ``tile_budget_bytes`` of at least ``2·V·H + 512·V·2`` (``2048·V·2`` for full speed; a bf16 or fp16 head)
-        lets on-policy steps compute the head's gradients in the forward pass (module docstring, point 2)."""
+        :func:`hf_fused.apply_fused_loss` (``tile_budget_bytes``, ``backend``, ``verify``). By default on a GPU
+        steps compute the head's gradients in the forward pass where that fits in a quarter of the free memory;
+        an explicit ``tile_budget_bytes`` allows it where the budget holds the pass's working set: for a bf16 or
+        fp16 head about ``2·V·H`` bytes of weight-gradient accumulator, ``rows·V·2`` of tile (512 rows at the
+        least, 2048 for full speed) and ``4·H`` per token of held hidden-state gradient
+        (:func:`hf_fused.ops.describe_plan` says what a call takes; module docstring, point 2)."""
         from ..model import apply_fused_loss
 
         self._fused_options = dict(fused_options or {})
