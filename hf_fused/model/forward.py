@@ -26,7 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops import LogitTransform, linear_cross_entropy, linear_logprobs
+from ..ops import LogitTransform, available_backends, linear_cross_entropy, linear_logprobs
+from ..ops.tiling import validate_tile_budget
 from .distributed import run_head
 from .extensions import call_handler, track_patched
 from .lm_head import head_tensors
@@ -402,6 +403,21 @@ def head_operands(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor
     bias = None if bias is None else bias.float()
     precision = torch.autocast(head_hidden.device.type, enabled=False)
     return head_hidden.float(), weight.float(), bias, labels, precision
+
+
+def check_op_options(tile_budget_bytes: Optional[int], backend: Optional[str], caller: str) -> None:
+    """The ops' options checked where they are given (``caller``: the public name), not at the first forward.
+
+    Raises:
+        ValueError: ``tile_budget_bytes`` not ``None`` or a positive int; ``backend`` not ``None`` or a
+            registered name.
+    """
+    validate_tile_budget(tile_budget_bytes)
+    if backend is not None and backend not in available_backends():
+        raise ValueError(
+            f"{caller}(backend={backend!r}): not an hf_fused backend; available: {available_backends()}. "
+            "Pass one of these names, or None for the fastest one on the model's device."
+        )
 
 
 def op_options(state: FusedLossState, *, ignore_index: int = -100) -> dict:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..ops import LogitTransform, linear_cross_entropy
 from .distributed import run_head
-from .forward import head_operands
+from .forward import check_op_options, head_operands
 from .lm_head import check_head_supported
 from .tensor_parallel import check_tensor_parallel_head, refuse_data_parallel_shard, vocab_parallel_head
 from .transform_probe import config_logit_transform, measure_logit_transform
@@ -46,8 +46,11 @@ class LinearCrossEntropyLoss(nn.Module):
         tile_budget_bytes, backend: as in :func:`hf_fused.ops.linear_cross_entropy`.
 
     Raises:
-        NotImplementedError: an lm_head hf_fused cannot read (quantized, DoRA, not linear).
-        ValueError: unknown ``reduction``.
+        NotImplementedError: an lm_head hf_fused cannot read (quantized, not linear, an active DoRA or
+            ``lora_bias`` adapter).
+        ValueError: unknown ``reduction``; ``tile_budget_bytes`` not ``None`` or a positive int; an unregistered
+            ``backend``; a ``softcap`` or ``logit_scale`` :class:`~hf_fused.ops.LogitTransform` refuses.
+        TypeError: a ``softcap`` or ``logit_scale`` that is not a number.
     """
 
     def __init__(self, lm_head: nn.Module, *, ignore_index: int = -100, reduction: str = "mean",
@@ -55,6 +58,7 @@ class LinearCrossEntropyLoss(nn.Module):
                  tile_budget_bytes: Optional[int] = None, backend: Optional[str] = None):
         super().__init__()
         check_head_supported(lm_head)
+        check_op_options(tile_budget_bytes, backend, "LinearCrossEntropyLoss")
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
         self.lm_head = lm_head
@@ -107,7 +111,9 @@ class LinearCrossEntropyLoss(nn.Module):
 
         Raises:
             ValueError: neither ``labels`` nor ``shift_labels``; labels not shaped like ``hidden_states[..., 0]``;
-                the ops' own checks (labels out of range, bad ``num_items_in_batch``).
+                the ops' own checks (labels out of range, bad ``num_items_in_batch``, tensors on several devices).
+            TypeError: labels that are not integer tensors (the ops' check).
+            NotImplementedError: a head adapter activated since construction that hf_fused cannot read (DoRA).
         """
         if shift_labels is None:
             if labels is None:

@@ -26,9 +26,29 @@ def check_head_supported(lm_head: nn.Module) -> None:
         return
     if _is_lora_layer(lm_head):
         check_head_supported(lm_head.base_layer)
+        if not (lm_head.disable_adapters or lm_head.merged):
+            for name in lm_head.active_adapters:
+                if name in lm_head.lora_A.keys():
+                    _check_lora_adapter(lm_head, name)
         return
     if not _is_plain_linear(lm_head):
         raise _unsupported(lm_head)
+
+
+def _check_lora_adapter(layer: nn.Module, name: str) -> None:
+    """Raise ``NotImplementedError`` for an adapter on lm_head whose map :func:`head_tensors` cannot fold into
+    ``[h, A h]·[W, B]ᵀ``: a LoRA variant (DoRA) or a LoRA bias."""
+    what = None
+    if name in getattr(layer, "lora_variant", {}):
+        what = f"uses {type(layer.lora_variant[name]).__name__} (e.g. DoRA), whose map is not linear in [h, A h]"
+    elif layer.lora_B[name].bias is not None:
+        what = "has a bias (lora_bias=True)"
+    if what is not None:
+        raise NotImplementedError(
+            f"hf_fused supports vanilla LoRA on lm_head; adapter {name!r} {what}. Leave lm_head out of the "
+            "adapter's target_modules, merge the adapter into lm_head first, or call remove_fused_loss(model) to "
+            "train with the original loss."
+        )
 
 
 def _is_plain_linear(module: nn.Module) -> bool:
@@ -80,14 +100,8 @@ def _lora_head_tensors(layer: nn.Module, hidden: torch.Tensor):
     for name in layer.active_adapters:
         if name not in layer.lora_A.keys():
             continue
-        if name in getattr(layer, "lora_variant", {}):
-            raise NotImplementedError(
-                f"hf_fused supports vanilla LoRA on lm_head; adapter {name!r} uses "
-                f"{type(layer.lora_variant[name]).__name__} (e.g. DoRA), whose map is not linear in [h, A h]."
-            )
+        _check_lora_adapter(layer, name)
         lora_A, lora_B = layer.lora_A[name], layer.lora_B[name]
-        if lora_B.bias is not None:
-            raise NotImplementedError("hf_fused does not support lora_bias=True on lm_head")
         x = layer.lora_dropout[name](hidden.to(lora_A.weight.dtype))
         extra_hidden.append((lora_A(x) * layer.scaling[name]).to(hidden.dtype))
         extra_weight.append(_whole_weight(lora_B, hidden.device).to(weight.dtype))

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from .extensions import notify_patched, notify_removed
-from .forward import FusedLossState, PatchedForward
+from .forward import FusedLossState, PatchedForward, check_op_options
 from .lm_head import check_head_supported
 from .tensor_parallel import check_tensor_parallel_head
 from .transform_probe import FusedLossVerificationError, config_logit_transform, probe_inputs, probe_logit_transform
@@ -64,12 +64,16 @@ def apply_fused_loss(
     Raises:
         TypeError: no causal LM with an lm_head inside ``model``, or a model that is not a causal LM
             (masked LM, encoder-decoder, sequence classifier, plain module), naming the class.
-        NotImplementedError: an lm_head hf_fused cannot read (quantized, DoRA, not ``nn.Linear``), or a LoRA
-            adapter on a tensor-parallel lm_head (:func:`~hf_fused.model.tensor_parallel.check_tensor_parallel_head`).
+        NotImplementedError: an lm_head hf_fused cannot read (quantized, not ``nn.Linear``, an active DoRA or
+            ``lora_bias`` adapter), or a LoRA adapter on a tensor-parallel lm_head
+            (:func:`~hf_fused.model.tensor_parallel.check_tensor_parallel_head`).
+        ValueError: ``tile_budget_bytes`` not ``None`` or a positive int, or ``backend`` not ``None`` or a
+            registered name (:func:`hf_fused.ops.available_backends`).
         FusedLossVerificationError: the probe disagrees, naming the model type and the difference.
     """
     causal_lm = find_causal_lm(model)
     check_causal_lm(causal_lm)
+    check_op_options(tile_budget_bytes, backend, "apply_fused_loss")
     check_head_supported(causal_lm.get_output_embeddings())
     check_tensor_parallel_head(causal_lm.get_output_embeddings())
     state = causal_lm.__dict__.get("_hf_fused")
@@ -98,7 +102,11 @@ def remove_fused_loss(model: nn.Module) -> nn.Module:
     """Undo :func:`apply_fused_loss`: the model's forward is the original again, and the integrations undo what
     they did for it (:mod:`hf_fused.integrations`: a TRL trainer's head options leave the model and TRL's own head
     takes the fused calls; once no patched model is left, transformers' and TRL's attributes are the originals
-    again). No-op if not patched. Returns ``model``."""
+    again). No-op for a causal LM that is not patched. Returns ``model``.
+
+    Raises:
+        TypeError: no causal LM with an lm_head inside ``model`` (as :func:`apply_fused_loss`).
+    """
     causal_lm = find_causal_lm(model)
     state = causal_lm.__dict__.pop("_hf_fused", None)
     if state is None:
@@ -144,7 +152,11 @@ class ReplicatePatched:
 @contextmanager
 def original_forward_only(model: nn.Module):
     """Within this block a patched model runs its original forward even with labels (logits and all),
-    e.g. for evaluation that needs logits for metrics. No-op for an unpatched model."""
+    e.g. for evaluation that needs logits for metrics. No-op for a causal LM that is not patched.
+
+    Raises:
+        TypeError: no causal LM with an lm_head inside ``model`` (as :func:`apply_fused_loss`).
+    """
     state = find_causal_lm(model).__dict__.get("_hf_fused")
     if state is None:
         yield model

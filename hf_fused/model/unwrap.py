@@ -74,7 +74,8 @@ def check_causal_lm(causal_lm: nn.Module) -> None:
     if getattr(config, "is_encoder_decoder", False):
         raise TypeError(
             f"hf_fused computes the decoder-only causal-LM loss; {name} is an encoder-decoder model "
-            f"({getattr(config, 'model_type', '?')}), which it does not support."
+            f"({getattr(config, 'model_type', '?')}), which it does not support. Train it with its own loss (do not "
+            "call apply_fused_loss), or call hf_fused.ops.linear_cross_entropy on its decoder's hidden states."
         )
     if not causal_lm.can_generate():
         raise TypeError(

@@ -47,8 +47,10 @@ class TokenLossHint:
     def __post_init__(self) -> None:
         if not callable(self.token_loss):
             raise TypeError(f"TokenLossHint.token_loss must be callable, got {self.token_loss!r}")
-        if not self.per_token or not all(isinstance(v, torch.Tensor) for v in self.per_token.values()):
-            raise TypeError("TokenLossHint.per_token must be a non-empty dict of tensors shaped like labels")
+        if (not isinstance(self.per_token, dict) or not self.per_token
+                or not all(isinstance(v, torch.Tensor) for v in self.per_token.values())):
+            raise TypeError("TokenLossHint.per_token must be a non-empty dict of tensors shaped like labels "
+                            f"(name -> tensor, the names token_loss takes), got {type(self.per_token).__name__}")
         shapes = {tuple(v.shape) for v in self.per_token.values()}
         if len(shapes) != 1:
             raise ValueError(f"TokenLossHint.per_token tensors must share one shape (labels'), got {sorted(shapes)}")

@@ -301,7 +301,8 @@ def _flatten(hidden, weight, labels, bias, ignore_index, num_items_in_batch, sha
             raise ValueError(f"bias must be on weight's device {weight.device}, got {bias.device}")
     if hidden.device != weight.device or labels.device != hidden.device:
         raise ValueError(
-            f"hidden, weight and labels must be on one device, got {hidden.device}, {weight.device}, {labels.device}"
+            f"hidden, weight and labels must be on one device, got {hidden.device}, {weight.device}, {labels.device}; "
+            "move them to the weight's device (e.g. labels.to(weight.device))"
         )
     meta = [name for name, t in tensors if isinstance(t, torch.Tensor) and t.is_meta]
     if meta:

@@ -24,6 +24,7 @@ class GRPOObjective:
     """The fields of open-instruct's ``GRPOExperimentConfig`` that shape the loss (defaults are its own).
 
     Raises:
+        TypeError: a clip range or ``beta`` that is not a real number (a ``bool`` included).
         ValueError: an unknown ``loss_fn`` or ``kl_estimator``, or a negative clip range.
     """
 
@@ -34,6 +35,10 @@ class GRPOObjective:
     kl_estimator: int = 2
 
     def __post_init__(self) -> None:
+        for name in ("clip_lower", "clip_higher", "beta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"GRPOObjective.{name} must be a real number (a Python float), got {value!r}")
         if self.loss_fn not in LOSS_FNS:
             raise ValueError(f"loss_fn must be one of {LOSS_FNS} (open-instruct's GRPOLossType), got {self.loss_fn!r}")
         if self.kl_estimator not in (0, 1, 2, 3):
@@ -76,12 +81,29 @@ def kl_estimate(estimator: int, logprobs_diff: torch.Tensor, ratio: torch.Tensor
     return ratio * d
 
 
-def grpo_token_loss(logprobs, entropy, *, objective: GRPOObjective, inv_denominator: float, advantages, mask,
-                    old_logprobs=None, ref_logprobs=None, rho_weights=None):
+def grpo_token_loss(logprobs: torch.Tensor, entropy: Optional[torch.Tensor], *, objective: GRPOObjective,
+                    inv_denominator: float, advantages: torch.Tensor, mask: torch.Tensor,
+                    old_logprobs: Optional[torch.Tensor] = None, ref_logprobs: Optional[torch.Tensor] = None,
+                    rho_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-token ``(pg + β·kl)·mask · inv_denominator``: a ``token_loss`` for
     :func:`~hf_fused.ops.linear_token_loss` (bind ``objective`` and ``inv_denominator`` with
     ``functools.partial``; the tensors come per token). ``old_logprobs=None`` means open-instruct's first
-    epoch without cached log-probs: ``old = logp.detach()`` (ratio 1, the gradient of ``r`` still ``r·dlogp``)."""
+    epoch without cached log-probs: ``old = logp.detach()`` (ratio 1, the gradient of ``r`` still ``r·dlogp``).
+    The terms are open-instruct's ``compute_grpo_loss`` (:func:`grpo_terms`) and ``estimate_kl`` (:func:`kl_estimate`).
+
+    Args:
+        logprobs: fp32 ``[n]``, the tile's log-probs in nats (differentiable).
+        entropy: fp32 ``[n]`` or ``None``; unused (the objective has no entropy term).
+        objective: the loss's :class:`GRPOObjective`.
+        inv_denominator: the reduction's ``1 / denominator``.
+        advantages: float ``[n]``, per token.
+        mask: float ``[n]``, 1 where the token counts, else 0.
+        old_logprobs: float ``[n]`` in nats, or ``None`` (ratio 1).
+        ref_logprobs: float ``[n]`` in nats, or ``None`` (no KL term).
+        rho_weights: float ``[n]`` truncated importance weights, or ``None`` (1).
+
+    Returns:
+        fp32 ``[n]``: each token's share of the loss."""
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     pg_loss, _, kl = grpo_terms(objective, logprobs, advantages, old, ref_logprobs, rho_weights)
     per_token = pg_loss + objective.beta * kl if ref_logprobs is not None else pg_loss

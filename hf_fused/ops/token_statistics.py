@@ -3,6 +3,7 @@ names, the checks of a request, and :func:`linear_token_statistics`, the gradien
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Optional, Sequence
 
 import torch
@@ -20,11 +21,13 @@ def check_statistics(statistics: Sequence[str]) -> tuple[str, ...]:
     """``statistics`` as a tuple of distinct names, in the order given.
 
     Raises:
-        TypeError: a single string instead of a sequence of names.
+        TypeError: a single string instead of a sequence of names, or no sequence at all.
         ValueError: a name not in :data:`TOKEN_STATISTICS`.
     """
     if isinstance(statistics, str):
         raise TypeError(f"statistics must be a sequence of names, e.g. ({statistics!r},), not a string")
+    if not isinstance(statistics, Iterable):
+        raise TypeError(f"statistics must be a sequence of names among {TOKEN_STATISTICS}, got {statistics!r}")
     names = tuple(dict.fromkeys(statistics))
     unknown = [s for s in names if s not in TOKEN_STATISTICS]
     if unknown:

@@ -67,9 +67,10 @@ class FusedGRPOTrainer(GRPOTrainer):
             ``backend``, ``verify``).
 
     Raises:
-        TypeError, NotImplementedError, FusedLossVerificationError: from :func:`hf_fused.apply_fused_loss`, for a
-            model it cannot patch or whose patched forward disagrees with the original on its probe;
-            :class:`trl.GRPOTrainer`'s own errors otherwise.
+        TypeError, NotImplementedError, ValueError, FusedLossVerificationError: from
+            :func:`hf_fused.apply_fused_loss`, for a model it cannot patch, a bad ``tile_budget_bytes`` or
+            ``backend`` (an unknown key in ``fused_options`` is a ``TypeError``), or a patched forward that
+            disagrees with the original on its probe; :class:`trl.GRPOTrainer`'s own errors otherwise.
     """
 
     def __init__(self, model, *args, fused_options: Optional[dict] = None, **kwargs):

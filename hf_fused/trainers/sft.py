@@ -45,7 +45,12 @@ class FusedTrainer(Trainer):
         ValueError: with ``label_smoothing_factor > 0`` or ``compute_loss_func``: each needs the logits (or
             replaces the loss) that the fused path never builds; with both ``fused_options`` and
             ``fused_loss_kwargs``; at ``train()``, with ``liger_kernel_config={"fused_linear_cross_entropy":
-            True}`` (Liger's loss would replace hf_fused's).
+            True}`` (Liger's loss would replace hf_fused's); a bad ``tile_budget_bytes`` or ``backend`` in
+            ``fused_options``.
+        TypeError, NotImplementedError, FusedLossVerificationError: from :func:`hf_fused.apply_fused_loss`, for a
+            model it cannot patch or whose patched forward disagrees with the original on its probe (an unknown
+            key in ``fused_options`` is a ``TypeError``).
+        RuntimeError: at ``train()``, if Liger replaced the patched forward anyway.
     """
 
     def __init__(self, *args, fused_options: Optional[dict[str, Any]] = None,

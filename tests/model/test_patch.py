@@ -113,6 +113,24 @@ def test_failed_verification_leaves_model_unpatched():
 # ----------------------------------------------------------------------------------------- deepcopy / save
 
 
+@pytest.mark.parametrize("options, match", [
+    (dict(tile_budget_bytes=0), "tile_budget_bytes must be a positive int"),
+    (dict(tile_budget_bytes=2.5e8), "tile_budget_bytes must be a positive int"),
+    (dict(backend="nope"), r"backend='nope'.*available: \['torch'"),
+], ids=["zero_budget", "float_budget", "unknown_backend"])
+def test_bad_options_raise_at_patch_time(options, match):
+    """A bad budget or backend name is refused by apply_fused_loss itself, also with ``verify=False`` (no probe
+    runs), not at the first forward with labels; the model stays unpatched."""
+    model = make_model("llama")
+    with pytest.raises(ValueError, match=match):
+        apply_fused_loss(model, verify=False, **options)
+    assert not is_fused(model)
+    from hf_fused import LinearCrossEntropyLoss
+
+    with pytest.raises(ValueError, match=match):  # the loss module checks them when built too
+        LinearCrossEntropyLoss(model.lm_head, **options)
+
+
 def test_deepcopy_of_patched_model_computes_its_own_loss(pair):
     model, ref = pair
     clone = copy.deepcopy(model)

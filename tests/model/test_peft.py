@@ -18,7 +18,7 @@ from peft import LoraConfig, get_peft_model
 from models import loss_and_grads, make_batch, make_model  # noqa: E402
 from references import assert_close, assert_same_grads, shifted_token_logprobs  # noqa: E402
 
-from hf_fused import apply_fused_loss, is_fused, remove_fused_loss  # noqa: E402
+from hf_fused import LinearCrossEntropyLoss, apply_fused_loss, is_fused, remove_fused_loss  # noqa: E402
 from hf_fused.model import find_causal_lm  # noqa: E402
 
 BATCH = make_batch(batch=3, seq=10)
@@ -186,14 +186,18 @@ def test_two_active_adapters_on_lm_head():
     assert len(head) == 4 and all(g[n].abs().sum() > 0 for n in head), head
 
 
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no_verify"])
 @pytest.mark.parametrize("extra", [dict(use_dora=True), dict(lora_bias=True)], ids=["dora", "lora_bias"])
-def test_unsupported_head_adapters_raise(extra):
-    """A head adapter whose map is not ``[h, s·A h]·[W, B]ᵀ`` is refused at patch time, model unpatched."""
+def test_unsupported_head_adapters_raise(extra, verify):
+    """A head adapter whose map is not ``[h, s·A h]·[W, B]ᵀ`` is refused at patch time, before the probe (so also
+    with ``verify=False``), model unpatched, with what to do instead."""
     model = get_peft_model(make_model("llama", tie_word_embeddings=False),
                            LoraConfig(r=4, target_modules=["lm_head"], **extra))
-    with pytest.raises(NotImplementedError):
-        apply_fused_loss(model)
+    with pytest.raises(NotImplementedError, match="target_modules.*remove_fused_loss"):
+        apply_fused_loss(model, verify=verify)
     assert not is_fused(model) and "forward" not in model.get_base_model().__dict__
+    with pytest.raises(NotImplementedError, match="target_modules"):
+        LinearCrossEntropyLoss(model.get_base_model().lm_head)  # at construction, not at the first call
 
 
 def test_patch_before_get_peft_model():

@@ -206,3 +206,55 @@ def test_transform_together_with_a_transform_keyword_is_a_value_error():
     hidden, weight, labels = _inputs()
     with pytest.raises(ValueError, match=r"either whole \(transform=\) or as temperature.*dataclasses.replace"):
         linear_logprobs(hidden, weight, labels, transform=LogitTransform(softcap=3.0), temperature=0.7)
+
+
+def test_tensors_on_several_devices_say_where_to_move_them():
+    hidden, weight, labels = _inputs()
+    with pytest.raises(ValueError, match=r"must be on one device.*labels.to\(weight.device\)"):
+        linear_cross_entropy(hidden, weight, labels.to("meta"))
+
+
+@pytest.mark.parametrize("field", ["clip_lower", "clip_higher", "beta"])
+@pytest.mark.parametrize("value", ["0.2", True, None], ids=["string", "bool", "none"])
+def test_grpo_objective_numbers_of_another_type_are_a_type_error(field, value):
+    """``"0.2" < 0`` used to fail inside the range check with Python's own comparison error."""
+    from hf_fused.ops import GRPOObjective
+
+    with pytest.raises(TypeError, match=rf"GRPOObjective.{field} must be a real number"):
+        GRPOObjective(**{field: value})
+
+
+@pytest.mark.parametrize("per_token", [[torch.zeros(3)], torch.zeros(3), {}], ids=["list", "tensor", "empty"])
+def test_token_loss_hint_per_token_not_a_dict_of_tensors_is_a_type_error(per_token):
+    """A list used to raise ``AttributeError`` and a bare tensor an ambiguous-truth ``RuntimeError``."""
+    from hf_fused.ops import TokenLossHint
+
+    with pytest.raises(TypeError, match="per_token must be a non-empty dict of tensors"):
+        TokenLossHint(lambda logp, h, **c: -logp, per_token)
+
+
+def test_get_backend_takes_a_device_name():
+    from hf_fused.ops import get_backend
+    from hf_fused.ops.backends.torch_reference import TorchReferenceBackend
+
+    assert isinstance(get_backend("cpu", "torch"), TorchReferenceBackend)
+    assert get_backend("cpu", "torch") is get_backend(torch.device("cpu"), "torch")
+
+
+@pytest.mark.parametrize("name, factory", [(123, object), ("", object), ("mine", None)], ids=["int", "empty", "factory"])
+def test_register_backend_checks_its_arguments(name, factory):
+    from hf_fused.ops import available_backends, register_backend
+
+    before = available_backends()
+    with pytest.raises(TypeError, match="register_backend"):
+        register_backend(name, factory)
+    assert available_backends() == before
+
+
+@pytest.mark.parametrize("statistics", [None, 3], ids=["none", "int"])
+def test_token_statistics_not_a_sequence_is_a_type_error(statistics):
+    from hf_fused.ops import linear_token_statistics
+
+    hidden, weight, labels = _inputs()
+    with pytest.raises(TypeError, match="statistics must be a sequence of names"):
+        linear_token_statistics(hidden, weight, labels, statistics=statistics)

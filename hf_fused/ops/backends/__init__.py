@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -41,7 +41,15 @@ if importlib.util.find_spec("triton") is not None:
 
 def register_backend(name: str, factory: Callable[[], Backend]) -> None:
     """Make a backend available under ``name`` (used by optional GPU backends); ``factory()`` returns an
-    object meeting :class:`~hf_fused.ops.backends.protocol.Backend`."""
+    object meeting :class:`~hf_fused.ops.backends.protocol.Backend`.
+
+    Raises:
+        TypeError: ``name`` not a non-empty string, or ``factory`` not callable.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register_backend: name must be a non-empty string, got {name!r}")
+    if not callable(factory):
+        raise TypeError(f"register_backend: factory must be callable (returning a Backend), got {factory!r}")
     _REGISTRY[name] = factory
 
 
@@ -50,14 +58,15 @@ def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_backend(device: torch.device, name: Optional[str] = None) -> Backend:
-    """The backend for tensors on ``device``: ``name``, else ``$HF_FUSED_BACKEND``, else the fastest
-    registered one for the device (the torch reference on CPU).
+def get_backend(device: Union[torch.device, str], name: Optional[str] = None) -> Backend:
+    """The backend for tensors on ``device`` (a ``torch.device`` or its name, e.g. ``"cuda:0"``): ``name``, else
+    ``$HF_FUSED_BACKEND``, else the fastest registered one for the device (the torch reference on CPU).
 
     Raises:
         ValueError: if the requested name is not registered, or is ``"triton"`` for non-CUDA tensors
             without Triton's interpreter.
     """
+    device = torch.device(device)
     name = name or os.environ.get("HF_FUSED_BACKEND") or _default_name(device)
     if name not in _REGISTRY:
         raise ValueError(
