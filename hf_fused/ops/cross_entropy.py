@@ -191,9 +191,14 @@ def linear_cross_entropy(
         ValueError: unknown reduction, bad shapes (``H = 0`` included), labels out of range,
             ``num_items_in_batch`` that is not one finite number > 0, invalid transform values (a tensor of
             several elements among them), ``transform`` with a transform keyword, ``token_weights`` not shaped like
-            labels, on another device or not finite at a non-ignored position, tensors on the meta device.
+            labels, on another device or not finite at a non-ignored position, tensors on the meta device or on
+            several devices, ``reduction="none"`` with ``num_items_in_batch``, ``tile_budget_bytes`` not a
+            positive int, an unknown ``backend`` (or ``"triton"`` off CUDA without Triton's interpreter), a
+            ``vocab_parallel`` whose shards do not tile the vocabulary.
         RuntimeError: in backward, for second-order gradients (``create_graph=True``).
-        TypeError: non-tensor, sparse or wrongly typed inputs (``ignore_index`` not an integer).
+        TypeError: non-tensor, sparse or wrongly typed inputs (``ignore_index`` not an integer; a
+            ``vocab_parallel`` neither a :class:`~hf_fused.ops.VocabShard` nor a ``(start, stop, group)`` tuple
+            of ints and a group).
 
     Mixed precision: under ``torch.autocast`` hidden, weight and bias are cast to the autocast dtype
     exactly as ``F.linear`` (the model's lm_head call) would cast them, and forward and backward both

@@ -58,7 +58,7 @@ def check_beta(beta) -> float:
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (0.0 <= beta <= 1.0):
         raise ValueError(
             f"beta must be a number in [0, 1] (0: forward KL(teacher ‖ student), 1: reverse KL(student ‖ teacher), "
-            f"between: the generalized JSD), got {beta!r}"
+            f"between: the generalized JSD), got {beta!r}{_as_python_number(beta)}"
         )
     return float(beta)
 
@@ -71,8 +71,13 @@ def check_temperature(temperature) -> float:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
         math.isfinite(temperature) and temperature > 0
     ):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}{_as_python_number(temperature)}")
     return float(temperature)
+
+
+def _as_python_number(value) -> str:
+    """What to do where a tensor (or NumPy scalar) was given for a Python number."""
+    return "" if isinstance(value, (int, float)) else "; pass a Python float (e.g. float(value))"
 
 
 class TileDivergence(NamedTuple):

@@ -122,8 +122,9 @@ def linear_logprobs(
     ``entropy_from_logits`` on the same logits.
 
     Args:
-        hidden: ``[..., H]`` hidden states, aligned with ``labels`` (no shift here).
-        weight: ``[V, H]`` lm_head weight.  bias: optional ``[V]``.
+        hidden: ``[..., H]`` hidden states (fp32/bf16/fp16), aligned with ``labels`` (no shift here).
+        weight: ``[V, H]`` lm_head weight on ``hidden``'s device (the GPU backend computes in weight's dtype).
+        bias: optional ``[V]``, floating point.
         labels: ``[...]`` integer ids in ``[0, V)`` or ``ignore_index``.
         return_entropy: also return the (differentiable) entropy.
         transform, temperature, softcap, logit_scale, tile_budget_bytes, backend: as in

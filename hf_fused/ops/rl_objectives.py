@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -184,7 +185,8 @@ def linear_grpo_loss(
     Args:
         hidden: ``[B, T, H]`` (or ``[..., H]``) hidden states aligned with ``labels`` (position ``t`` scores
             token ``t + 1``: open-instruct's ``logits[:, :-1]`` and ``query_responses[:, 1:]``).
-        weight, bias: lm_head ``[V, H]`` and optional ``[V]``.
+            fp32/bf16/fp16.
+        weight, bias: lm_head ``[V, H]`` on ``hidden``'s device and optional ``[V]``, floating point.
         labels: ``[...]`` sampled token ids. Positions outside ``response_mask`` are never scored (their ids
             may be anything, e.g. padding).
         advantages: per-token advantages, broadcastable to ``labels`` (``[B, T]`` in open-instruct; ``[B, 1]``
@@ -207,21 +209,25 @@ def linear_grpo_loss(
         :class:`GRPOLossOutput`.
 
     Raises:
-        ValueError: a per-token tensor not broadcastable to ``labels``, a bad ``loss_denominator``, a bad
-            objective; the errors of :func:`~hf_fused.ops.linear_token_loss`.
-        TypeError: ``objective`` not a :class:`GRPOObjective`, non-tensor ``labels`` or per-token inputs.
+        ValueError: a per-token tensor not broadcastable to ``labels`` or on another device, a bad
+            ``loss_denominator``, a bad objective; the errors of :func:`~hf_fused.ops.linear_token_loss`.
+        TypeError: ``objective`` not a :class:`GRPOObjective`, non-tensor ``labels`` or per-token inputs,
+            ``loss_scale`` not a number.
     """
     if not isinstance(objective, GRPOObjective):
         raise TypeError(f"objective must be a GRPOObjective, got {type(objective).__name__}")
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a torch.Tensor of sampled token ids, got {type(labels).__name__}")
+    if isinstance(loss_scale, bool) or not (isinstance(loss_scale, numbers.Real) or (
+            isinstance(loss_scale, torch.Tensor) and loss_scale.numel() == 1)):
+        raise TypeError(f"loss_scale must be a number (open-instruct's world_size // sequence_parallel_size), "
+                        f"got {loss_scale!r}")
     inv_denominator = float(loss_scale) / _denominator(loss_denominator)
-    shape = labels.shape
-    mask = _per_token(response_mask, shape, "response_mask").bool()
-    consts = dict(advantages=_per_token(advantages, shape, "advantages").float(), mask=mask)
+    mask = _per_token(response_mask, labels, "response_mask").bool()
+    consts = dict(advantages=_per_token(advantages, labels, "advantages").float(), mask=mask)
     for name, values in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs), ("rho_weights", rho_weights)):
         if values is not None:
-            consts[name] = _per_token(values, shape, name).float()
+            consts[name] = _per_token(values, labels, name).float()
     ignore_index = -100
     scored = torch.where(mask, labels, torch.full_like(labels, ignore_index))
     token_loss = functools.partial(grpo_token_loss, objective=objective, inv_denominator=inv_denominator)
@@ -241,9 +247,13 @@ def linear_grpo_loss(
     return GRPOLossOutput(out.loss, logp, ratio, pg_loss, clipfrac, kl, out.entropy, mask)
 
 
-def _per_token(values, shape, name: str) -> torch.Tensor:
+def _per_token(values, labels: torch.Tensor, name: str) -> torch.Tensor:
+    shape = labels.shape
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"{name} must be a tensor broadcastable to labels' shape {tuple(shape)}, got {values!r}")
+    if values.device != labels.device:
+        raise ValueError(f"{name} is on {values.device} and labels on {labels.device}: move it to the labels' device "
+                         f"({name}.to(labels.device))")
     try:
         return torch.broadcast_to(values.detach(), shape).contiguous()
     except RuntimeError:

@@ -130,18 +130,23 @@ def _teacher_logprobs(teacher_logprobs, support_ids) -> torch.Tensor:
     return teacher_logprobs.detach().float()
 
 
-def _per_teacher(teacher_index, num_teachers, rows, divergence, teacher_entropy, batch_shape) -> torch.Tensor:
-    """``[num_teachers, 3]`` (count, divergence sum, teacher-entropy sum) over the kept ``rows`` (one host sync for
-    the index check)."""
+def _check_teacher_index(teacher_index, num_teachers, batch_shape, device) -> None:
+    """The multi-teacher arguments checked before the fused pass runs (their values at the counted tokens are
+    checked with the statistics, :func:`_per_teacher`)."""
     if isinstance(num_teachers, bool) or not isinstance(num_teachers, int) or num_teachers < 1:
         raise ValueError(f"num_teachers must be an int >= 1 with teacher_index (the number of teachers of the run, "
                          f"so every step's statistics have one shape), got {num_teachers!r}")
     if not isinstance(teacher_index, torch.Tensor) or teacher_index.is_floating_point() or teacher_index.is_complex():
         raise TypeError(f"teacher_index must be an integer tensor shaped like hidden's leading dims, got "
                         f"{getattr(teacher_index, 'dtype', type(teacher_index).__name__)}")
-    if teacher_index.shape != batch_shape or teacher_index.device != rows.device:
-        raise ValueError(f"teacher_index must have hidden's leading shape {tuple(batch_shape)} on {rows.device}, got "
+    if teacher_index.shape != batch_shape or teacher_index.device != device:
+        raise ValueError(f"teacher_index must have hidden's leading shape {tuple(batch_shape)} on {device}, got "
                          f"{tuple(teacher_index.shape)} on {teacher_index.device}")
+
+
+def _per_teacher(teacher_index, num_teachers, rows, divergence, teacher_entropy) -> torch.Tensor:
+    """``[num_teachers, 3]`` (count, divergence sum, teacher-entropy sum) over the kept ``rows`` (one host sync for
+    the index check)."""
     index = teacher_index.reshape(-1).index_select(0, rows).long()
     if bool(((index < 0) | (index >= num_teachers)).any()):
         bad = index[(index < 0) | (index >= num_teachers)][0].item()
@@ -247,6 +252,8 @@ def sparse_distillation_loss(
         raise ValueError("num_teachers is given without teacher_index; pass both (multi-teacher) or neither")
     if teacher_index is not None and num_teachers is None:
         raise ValueError("teacher_index needs num_teachers, the number of teachers of the run")
+    if teacher_index is not None and isinstance(hidden, torch.Tensor):
+        _check_teacher_index(teacher_index, num_teachers, hidden.shape[:-1], hidden.device)
     beta = check_beta(beta)
     if transform is None:
         check_temperature(temperature)
@@ -280,6 +287,5 @@ def sparse_distillation_loss(
         loss = loss / max(rows.numel(), 1)
     per_teacher = None
     if teacher_index is not None:
-        per_teacher = _per_teacher(teacher_index, num_teachers, rows, out.token_losses, teacher_entropy,
-                                   prepared.batch_shape)
+        per_teacher = _per_teacher(teacher_index, num_teachers, rows, out.token_losses, teacher_entropy)
     return SparseDistillationOutput(loss, out.token_losses, out.entropy, teacher_entropy, per_teacher)

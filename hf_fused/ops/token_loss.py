@@ -149,8 +149,9 @@ def linear_token_loss(
     in ``per_token`` or close over them in ``token_loss``.
 
     Args:
-        hidden: ``[..., H]`` hidden states aligned with ``labels`` (no shift here).
-        weight: ``[V, H]`` lm_head weight.  bias: optional ``[V]``.
+        hidden: ``[..., H]`` hidden states (fp32/bf16/fp16) aligned with ``labels`` (no shift here).
+        weight: ``[V, H]`` lm_head weight on ``hidden``'s device (the GPU backend computes in weight's dtype).
+        bias: optional ``[V]``, floating point.
         labels: ``[...]`` integer ids in ``[0, V)`` or ``ignore_index``. Ignored tokens are not passed to
             ``token_loss`` and contribute neither loss nor gradient.
         token_loss: ``token_loss(logprobs, entropy, **rows) -> losses``: the per-token loss, elementwise,

@@ -75,7 +75,8 @@ def linear_token_statistics(
     (:mod:`~hf_fused.ops.backends.protocol`).
 
     Args:
-        hidden: ``[..., H]`` hidden states aligned with ``labels``.  weight: ``[V, H]``.  bias: optional ``[V]``.
+        hidden: ``[..., H]`` hidden states (fp32/bf16/fp16) aligned with ``labels``.
+        weight: ``[V, H]`` lm_head weight on ``hidden``'s device.  bias: optional ``[V]``, floating point.
         labels: ``[...]`` ids in ``[0, V)`` or ``ignore_index`` (only ``is_top1`` reads them; every statistic is
             computed only on non-ignored positions).
         statistics: names among :data:`TOKEN_STATISTICS`.

@@ -52,7 +52,8 @@ class VocabShard:
     of a ``Shard(0)`` DTensor weight from its own layout.
 
     Raises:
-        TypeError: ``start`` or ``stop`` not an int.
+        TypeError: ``start`` or ``stop`` not an int; ``group`` neither ``None``, a process group nor an object with
+            the four methods above.
         ValueError: ``start < 0`` or ``stop < start``.
     """
 
@@ -67,6 +68,10 @@ class VocabShard:
                 raise TypeError(f"VocabShard.{name} must be an int (a vocabulary row), got {value!r}")
         if self.start < 0 or self.stop < self.start:
             raise ValueError(f"VocabShard needs 0 <= start <= stop, got start={self.start}, stop={self.stop}")
+        if not _is_process_group(self.group) and not all(
+                callable(getattr(self.group, m, None)) for m in ("size", "rank", "all_reduce", "all_gather")):
+            raise TypeError(f"VocabShard.group must be a torch.distributed process group (None: the default one) or "
+                            f"an object with size(), rank(), all_reduce() and all_gather(), got {self.group!r}")
 
     @property
     def width(self) -> int:

@@ -170,8 +170,11 @@ def test_masked_positions_are_never_scored(monkeypatch):
         (dict(loss_denominator=0), ValueError, "loss_denominator"),
         (dict(loss_denominator=torch.ones(2)), ValueError, "one number"),
         (dict(advantages=torch.ones(5)), ValueError, "broadcastable"),
+        (dict(response_mask="meta"), ValueError, r"response_mask is on meta.*response_mask.to\(labels.device\)"),
+        (dict(loss_scale=None), TypeError, "loss_scale must be a number"),
     ],
-    ids=["loss_fn", "kl_estimator", "zero_denominator", "tensor_denominator", "advantages_shape"],
+    ids=["loss_fn", "kl_estimator", "zero_denominator", "tensor_denominator", "advantages_shape", "mask_device",
+         "loss_scale_none"],
 )
 def test_bad_inputs_raise(kwargs, error, match):
     hidden, weight, bias, labels, mask, advantages, old, _, _ = batch(seed=10)
@@ -181,6 +184,8 @@ def test_bad_inputs_raise(kwargs, error, match):
             GRPOObjective(**kwargs["objective"])
         return
     args.update(kwargs)
+    if isinstance(args["response_mask"], str):  # "meta": on another device than labels (meta: no second device needed)
+        args["response_mask"] = mask.to("meta")
     with pytest.raises(error, match=match):
         linear_grpo_loss(hidden, weight, labels, **args)
 

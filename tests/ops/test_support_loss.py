@@ -557,12 +557,30 @@ _IDS = torch.zeros(3, 7, 5, dtype=torch.long)
     (dict(teacher_index=torch.full((3, 7), 2), num_teachers=2), ValueError, "teacher_index holds 2"),
     (dict(teacher_index=torch.zeros(3, 7), num_teachers=2), TypeError, "teacher_index must be an integer"),
     (dict(teacher_index=torch.zeros(3, 7, dtype=torch.long), num_teachers=0), ValueError, "num_teachers must be"),
+    (dict(teacher_index=torch.zeros(3, 6, dtype=torch.long), num_teachers=2), ValueError, "leading shape"),
+    (dict(beta=torch.tensor(0.5)), ValueError, r"beta must be.*pass a Python float"),
+    (dict(temperature=torch.tensor(0.7)), ValueError, r"temperature must be.*pass a Python float"),
     (dict(weight=torch.randn(V, H + 1)), ValueError, "hidden must be"),
     (dict(tile_budget_bytes=0), ValueError, "tile_budget_bytes"),
 ])
 def test_bad_inputs_raise_clear_errors(changes, error, match):
     with pytest.raises(error, match=match):
         _bad_call(**changes)
+
+
+def test_multi_teacher_arguments_are_checked_before_the_fused_pass(monkeypatch):
+    """A malformed ``num_teachers`` / ``teacher_index`` is refused before the student's pass runs, not after it."""
+    from hf_fused.ops import sparse_distillation as module
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("the fused pass ran before the multi-teacher arguments were checked")
+
+    monkeypatch.setattr(module, "support_loss_call", no_pass)
+    for changes in (dict(teacher_index=torch.zeros(3, 7, dtype=torch.long), num_teachers=0),
+                    dict(teacher_index=torch.zeros(3, 7), num_teachers=2),
+                    dict(teacher_index=torch.zeros(3, 6, dtype=torch.long), num_teachers=2)):
+        with pytest.raises((TypeError, ValueError), match="num_teachers|teacher_index"):
+            _bad_call(**changes)
 
 
 @pytest.mark.parametrize("kw,error,match", [

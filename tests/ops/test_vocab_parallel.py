@@ -468,6 +468,8 @@ def test_bad_shards_are_refused_on_every_rank():
         linear_cross_entropy(hidden, weight, labels, vocab_parallel=(0, 10))
     with pytest.raises(ValueError, match="start <= stop"):
         VocabShard(5, 4)
+    with pytest.raises(TypeError, match="VocabShard.group must be a torch.distributed process group"):
+        linear_cross_entropy(hidden, weight, labels, vocab_parallel=(0, 10, "tp"))  # was AttributeError in size()
 
 
 # -- gloo ranks ---------------------------------------------------------------------------------------------------
