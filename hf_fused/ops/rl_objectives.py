@@ -38,7 +38,7 @@ class GRPOObjective:
     def __post_init__(self) -> None:
         for name in ("clip_lower", "clip_higher", "beta"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"GRPOObjective.{name} must be a real number (a Python float), got {value!r}")
         if self.loss_fn not in LOSS_FNS:
             raise ValueError(f"loss_fn must be one of {LOSS_FNS} (open-instruct's GRPOLossType), got {self.loss_fn!r}")
