@@ -268,7 +268,8 @@ def _router_aux_loss_coef(model: nn.Module) -> float:
     if coef is None:
         raise RuntimeError(
             f"{type(model).__name__} returned aux_loss but has no router_aux_loss_coef; "
-            "hf_fused cannot add the MoE auxiliary loss as the original forward would."
+            "hf_fused cannot add the MoE auxiliary loss as the original forward would. Set router_aux_loss_coef on "
+            "the model's config (transformers' MoE models read it there), or call remove_fused_loss(model)."
         )
     return coef
 
@@ -297,7 +298,9 @@ def run_intercepted(model: nn.Module, original, kwargs: dict, request: FusedRequ
         out = original(**kwargs, return_dict=True)
     if not request.called:
         raise RuntimeError(f"{type(model).__name__}.forward did not call its lm_head ({type(lm_head).__name__}); "
-                           f"hf_fused cannot {purpose} for this model.")
+                           f"hf_fused cannot {purpose} for this model. Call remove_fused_loss(model) to use its "
+                           "original forward, or compute the loss with hf_fused.ops.linear_cross_entropy on the "
+                           "hidden states it passes to its output layer.")
     return out
 
 

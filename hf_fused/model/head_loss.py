@@ -112,9 +112,16 @@ class LinearCrossEntropyLoss(nn.Module):
         Raises:
             ValueError: neither ``labels`` nor ``shift_labels``; labels not shaped like ``hidden_states[..., 0]``;
                 the ops' own checks (labels out of range, bad ``num_items_in_batch``, tensors on several devices).
-            TypeError: labels that are not integer tensors (the ops' check).
+            TypeError: ``hidden_states``, ``labels`` or ``shift_labels`` not a tensor; labels that are not integer
+                tensors (the ops' check).
             NotImplementedError: a head adapter activated since construction that hf_fused cannot read (DoRA).
         """
+        for name, value in (("hidden_states", hidden_states), ("labels", labels), ("shift_labels", shift_labels)):
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(f"LinearCrossEntropyLoss: {name} must be a tensor ([B, T, H] hidden states, [B, T] "
+                                f"labels), got {type(value).__name__}")
+        if hidden_states is None:
+            raise TypeError("LinearCrossEntropyLoss: hidden_states must be a tensor [B, T, H], got None")
         if shift_labels is None:
             if labels is None:
                 raise ValueError("LinearCrossEntropyLoss needs `labels` (shifted inside) or `shift_labels` (aligned)")

@@ -165,8 +165,9 @@ def linear_logprobs(
 
     Raises:
         ValueError / TypeError: as :func:`~hf_fused.ops.linear_cross_entropy`; ``grad_hint`` not a
-            floating-point tensor shaped like ``labels`` on its device; an unknown name in ``statistics``, or
-            statistics named with a ``TokenLossHint``.
+            floating-point tensor shaped like ``labels`` on its device; a ``TokenLossHint`` whose ``per_token``
+            tensors are not shaped like ``labels``, require grad or use the names ``logprobs`` / ``entropy``; an
+            unknown name in ``statistics``, or statistics named with a ``TokenLossHint``.
         RuntimeError: in backward, for second-order gradients (``create_graph=True``).
     """
     names = None if statistics is None else check_statistics(statistics)

@@ -117,7 +117,8 @@ class GRPOLossOutput:
     shaped like labels, for open-instruct's metrics (0 where ``response_mask`` is false):
     ``logprobs``, ``ratio`` (``val/ratio``), ``pg_loss`` (``loss/policy_avg``), ``clipfrac``
     (``policy/clipfrac_avg`` is its masked mean, :attr:`clipfrac_avg`), ``kl`` (the chosen estimator, before
-    ``β``), ``entropy`` (``None`` unless requested)."""
+    ``β``), ``entropy`` (``None`` unless requested); ``mask`` the bool ``response_mask`` shaped like labels.
+    ``loss`` is a 0-dim fp32 tensor."""
 
     loss: torch.Tensor
     logprobs: torch.Tensor
@@ -213,6 +214,7 @@ def linear_grpo_loss(
             ``loss_denominator``, a bad objective; the errors of :func:`~hf_fused.ops.linear_token_loss`.
         TypeError: ``objective`` not a :class:`GRPOObjective`, non-tensor ``labels`` or per-token inputs,
             ``loss_scale`` not a number.
+        RuntimeError: in backward, for second-order gradients (``create_graph=True``).
     """
     if not isinstance(objective, GRPOObjective):
         raise TypeError(f"objective must be a GRPOObjective, got {type(objective).__name__}")

@@ -128,7 +128,7 @@ def test_a_forward_that_never_calls_its_lm_head_is_refused():
     model = _LogitsWithoutTheModule(make_model("llama"))
     request = FusedRequest(mode="loss", state=None)
     with pytest.raises(RuntimeError, match=r"_LogitsWithoutTheModule.forward did not call its lm_head \(Linear\); "
-                                           r"hf_fused cannot serve the test"):
+                                           r"hf_fused cannot serve the test for this model\. Call remove_fused_loss"):
         run_intercepted(model, model.forward, {"input_ids": make_batch()[0]}, request, "serve the test")
 
     bypass = make_model("llama")

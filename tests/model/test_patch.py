@@ -131,6 +131,23 @@ def test_bad_options_raise_at_patch_time(options, match):
         LinearCrossEntropyLoss(model.lm_head, **options)
 
 
+@pytest.mark.parametrize("call", [
+    lambda loss, h, y: loss([[0.0]], y),
+    lambda loss, h, y: loss(h, y.tolist()),
+    lambda loss, h, y: loss(h, shift_labels=y.tolist()),
+], ids=["hidden_list", "labels_list", "shift_labels_list"])
+def test_loss_module_inputs_that_are_not_tensors_are_a_type_error(call):
+    """``LinearCrossEntropyLoss`` names the argument (a list used to fail in ``F.pad`` or as an ``AttributeError``)."""
+    from hf_fused import LinearCrossEntropyLoss
+
+    model = make_model("llama")
+    loss = LinearCrossEntropyLoss(model.lm_head)
+    hidden = torch.randn(2, 3, model.config.hidden_size)
+    labels = torch.randint(0, VOCAB, (2, 3))
+    with pytest.raises(TypeError, match="LinearCrossEntropyLoss: .* must be a tensor"):
+        call(loss, hidden, labels)
+
+
 def test_deepcopy_of_patched_model_computes_its_own_loss(pair):
     model, ref = pair
     clone = copy.deepcopy(model)
