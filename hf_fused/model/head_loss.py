@@ -116,12 +116,12 @@ class LinearCrossEntropyLoss(nn.Module):
                 tensors (the ops' check).
             NotImplementedError: a head adapter activated since construction that hf_fused cannot read (DoRA).
         """
-        for name, value in (("hidden_states", hidden_states), ("labels", labels), ("shift_labels", shift_labels)):
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"LinearCrossEntropyLoss: hidden_states must be a tensor [B, T, H], got "
+                            f"{type(hidden_states).__name__}")
+        for name, value in (("labels", labels), ("shift_labels", shift_labels)):
             if value is not None and not isinstance(value, torch.Tensor):
-                raise TypeError(f"LinearCrossEntropyLoss: {name} must be a tensor ([B, T, H] hidden states, [B, T] "
-                                f"labels), got {type(value).__name__}")
-        if hidden_states is None:
-            raise TypeError("LinearCrossEntropyLoss: hidden_states must be a tensor [B, T, H], got None")
+                raise TypeError(f"LinearCrossEntropyLoss: {name} must be a tensor [B, T], got {type(value).__name__}")
         if shift_labels is None:
             if labels is None:
                 raise ValueError("LinearCrossEntropyLoss needs `labels` (shifted inside) or `shift_labels` (aligned)")

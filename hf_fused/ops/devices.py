@@ -20,25 +20,24 @@ def kernel_device(t: torch.Tensor):
 
 def capability(device: torch.device) -> tuple[int, int]:
     """The compute capability ``(major, minor)`` of a CUDA ``device`` (``cuda`` alone: the current one)."""
-    return _capability(torch.cuda.current_device() if device.index is None else device.index)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    properties = _properties(device)
+    return properties.major, properties.minor
 
 
 def multiprocessors(device: torch.device) -> int:
     """The multiprocessor count of a CUDA ``device`` (``cuda`` alone: the current one); 1 elsewhere (Triton's
     interpreter: the fewest, largest programs are fastest)."""
-    if device.type != "cuda":
-        return 1
-    return _multiprocessors(torch.cuda.current_device() if device.index is None else device.index)
+    return _properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _properties(device: torch.device):
+    return _properties_of(torch.cuda.current_device() if device.index is None else device.index)
 
 
 @functools.lru_cache(maxsize=None)
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _properties_of(index: int):
+    """The device's property struct, read once per process and GPU index."""
+    return torch.cuda.get_device_properties(index)
 
 
 __all__ = ["capability", "kernel_device", "multiprocessors"]
