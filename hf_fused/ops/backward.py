@@ -74,10 +74,9 @@ def hinted_input_grads(grads: HeadGrads, hint: torch.Tensor, upstream: torch.Ten
 
     One host sync, for ``c`` and the check. On CUDA the two come back through pinned memory and an event recorded
     before the gradients' scaling and rounding are queued (with ``c`` on the device), so the GPU runs those while
-    the host waits instead of idling after it; the result is dropped if the check fails. A compensated pair's
-    weight gradient (``weight_residual``) takes the factor from the host as before: a Python 1.0 keeps its ``hi``
-    as it is, which a tensor factor would round again. An empty ``hint`` (every token ignored) needs no check: the
-    gradients are zeros."""
+    the host waits instead of idling after it; the result is dropped if the check fails (a compensated pair's
+    scaling, which a factor of 1 leaves as it is on the device as from the host, gives the same bits either way).
+    An empty ``hint`` (every token ignored) needs no check: the gradients are zeros."""
     inputs = (given.hidden, given.weight, given.bias, given.rows)
     if hint.numel() == 0:
         return grads.input_grads(*inputs, 1.0)
@@ -85,7 +84,7 @@ def hinted_input_grads(grads: HeadGrads, hint: torch.Tensor, upstream: torch.Ten
     c = torch.where(hh > 0, upstream.dot(hint) / hh.clamp_min(torch.finfo(torch.float32).tiny), 0.0)  # least squares
     matches = (upstream - c * hint).abs().max() <= HINT_RTOL * upstream.abs().max()
     flags = torch.stack([c, matches.float()])
-    if flags.is_cuda and grads.weight_residual is None and _DEFER_HOST_CHECK:
+    if flags.is_cuda and _DEFER_HOST_CHECK:
         host = torch.empty(2, dtype=torch.float32, pin_memory=True)
         host.copy_(flags, non_blocking=True)
         ready = torch.cuda.Event()

@@ -35,8 +35,15 @@ class HeadGrads:
     #: one pass accumulated instead of an fp32 buffer; :meth:`input_grads` scales the pair's value and rounds it
     #: once with :attr:`scale_pair`.
     weight_residual: Optional[torch.Tensor] = None
-    #: With ``weight_residual``: ``scale_pair(hi, lo, factor) -> hi``, the pair's value times ``factor`` rounded once
-    #: to bf16 in place (given by the backend that made the pair).
+    #: With ``hidden`` bf16 and ``hidden_scattered``: the int8 residual ``[M, H]`` of the compensated pair whose
+    #: ``hi`` is ``hidden`` (the kept rows' gradients, each complete in one product, held as a pair instead of an
+    #: fp32 ``[M, H]`` buffer until the upstream gradient scales them), its rows ``hidden_rows`` of ``hidden``.
+    hidden_residual: Optional[torch.Tensor] = None
+    #: With ``hidden_residual``: int64 ``[M]``, the rows of ``hidden`` the residual's rows belong to (``None``: all
+    #: rows, in order).
+    hidden_rows: Optional[torch.Tensor] = None
+    #: With a residual: ``scale_pair(hi, lo, factor, hi_rows=None) -> hi``, the pair's value times ``factor``
+    #: rounded once to bf16 in place (given by the backend that made the pair).
     scale_pair: Optional[Callable] = None
     #: With ``weight`` a 2-byte gradient: its own bytes hold the fp32 accumulator of its first ``V − T`` rows
     #: (:func:`split_accumulator`) and this fp32 ``[T, H]`` buffer the last ``T``; :meth:`input_grads` scales both
@@ -62,7 +69,10 @@ class HeadGrads:
             if grad is None:
                 out.append(None)
                 continue
-            if name == "weight" and self.weight_residual is not None:
+            if name == "hidden" and self.hidden_residual is not None:
+                scaled = self.scale_pair(grad, self.hidden_residual, factor, hi_rows=self.hidden_rows)
+                self.hidden_residual = self.hidden_rows = None
+            elif name == "weight" and self.weight_residual is not None:
                 scaled = self.scale_pair(grad, self.weight_residual, factor).to(like.dtype)
                 self.weight_residual = None
             elif name == "weight" and self.weight_tail is not None:

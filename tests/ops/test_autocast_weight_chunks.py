@@ -111,10 +111,10 @@ def test_the_one_pass_counts_the_whole_casts_it_makes():
     assert view.weight_grad_dtype == torch.float32 and view.compute_dtype is None
     assert head.computed().cast_bytes() == 0
     assert _head(bias=True).cast_bytes() == (V * H + N * H + V) * 2  # the bias's copy too
-    rows = head.rows.numel()
-    gradient = rows * H * 4
+    gradient = N * H * 4  # fp32 hidden states: their whole gradient, written from the forward
     tile_rows = one_pass_rule.MIN_ONE_PASS_ROWS
-    without_casts = one_pass_rule.one_pass_working_set(V, H, 2, "none", tile_rows, gradient, H * 2)
+    # per tile row: the gathered row in bf16, and the fp32 row its product passes through into the gradient
+    without_casts = one_pass_rule.one_pass_working_set(V, H, 2, "none", tile_rows, gradient, H * 2 + H * 4)
     assert planning.plan_one_pass(replace(head, tile_budget_bytes=without_casts), ALL) is None
     with_casts = replace(head, tile_budget_bytes=without_casts + casts)
     plan = planning.plan_one_pass(with_casts, ALL)

@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("triton")
 
 from hf_fused.ops.backends.triton_cublas.compensated import (  # noqa: E402
-    RESIDUAL_DTYPE, compensated_addmm_, compensated_scale_,
+    RESIDUAL_DTYPE, compensated_addmm_, compensated_scale_, compensated_store_,
 )
 from hf_fused.ops.backends.triton_cublas.matmul import SWEEP_CONFIGS, GemmConfig  # noqa: E402
 from sm90 import compile_for_sm90  # noqa: E402
@@ -646,3 +646,88 @@ def test_one_pass_config_takes_three_stages_at_h_2048_only():
                                                             epilogue_split=4)
     assert one_pass_config(151936, 4096, cpu) == LARGE
     assert one_pass_config(64, 96, cpu) == SMALL  # too few tiles for LARGE: the default's choice, unchanged
+
+
+@interpreted
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")  # the interpreter's numpy
+@pytest.mark.parametrize("gather, scaled", [(False, False), (True, False), (False, True), (True, True)])
+def test_store_is_the_fold_of_one_product_into_a_zero_pair(gather, scaled):
+    """``compensated_store_`` of an fp32 block leaves the bits ``compensated_addmm_`` leaves in a zero pair after
+    folding the same block in (here the block is ``a @ I``: the fold's fp32 product of bf16 values is exact), with
+    the row scale applied in fp32 first; gathered rows land in ``hi``'s rows and nowhere else."""
+    g = torch.Generator().manual_seed(3)
+    m, n, tall = 24, 48, 40
+    # values across bf16's range, ties and near-ties included: bf16 sums of three terms at different scales
+    parts = [torch.randn(m, n, generator=g) * s for s in (1.0, 2.0**-8, 2.0**-17)]
+    acc = (parts[0].bfloat16().float() + parts[1].bfloat16().float() + parts[2].bfloat16().float())
+    acc[0, :4] = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(2.0**-130), 3e38])  # ties, a subnormal, huge
+    row_scale = torch.rand(m, generator=g) * 3 + 0.25 if scaled else None
+    if scaled:
+        row_scale[0] = 1.0  # row 0's ties, subnormal and near-overflow as they are
+    target = acc * row_scale[:, None] if scaled else acc
+    rows = torch.randperm(tall, generator=g)[:m].sort().values if gather else None
+    hi = torch.full((tall if gather else m, n), 7.0, dtype=torch.bfloat16)  # untouched rows keep their 7s
+    lo = torch.empty((m, n), dtype=RESIDUAL_DTYPE)
+    compensated_store_(hi, lo, acc.contiguous(), hi_rows=rows, row_scale=row_scale)
+
+    # the reference: a zero pair folded with target's exact bf16 pieces (their sum is target in fp32)
+    ref_hi, ref_lo = torch.zeros((m, n), dtype=torch.bfloat16), torch.zeros((m, n), dtype=RESIDUAL_DTYPE)
+    pieces = [target.bfloat16()]
+    rest = target - pieces[0].float()
+    pieces += [rest.bfloat16(), (rest - rest.bfloat16().float()).bfloat16()]
+    a = torch.cat(pieces, dim=1)  # [m, 3n] @ [3n, n] stacked identities: Σ pieces, accumulated in fp32
+    eye = torch.cat([torch.eye(n, dtype=torch.bfloat16)] * 3, dim=0)
+    assert torch.equal(sum(p.float() for p in pieces), target)  # the pieces are exact
+    compensated_addmm_(ref_hi, ref_lo, a, eye)
+    got_hi = hi[rows] if gather else hi
+    assert torch.equal(got_hi.view(torch.int16), ref_hi.view(torch.int16))
+    assert torch.equal(lo, ref_lo)
+    assert torch.equal(got_hi, target.bfloat16())  # hi: the round-to-nearest of the fp32 value
+    if gather:
+        others = torch.ones(tall, dtype=torch.bool)
+        others[rows] = False
+        assert bool((hi[others] == 7.0).all())
+
+
+@interpreted
+@pytest.mark.parametrize("factor", [1.0, 0.5, 1 / 3, -7.0])
+def test_scale_of_gathered_rows_equals_the_dense_scale(factor):
+    """``compensated_scale_(hi, lo, factor, hi_rows=rows)`` scales the rows ``rows`` of a taller ``hi`` exactly as
+    the dense call scales the compact pair, and leaves the other rows; a device tensor of 1.0 keeps ``hi``'s bits,
+    as the Python 1.0 does (the deferred hint check scales by a device tensor)."""
+    g = torch.Generator().manual_seed(5)
+    m, n, tall = 16, 32, 30
+    acc = torch.randn(m, n, generator=g) * 10
+    acc[0, :2] = torch.tensor([1.0 + 2.0**-8 + 2.0**-16, 1.0 + 2.0**-8 - 2.0**-16])  # residuals near ±127
+    rows = torch.randperm(tall, generator=g)[:m].sort().values
+    compact_hi, compact_lo = torch.zeros((m, n), dtype=torch.bfloat16), torch.empty((m, n), dtype=RESIDUAL_DTYPE)
+    compensated_store_(compact_hi, compact_lo, acc)
+    tall_hi = torch.full((tall, n), -3.0, dtype=torch.bfloat16)
+    tall_hi[rows] = compact_hi
+    compensated_scale_(tall_hi, compact_lo, torch.tensor(factor), hi_rows=rows)
+    expected = compensated_scale_(compact_hi.clone(), compact_lo, factor)
+    assert torch.equal(tall_hi[rows].view(torch.int16), expected.view(torch.int16))
+    others = torch.ones(tall, dtype=torch.bool)
+    others[rows] = False
+    assert bool((tall_hi[others] == -3.0).all())
+    if factor == 1.0:
+        assert torch.equal(expected, acc.bfloat16())
+        assert int(compact_lo.abs().max()) >= 126  # the near-ties are there: a second rounding could move them
+    else:  # the pair's value times the factor, rounded once: within half an ulp of the exact product, plus ulp/508
+        exact = acc.double() * factor
+        err = (expected.double() - exact).abs()
+        assert bool((err <= _ulp(exact, torch.bfloat16) * (0.5 + 1 / 254)).all())
+
+
+def test_store_and_scale_refuse_bad_arguments():
+    hi, lo, acc = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=RESIDUAL_DTYPE), torch.zeros(4, 8)
+    with pytest.raises(ValueError, match="acc of lo's shape"):
+        compensated_store_(hi, lo, acc[:, :4].contiguous())
+    with pytest.raises(TypeError, match="fp32 acc"):
+        compensated_store_(hi, lo, acc.double())
+    with pytest.raises(ValueError, match="hi_rows needs"):
+        compensated_store_(hi, lo, acc, hi_rows=torch.arange(3))
+    with pytest.raises(ValueError, match="hi_rows needs"):
+        compensated_scale_(hi, lo, 2.0, hi_rows=torch.arange(4, dtype=torch.int32))
+    with pytest.raises(TypeError, match="bf16 hi and an int8 lo"):
+        compensated_store_(hi.half(), lo, acc)

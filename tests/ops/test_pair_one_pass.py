@@ -164,7 +164,8 @@ def test_default_rule_takes_the_pair_when_only_it_fits(monkeypatch, device):
     monkeypatch.setattr(one_pass_rule, "MIN_ONE_PASS_ROWS", ROWS)  # this test's tiles are smaller than the rule's
     hidden, weight, b, labels = _inputs(device, True)
     kept = int((labels != -100).sum())
-    extra, gather = kept * H * 4, H * 2  # the kept rows' fp32 hidden gradient; each tile row's gathered hidden row
+    # hidden's bf16 gradient and the kept rows' residual; each tile row's gathered hidden row and fp32 product row
+    extra, gather = N * H * 2 + kept * H, H * 2 + H * 4
     budget = V * H * 1 + ROWS * (V * 2 + gather) + extra  # fp32 would need 3·V·H more: fewer rows than the pair's
     assert one_pass_rule.one_pass_plan(V, H, 2, ("fp32", "pair"), budget, hidden.device, extra, gather) == \
         OnePassPlan(ROWS, "pair", budget)

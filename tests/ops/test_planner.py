@@ -55,9 +55,10 @@ def test_working_set_is_the_fp32_accumulator_plus_the_tile():
 
 
 def test_one_pass_counts_the_kept_rows_buffers(monkeypatch):
-    """The one pass also holds the kept rows' fp32 hidden gradient (until backward) and, when rows are ignored,
-    each tile's kept hidden rows gathered into a [rows, H] buffer (not a compact copy of them all): the backend
-    passes both to the planner, and an explicit budget covers them."""
+    """The one pass also holds the hidden gradient (until backward: bf16 hidden states' whole gradient and the kept
+    rows' int8 residual, the fp32 buffer each tile's product passes through) and, when rows are ignored, each
+    tile's kept hidden rows gathered into a [rows, H] buffer (not a compact copy of them all): the backend passes
+    them to the planner, and an explicit budget covers them."""
 
     n, kept = 32768, 29491
     weight = torch.empty(V, H, dtype=torch.bfloat16, device="meta")
@@ -67,10 +68,11 @@ def test_one_pass_counts_the_kept_rows_buffers(monkeypatch):
     seen = []
     monkeypatch.setattr(planning, "one_pass_plan", lambda *a: seen.append(a))
     planning.plan_one_pass(head, NeededGrads(True, True, False))
-    assert seen[-1][-2:] == (kept * H * 4, H * BF16)  # the fp32 hidden gradient; a gathered row per tile row
+    # the hidden gradient and its residual; per tile row a gathered row and the product's fp32 row
+    assert seen[-1][-2:] == (n * H * BF16 + kept * H, H * BF16 + H * 4)
     every_row = replace(head, kept_rows=head.rows.new_empty(n))
     planning.plan_one_pass(every_row, NeededGrads(True, True, False))
-    assert seen[-1][-2:] == (n * H * 4, 0)  # every row kept: tiles slice hidden itself
+    assert seen[-1][-2:] == (n * H * (BF16 + 1), H * 4)  # every row kept: tiles slice hidden itself
     planning.plan_one_pass(replace(every_row, hidden=hidden.float()), NeededGrads(False, True, False))
     assert seen[-1][-2:] == (0, H * (BF16 + 4))  # fp32 hidden states: gathered through fp32, no hidden gradient
     budget = V * H * FP32_ACC + MIN_ONE_PASS_ROWS * V * BF16
@@ -246,7 +248,7 @@ def test_gpu_backend_asks_the_planner(monkeypatch):
     n = 64
     head = _meta_head(n, 12345)
     assert planning.plan_one_pass(head, NeededGrads(True, True, False)) is None
-    assert seen == [(V, H, BF16, ("fp32", "pair"), 12345, head.weight.device, n * H * 4, 0)]
+    assert seen == [(V, H, BF16, ("fp32", "pair"), 12345, head.weight.device, n * H * 3, H * 4)]
 
 
 # -- the two passes' hidden-gradient accumulator ---------------------------------------------------------

@@ -304,53 +304,136 @@ def compensated_addmm_(
             )
 
 
-def compensated_scale_(hi: torch.Tensor, lo: torch.Tensor, factor) -> torch.Tensor:
+def compensated_scale_(hi: torch.Tensor, lo: torch.Tensor, factor, *,
+                       hi_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``hi ← round_bf16(factor·(hi + lo·ulp(hi)/254))`` in place, and ``hi`` returned: a pair's value scaled
     by the upstream gradient and rounded once, as an fp32 accumulator's ``(acc·factor).to(bf16)`` would be.
 
     The sum ``hi + lo·ulp/254`` and the product each round once in fp32 (``≤ 2⁻²⁴`` relative each); the
-    bf16 rounding is to nearest, ties to even. A ``factor`` of exactly 1.0 (a Python float) returns ``hi``
-    untouched: it already is the round-to-nearest of the best sum the pair held (docs/design/numerics.md,
-    "No finalize step").
+    bf16 rounding is to nearest, ties to even. A ``factor`` equal to 1.0 (a Python float, or a tensor on the
+    device: the same bits either way) leaves ``hi`` as it is: it already is the round-to-nearest of the best sum
+    the pair held (docs/design/numerics.md, "No finalize step").
 
     Args:
-        hi: bf16, contiguous (e.g. the one pass's ``[V, H]`` weight gradient).
-        lo: :data:`RESIDUAL_DTYPE` (int8) of ``hi``'s shape, contiguous: its residual.
+        hi: bf16, contiguous (e.g. the one pass's ``[V, H]`` weight gradient; with ``hi_rows``, the whole
+            ``[N, H]`` hidden-state gradient whose rows ``hi_rows`` the pair covers).
+        lo: :data:`RESIDUAL_DTYPE` (int8), contiguous: its residual, of ``hi``'s shape, or ``[M, H]`` with
+            ``hi_rows``.
         factor: a Python float, or a 0-d fp32 tensor on ``hi``'s device (the upstream gradient: read by the
             kernel, no host sync).
+        hi_rows: optional int64 ``[M]`` rows of ``hi`` that ``lo``'s rows belong to (the other rows of ``hi``
+            are left as they are).
 
     Raises:
-        ValueError: on shapes that differ, or ``hi``/``lo`` not contiguous.
+        ValueError: on shapes that do not match, or ``hi``/``lo`` not contiguous.
         TypeError: on ``hi`` not bf16 or ``lo`` not int8.
     """
-    if hi.shape != lo.shape or not (hi.is_contiguous() and lo.is_contiguous()):
-        raise ValueError(f"compensated_scale_ needs contiguous hi and lo of one shape; got hi {tuple(hi.shape)} "
-                         f"{hi.stride()}, lo {tuple(lo.shape)} {lo.stride()}")
-    if hi.dtype != _PAIR_DTYPE or lo.dtype != RESIDUAL_DTYPE:
-        raise TypeError(f"compensated_scale_ needs a bf16 hi and an int8 lo; got {hi.dtype}, {lo.dtype}")
+    _check_pair(hi, lo, hi_rows, "compensated_scale_")
     if isinstance(factor, float) and factor == 1.0:
         return hi
     factor = torch.as_tensor(factor, dtype=torch.float32, device=hi.device).reshape(())
-    n = hi.numel()
+    n = lo.numel()
     if n:
         with kernel_device(hi):
-            _scale_pair_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](hi, lo, factor, n, BLOCK=_SCALE_BLOCK)
+            _scale_pair_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](
+                hi, lo, factor, lo if hi_rows is None else hi_rows, n, lo.shape[-1],
+                GATHER_HI=hi_rows is not None, BLOCK=_SCALE_BLOCK)
     return hi
+
+
+def compensated_store_(hi: torch.Tensor, lo: torch.Tensor, acc: torch.Tensor, *,
+                       hi_rows: Optional[torch.Tensor] = None,
+                       row_scale: Optional[torch.Tensor] = None) -> None:
+    """The pair ``(hi, lo)`` of an fp32 block ``acc [M, H]`` (times ``row_scale[:, None]`` where given, in fp32):
+    ``hi`` its round-to-nearest bf16, ``lo`` the residual, as :func:`compensated_addmm_` leaves a pair that starts
+    at zero after folding ``acc`` in (the same bits). For a sum that is complete in one product (the one pass's
+    hidden-state gradient, whose rows each come from one tile) but is still to be scaled by the upstream gradient
+    (:func:`compensated_scale_`): 3 bytes an element instead of an fp32 buffer's 4, ``hi`` being the gradient.
+
+    Args:
+        hi: bf16, contiguous: ``[M, H]``, or with ``hi_rows`` a taller ``[R, H]`` whose rows ``hi_rows`` are written.
+        lo: :data:`RESIDUAL_DTYPE` (int8) ``[M, H]``, contiguous.
+        acc: fp32 ``[M, H]``, contiguous.
+        hi_rows: optional int64 ``[M]`` row indices into ``hi``.
+        row_scale: optional fp32 ``[M]``: each row's factor, applied in fp32 before the rounding.
+
+    Raises:
+        ValueError: on shapes that do not match, or tensors not contiguous or on different devices.
+        TypeError: on ``hi`` not bf16, ``lo`` not int8, or ``acc`` / ``row_scale`` not fp32.
+    """
+    _check_pair(hi, lo, hi_rows, "compensated_store_")
+    if acc.shape != lo.shape or not acc.is_contiguous() or (row_scale is not None and
+                                                          row_scale.shape != lo.shape[:1]):
+        raise ValueError(f"compensated_store_ needs a contiguous acc of lo's shape {tuple(lo.shape)} and a row_scale "
+                         f"of [{lo.shape[0]}]; got acc {tuple(acc.shape)} {acc.stride()}, row_scale "
+                         f"{None if row_scale is None else tuple(row_scale.shape)}")
+    if acc.dtype != torch.float32 or (row_scale is not None and row_scale.dtype != torch.float32):
+        raise TypeError(f"compensated_store_ needs fp32 acc and row_scale; got {acc.dtype}, "
+                        f"{None if row_scale is None else row_scale.dtype}")
+    if len({t.device for t in (hi, lo, acc) + ((row_scale,) if row_scale is not None else ())}) != 1:
+        raise ValueError("compensated_store_ needs hi, lo, acc and row_scale on one device")
+    n = lo.numel()
+    if n:
+        with kernel_device(hi):
+            _store_pair_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](
+                acc, acc if row_scale is None else row_scale, hi, lo, lo if hi_rows is None else hi_rows, n,
+                lo.shape[1], HAS_SCALE=row_scale is not None, GATHER_HI=hi_rows is not None, BLOCK=_SCALE_BLOCK)
+
+
+def _check_pair(hi: torch.Tensor, lo: torch.Tensor, hi_rows: Optional[torch.Tensor], name: str) -> None:
+    """The checks :func:`compensated_scale_` and :func:`compensated_store_` share (their Raises)."""
+    if (hi_rows is None and hi.shape != lo.shape) or not (hi.is_contiguous() and lo.is_contiguous()):
+        raise ValueError(f"{name} needs contiguous hi and lo of one shape (without hi_rows); got hi "
+                         f"{tuple(hi.shape)} {hi.stride()}, lo {tuple(lo.shape)} {lo.stride()}")
+    if hi_rows is not None and (hi.dim() != 2 or lo.dim() != 2 or hi.shape[1] != lo.shape[1] or hi_rows.dim() != 1
+                                or hi_rows.dtype != torch.int64 or hi_rows.numel() != lo.shape[0]
+                                or hi_rows.device != hi.device):
+        raise ValueError(f"{name} with hi_rows needs hi [R, H], lo [M, H] and int64 hi_rows [M] on hi's device; "
+                         f"got hi {tuple(hi.shape)}, lo {tuple(lo.shape)}, hi_rows {hi_rows.dtype} "
+                         f"{tuple(hi_rows.shape)} on {hi_rows.device}")
+    if hi.dtype != _PAIR_DTYPE or lo.dtype != RESIDUAL_DTYPE:
+        raise TypeError(f"{name} needs a bf16 hi and an int8 lo; got {hi.dtype}, {lo.dtype}")
 
 
 _SCALE_BLOCK = 4096
 
 
 @triton.jit
-def _scale_pair_kernel(HI, LO, FACTOR, n, BLOCK: tl.constexpr):
-    """One ``BLOCK`` of :func:`compensated_scale_` over the flat pair (int64 offsets: a ``[V, H]`` pair can
-    pass 2³¹ elements)."""
+def _hi_offsets(offs, HI_ROWS, width, mask, GATHER_HI: tl.constexpr):
+    """``hi``'s element offsets for the flat offsets ``offs`` of ``lo``'s elements (``[M, width]``): the same, or
+    in row ``HI_ROWS[offs // width]`` with ``GATHER_HI``."""
+    if GATHER_HI:
+        return tl.load(HI_ROWS + offs // width, mask=mask, other=0) * width + offs % width
+    return offs
+
+
+@triton.jit
+def _scale_pair_kernel(HI, LO, FACTOR, HI_ROWS, n, width, GATHER_HI: tl.constexpr, BLOCK: tl.constexpr):
+    """One ``BLOCK`` of :func:`compensated_scale_` over the flat residual (int64 offsets: a ``[V, H]`` pair can
+    pass 2³¹ elements); a factor of 1 keeps ``hi``'s bits (``hi + lo`` rounded again could move a tie)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    h = to_fp32(tl.load(HI + offs, mask=mask, other=0.0))
-    t = (h + _decode(tl.load(LO + offs, mask=mask, other=0), h)) * tl.load(FACTOR)
-    stored, _ = round_bf16(t)
-    tl.store(HI + offs, stored, mask=mask)
+    hi_offs = _hi_offsets(offs, HI_ROWS, width, mask, GATHER_HI)
+    stored = tl.load(HI + hi_offs, mask=mask, other=0.0)
+    h = to_fp32(stored)
+    factor = tl.load(FACTOR)
+    t = (h + _decode(tl.load(LO + offs, mask=mask, other=0), h)) * factor
+    scaled, _ = round_bf16(t)
+    tl.store(HI + hi_offs, tl.where(factor == 1.0, stored, scaled), mask=mask)
+
+
+@triton.jit
+def _store_pair_kernel(ACC, SCALE, HI, LO, HI_ROWS, n, width, HAS_SCALE: tl.constexpr, GATHER_HI: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """One ``BLOCK`` of :func:`compensated_store_`: the fold of :func:`_fold` into a zero pair."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    t = tl.load(ACC + offs, mask=mask, other=0.0)
+    if HAS_SCALE:
+        t = t * tl.load(SCALE + offs // width, mask=mask, other=0.0)
+    hi_new, hi32 = round_bf16(t)
+    tl.store(HI + _hi_offsets(offs, HI_ROWS, width, mask, GATHER_HI), hi_new, mask=mask)
+    tl.store(LO + offs, _encode(t - hi32, hi32), mask=mask)
 
 
 def uses_tma(hi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: GemmConfig) -> bool:
@@ -384,6 +467,7 @@ __all__ = [
     "RESIDUAL_DTYPE",
     "compensated_addmm_",
     "compensated_scale_",
+    "compensated_store_",
     "one_pass_config",
     "uses_tma",
 ]

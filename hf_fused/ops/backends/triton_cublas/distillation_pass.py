@@ -35,9 +35,10 @@ from ...head_inputs import HeadInputs, NeededGrads
 from ...logit_transform import LogitTransform
 from ...tiling import DEFAULT_TILE_BUDGET_BYTES, check_tile_budget
 from . import distillation_kernels as kernels
-from .matmul import mm_f32_
 from .one_pass import weight_accumulator
+from .one_pass_hidden import HiddenGradient
 from .one_pass_rule import (ACCUMULATOR_BYTES, ONE_PASS_FREE_SHARE, OnePassPlan, free_device_bytes,
+                            hidden_gradient_bytes, hidden_gradient_kind, hidden_gradient_row_bytes,
                             one_pass_accumulators)
 from .scaled_round import mul_into
 
@@ -220,7 +221,10 @@ def distillation_tile_rows(student: TileHead, need: NeededGrads, dz_bytes: int) 
                                                 head.weight.dtype)[0]
             working = (vocab_size * hidden_size * ACCUMULATOR_BYTES[accumulator]
                        + DISTILLATION_TILE_ROWS * vocab_size * col_bytes
-                       + (head.rows.numel() * hidden_size * 4 if need.hidden else 0))
+                       + (hidden_gradient_bytes(hidden_gradient_kind(head.hidden.dtype), head.hidden.shape[0],
+                                                head.rows.numel(), hidden_size, head.hidden.element_size())
+                          + DZ_GROUP * DISTILLATION_TILE_ROWS * hidden_gradient_row_bytes(
+                              hidden_gradient_kind(head.hidden.dtype), hidden_size) if need.hidden else 0))
             if working <= ONE_PASS_FREE_SHARE * free:
                 return DISTILLATION_TILE_ROWS
     budget = DEFAULT_TILE_BUDGET_BYTES if head.tile_budget_bytes is None else check_tile_budget(head.tile_budget_bytes)
@@ -251,7 +255,7 @@ def run_distillation_pass(
     s, t = TileHead.of(student), TileHead.of(teacher)
     head = s.head
     device = head.hidden.device
-    m, (vocab_size, hidden_size) = head.rows.numel(), s.weight.shape
+    m, vocab_size = head.rows.numel(), s.weight.shape[0]
     with_grads = row_grads is not None and need.any
     # dz in the products' operand dtype (bf16 from bf16 products, else fp32), DZ_GROUP tiles of it for the gradient
     # matmuls; a bf16 dz whose bias gradient sums the fp32 values is first written over the student's logits
@@ -272,7 +276,7 @@ def run_distillation_pass(
     if with_grads:
         grads = HeadGrads(mul_into=mul_into)
         d_weight = weight_accumulator(OnePassPlan(step, "fp32", 0), head, need, grads)
-        d_hidden = torch.empty((m, hidden_size), **f32) if need.hidden else None
+        d_hidden = HiddenGradient(head) if need.hidden else None
         if need.bias:
             grads.bias = torch.zeros(vocab_size, **f32)
         g_rows = _row_values(row_grads, m, device)
@@ -306,12 +310,13 @@ def run_distillation_pass(
             continue  # the gradient matmuls wait for the group's next tile
         dz = dz_buf[: stop - start_of_block]
         if d_hidden is not None:  # each row's dh is complete within its group
-            mm_f32_(d_hidden[start_of_block:stop], dz, s.weight)
+            d_hidden.add(start_of_block, stop, dz, s.weight)
         if d_weight is not None:
             d_weight.add(start_of_block, dz, h if block == 1 else s.rows(start_of_block, stop))
         block, start_of_block = 0, stop
     if grads is not None:
-        grads.hidden = d_hidden
+        if d_hidden is not None:
+            d_hidden.finish(grads)
         if d_weight is not None:
             d_weight.finish(grads)
     return DistillationPass(divergence, entropy, grads)

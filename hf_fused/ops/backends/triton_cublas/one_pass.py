@@ -10,7 +10,8 @@ gradients of the token loss from the block's statistics, the gradient kernel tur
 shifted tile's, :func:`~.shifted_tile.shifted_gradient_`: as accurate as ``dz`` from the accumulator, each likely
 logit stored near 0 where bf16 is fine-grained, the label's from its fp32 logit; QuACK's exponential tile under a
 loss of the log-probs alone is left as ``dz``'s row-scaled form instead, :func:`~.shifted_tile.exp_tile_row_factors_`),
-then the hidden gradient (complete within the tile) and the weight gradient's accumulation (:class:`TileGradients`).
+then the hidden gradient (complete within the tile, kept until backward as :mod:`.one_pass_hidden` says) and the
+weight gradient's accumulation (:class:`TileGradients`).
 What varies per call is chosen once, before the loop:
 where each tile's statistics come from (:class:`TileStatistics`) and how the weight gradient adds up over tiles
 (:func:`weight_accumulator`: an fp32 buffer, the split fp32 accumulator, or the compensated pair).
@@ -27,7 +28,7 @@ from ...head_inputs import HeadInputs, NeededGrads
 from ..protocol import HeadPass, TileGrads
 from . import fp32_logits_rule, fused_matmul, logits_epilogues, quack_bridge, shifted_tile
 from .compensated import RESIDUAL_DTYPE, compensated_addmm_, compensated_scale_, one_pass_config
-from .matmul import mm_f32_
+from .one_pass_hidden import HiddenGradient
 from .one_pass_rule import OnePassPlan
 from .operands import gather_rows, new_rows_buffer, one_pass_rows
 from .plan import fp32_logits, plan_one_pass
@@ -217,8 +218,7 @@ class TileGradients:
         self.return_entropy, self.entropy_in_grads, self.recompute = return_entropy, entropy_in_grads, recompute
         self.d_weight = weight_accumulator(plan, head, need, grads)
         self.scaled_h: Optional[torch.Tensor] = None  # s·h of a row-scaled tile's rows (FACTORED_EXP_TILE)
-        self.d_hidden = (torch.empty((head.rows.numel(), weight.shape[1]), dtype=torch.float32, device=weight.device)
-                         if need.hidden else None)
+        self.d_hidden = HiddenGradient(head) if need.hidden else None
         if need.bias and bias is not None:
             grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
 
@@ -256,10 +256,8 @@ class TileGradients:
             gradient_tile(dz, 0, self.bias, y, lse, lse if ent is None else ent, g_lp,
                           lse if g_ent is None else g_ent, self.scalars, True, g_ent is not None,
                           sum_pz=run_zp if self.return_entropy and fused else None)
-        if self.d_hidden is not None:  # each row's dh is complete within its tile
-            mm_f32_(self.d_hidden[r0:r1], dz, self.weight)
-            if row_scale is not None:
-                self.d_hidden[r0:r1].mul_(row_scale[:, None])
+        if self.d_hidden is not None:
+            self.d_hidden.add(r0, r1, dz, self.weight, row_scale)
         if self.d_weight is not None:
             if row_scale is not None:
                 if self.scaled_h is None or self.scaled_h.shape[0] < h.shape[0]:  # one buffer for the call's tiles
@@ -270,7 +268,8 @@ class TileGradients:
             self.grads.bias += dz.float().sum(0)
 
     def finish(self) -> HeadGrads:
-        self.grads.hidden = self.d_hidden
+        if self.d_hidden is not None:
+            self.d_hidden.finish(self.grads)
         if self.d_weight is not None:
             self.d_weight.finish(self.grads)
         return self.grads

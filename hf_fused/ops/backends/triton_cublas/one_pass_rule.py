@@ -83,6 +83,30 @@ def free_device_bytes(device: torch.device) -> Optional[int]:
     return free + current("reserved_bytes") - current("allocated_bytes")
 
 
+def hidden_gradient_kind(hidden_dtype: torch.dtype) -> str:
+    """Where the one pass keeps the kept rows' hidden-state gradients until backward (:mod:`.one_pass_hidden`):
+    ``"pair"`` for bf16 hidden states (the gradient itself plus an int8 residual), ``"scattered"`` for fp32 ones
+    (the gradient itself), ``"rows"`` otherwise (an fp32 ``[M, H]`` buffer)."""
+    return {torch.bfloat16: "pair", torch.float32: "scattered"}.get(hidden_dtype, "rows")
+
+
+def hidden_gradient_bytes(kind: str, tokens: int, kept_rows: int, hidden_size: int, hidden_bytes: int) -> int:
+    """Bytes the one pass holds from the forward for the hidden-state gradient of ``kind``
+    (:func:`hidden_gradient_kind`): the whole gradient (``tokens`` rows of ``hidden_bytes``) for ``"pair"`` and
+    ``"scattered"``, with the pair's residual (:data:`PAIR_RESIDUAL_BYTES` per kept element); ``"rows"``: fp32
+    ``[kept_rows, H]``. What a tile adds beside it is :func:`hidden_gradient_row_bytes`."""
+    if kind == "rows":
+        return kept_rows * hidden_size * 4
+    whole = tokens * hidden_size * hidden_bytes
+    return whole + (kept_rows * hidden_size * PAIR_RESIDUAL_BYTES if kind == "pair" else 0)
+
+
+def hidden_gradient_row_bytes(kind: str, hidden_size: int) -> int:
+    """Bytes per tile row for the hidden-state gradient of ``kind``: the fp32 ``[rows, H]`` buffer each tile's
+    product passes through on its way into the gradient's rows (``"pair"`` and ``"scattered"``)."""
+    return 0 if kind == "rows" else hidden_size * 4
+
+
 def one_pass_accumulators(need_weight: bool, grad_dtype: torch.dtype, operand_dtype: torch.dtype) -> tuple[str, ...]:
     """The weight-gradient accumulators a call can use, fastest first (:func:`one_pass_plan`): none without a
     weight gradient or for an fp32 one (it is the accumulator), ``"fp32"`` or the compensated ``"pair"`` for a

@@ -37,6 +37,7 @@ from ...grads import HeadGrads
 from ...head_inputs import HeadInputs, NeededGrads
 from .matmul import mm_f32_
 from .one_pass import weight_accumulator
+from .one_pass_hidden import HiddenGradient
 from .one_pass_rule import ONE_PASS_ROW_ALIGN, OnePassPlan
 from .operands import one_pass_rows
 from . import fp32_logits_rule, fused_matmul
@@ -191,8 +192,7 @@ def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=Non
     entropy = torch.empty(m_rows, dtype=torch.float32, device=device) if want_entropy else None
     grads = HeadGrads(mul_into=mul_into) if need.any else None
     d_weight = weight_accumulator(plan, head, need, grads) if need.any else None
-    d_hidden = (torch.empty((m_rows, weight.shape[1]), dtype=torch.float32, device=device)
-                if need.hidden else None)
+    d_hidden = HiddenGradient(head) if need.hidden else None
     if need.bias and bias is not None:
         grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=device)
     ids_all, valid_all = support.ids.contiguous(), support.valid.contiguous()
@@ -223,14 +223,15 @@ def run_support_pass(head: HeadInputs, support, *, tile_loss=None, row_grads=Non
         lse = lse if tile_lse is None else tile_lse
         shifted_gradient_(dz, logits.offsets[:rows], logits.block, lse, ent_arg, g_s.sum(1), g_ent, scalars)
         scatter_support_grad_(dz, ids, valid, raw, g_s, lse, ent_arg, g_ent, scalars)
-        if d_hidden is not None:  # each row's dh is complete within its tile
-            mm_f32_(d_hidden[r0:r1], dz, weight)
+        if d_hidden is not None:
+            d_hidden.add(r0, r1, dz, weight)
         if d_weight is not None:
             d_weight.add(r0, dz, h)
         if grads.bias is not None:
             grads.bias += dz.float().sum(0)
     if grads is not None:
-        grads.hidden = d_hidden
+        if d_hidden is not None:
+            d_hidden.finish(grads)
         if d_weight is not None:
             d_weight.finish(grads)
     return support_logprobs, entropy, grads
