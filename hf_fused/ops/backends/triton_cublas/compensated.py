@@ -335,9 +335,8 @@ def compensated_scale_(hi: torch.Tensor, lo: torch.Tensor, factor, *,
     n = lo.numel()
     if n:
         with kernel_device(hi):
-            _scale_pair_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](
-                hi, lo, factor, lo if hi_rows is None else hi_rows, n, lo.shape[-1],
-                GATHER_HI=hi_rows is not None, BLOCK=_SCALE_BLOCK)
+            _scale_pair_kernel[_row_grid(lo)](hi, lo, factor, lo if hi_rows is None else hi_rows, lo.shape[-1],
+                                              GATHER_HI=hi_rows is not None, BLOCK=_row_block(lo))
     return hi
 
 
@@ -375,9 +374,9 @@ def compensated_store_(hi: torch.Tensor, lo: torch.Tensor, acc: torch.Tensor, *,
     n = lo.numel()
     if n:
         with kernel_device(hi):
-            _store_pair_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](
-                acc, acc if row_scale is None else row_scale, hi, lo, lo if hi_rows is None else hi_rows, n,
-                lo.shape[1], HAS_SCALE=row_scale is not None, GATHER_HI=hi_rows is not None, BLOCK=_SCALE_BLOCK)
+            _store_pair_kernel[_row_grid(lo)](
+                acc, acc if row_scale is None else row_scale, hi, lo, lo if hi_rows is None else hi_rows, lo.shape[1],
+                HAS_SCALE=row_scale is not None, GATHER_HI=hi_rows is not None, BLOCK=_row_block(lo))
 
 
 def _check_pair(hi: torch.Tensor, lo: torch.Tensor, hi_rows: Optional[torch.Tensor], name: str) -> None:
@@ -395,45 +394,58 @@ def _check_pair(hi: torch.Tensor, lo: torch.Tensor, hi_rows: Optional[torch.Tens
         raise TypeError(f"{name} needs a bf16 hi and an int8 lo; got {hi.dtype}, {lo.dtype}")
 
 
-_SCALE_BLOCK = 4096
+#: Elements of a row per program of the elementwise pair kernels (a whole row up to this width).
+_ROW_BLOCK = 2048
+
+
+def _row_block(lo: torch.Tensor) -> int:
+    return min(_ROW_BLOCK, triton.next_power_of_2(lo.shape[-1]))
+
+
+def _row_grid(lo: torch.Tensor) -> tuple[int, int]:
+    """One program per row of ``lo`` (seen as ``[numel / width, width]``) and block of its columns: a row's index
+    into ``hi`` and its scale are read once per program, not per element."""
+    width = lo.shape[-1]
+    return lo.numel() // width, triton.cdiv(width, _row_block(lo))
 
 
 @triton.jit
-def _hi_offsets(offs, HI_ROWS, width, mask, GATHER_HI: tl.constexpr):
-    """``hi``'s element offsets for the flat offsets ``offs`` of ``lo``'s elements (``[M, width]``): the same, or
-    in row ``HI_ROWS[offs // width]`` with ``GATHER_HI``."""
+def _row_offsets(HI_ROWS, width, GATHER_HI: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's ``(row, columns, column mask, lo's offsets, hi's offsets)``: ``lo`` row-major
+    ``[rows, width]``, ``hi``'s row ``HI_ROWS[row]`` with ``GATHER_HI`` (int64 offsets: a ``[V, H]`` pair can pass
+    2³¹ elements)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    hi_row = row
     if GATHER_HI:
-        return tl.load(HI_ROWS + offs // width, mask=mask, other=0) * width + offs % width
-    return offs
+        hi_row = tl.load(HI_ROWS + row)
+    return row, cols < width, row * width + cols, hi_row * width + cols
 
 
 @triton.jit
-def _scale_pair_kernel(HI, LO, FACTOR, HI_ROWS, n, width, GATHER_HI: tl.constexpr, BLOCK: tl.constexpr):
-    """One ``BLOCK`` of :func:`compensated_scale_` over the flat residual (int64 offsets: a ``[V, H]`` pair can
-    pass 2³¹ elements); a factor of 1 keeps ``hi``'s bits (``hi + lo`` rounded again could move a tie)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    hi_offs = _hi_offsets(offs, HI_ROWS, width, mask, GATHER_HI)
+def _scale_pair_kernel(HI, LO, FACTOR, HI_ROWS, width, GATHER_HI: tl.constexpr, BLOCK: tl.constexpr):
+    """One row block of :func:`compensated_scale_`; a factor of 1 keeps ``hi``'s bits (``hi + lo`` rounded again
+    could move a tie)."""
+    _, mask, lo_offs, hi_offs = _row_offsets(HI_ROWS, width, GATHER_HI, BLOCK)
     stored = tl.load(HI + hi_offs, mask=mask, other=0.0)
     h = to_fp32(stored)
     factor = tl.load(FACTOR)
-    t = (h + _decode(tl.load(LO + offs, mask=mask, other=0), h)) * factor
+    t = (h + _decode(tl.load(LO + lo_offs, mask=mask, other=0), h)) * factor
     scaled, _ = round_bf16(t)
     tl.store(HI + hi_offs, tl.where(factor == 1.0, stored, scaled), mask=mask)
 
 
 @triton.jit
-def _store_pair_kernel(ACC, SCALE, HI, LO, HI_ROWS, n, width, HAS_SCALE: tl.constexpr, GATHER_HI: tl.constexpr,
+def _store_pair_kernel(ACC, SCALE, HI, LO, HI_ROWS, width, HAS_SCALE: tl.constexpr, GATHER_HI: tl.constexpr,
                        BLOCK: tl.constexpr):
-    """One ``BLOCK`` of :func:`compensated_store_`: the fold of :func:`_fold` into a zero pair."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    t = tl.load(ACC + offs, mask=mask, other=0.0)
+    """One row block of :func:`compensated_store_`: the fold of :func:`_fold` into a zero pair."""
+    row, mask, lo_offs, hi_offs = _row_offsets(HI_ROWS, width, GATHER_HI, BLOCK)
+    t = tl.load(ACC + lo_offs, mask=mask, other=0.0)
     if HAS_SCALE:
-        t = t * tl.load(SCALE + offs // width, mask=mask, other=0.0)
+        t = t * tl.load(SCALE + row)
     hi_new, hi32 = round_bf16(t)
-    tl.store(HI + _hi_offsets(offs, HI_ROWS, width, mask, GATHER_HI), hi_new, mask=mask)
-    tl.store(LO + offs, _encode(t - hi32, hi32), mask=mask)
+    tl.store(HI + hi_offs, hi_new, mask=mask)
+    tl.store(LO + lo_offs, _encode(t - hi32, hi32), mask=mask)
 
 
 def uses_tma(hi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: GemmConfig) -> bool:
