@@ -79,7 +79,8 @@ class FusedGRPOTrainer(GRPOTrainer):
         steps compute the head's gradients in the forward pass where that fits in a quarter of the free memory;
         an explicit ``tile_budget_bytes`` allows it where the budget holds the pass's working set: for a bf16 or
         fp16 head about ``2·V·H`` bytes of weight-gradient accumulator, ``rows·V·2`` of tile (512 rows at the
-        least, 2048 for full speed) and ``4·H`` per token of held hidden-state gradient
+        least, 2048 for full speed, and ``4·H`` more per tile row) and ``3·H`` per token of held hidden-state
+        gradient (bf16: the gradient itself and an int8 residual)
         (:func:`hf_fused.ops.describe_plan` says what a call takes; module docstring, point 2)."""
         from ..model import apply_fused_loss
 
