@@ -21,8 +21,10 @@ Tolerances: fp32 against float64 is held to ``RTOL = 1e-5`` in the relative erro
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Union
 
+import pytest
 import torch
 
 from hf_fused.ops.tiling import TILE_BUFFERS, rows_per_tile
@@ -340,6 +342,15 @@ def make_head_inputs(
         raise ValueError(ignore)
     leaves = [t.to(dtype).requires_grad_() if t is not None else None for t in (hidden, weight, b)]
     return leaves[0], leaves[1], leaves[2], labels
+
+
+#: The GPU backend's kernels on both devices: CPU tensors under Triton's interpreter (conftest sets it when there is
+#: no GPU), and a ``gpu`` twin running the compiled kernels on CUDA tensors.
+INTERPRETER_AND_GPU = [
+    pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                                 reason="CPU tensors need TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
 
 
 def bf16_cuda_head(n: int, h: int, v: int, *, seed: int, ignore_every: int):

@@ -19,8 +19,9 @@ import torch
 pytest.importorskip("triton")
 
 from hf_fused.ops.backends.triton_cublas.compensated import (  # noqa: E402
-    RESIDUAL_DTYPE, compensated_addmm_, compensated_scale_, compensated_store_,
+    RESIDUAL_DTYPE, compensated_addmm_,
 )
+from hf_fused.ops.backends.triton_cublas.compensated_pair import compensated_scale_, compensated_store_  # noqa: E402
 from hf_fused.ops.backends.triton_cublas.matmul import SWEEP_CONFIGS, GemmConfig  # noqa: E402
 from sm90 import compile_for_sm90  # noqa: E402
 

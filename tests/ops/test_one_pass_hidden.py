@@ -11,24 +11,17 @@ hint (whose backward scales by a device tensor) and the row-scaled tiles' path.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from references import make_head_inputs  # noqa: E402
+from references import INTERPRETER_AND_GPU as DEVICES, make_head_inputs  # noqa: E402
 from hf_fused.ops import linear_cross_entropy, linear_logprobs  # noqa: E402
 from hf_fused.ops.backends.triton_cublas import one_pass_hidden, one_pass_rule  # noqa: E402
 from hf_fused.ops.backends.triton_cublas.one_pass_rule import OnePassPlan  # noqa: E402
 from hf_fused.ops.backends.triton_cublas.plan import forced_plans  # noqa: E402
 
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                                 reason="CPU tensors need TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 
 # 200 tokens: 4 tiles of 64 rows (3 with a third of the labels ignored), small enough for the interpreter
 N, H, V, ROWS = 200, 64, 256, 64

@@ -10,25 +10,16 @@ accumulator's result), for every op that takes the one pass, under upstream fact
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from references import bf16_cuda_head, make_head_inputs, rel_err  # noqa: E402
+from references import INTERPRETER_AND_GPU as DEVICES, bf16_cuda_head, make_head_inputs, rel_err  # noqa: E402
 from hf_fused.ops import linear_cross_entropy, linear_logprobs, linear_token_loss  # noqa: E402
 from hf_fused.ops.backends.triton_cublas import compensated, one_pass, one_pass_rule  # noqa: E402
 from hf_fused.ops.backends.triton_cublas.one_pass_rule import OnePassPlan  # noqa: E402
 
-# CPU tensors run the kernels under Triton's interpreter (conftest sets it when there is no GPU); the gpu twins
-# run the compiled kernels (the Hopper TMA one for the pair on an H100) on bf16 CUDA tensors.
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                                 reason="CPU tensors need TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 
 # 200 tokens, a third ignored: 2 tiles of 64 kept rows, 3 folds into the pair with the last partial tile (small
 # enough for Triton's interpreter)

@@ -62,7 +62,7 @@ def test_the_gpu_backends_gradients_carry_its_rounding():
     a compensated pair), so that :mod:`hf_fused.ops.grads` needs no import of the backend; on CPU tensors
     ``mul_into`` is ``torch.mul``'s product (the same bits), and a plain ``HeadGrads`` uses ``torch.mul``."""
     pytest.importorskip("triton")
-    from hf_fused.ops.backends.triton_cublas import compensated, scaled_round
+    from hf_fused.ops.backends.triton_cublas import compensated_pair, scaled_round
     from hf_fused.ops.backends.triton_cublas.plan import forced_plans
     from hf_fused.ops.backends.triton_cublas.one_pass_rule import OnePassPlan
     from hf_fused.ops.head_inputs import HeadInputs, NeededGrads
@@ -82,6 +82,6 @@ def test_the_gpu_backends_gradients_carry_its_rounding():
         with forced_plans(one_pass=OnePassPlan(8, accumulator, 0)):
             out = backend.logprobs_with_grads(head, torch.ones(n), need=need).grads
         assert out.mul_into is scaled_round.mul_into
-        assert out.scale_pair is (compensated.compensated_scale_ if accumulator == "pair" else None)
+        assert out.scale_pair is compensated_pair.compensated_scale_  # bf16 hidden states: their gradient's pair too
     assert backend.logprobs_backward(head, torch.zeros(n), None, torch.ones(n), None, need=need).mul_into is \
         scaled_round.mul_into

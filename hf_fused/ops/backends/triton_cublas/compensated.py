@@ -6,8 +6,8 @@ bf16 gradient without an fp32 buffer. The pair stands for ``hi + lo·ulp(hi)/254
 fp32 registers and folded into the pair in the matmul's epilogue, which rounds only the residual (to
 ``ulp(hi)/508``): as accurate as eager's one rounding of an fp32 sum, for ``M·N`` extra bytes instead of ``4·M·N``.
 
-:func:`compensated_addmm_` folds a product in; :func:`compensated_scale_` scales the pair by the upstream gradient
-and rounds it once. The format, the fold, its error bound, why there is no finalize step and why the launch table
+:func:`compensated_addmm_` folds a product in; :mod:`.compensated_pair` makes a pair from an fp32 block and scales
+a pair by the upstream gradient, rounding it once. The format, the fold, its error bound, why there is no finalize step and why the launch table
 is fixed: docs/design/numerics.md ("The compensated pair").
 """
 
@@ -28,7 +28,7 @@ from .matmul import (
 
 # bf16 only: with a half-precision residual, an fp16 pair's largest error came out 1.7% above eager's one rounding
 # after 5 chunks on an H100 (bf16: no worse), so fp16 gradients keep the fp32 accumulator.
-_PAIR_DTYPE = torch.bfloat16
+PAIR_DTYPE = torch.bfloat16
 # The residual: int8 fixed point in steps of ulp(hi)/254, so that ±127 is exactly ±½ulp.
 RESIDUAL_DTYPE = torch.int8
 _DECODE_STEP = tl.constexpr(2.0**-7 / 254)  # a step, ulp/254, over the binade 2^(E−127) of hi (ulp = 2⁻⁷ of it)
@@ -158,15 +158,15 @@ def _fold(acc, HI, LO, rm, hm, rn, M, N, stride_hm, stride_hn, stride_lm, stride
     rn8 = (rn // 8) * 8 + rn % 8
     lo_ptrs = LO + rm[:, None].to(tl.int64) * stride_lm + rn8[None, :] * stride_ln
     h = to_fp32(tl.load(hi_ptrs, mask=mask, other=0.0))
-    low = _decode(tl.load(lo_ptrs, mask=mask, other=0), h)
+    low = decode_residual(tl.load(lo_ptrs, mask=mask, other=0), h)
     t = (h + low) + acc
     hi_new, hi32 = round_bf16(t)
     tl.store(hi_ptrs, hi_new, mask=mask)
-    tl.store(lo_ptrs, _encode(t - hi32, hi32), mask=mask)
+    tl.store(lo_ptrs, encode_residual(t - hi32, hi32), mask=mask)
 
 
 @triton.jit
-def _decode(q, h):
+def decode_residual(q, h):
     """The residual ``q`` (int8) of the pair element whose hi is ``h`` (fp32) as fp32: ``q·ulp(h)/254``, with
     ``ulp(h) = 2⁻⁷·2^(E−127)`` for ``h``'s biased exponent E clamped to [1, 254] (zero and subnormals: the
     subnormal spacing 2⁻¹³³; ±inf/NaN, whose ``q`` is 0: a finite stand-in). ``q·(2⁻⁷/254)`` rounds once
@@ -177,7 +177,7 @@ def _decode(q, h):
 
 
 @triton.jit
-def _encode(r, hi32):
+def encode_residual(r, hi32):
     """The int8 residual ``rint(r·254/ulp(hi))`` ∈ [−127, 127] of a remainder ``r = t − hi`` (fp32, exact) and
     the new ``hi`` as fp32 ``hi32``; 0 where ``hi`` is ±inf or NaN. Exact, ties to even, with E = ``hi``'s
     biased exponent (at least 1): ``ulp(hi) = 2^(E−134)``, so ``r·254/ulp = (r·2^(128−E))·(254·2⁶)``. The
@@ -239,7 +239,7 @@ def compensated_addmm_(
         ValueError: on shapes that do not chain, tensors on different devices, ``hi``/``lo`` memory that
             overlaps each other or ``a``/``b`` (the kernel reads one while writing the other), or
             ``config.tma`` True where the conditions above for the Hopper kernel do not hold.
-        TypeError: on ``a``, ``b`` or ``hi`` not bf16 (fp16 is refused: see ``_PAIR_DTYPE``), or ``lo`` not
+        TypeError: on ``a``, ``b`` or ``hi`` not bf16 (fp16 is refused: see ``PAIR_DTYPE``), or ``lo`` not
             :data:`RESIDUAL_DTYPE` (a bf16 ``lo`` of the former bf16 pair included).
 
     Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before Triton is imported).
@@ -253,7 +253,7 @@ def compensated_addmm_(
             hi.shape != (hi_m, b.shape[1]) or lo.shape != (a.shape[0], b.shape[1]):
         raise ValueError(f"compensated_addmm_ needs hi, lo [M, N], a [M, K], b [K, N]; got hi {tuple(hi.shape)}, "
                          f"lo {tuple(lo.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}")
-    if any(t.dtype != _PAIR_DTYPE for t in (a, b, hi)):
+    if any(t.dtype != PAIR_DTYPE for t in (a, b, hi)):
         raise TypeError(f"compensated_addmm_ needs bf16 a, b and hi (fp16 gradients: use an fp32 accumulator); "
                         f"got a {a.dtype}, b {b.dtype}, hi {hi.dtype}")
     if lo.dtype != RESIDUAL_DTYPE:
@@ -304,150 +304,6 @@ def compensated_addmm_(
             )
 
 
-def compensated_scale_(hi: torch.Tensor, lo: torch.Tensor, factor, *,
-                       hi_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``hi ← round_bf16(factor·(hi + lo·ulp(hi)/254))`` in place, and ``hi`` returned: a pair's value scaled
-    by the upstream gradient and rounded once, as an fp32 accumulator's ``(acc·factor).to(bf16)`` would be.
-
-    The sum ``hi + lo·ulp/254`` and the product each round once in fp32 (``≤ 2⁻²⁴`` relative each); the
-    bf16 rounding is to nearest, ties to even. A ``factor`` equal to 1.0 (a Python float, or a tensor on the
-    device: the same bits either way) leaves ``hi`` as it is: it already is the round-to-nearest of the best sum
-    the pair held (docs/design/numerics.md, "No finalize step").
-
-    Args:
-        hi: bf16, contiguous (e.g. the one pass's ``[V, H]`` weight gradient; with ``hi_rows``, the whole
-            ``[N, H]`` hidden-state gradient whose rows ``hi_rows`` the pair covers).
-        lo: :data:`RESIDUAL_DTYPE` (int8), contiguous: its residual, of ``hi``'s shape, or ``[M, H]`` with
-            ``hi_rows``.
-        factor: a Python float, or a 0-d fp32 tensor on ``hi``'s device (the upstream gradient: read by the
-            kernel, no host sync).
-        hi_rows: optional int64 ``[M]`` rows of ``hi`` that ``lo``'s rows belong to (the other rows of ``hi``
-            are left as they are).
-
-    Raises:
-        ValueError: on shapes that do not match, or ``hi``/``lo`` not contiguous.
-        TypeError: on ``hi`` not bf16 or ``lo`` not int8.
-    """
-    _check_pair(hi, lo, hi_rows, "compensated_scale_")
-    if isinstance(factor, float) and factor == 1.0:
-        return hi
-    factor = torch.as_tensor(factor, dtype=torch.float32, device=hi.device).reshape(())
-    n = lo.numel()
-    if n:
-        with kernel_device(hi):
-            _scale_pair_kernel[_row_grid(lo)](hi, lo, factor, lo if hi_rows is None else hi_rows, lo.shape[-1],
-                                              GATHER_HI=hi_rows is not None, BLOCK=_row_block(lo))
-    return hi
-
-
-def compensated_store_(hi: torch.Tensor, lo: torch.Tensor, acc: torch.Tensor, *,
-                       hi_rows: Optional[torch.Tensor] = None,
-                       row_scale: Optional[torch.Tensor] = None) -> None:
-    """The pair ``(hi, lo)`` of an fp32 block ``acc [M, H]`` (times ``row_scale[:, None]`` where given, in fp32):
-    ``hi`` its round-to-nearest bf16, ``lo`` the residual, as :func:`compensated_addmm_` leaves a pair that starts
-    at zero after folding ``acc`` in (the same bits). For a sum that is complete in one product (the one pass's
-    hidden-state gradient, whose rows each come from one tile) but is still to be scaled by the upstream gradient
-    (:func:`compensated_scale_`): 3 bytes an element instead of an fp32 buffer's 4, ``hi`` being the gradient.
-
-    Args:
-        hi: bf16, contiguous: ``[M, H]``, or with ``hi_rows`` a taller ``[R, H]`` whose rows ``hi_rows`` are written.
-        lo: :data:`RESIDUAL_DTYPE` (int8) ``[M, H]``, contiguous.
-        acc: fp32 ``[M, H]``, contiguous.
-        hi_rows: optional int64 ``[M]`` row indices into ``hi``.
-        row_scale: optional fp32 ``[M]``: each row's factor, applied in fp32 before the rounding.
-
-    Raises:
-        ValueError: on shapes that do not match, or tensors not contiguous or on different devices.
-        TypeError: on ``hi`` not bf16, ``lo`` not int8, or ``acc`` / ``row_scale`` not fp32.
-    """
-    _check_pair(hi, lo, hi_rows, "compensated_store_")
-    if acc.shape != lo.shape or not acc.is_contiguous() or (row_scale is not None and
-                                                          row_scale.shape != lo.shape[:1]):
-        raise ValueError(f"compensated_store_ needs a contiguous acc of lo's shape {tuple(lo.shape)} and a row_scale "
-                         f"of [{lo.shape[0]}]; got acc {tuple(acc.shape)} {acc.stride()}, row_scale "
-                         f"{None if row_scale is None else tuple(row_scale.shape)}")
-    if acc.dtype != torch.float32 or (row_scale is not None and row_scale.dtype != torch.float32):
-        raise TypeError(f"compensated_store_ needs fp32 acc and row_scale; got {acc.dtype}, "
-                        f"{None if row_scale is None else row_scale.dtype}")
-    if len({t.device for t in (hi, lo, acc) + ((row_scale,) if row_scale is not None else ())}) != 1:
-        raise ValueError("compensated_store_ needs hi, lo, acc and row_scale on one device")
-    n = lo.numel()
-    if n:
-        with kernel_device(hi):
-            _store_pair_kernel[_row_grid(lo)](
-                acc, acc if row_scale is None else row_scale, hi, lo, lo if hi_rows is None else hi_rows, lo.shape[1],
-                HAS_SCALE=row_scale is not None, GATHER_HI=hi_rows is not None, BLOCK=_row_block(lo))
-
-
-def _check_pair(hi: torch.Tensor, lo: torch.Tensor, hi_rows: Optional[torch.Tensor], name: str) -> None:
-    """The checks :func:`compensated_scale_` and :func:`compensated_store_` share (their Raises)."""
-    if (hi_rows is None and hi.shape != lo.shape) or not (hi.is_contiguous() and lo.is_contiguous()):
-        raise ValueError(f"{name} needs contiguous hi and lo of one shape (without hi_rows); got hi "
-                         f"{tuple(hi.shape)} {hi.stride()}, lo {tuple(lo.shape)} {lo.stride()}")
-    if hi_rows is not None and (hi.dim() != 2 or lo.dim() != 2 or hi.shape[1] != lo.shape[1] or hi_rows.dim() != 1
-                                or hi_rows.dtype != torch.int64 or hi_rows.numel() != lo.shape[0]
-                                or hi_rows.device != hi.device):
-        raise ValueError(f"{name} with hi_rows needs hi [R, H], lo [M, H] and int64 hi_rows [M] on hi's device; "
-                         f"got hi {tuple(hi.shape)}, lo {tuple(lo.shape)}, hi_rows {hi_rows.dtype} "
-                         f"{tuple(hi_rows.shape)} on {hi_rows.device}")
-    if hi.dtype != _PAIR_DTYPE or lo.dtype != RESIDUAL_DTYPE:
-        raise TypeError(f"{name} needs a bf16 hi and an int8 lo; got {hi.dtype}, {lo.dtype}")
-
-
-#: Elements of a row per program of the elementwise pair kernels (a whole row up to this width).
-_ROW_BLOCK = 2048
-
-
-def _row_block(lo: torch.Tensor) -> int:
-    return min(_ROW_BLOCK, triton.next_power_of_2(lo.shape[-1]))
-
-
-def _row_grid(lo: torch.Tensor) -> tuple[int, int]:
-    """One program per row of ``lo`` (seen as ``[numel / width, width]``) and block of its columns: a row's index
-    into ``hi`` and its scale are read once per program, not per element."""
-    width = lo.shape[-1]
-    return lo.numel() // width, triton.cdiv(width, _row_block(lo))
-
-
-@triton.jit
-def _row_offsets(HI_ROWS, width, GATHER_HI: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's ``(row, columns, column mask, lo's offsets, hi's offsets)``: ``lo`` row-major
-    ``[rows, width]``, ``hi``'s row ``HI_ROWS[row]`` with ``GATHER_HI`` (int64 offsets: a ``[V, H]`` pair can pass
-    2³¹ elements)."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    hi_row = row
-    if GATHER_HI:
-        hi_row = tl.load(HI_ROWS + row)
-    return row, cols < width, row * width + cols, hi_row * width + cols
-
-
-@triton.jit
-def _scale_pair_kernel(HI, LO, FACTOR, HI_ROWS, width, GATHER_HI: tl.constexpr, BLOCK: tl.constexpr):
-    """One row block of :func:`compensated_scale_`; a factor of 1 keeps ``hi``'s bits (``hi + lo`` rounded again
-    could move a tie)."""
-    _, mask, lo_offs, hi_offs = _row_offsets(HI_ROWS, width, GATHER_HI, BLOCK)
-    stored = tl.load(HI + hi_offs, mask=mask, other=0.0)
-    h = to_fp32(stored)
-    factor = tl.load(FACTOR)
-    t = (h + _decode(tl.load(LO + lo_offs, mask=mask, other=0), h)) * factor
-    scaled, _ = round_bf16(t)
-    tl.store(HI + hi_offs, tl.where(factor == 1.0, stored, scaled), mask=mask)
-
-
-@triton.jit
-def _store_pair_kernel(ACC, SCALE, HI, LO, HI_ROWS, width, HAS_SCALE: tl.constexpr, GATHER_HI: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """One row block of :func:`compensated_store_`: the fold of :func:`_fold` into a zero pair."""
-    row, mask, lo_offs, hi_offs = _row_offsets(HI_ROWS, width, GATHER_HI, BLOCK)
-    t = tl.load(ACC + lo_offs, mask=mask, other=0.0)
-    if HAS_SCALE:
-        t = t * tl.load(SCALE + row)
-    hi_new, hi32 = round_bf16(t)
-    tl.store(HI + hi_offs, hi_new, mask=mask)
-    tl.store(LO + lo_offs, _encode(t - hi32, hi32), mask=mask)
-
-
 def uses_tma(hi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: GemmConfig) -> bool:
     """Whether :func:`compensated_addmm_` runs the TMA kernel for these operands and ``config``.
 
@@ -478,8 +334,6 @@ def _tma_unmet(hi: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: GemmC
 __all__ = [
     "RESIDUAL_DTYPE",
     "compensated_addmm_",
-    "compensated_scale_",
-    "compensated_store_",
     "one_pass_config",
     "uses_tma",
 ]

@@ -27,7 +27,8 @@ from ...grads import HeadGrads, split_accumulator
 from ...head_inputs import HeadInputs, NeededGrads
 from ..protocol import HeadPass, TileGrads
 from . import fp32_logits_rule, fused_matmul, logits_epilogues, quack_bridge, shifted_tile
-from .compensated import RESIDUAL_DTYPE, compensated_addmm_, compensated_scale_, one_pass_config
+from .compensated import RESIDUAL_DTYPE, compensated_addmm_, one_pass_config
+from .compensated_pair import compensated_scale_
 from .one_pass_hidden import HiddenGradient
 from .one_pass_rule import OnePassPlan
 from .operands import gather_rows, new_rows_buffer, one_pass_rows

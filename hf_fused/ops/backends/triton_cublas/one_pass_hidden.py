@@ -26,7 +26,8 @@ import torch
 
 from ...grads import HeadGrads
 from ...head_inputs import HeadInputs
-from .compensated import RESIDUAL_DTYPE, compensated_scale_, compensated_store_
+from .compensated import RESIDUAL_DTYPE
+from .compensated_pair import compensated_scale_, compensated_store_
 from .matmul import mm_f32_
 from .one_pass_rule import hidden_gradient_kind
 
