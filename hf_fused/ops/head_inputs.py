@@ -43,6 +43,9 @@ class HeadInputs:
     #: In a :meth:`computed` head: the given weight's dtype, which its gradient comes back in (an fp32 weight under
     #: autocast gets an fp32 gradient: backends write it in fp32 instead of the compute dtype).
     weight_grad_dtype: Optional[torch.dtype] = None
+    #: In a :meth:`computed` head: the given hidden states' dtype, which their gradient comes back in (as the
+    #: weight's: fp32 hidden states under autocast get an fp32 gradient).
+    hidden_grad_dtype: Optional[torch.dtype] = None
     #: Whether the call hands its per-token log-probs to the caller: every op but the cross-entropy's reduced loss.
     #: Log-probs a caller may compare with another call's (an RL trainer's old and new ones) come from the same
     #: statistics on every schedule: the GPU backend's one pass takes them from the matmul's fp32 accumulator by
@@ -86,7 +89,13 @@ class HeadInputs:
         cast = (lambda t: torch.empty(t.shape, dtype=dtype, device="meta")) if meta else (lambda t: t.to(dtype))
         bias = None if self.bias is None else cast(self.bias)
         return replace(self, hidden=cast(self.hidden), weight=cast(self.weight), bias=bias,
-                       compute_dtype=None, weight_grad_dtype=self.weight.dtype)
+                       compute_dtype=None, weight_grad_dtype=self.weight.dtype, hidden_grad_dtype=self.hidden.dtype)
+
+    @property
+    def hidden_gradient_dtype(self) -> torch.dtype:
+        """The dtype the hidden states' gradient comes back in: the given hidden states' (:attr:`hidden_grad_dtype`
+        in a :meth:`computed` head)."""
+        return self.hidden_grad_dtype or self.hidden.dtype
 
     def cast_bytes(self) -> int:
         """Bytes the copies :meth:`computed` makes hold: hidden, weight and bias where not already in

@@ -95,6 +95,30 @@ def test_fp32_hidden_is_its_own_gradient(monkeypatch, op, ignore, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_fp32_hidden_under_autocast_keeps_an_fp32_gradient(monkeypatch, device):
+    """An fp32 model under bf16 autocast (TRL's default config): the matmuls read bf16 copies, but the hidden
+    states' gradient is theirs, fp32, never rounded to bf16 on the way (as the weight's; head_inputs.HeadInputs):
+    the same bits as the fp32 buffer's path, and finer than bf16."""
+    def run(kind):
+        kinds = []
+        monkeypatch.setattr(one_pass_hidden, "hidden_gradient_kind",
+                            lambda dtype: kinds.append(dtype) or ("rows" if kind == "rows" else real(dtype)))
+        hidden, weight, _, labels = make_head_inputs((N,), H, V, bias=False, ignore="some", weight_std=4.0, seed=3)
+        hidden, weight = (t.detach().to(device).requires_grad_() for t in (hidden, weight))
+        with forced_plans(one_pass=OnePassPlan(ROWS, "fp32", 0)), torch.autocast(device, dtype=torch.bfloat16):
+            loss = linear_cross_entropy(hidden, weight, labels.to(device), backend="triton", reduction="sum")
+        (loss * 0.37).backward()
+        assert kinds == [torch.float32]
+        return hidden.grad, weight.grad
+
+    real = one_pass_rule.hidden_gradient_kind
+    d_hidden, d_weight = run("scattered")
+    ref_hidden, ref_weight = run("rows")
+    assert d_hidden.dtype == torch.float32 and torch.equal(d_hidden, ref_hidden) and torch.equal(d_weight, ref_weight)
+    assert bool((d_hidden != d_hidden.bfloat16().float()).any())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_row_scaled_tile_scales_before_the_rounding(monkeypatch, device):
     """A tile taken row-scaled (QuACK's exponential tile: ``dh = s·(E @ W)``) hands its row scale to the pair,
     which applies it in fp32 before its one rounding: the same bits as the fp32 buffer scaled in place."""

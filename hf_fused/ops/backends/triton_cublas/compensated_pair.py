@@ -123,7 +123,7 @@ def _row_grid(lo: torch.Tensor) -> tuple[int, int]:
 
 @triton.jit
 def _row_offsets(HI_ROWS, width, GATHER_HI: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's ``(row, columns, column mask, lo's offsets, hi's offsets)``: ``lo`` row-major
+    """This program's ``(row, column mask, lo's offsets, hi's offsets)``: ``lo`` row-major
     ``[rows, width]``, ``hi``'s row ``HI_ROWS[row]`` with ``GATHER_HI`` (int64 offsets: a ``[V, H]`` pair can pass
     2³¹ elements)."""
     row = tl.program_id(0).to(tl.int64)
@@ -150,7 +150,7 @@ def _scale_pair_kernel(HI, LO, FACTOR, HI_ROWS, width, GATHER_HI: tl.constexpr, 
 @triton.jit
 def _store_pair_kernel(ACC, SCALE, HI, LO, HI_ROWS, width, HAS_SCALE: tl.constexpr, GATHER_HI: tl.constexpr,
                        BLOCK: tl.constexpr):
-    """One row block of :func:`compensated_store_`: the fold of :func:`_fold` into a zero pair."""
+    """One row block of :func:`compensated_store_`: what :mod:`.compensated`'s fold leaves in a zero pair."""
     row, mask, lo_offs, hi_offs = _row_offsets(HI_ROWS, width, GATHER_HI, BLOCK)
     t = tl.load(ACC + lo_offs, mask=mask, other=0.0)
     if HAS_SCALE:

@@ -221,14 +221,20 @@ def distillation_tile_rows(student: TileHead, need: NeededGrads, dz_bytes: int) 
                                                 head.weight.dtype)[0]
             working = (vocab_size * hidden_size * ACCUMULATOR_BYTES[accumulator]
                        + DISTILLATION_TILE_ROWS * vocab_size * col_bytes
-                       + (hidden_gradient_bytes(hidden_gradient_kind(head.hidden.dtype), head.hidden.shape[0],
-                                                head.rows.numel(), hidden_size, head.hidden.element_size())
-                          + DZ_GROUP * DISTILLATION_TILE_ROWS * hidden_gradient_row_bytes(
-                              hidden_gradient_kind(head.hidden.dtype), hidden_size) if need.hidden else 0))
+                       + (_hidden_gradient_bytes(head) if need.hidden else 0))
             if working <= ONE_PASS_FREE_SHARE * free:
                 return DISTILLATION_TILE_ROWS
     budget = DEFAULT_TILE_BUDGET_BYTES if head.tile_budget_bytes is None else check_tile_budget(head.tile_budget_bytes)
     return max(1, budget // (vocab_size * col_bytes))
+
+
+def _hidden_gradient_bytes(head: HeadInputs) -> int:
+    """What the hidden-state gradient holds (:class:`~.one_pass_hidden.HiddenGradient`): the gradient and, beside
+    each tile group's rows, the fp32 buffer its product passes through."""
+    dtype, hidden_size = head.hidden_gradient_dtype, head.weight.shape[1]
+    kind = hidden_gradient_kind(dtype)
+    return (hidden_gradient_bytes(kind, head.hidden.shape[0], head.rows.numel(), hidden_size, dtype.itemsize)
+            + DZ_GROUP * DISTILLATION_TILE_ROWS * hidden_gradient_row_bytes(kind, hidden_size))
 
 
 def balanced_rows(m: int, rows: int) -> int:

@@ -1,7 +1,7 @@
 """The one pass's hidden-state gradient: each kept row's ``dh = dz·W`` is complete within its tile (the tile holds
 the whole vocabulary) and waits only for the upstream gradient's factor, which backward applies
-(:meth:`~hf_fused.ops.grads.HeadGrads.input_grads`). Where it waits depends on hidden's dtype
-(:func:`~.one_pass_rule.hidden_gradient_kind`):
+(:meth:`~hf_fused.ops.grads.HeadGrads.input_grads`). Where it waits depends on the dtype of hidden's gradient, the
+given hidden states' (fp32 under autocast), :func:`~.one_pass_rule.hidden_gradient_kind`:
 
 * ``"pair"`` (bf16): the compensated pair whose ``hi`` is hidden's whole bf16 gradient (the kept rows written
   where they are, the ignored ones 0) and whose int8 residual covers the kept rows (:mod:`.compensated`):
@@ -39,14 +39,16 @@ class HiddenGradient:
     def __init__(self, head: HeadInputs) -> None:
         hidden, weight = head.hidden, head.weight
         m_rows, hidden_size = head.rows.numel(), weight.shape[1]
-        self.kind = hidden_gradient_kind(hidden.dtype)
+        # the given hidden states' dtype (fp32 under autocast: an fp32 gradient), not the cast operand's
+        grad_dtype = head.hidden_gradient_dtype
+        self.kind = hidden_gradient_kind(grad_dtype)
         every_row = m_rows == hidden.shape[0]  # kept rows are sorted (nonzero()): then row i is token i
         self.rows = None if every_row else head.rows
         if self.kind == "rows":
             self.grad = torch.empty((m_rows, hidden_size), dtype=torch.float32, device=weight.device)
         else:
             new = torch.empty if every_row else torch.zeros  # the ignored rows' gradient is 0
-            self.grad = new(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+            self.grad = new(hidden.shape, dtype=grad_dtype, device=hidden.device)
         self.residual = (torch.empty((m_rows, hidden_size), dtype=RESIDUAL_DTYPE, device=hidden.device)
                          if self.kind == "pair" else None)
         # fp32 products land in the gradient itself where its rows are the tile's, else in this buffer first

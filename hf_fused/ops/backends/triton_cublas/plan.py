@@ -85,9 +85,9 @@ def one_pass_extra_bytes(head: HeadInputs, need: NeededGrads) -> int:
     gradient, held until backward (:func:`~.one_pass_rule.hidden_gradient_bytes`; the kept rows counted before
     their count is read by the bound :class:`~hf_fused.ops.kept_rows.KeptRows` gives without a host sync) and,
     under autocast, the whole casts the pass makes (:meth:`~hf_fused.ops.head_inputs.HeadInputs.cast_bytes`)."""
-    hidden = head.hidden
-    gradient = hidden_gradient_bytes(hidden_gradient_kind(hidden.dtype), hidden.shape[0], head.kept_rows.bound,
-                                     head.weight.shape[1], hidden.element_size()) if need.hidden else 0
+    dtype = head.hidden_gradient_dtype
+    gradient = hidden_gradient_bytes(hidden_gradient_kind(dtype), head.hidden.shape[0], head.kept_rows.bound,
+                                     head.weight.shape[1], dtype.itemsize) if need.hidden else 0
     return gradient + head.cast_bytes()
 
 
@@ -102,7 +102,7 @@ def one_pass_row_bytes(head: HeadInputs, fused_statistics: bool = True, need: Op
     partials (:func:`~.quack_bridge.scaled_exp_row_bytes`: 18,992 bytes a row at V = 151,936)."""
     row_bytes = one_pass_gather_row_bytes(head.computed(meta=True))
     if need is not None and need.hidden:
-        row_bytes += hidden_gradient_row_bytes(hidden_gradient_kind(head.hidden.dtype), head.weight.shape[1])
+        row_bytes += hidden_gradient_row_bytes(hidden_gradient_kind(head.hidden_gradient_dtype), head.weight.shape[1])
     if fused_statistics and fp32_logits(head, "one_pass"):
         row_bytes += fused_matmul.stored_tile_row_bytes(head.weight.shape[0], head.weight.device)
     elif fused_statistics:
