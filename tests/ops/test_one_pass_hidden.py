@@ -18,6 +18,9 @@ pytest.importorskip("triton")
 
 from references import INTERPRETER_AND_GPU as DEVICES, make_head_inputs  # noqa: E402
 from hf_fused.ops import linear_cross_entropy, linear_logprobs  # noqa: E402
+from hf_fused.ops.grads import HeadGrads  # noqa: E402
+from hf_fused.ops.head_inputs import HeadInputs  # noqa: E402
+from hf_fused.ops.logit_transform import LogitTransform  # noqa: E402
 from hf_fused.ops.backends.triton_cublas import one_pass_hidden, one_pass_rule  # noqa: E402
 from hf_fused.ops.backends.triton_cublas.one_pass_rule import OnePassPlan  # noqa: E402
 from hf_fused.ops.backends.triton_cublas.plan import forced_plans  # noqa: E402
@@ -127,10 +130,9 @@ def test_row_scaled_tile_scales_before_the_rounding(monkeypatch, device):
     rows = torch.tensor([0, 3, 4, 9, 10, 11], device=device)
     dz = torch.randn(len(rows), V, generator=g).bfloat16().to(device)
     scale = (torch.rand(len(rows), generator=g) + 0.5).to(device)
-    head = type("Head", (), {})()
-    head.hidden = torch.empty((12, H), dtype=torch.bfloat16, device=device)
-    head.weight, head.rows = weight, rows
-    from hf_fused.ops.grads import HeadGrads
+    hidden = torch.empty((12, H), dtype=torch.bfloat16, device=device)
+    head = HeadInputs(hidden, weight, None, torch.zeros(12, dtype=torch.long, device=device), rows, LogitTransform(),
+                      None)
 
     grads = {}
     for kind in ("pair", "rows"):
