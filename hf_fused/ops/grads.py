@@ -18,8 +18,9 @@ class HeadGrads:
     """Gradients of the head's inputs; ``None`` for those not requested. fp32, so that the op can
     scale them by the upstream gradient before their one rounding to the inputs' dtypes
     (:meth:`input_grads`); except a gradient a backend accumulated already rounded to its input's dtype
-    (the GPU two-pass hidden gradient in bf16), which only a factor of 1 may reach, and a bf16 ``weight`` with
-    its ``weight_residual`` (a compensated pair: scaled as its exact value, then rounded once).
+    (the GPU two-pass hidden gradient in bf16), which only a factor of 1 may reach, and a bf16 ``weight`` or
+    ``hidden`` with its ``weight_residual`` / ``hidden_residual`` (a compensated pair: scaled as its exact value,
+    then rounded once).
 
     hidden: ``[M, H]``, the gradients of the token rows ``rows`` the backend was given, in that order (or the
     whole ``[N, H]`` gradient when ``hidden_scattered``).
