@@ -152,7 +152,8 @@ def linear_cross_entropy(
             (:mod:`hf_fused.ops.backends.triton_cublas.plan`): on a CUDA
             device the one pass below when its working set (the ``[V, H]`` weight-gradient accumulator — fp32,
             else for a bf16 weight the compensated pair, an int8 residual beside the gradient — a 2048-row tile and
-            the kept rows' fp32 hidden gradient) fits in a quarter of the free device memory, else the lean two
+            the hidden-state gradient held until backward, for bf16 hidden states the gradient itself and an int8
+            residual of the kept rows) fits in a quarter of the free device memory, else the lean two
             passes with a 256 MiB tile; elsewhere a 256 MiB bound. An int: a hard bound in bytes on everything
             the op holds beyond its inputs and outputs on the GPU backend (tile, accumulators, the kept hidden
             rows, :func:`hf_fused.ops.backends.triton_cublas.two_pass_rule.lean_two_pass_plan`), and on the tile on
