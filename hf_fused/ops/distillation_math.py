@@ -71,7 +71,8 @@ def check_temperature(temperature) -> float:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
         math.isfinite(temperature) and temperature > 0
     ):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}{_as_python_number(temperature)}")
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}"
+                         f"{_as_python_number(temperature)}")
     return float(temperature)
 
 

@@ -156,8 +156,9 @@ def test_planner_counts_the_gradient_it_holds():
     assert one_pass_rule.hidden_gradient_kind(torch.bfloat16) == "pair"
     assert one_pass_rule.hidden_gradient_kind(torch.float32) == "scattered"
     assert one_pass_rule.hidden_gradient_kind(torch.float16) == "rows"
-    assert one_pass_rule.hidden_gradient_bytes("pair", tokens, kept, hidden_size, 2) == (2 * tokens + kept) * 64
-    assert one_pass_rule.hidden_gradient_bytes("scattered", tokens, kept, hidden_size, 4) == 4 * tokens * 64
-    assert one_pass_rule.hidden_gradient_bytes("rows", tokens, kept, hidden_size, 2) == 4 * kept * 64
-    assert [one_pass_rule.hidden_gradient_row_bytes(k, hidden_size) for k in ("pair", "scattered", "rows")] == \
+    assert one_pass_rule.hidden_gradient_bytes(torch.bfloat16, tokens, kept, hidden_size) == (2 * tokens + kept) * 64
+    assert one_pass_rule.hidden_gradient_bytes(torch.float32, tokens, kept, hidden_size) == 4 * tokens * 64
+    assert one_pass_rule.hidden_gradient_bytes(torch.float16, tokens, kept, hidden_size) == 4 * kept * 64
+    dtypes = (torch.bfloat16, torch.float32, torch.float16)
+    assert [one_pass_rule.hidden_gradient_row_bytes(d, hidden_size) for d in dtypes] == \
         [256, 256, 0]

@@ -7,8 +7,8 @@ fp32 registers and folded into the pair in the matmul's epilogue, which rounds o
 ``ulp(hi)/508``): as accurate as eager's one rounding of an fp32 sum, for ``M·N`` extra bytes instead of ``4·M·N``.
 
 :func:`compensated_addmm_` folds a product in; :mod:`.compensated_pair` makes a pair from an fp32 block and scales
-a pair by the upstream gradient, rounding it once. The format, the fold, its error bound, why there is no finalize step and why the launch table
-is fixed: docs/design/numerics.md ("The compensated pair").
+a pair by the upstream gradient, rounding it once. The format, the fold, its error bound, why there is no finalize
+step and why the launch table is fixed: docs/design/numerics.md ("The compensated pair").
 """
 
 from __future__ import annotations

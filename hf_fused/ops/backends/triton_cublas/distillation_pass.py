@@ -38,7 +38,7 @@ from . import distillation_kernels as kernels
 from .one_pass import weight_accumulator
 from .one_pass_hidden import HiddenGradient
 from .one_pass_rule import (ACCUMULATOR_BYTES, ONE_PASS_FREE_SHARE, OnePassPlan, free_device_bytes,
-                            hidden_gradient_bytes, hidden_gradient_kind, hidden_gradient_row_bytes,
+                            hidden_gradient_bytes, hidden_gradient_row_bytes,
                             one_pass_accumulators)
 from .scaled_round import mul_into
 
@@ -232,9 +232,8 @@ def _hidden_gradient_bytes(head: HeadInputs) -> int:
     """What the hidden-state gradient holds (:class:`~.one_pass_hidden.HiddenGradient`): the gradient and, beside
     each tile group's rows, the fp32 buffer its product passes through."""
     dtype, hidden_size = head.hidden_gradient_dtype, head.weight.shape[1]
-    kind = hidden_gradient_kind(dtype)
-    return (hidden_gradient_bytes(kind, head.hidden.shape[0], head.rows.numel(), hidden_size, dtype.itemsize)
-            + DZ_GROUP * DISTILLATION_TILE_ROWS * hidden_gradient_row_bytes(kind, hidden_size))
+    return (hidden_gradient_bytes(dtype, head.hidden.shape[0], head.rows.numel(), hidden_size)
+            + DZ_GROUP * DISTILLATION_TILE_ROWS * hidden_gradient_row_bytes(dtype, hidden_size))
 
 
 def balanced_rows(m: int, rows: int) -> int:

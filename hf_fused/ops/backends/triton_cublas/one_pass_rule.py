@@ -90,21 +90,22 @@ def hidden_gradient_kind(hidden_dtype: torch.dtype) -> str:
     return {torch.bfloat16: "pair", torch.float32: "scattered"}.get(hidden_dtype, "rows")
 
 
-def hidden_gradient_bytes(kind: str, tokens: int, kept_rows: int, hidden_size: int, hidden_bytes: int) -> int:
-    """Bytes the one pass holds from the forward for the hidden-state gradient of ``kind``
-    (:func:`hidden_gradient_kind`): the whole gradient (``tokens`` rows of ``hidden_bytes``) for ``"pair"`` and
-    ``"scattered"``, with the pair's residual (:data:`PAIR_RESIDUAL_BYTES` per kept element); ``"rows"``: fp32
-    ``[kept_rows, H]``. What a tile adds beside it is :func:`hidden_gradient_row_bytes`."""
+def hidden_gradient_bytes(grad_dtype: torch.dtype, tokens: int, kept_rows: int, hidden_size: int) -> int:
+    """Bytes the one pass holds from the forward for a hidden-state gradient in ``grad_dtype``, by its
+    :func:`hidden_gradient_kind`: the whole gradient (``tokens`` rows) for ``"pair"`` and ``"scattered"``, with the
+    pair's residual (:data:`PAIR_RESIDUAL_BYTES` per kept element); ``"rows"``: fp32 ``[kept_rows, H]``. What a
+    tile adds beside it is :func:`hidden_gradient_row_bytes`."""
+    kind = hidden_gradient_kind(grad_dtype)
     if kind == "rows":
         return kept_rows * hidden_size * 4
-    whole = tokens * hidden_size * hidden_bytes
+    whole = tokens * hidden_size * grad_dtype.itemsize
     return whole + (kept_rows * hidden_size * PAIR_RESIDUAL_BYTES if kind == "pair" else 0)
 
 
-def hidden_gradient_row_bytes(kind: str, hidden_size: int) -> int:
-    """Bytes per tile row for the hidden-state gradient of ``kind``: the fp32 ``[rows, H]`` buffer each tile's
-    product passes through on its way into the gradient's rows (``"pair"`` and ``"scattered"``)."""
-    return 0 if kind == "rows" else hidden_size * 4
+def hidden_gradient_row_bytes(grad_dtype: torch.dtype, hidden_size: int) -> int:
+    """Bytes per tile row for a hidden-state gradient in ``grad_dtype``: the fp32 ``[rows, H]`` buffer each tile's
+    product passes through on its way into the gradient's rows (kinds ``"pair"`` and ``"scattered"``)."""
+    return 0 if hidden_gradient_kind(grad_dtype) == "rows" else hidden_size * 4
 
 
 def one_pass_accumulators(need_weight: bool, grad_dtype: torch.dtype, operand_dtype: torch.dtype) -> tuple[str, ...]:

@@ -32,8 +32,8 @@ from ...tiling import DEFAULT_TILE_BUDGET_BYTES
 from . import fp32_logits_rule, fused_matmul, quack_bridge
 from .matmul import wave_rows
 from .one_pass_rule import (
-    OnePassPlan, hidden_gradient_bytes, hidden_gradient_kind, hidden_gradient_row_bytes, one_pass_accumulators,
-    one_pass_plan, one_pass_working_set,
+    OnePassPlan, hidden_gradient_bytes, hidden_gradient_row_bytes, one_pass_accumulators, one_pass_plan,
+    one_pass_working_set,
 )
 from .operands import compact_bytes, one_pass_gather_row_bytes
 from .two_pass_rule import LeanPlan, accumulation_row_bytes, hidden_accumulator, two_pass_tile_plan
@@ -85,13 +85,12 @@ def one_pass_extra_bytes(head: HeadInputs, need: NeededGrads) -> int:
     gradient, held until backward (:func:`~.one_pass_rule.hidden_gradient_bytes`; the kept rows counted before
     their count is read by the bound :class:`~hf_fused.ops.kept_rows.KeptRows` gives without a host sync) and,
     under autocast, the whole casts the pass makes (:meth:`~hf_fused.ops.head_inputs.HeadInputs.cast_bytes`)."""
-    dtype = head.hidden_gradient_dtype
-    gradient = hidden_gradient_bytes(hidden_gradient_kind(dtype), head.hidden.shape[0], head.kept_rows.bound,
-                                     head.weight.shape[1], dtype.itemsize) if need.hidden else 0
+    gradient = hidden_gradient_bytes(head.hidden_gradient_dtype, head.hidden.shape[0], head.kept_rows.bound,
+                                     head.weight.shape[1]) if need.hidden else 0
     return gradient + head.cast_bytes()
 
 
-def one_pass_row_bytes(head: HeadInputs, fused_statistics: bool = True, need: Optional[NeededGrads] = None) -> int:
+def one_pass_row_bytes(head: HeadInputs, need: NeededGrads, fused_statistics: bool = True) -> int:
     """What the one pass holds per tile row beside the ``[rows, V]`` tile: where rows are gathered, each tile's
     gathered hidden rows (:func:`~.operands.one_pass_gather_row_bytes`), with ``need.hidden`` the buffer the
     hidden-state gradient passes through (:func:`~.one_pass_rule.hidden_gradient_row_bytes`) and, with
@@ -101,8 +100,8 @@ def one_pass_row_bytes(head: HeadInputs, fused_statistics: bool = True, need: Op
     bf16 row at V = 151,936 on a GPU), or, where QuACK's scaled-exp matmul may give them instead, its per-tile
     partials (:func:`~.quack_bridge.scaled_exp_row_bytes`: 18,992 bytes a row at V = 151,936)."""
     row_bytes = one_pass_gather_row_bytes(head.computed(meta=True))
-    if need is not None and need.hidden:
-        row_bytes += hidden_gradient_row_bytes(hidden_gradient_kind(head.hidden_gradient_dtype), head.weight.shape[1])
+    if need.hidden:
+        row_bytes += hidden_gradient_row_bytes(head.hidden_gradient_dtype, head.weight.shape[1])
     if fused_statistics and fp32_logits(head, "one_pass"):
         row_bytes += fused_matmul.stored_tile_row_bytes(head.weight.shape[0], head.weight.device)
     elif fused_statistics:
@@ -129,7 +128,7 @@ def plan_one_pass(head: HeadInputs, need: NeededGrads, *, fused_statistics: bool
         return forced if forced.accumulator in accumulators else OnePassPlan(forced.rows, accumulators[0], forced.bytes)
     return one_pass_plan(vocab_size, hidden_size, weight.element_size(), accumulators, head.tile_budget_bytes,
                          head.weight.device, one_pass_extra_bytes(head, need),
-                         one_pass_row_bytes(head, fused_statistics, need))
+                         one_pass_row_bytes(head, need, fused_statistics))
 
 
 # -- the two passes -----------------------------------------------------------------------------------------
@@ -258,7 +257,7 @@ def describe(weight: torch.Tensor, *, n_rows: int, tile_budget_bytes: Optional[i
     if plan:
         size = one_pass_working_set(vocab_size, hidden_size, weight.element_size(), plan.accumulator,
                                     min(plan.rows, max(n_rows, 1)), one_pass_extra_bytes(head, need),
-                                    one_pass_row_bytes(head, need=need))
+                                    one_pass_row_bytes(head, need))
         return (f"one pass (6·N·H·V): {plan.rows} rows per tile, {size / 2**30:.2f} GiB working set with the "
                 f"weight-gradient accumulator {plan.accumulator!r}" + _one_pass_statistics_source(head))
     gradient = plan_gradient_pass(head, need)
