@@ -52,10 +52,21 @@ def _forced(monkeypatch, accumulator):
             return real(out, *args, **kwargs)
         return accumulate
 
+    def quack_fold(real):  # QuACK's fold where it runs (a GPU with QuACK), else compensated_addmm_ after it
+        record = spy(lambda *args, **kwargs: None, True)
+
+        def fold(hi, lo, a, b):
+            ran = real(hi, lo, a, b)
+            if ran:
+                record(hi, lo, a, b)
+            return ran
+        return fold
+
     monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.plan.one_pass_plan", plan)
     # dW's products: folded into the pair, or added into the fp32 accumulator (quack_bridge.matmul_f32_, which the
     # one pass alone calls here: the hidden gradient's dz @ W is written whole by mm_f32_)
     monkeypatch.setattr(one_pass, "compensated_addmm_", spy(one_pass.compensated_addmm_, True))
+    monkeypatch.setattr(one_pass.quack_bridge, "pair_addmm_", quack_fold(one_pass.quack_bridge.pair_addmm_))
     monkeypatch.setattr(one_pass.quack_bridge, "matmul_f32_", spy(one_pass.quack_bridge.matmul_f32_, False))
     return plans, folds, abs_sum
 
@@ -122,11 +133,11 @@ def test_pair_one_pass_matches_the_fp32_accumulator(monkeypatch, op, bias, devic
         if name != "weight":
             assert torch.equal(ours, theirs), name
     # The weight's, against float64: the exact sum of the same products (the bf16 logits-gradient tiles dz times
-    # the hidden rows) times the upstream factor. Each path sums them in fp32 in its own order (a Triton dot per
-    # tile folded into the pair; a torch mm per tile added to an fp32 buffer): off by at most kept·2⁻²⁴·Σ|dz|·|h|
-    # in any order; the pair's int8 quantisation adds ulp(hi)/508 per fold (compensated's docstring; hi is at most
-    # Σ|dz|·|h| before the factor); then one rounding to bf16, ½ulp. Both stay within that, and mostly agree bit
-    # for bit (they differ only where the two orders round to different sides).
+    # the hidden rows) times the upstream factor. Each path sums them in fp32 in its own order (a Triton dot, or
+    # QuACK's matmul where it runs, per tile folded into the pair; a torch mm per tile added to an fp32 buffer): off
+    # by at most kept·2⁻²⁴·Σ|dz|·|h| in any order; the pair's int8 quantisation adds ulp(hi)/508 per fold
+    # (compensated's docstring; hi is at most Σ|dz|·|h| before the factor); then one rounding to bf16, ½ulp. Both
+    # stay within that, and mostly agree bit for bit (they differ only where the two orders round to different sides).
     exact, scale = sums[0], sums[1].abs()
     kept = int((inputs[3] != -100).sum())
     folds = -(-kept // ROWS)
@@ -161,9 +172,11 @@ def test_default_rule_takes_the_pair_when_only_it_fits(monkeypatch, device):
     assert one_pass_rule.one_pass_plan(V, H, 2, ("fp32", "pair"), budget, hidden.device, extra, gather) == \
         OnePassPlan(ROWS, "pair", budget)
     folds = []
-    real_addmm = compensated.compensated_addmm_
+    real_addmm, real_quack = compensated.compensated_addmm_, one_pass.quack_bridge.pair_addmm_
     monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass.compensated_addmm_",
                         lambda *a, **k: folds.append(1) or real_addmm(*a, **k))
+    monkeypatch.setattr(one_pass.quack_bridge, "pair_addmm_",  # QuACK's fold, where it runs
+                        lambda *a: real_quack(*a) and (folds.append(1) or True))
     loss = linear_cross_entropy(hidden, weight, labels, b, backend="triton", tile_budget_bytes=budget,
                                 reduction="sum") * 0.37
     assert len(folds) == -(-kept // ROWS)  # gradients in the forward: the one pass

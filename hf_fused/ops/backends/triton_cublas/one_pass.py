@@ -78,7 +78,8 @@ class SplitWeightAccumulator:
 
 class PairWeightAccumulator:
     """The compensated pair: the bf16 gradient itself plus an int8 residual, each tile folded in
-    (:func:`~.compensated.compensated_addmm_`), scaled by the upstream gradient in backward. Starts at zero: the
+    (:func:`~.quack_bridge.pair_addmm_`: in QuACK's matmul where it runs, else
+    :func:`~.compensated.compensated_addmm_`), scaled by the upstream gradient in backward. Starts at zero: the
     fold reads what it adds to."""
 
     def __init__(self, weight: torch.Tensor, grads: HeadGrads) -> None:
@@ -89,7 +90,9 @@ class PairWeightAccumulator:
         self.config = one_pass_config(weight.shape[0], weight.shape[1], weight.device)
 
     def add(self, r0: int, dz: torch.Tensor, h: torch.Tensor) -> None:
-        compensated_addmm_(self.grads.weight, self.grads.weight_residual, dz.t(), h, config=self.config)
+        hi, lo = self.grads.weight, self.grads.weight_residual
+        if not quack_bridge.pair_addmm_(hi, lo, dz.t(), h):
+            compensated_addmm_(hi, lo, dz.t(), h, config=self.config)
 
     def finish(self, grads: HeadGrads) -> None:
         pass

@@ -4,8 +4,10 @@ The one pass (6·N·H·V FLOPs, :mod:`.one_pass`) holds a ``[rows, V]`` tile in 
 comes beside it: gathered hidden rows, the fp32 statistics' partials and shifts) and a ``[V, H]``
 weight-gradient accumulator beside the gradient (:data:`ACCUMULATOR_BYTES`): ``"fp32"``, the fastest (for a
 2-byte gradient half of it in the gradient's own bytes, :func:`hf_fused.ops.grads.split_accumulator`); ``"pair"``,
-the gradient itself plus an int8 residual (:mod:`.compensated`, as accurate, its fold ~20% slower than cuBLAS's
-fp32 accumulation); ``"none"`` for a frozen lm_head or an fp32 gradient, which is its own accumulator.
+the gradient itself plus an int8 residual (:mod:`.compensated`: as accurate, half the fp32 one's bytes; folded in
+QuACK's matmul epilogue where it runs, else by the Triton kernel, 1.17× and 1.4× QuACK's fp32 accumulation at
+``[151936, 2048]``: the one pass 3–6 % slower than with ``"fp32"`` at 22–30 % less memory, docs/performance.md,
+H200, 2026-11-30); ``"none"`` for a frozen lm_head or an fp32 gradient, which is its own accumulator.
 
 Under the default rule (no ``tile_budget_bytes``) on a CUDA device it runs with ``ONE_PASS_TILE_ROWS`` rows
 whenever its working set fits in ``ONE_PASS_FREE_SHARE`` of the memory free at the call, with the first

@@ -171,6 +171,27 @@ def runs_matmul_f32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool
             and tma_operand(b) is None and capability(a.device)[0] == 9)
 
 
+#: Whether the compensated pair's fold (:func:`pair_addmm_`) takes QuACK's matmul where it runs.
+PAIR_FOLD = True
+
+
+def pair_addmm_(hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``hi + lo·ulp(hi)/254 += a @ b`` (:func:`~.compensated.compensated_addmm_`'s pair, no gathered rows) through
+    QuACK's matmul with the fold in its epilogue (:func:`.quack_epilogues.pair_addmm`) where :func:`runs_pair_fold`;
+    ``False``: it did not run (the caller folds with the Triton kernel)."""
+    return PAIR_FOLD and runs_pair_fold(hi, lo, a, b) and _run(lambda q: q.pair_addmm(a, b, hi, lo), a, b, hi, lo)
+
+
+def runs_pair_fold(hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether QuACK's matmul can fold ``a @ b`` into the pair: what :func:`runs_matmul_f32` asks of the operands,
+    with a contiguous bf16 ``hi`` and int8 ``lo`` of the product's shape."""
+    shape = (a.shape[0], b.shape[1])
+    return (hi.dtype == torch.bfloat16 and lo.dtype == torch.int8 and hi.is_contiguous() and lo.is_contiguous()
+            and tuple(hi.shape) == tuple(lo.shape) == shape and a.dtype == b.dtype == torch.bfloat16
+            and a.is_cuda and b.shape[1] % 8 == 0 and b.stride(1) == 1 and tma_operand(a) is None
+            and tma_operand(b) is None and capability(a.device)[0] == 9)
+
+
 def scaled_exp_row_stats_(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, stats: tuple,
                           tile_n: int, return_entropy: bool, scale: float = 1.0) -> bool:
     """The two passes' statistics of whole vocabulary rows from QuACK's scaled-exp matmul with nothing stored
