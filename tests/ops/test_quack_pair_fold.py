@@ -70,7 +70,8 @@ def test_pair_folds_take_quacks_matmul(quack, monkeypatch, case):
     the vocabulary chunks where every label is kept, fold through QuACK's matmul; the gradients are the Triton fold's
     (a process without QuACK) to within one bf16 step where the fp32 products' order differs (the interpreter's dot
     and PyTorch's matmul sum in different orders), the loss the same."""
-    hidden, weight, labels = trained_head_inputs(3, 40, 64, 2176, requires_grad=False)
+    hidden, weight, labels = trained_head_inputs(3, 40, 64, 2176 if case == "two_passes" else 256,
+                                                 requires_grad=False)
     if case == "two_passes":
         labels = labels.clamp_min(0)  # every row kept: hi is the whole gradient, no gathered rows
     plans = {"one_pass": dict(one_pass=OnePassPlan(16, "pair", 0)),
@@ -102,7 +103,7 @@ def test_gathered_rows_keep_the_triton_fold(quack):
 def test_it_is_turned_off_by_its_switch(quack, monkeypatch):
     """``quack_bridge.PAIR_FOLD = False``: the Triton fold for every pair."""
     monkeypatch.setattr(quack_bridge, "PAIR_FOLD", False)
-    hidden, weight, labels = trained_head_inputs(5, 40, 64, 2176, requires_grad=False)
+    hidden, weight, labels = trained_head_inputs(5, 40, 32, 256, requires_grad=False)
     with forced_plans(one_pass=OnePassPlan(16, "pair", 0)):
         _cross_entropy(hidden, weight, labels)
     assert "pair_addmm" not in quack.calls
@@ -121,7 +122,7 @@ def test_a_launch_that_fails_falls_back_with_one_warning(monkeypatch):
     for bit a process without QuACK."""
     monkeypatch.setattr(quack_bridge, "runs_pair_fold", lambda hi, lo, a, b: a.dtype == torch.bfloat16)
     monkeypatch.setattr(quack_bridge, "runs_matmul_f32", lambda out, a, b: False)
-    hidden, weight, labels = trained_head_inputs(6, 40, 64, 2176, requires_grad=False)
+    hidden, weight, labels = trained_head_inputs(6, 40, 32, 256, requires_grad=False)
 
     def run():
         with forced_plans(one_pass=OnePassPlan(16, "pair", 0)):
