@@ -92,6 +92,12 @@ class HeadInputs:
                        compute_dtype=None, weight_grad_dtype=self.weight.dtype, hidden_grad_dtype=self.hidden.dtype)
 
     @property
+    def weight_gradient_dtype(self) -> torch.dtype:
+        """The dtype the weight's gradient comes back in: the given weight's (:attr:`weight_grad_dtype` in a
+        :meth:`computed` head)."""
+        return self.weight_grad_dtype or self.weight.dtype
+
+    @property
     def hidden_gradient_dtype(self) -> torch.dtype:
         """The dtype the hidden states' gradient comes back in: the given hidden states' (:attr:`hidden_grad_dtype`
         in a :meth:`computed` head)."""

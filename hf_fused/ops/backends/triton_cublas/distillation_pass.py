@@ -217,7 +217,7 @@ def distillation_tile_rows(student: TileHead, need: NeededGrads, dz_bytes: int) 
     if head.tile_budget_bytes is None:
         free = free_device_bytes(head.weight.device)
         if free is not None:
-            accumulator = one_pass_accumulators(need.weight, head.weight_grad_dtype or head.weight.dtype,
+            accumulator = one_pass_accumulators(need.weight, head.weight_gradient_dtype,
                                                 head.weight.dtype)[0]
             working = (vocab_size * hidden_size * ACCUMULATOR_BYTES[accumulator]
                        + DISTILLATION_TILE_ROWS * vocab_size * col_bytes

@@ -105,7 +105,7 @@ def weight_accumulator(plan: OnePassPlan, head: HeadInputs, need: NeededGrads, g
         return None
     weight, m_rows = head.weight, head.rows.numel()
     new = torch.empty if m_rows else torch.zeros
-    grad_dtype = head.weight_grad_dtype or weight.dtype
+    grad_dtype = head.weight_gradient_dtype
     if plan.accumulator == "pair":
         return PairWeightAccumulator(weight, grads)
     if plan.accumulator == "fp32" and grad_dtype.itemsize == 2:

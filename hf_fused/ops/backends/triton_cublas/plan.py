@@ -120,7 +120,7 @@ def plan_one_pass(head: HeadInputs, need: NeededGrads, *, fused_statistics: bool
     view = head.computed(meta=True)
     weight = view.weight
     vocab_size, hidden_size = weight.shape
-    accumulators = one_pass_accumulators(need.weight, view.weight_grad_dtype or weight.dtype, weight.dtype)
+    accumulators = one_pass_accumulators(need.weight, view.weight_gradient_dtype, weight.dtype)
     forced = _FORCED.get("one_pass")
     if forced is False:
         return None

@@ -260,7 +260,7 @@ def run_gradient_pass(head: HeadInputs, lse: torch.Tensor, entropy: Optional[tor
         # operands), the compute dtype otherwise (one rounding, as eager's). Every chunk writes its rows (no fill),
         # unless no row is kept.
         new = torch.empty if m_rows else torch.zeros
-        grads.weight = new(weight.shape, dtype=head.weight_grad_dtype or weight.dtype, device=weight.device)
+        grads.weight = new(weight.shape, dtype=head.weight_gradient_dtype, device=weight.device)
     if need.bias and bias is not None:
         grads.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
     zeros = torch.zeros(m_rows, dtype=torch.float32, device=weight.device)
