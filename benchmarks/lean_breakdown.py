@@ -4,11 +4,12 @@
 Per ``N×H×V`` shape (bf16, logits of standard deviation ~4, 10% of labels ignored), ``linear_cross_entropy``
 forward + backward under ``tile_budget_bytes``:
 
-* **folds**: the hidden-gradient accumulations one step makes
-  (:func:`hf_fused.ops.backends.triton_cublas.compensated.compensated_addmm_`, recorded: ``[M, K] @ [K, H]`` and how
-  many), and for each distinct shape the fold's median milliseconds against cuBLAS's plain bf16 matmul of the same
-  operands (``torch.mm``): what the fold's epilogue (the read and write of the bf16 gradient and its int8 residual)
-  costs;
+* **folds**: the hidden-gradient accumulations one step makes (QuACK's fold where it runs,
+  :func:`hf_fused.ops.backends.triton_cublas.quack_bridge.pair_addmm_`, else
+  :func:`hf_fused.ops.backends.triton_cublas.compensated.compensated_addmm_`; recorded: ``[M, K] @ [K, H]`` and how
+  many), and for each distinct shape the fold's median milliseconds (as the step runs it) against cuBLAS's plain
+  bf16 matmul of the same operands (``torch.mm``): what the fold's epilogue (the read and write of the bf16 gradient
+  and its int8 residual) costs;
 * **plans**: every tile the lean rule weighs
   (:func:`hf_fused.ops.backends.triton_cublas.two_pass_rule.lean_two_pass_options`), forced one at a time: rows per
   block, columns per chunk, whether the kept rows are gathered per block, the bytes the rule's cost model counts,
@@ -26,7 +27,7 @@ from unittest import mock
 import torch
 
 from hf_fused.ops import linear_cross_entropy
-from hf_fused.ops.backends.triton_cublas import two_pass_rule, two_passes
+from hf_fused.ops.backends.triton_cublas import quack_bridge, two_pass_rule, two_passes
 
 from .fp32_logits import SHAPES, inputs, parse_shape
 from .measure import median_ms, text_table
@@ -36,14 +37,24 @@ from .measure import median_ms, text_table
 def recorded_folds():
     """A dict ``{(M, K, H): calls}`` filled by the folds run inside the block (the calls still run)."""
     folds: dict[tuple[int, int, int], int] = {}
-    real = two_passes.compensated_addmm_
+    real, real_quack = two_passes.compensated_addmm_, quack_bridge.pair_addmm_
 
-    def record(hi, lo, a, b, **kwargs):
+    def count(a, b):
         key = (a.shape[0], a.shape[1], b.shape[1])
         folds[key] = folds.get(key, 0) + 1
+
+    def record(hi, lo, a, b, **kwargs):
+        count(a, b)
         return real(hi, lo, a, b, **kwargs)
 
-    with mock.patch.object(two_passes, "compensated_addmm_", record):
+    def record_quack(hi, lo, a, b):
+        ran = real_quack(hi, lo, a, b)
+        if ran:
+            count(a, b)
+        return ran
+
+    with mock.patch.object(two_passes, "compensated_addmm_", record), \
+            mock.patch.object(quack_bridge, "pair_addmm_", record_quack):
         yield folds
 
 
@@ -88,7 +99,8 @@ def measure(device: torch.device, shape: tuple[int, int, int], budget: int, repe
         lo = torch.zeros(m, n, dtype=two_passes.RESIDUAL_DTYPE, device=device)
         out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
         timings = []
-        for fn in (lambda: two_passes.compensated_addmm_(hi, lo, a, b), lambda: torch.mm(a, b, out=out)):
+        fold = lambda: quack_bridge.pair_addmm_(hi, lo, a, b) or two_passes.compensated_addmm_(hi, lo, a, b)  # noqa: E731
+        for fn in (fold, lambda: torch.mm(a, b, out=out)):
             fn()
             timings.append(median_ms(fn, device, repeats)[0])
         row["folds"].append((m, k, n, calls, *timings))

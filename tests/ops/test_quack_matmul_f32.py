@@ -149,7 +149,8 @@ def test_quacks_matmul_on_gpu_matches_cublas(monkeypatch, case):
     calls = []
     spy = type("Spy", (), {name: staticmethod(
         (lambda name: lambda *a, **k: (calls.append(name) if name == "matmul_f32" else None) or getattr(quack, name)(
-            *a, **k))(name)) for name in ("matmul_f32", "scaled_exp_logits", "softmax_grad", "logits_with_statistics")
+            *a, **k))(name)) for name in ("matmul_f32", "scaled_exp_logits", "softmax_grad", "logits_with_statistics",
+                                        "pair_addmm")
     })()
     monkeypatch.setattr(quack_bridge, "_QUACK", {"module": spy})
     got = run()

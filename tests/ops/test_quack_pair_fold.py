@@ -1,8 +1,9 @@
 """The compensated pair's fold in QuACK's matmul epilogue
-(hf_fused.ops.backends.triton_cublas.quack_bridge.pair_addmm_): which folds take it (the one pass's ``"pair"`` weight gradient, the two passes' hidden-state gradient where every row
-is kept), that they give the Triton fold's results (CPU: a stand-in with the Triton fold's own arithmetic in PyTorch,
-under Triton's interpreter), a launch that fails, and the real kernel on a Hopper GPU with QuACK: the Triton fold's
-bits where the product is exact in any order, and the fold's arithmetic, bit for bit, on QuACK's own fp32 product."""
+(hf_fused.ops.backends.triton_cublas.quack_bridge.pair_addmm_): which folds take it (the one pass's ``"pair"`` weight
+gradient; the two passes' hidden-state gradient, compact where rows are ignored and moved at the end), that they give
+the Triton fold's results (CPU: a stand-in with the Triton fold's own arithmetic in PyTorch, under Triton's
+interpreter), a launch that fails, and the real kernel on a Hopper GPU with QuACK: the Triton fold's bits where the
+product is exact in any order, and the fold's arithmetic, bit for bit, on QuACK's own fp32 product."""
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from hf_fused.ops.backends.triton_cublas import quack_bridge  # noqa: E402
 from hf_fused.ops.backends.triton_cublas.compensated import RESIDUAL_DTYPE, compensated_addmm_  # noqa: E402
 from hf_fused.ops.backends.triton_cublas.one_pass_rule import OnePassPlan  # noqa: E402
 from hf_fused.ops.backends.triton_cublas.plan import forced_plans  # noqa: E402
+from hf_fused.ops.backends.triton_cublas.two_passes import move_compact_rows_  # noqa: E402
 from hf_fused.ops.backends.triton_cublas.two_pass_rule import LeanPlan  # noqa: E402
 from quack_stand_in import StandIn, assert_turned_off_once, trained_head_inputs, without_quack  # noqa: E402
 
@@ -49,6 +51,7 @@ def quack(monkeypatch):
     stand_in = PairStandIn()
     monkeypatch.setattr(quack_bridge, "_QUACK", {"module": stand_in})
     monkeypatch.setattr(quack_bridge, "runs_pair_fold", lambda hi, lo, a, b: a.dtype == torch.bfloat16)
+    monkeypatch.setattr(quack_bridge, "folds_pairs", lambda device: True)
     monkeypatch.setattr(quack_bridge, "runs_matmul_f32", lambda out, a, b: False)
     return stand_in
 
@@ -90,14 +93,36 @@ def test_pair_folds_take_quacks_matmul(quack, monkeypatch, case):
     assert (got[grad] != plain[grad]).float().mean() < 0.02
 
 
-def test_gathered_rows_keep_the_triton_fold(quack):
-    """The two passes' pair over the kept rows of a gradient with ignored rows (``hi_rows``): no QuACK fold (its
-    tile loads cannot gather rows)."""
+def test_gathered_rows_fold_compact_and_move_at_the_end(quack, monkeypatch):
+    """The two passes' pair over the kept rows of a gradient with ignored rows: QuACK's tile loads cannot gather rows,
+    so the kept rows' sums fold compact in hi's first rows and move where they belong at the end; the gradient is the
+    gathering Triton fold's (a process without QuACK) to within one bf16 step, the ignored rows 0."""
     hidden, weight, labels = trained_head_inputs(4, 40, 64, 2176, requires_grad=False)
     assert (labels < 0).any()
-    with forced_plans(one_pass=False, two_pass=LeanPlan(16, 1024, False, 0)):
-        _cross_entropy(hidden, weight, labels, 2**17)
-    assert "pair_addmm" not in quack.calls
+
+    def run():
+        with forced_plans(one_pass=False, two_pass=LeanPlan(16, 1024, False, 0)):
+            return _cross_entropy(hidden, weight, labels, 2**17)
+
+    got = run()
+    assert quack.calls.count("pair_addmm") >= 3, quack.calls
+    plain = without_quack(monkeypatch, run)
+    assert torch.equal(got[0], plain[0])
+    assert (got[1][labels < 0] == 0).all()
+    assert _ulps_apart(got[1], plain[1]) <= 1 and (got[1] != plain[1]).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("n, m", [(50, 37), (64, 63), (9, 0), (100, 3), (10, 1), (8, 8)])
+def test_compact_rows_move_where_they_belong(n, m):
+    """:func:`~hf_fused.ops.backends.triton_cublas.two_passes.move_compact_rows_`: row i to row ``rows[i]`` in
+    place, the other rows zeroed, bit for bit a scatter into zeros, through blocks of the residual's bytes (one
+    allocated row where they hold none)."""
+    g = torch.Generator().manual_seed(n + m)
+    rows = torch.randperm(n, generator=g)[:m].sort().values
+    out = torch.randn(n, 16, generator=g).bfloat16()
+    expected = torch.zeros_like(out).index_copy_(0, rows, out[:m].clone())
+    move_compact_rows_(out, rows, torch.zeros(m, 16, dtype=RESIDUAL_DTYPE))
+    assert torch.equal(out, expected)
 
 
 def test_it_is_turned_off_by_its_switch(quack, monkeypatch):

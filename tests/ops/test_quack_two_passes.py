@@ -252,7 +252,8 @@ def test_two_passes_on_gpu_match_the_fused_matmul(monkeypatch, case):
     def spy(name):
         return staticmethod(lambda *a, **k: calls.append(name) or getattr(quack_module, name)(*a, **k))
 
-    spying = type("Spy", (), {"scaled_exp_logits": spy("scaled_exp_logits"), "softmax_grad": spy("softmax_grad")})()
+    spying = type("Spy", (), {name: spy(name) for name in ("scaled_exp_logits", "softmax_grad", "matmul_f32",
+                                                            "pair_addmm")})()
     monkeypatch.setattr(quack_bridge, "_QUACK", {"module": spying})
     got = run()
     assert "scaled_exp_logits" in calls and ("softmax_grad" in calls) is (weight_ent == 0.0)

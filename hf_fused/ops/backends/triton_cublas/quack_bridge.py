@@ -182,6 +182,12 @@ def pair_addmm_(hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.Te
     return PAIR_FOLD and runs_pair_fold(hi, lo, a, b) and _run(lambda q: q.pair_addmm(a, b, hi, lo), a, b, hi, lo)
 
 
+def folds_pairs(device: torch.device) -> bool:
+    """Whether :func:`pair_addmm_` can take the folds of a pair on ``device`` (for operands QuACK's TMA reads): the
+    switch on, a GPU of compute capability 9.x, QuACK loaded."""
+    return PAIR_FOLD and device.type == "cuda" and capability(device)[0] == 9 and load() is not None
+
+
 def runs_pair_fold(hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether QuACK's matmul can fold ``a @ b`` into the pair: what :func:`runs_matmul_f32` asks of the operands,
     with a contiguous bf16 ``hi`` and int8 ``lo`` of the product's shape."""

@@ -324,15 +324,20 @@ def pair_addmm(a: torch.Tensor, b: torch.Tensor, hi: torch.Tensor, lo: torch.Ten
 
 
 def pair_fold_config(k: int, n: int) -> dict:
-    """:func:`pair_addmm`'s tiles for ``K`` and ``N``: for a ``K`` of at most :data:`PINGPONG_MAX_K` (the one pass's
-    ``dW`` over one tile of rows) the ping-pong kernel on ``128 × 128`` tiles, whose epilogue (the fold's reads and
-    writes of the pair) runs while the other warpgroup multiplies, else the cooperative ``128 × 256``. At ``K`` 2048,
-    ``[151936, 2048]``: 2.34 ms against 4.41 on :func:`matmul_f32`'s ``192 × 128`` (docs/performance.md, H200,
-    2026-11-30)."""
-    if k <= PINGPONG_MAX_K:
+    """:func:`pair_addmm`'s tiles for ``K`` and ``N``: for a ``K`` of at most :data:`PAIR_PINGPONG_MAX_K` (the one
+    pass's ``dW`` over one tile of rows, the two passes' ``dh`` over a narrow chunk) the ping-pong kernel on
+    ``128 × 128`` tiles, whose epilogue (the fold's reads and writes of the pair) runs while the other warpgroup
+    multiplies, else the cooperative ``128 × 256``. On an H200 (docs/performance.md, 2026-11-30), ms: at ``K`` 2048,
+    ``[151936, 2048]`` 2.12–2.23 against 4.41 on :func:`matmul_f32`'s ``192 × 128``; ``[14732, 4096]`` at ``K`` 2944
+    0.550 against 0.653, at 1664 0.383 against 0.464; at ``K`` 10112, ``[4204, 2048]`` 0.272 against 0.256."""
+    if k <= PAIR_PINGPONG_MAX_K:
         return dict(tile_M=128, tile_N=128, cluster_M=1, cluster_N=2, pingpong=True)
     return dict(tile_M=128, tile_N=256, cluster_M=1, cluster_N=2)
 
+
+#: The longest reduction for which :func:`pair_fold_config` takes the ping-pong kernel (measured at 1664–2944 and
+#: 10112, where the cooperative one is as fast or faster).
+PAIR_PINGPONG_MAX_K = 4096
 
 #: The longest reduction for which :func:`matmul_f32` takes the ping-pong kernel (measured up to 2048; a longer
 #: ``K`` spends relatively less in the epilogue that it hides).

@@ -97,24 +97,56 @@ class Fp32HiddenAccumulator:
 
 
 class PairHiddenAccumulator:
-    """The compensated pair whose ``hi`` is hidden's whole bf16 gradient (the kept rows written through
-    ``hi_rows`` where some are ignored, so nothing is scattered afterwards) and whose int8 residual covers the kept
-    rows: only the residual is extra (:mod:`.compensated`)."""
+    """The compensated pair whose ``hi`` is hidden's whole bf16 gradient and whose int8 residual covers the kept rows:
+    only the residual is extra (:mod:`.compensated`). Where some rows are ignored, the Triton fold writes the kept rows
+    where they belong (``hi_rows``); where QuACK folds (:func:`~.quack_bridge.folds_pairs`: its tile loads cannot
+    gather rows), the kept rows' sums sit compact in ``hi``'s first rows, moved where they belong at the end
+    (:func:`move_compact_rows_`)."""
 
     def __init__(self, head: HeadInputs) -> None:
         hidden, m_rows = head.hidden, head.rows.numel()
         self.hi = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
         self.lo = torch.zeros((m_rows, hidden.shape[1]), dtype=RESIDUAL_DTYPE, device=hidden.device)
         self.rows = head.rows if m_rows != hidden.shape[0] else None
+        self.compact = self.rows is None or quack_bridge.folds_pairs(hidden.device)
 
     def add(self, v0: int, r0: int, r1: int, dz: torch.Tensor, w_chunk: torch.Tensor) -> None:
-        if self.rows is not None:
+        if not self.compact:
             compensated_addmm_(self.hi, self.lo[r0:r1], dz, w_chunk, hi_rows=self.rows[r0:r1])
         elif not quack_bridge.pair_addmm_(self.hi[r0:r1], self.lo[r0:r1], dz, w_chunk):
             compensated_addmm_(self.hi[r0:r1], self.lo[r0:r1], dz, w_chunk)
 
     def finish(self, grads: HeadGrads) -> None:
+        if self.compact and self.rows is not None:
+            move_compact_rows_(self.hi, self.rows, self.lo)
         grads.hidden, grads.hidden_scattered = self.hi, True
+
+
+def move_compact_rows_(out: torch.Tensor, rows: torch.Tensor, scratch: torch.Tensor) -> None:
+    """Row ``i`` of ``out`` to row ``rows[i]`` for every ``i < len(rows)``, the other rows of ``out`` zeroed, in place.
+
+    ``rows`` ascending and distinct, so ``rows[i] ≥ i``: blocks of rows are moved from the last down, each copied out
+    first (into ``scratch``'s bytes, which must not be needed any more: the pair's residual; one row allocated where
+    they hold none), so that no block overwrites a row not yet moved.
+
+    Args:
+        out: ``[N, H]``, contiguous; its first ``M = len(rows)`` rows are moved.  rows: ``[M]`` int64, ascending.
+        scratch: a contiguous tensor on ``out``'s device, overwritten.
+    """
+    m, row_bytes = rows.numel(), out.shape[1] * out.element_size()
+    spare = scratch.view(-1).view(torch.uint8)
+    block = spare.numel() // row_bytes
+    if block:
+        temp = spare[: block * row_bytes].view(out.dtype).view(block, out.shape[1])
+    else:  # a residual of one int8 row holds no bf16 row
+        block, temp = 1, out.new_empty((1, out.shape[1]))
+    for end in range(m, 0, -block):
+        start = max(0, end - block)
+        temp[: end - start].copy_(out[start:end])
+        out.index_copy_(0, rows[start:end], temp[: end - start])
+    kept = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+    kept[rows] = True
+    out.masked_fill_(~kept[:, None], 0)
 
 
 def hidden_accumulator(head: HeadInputs, plan: GradientPassPlan, need: NeededGrads):
