@@ -6,7 +6,7 @@ log-sum-exp (:func:`fuses_statistics`), the gradient pass's ``dz`` only where th
 alone (:func:`fuses_softmax_grad`); the one pass's fp32-faithful tile and the two passes' statistics where the
 vocabulary splits into QuACK's column tiles, the logits are a multiple of the matmul's (a logit scale or temperature:
 :func:`logits_scale`) and the fp32 statistics are asked for (:func:`scaled_exp_tile_n`); the fp32 accumulations of
-bf16 products (:func:`matmul_f32_`). A tile whose operands are not 16-byte
+bf16 products (:func:`matmul_f32_`) and the compensated pair's folds (:func:`pair_addmm_`). A tile whose operands are not 16-byte
 aligned runs without it; a QuACK that cannot be imported or run is turned off for the process with one warning, and
 the caller does the work itself; ``HF_FUSED_QUACK=0`` keeps it off where it is installed (:data:`ENV`).
 """
@@ -166,9 +166,14 @@ def runs_matmul_f32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool
     """Whether QuACK's fp32-output matmul can take ``out [M, N] += a [M, K] @ b [K, N]``: bf16 operands on a GPU of
     compute capability 9.x that its TMA can read (``a`` row- or column-major, ``b`` row-major with ``N`` a multiple
     of 8), an fp32 contiguous ``out``."""
-    return (out.dtype == torch.float32 and out.is_contiguous() and a.dtype == b.dtype == torch.bfloat16
-            and a.is_cuda and b.shape[1] % 8 == 0 and b.stride(1) == 1 and tma_operand(a) is None
-            and tma_operand(b) is None and capability(a.device)[0] == 9)
+    return out.dtype == torch.float32 and out.is_contiguous() and _reads_product(a, b)
+
+
+def _reads_product(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """bf16 ``a [M, K]`` and ``b [K, N]`` on a GPU of compute capability 9.x that QuACK's TMA reads: ``a`` row- or
+    column-major, ``b`` row-major with ``N`` a multiple of 8."""
+    return (a.dtype == b.dtype == torch.bfloat16 and a.is_cuda and b.shape[1] % 8 == 0 and b.stride(1) == 1
+            and tma_operand(a) is None and tma_operand(b) is None and capability(a.device)[0] == 9)
 
 
 #: Whether the compensated pair's fold (:func:`pair_addmm_`) takes QuACK's matmul where it runs.
@@ -193,9 +198,7 @@ def runs_pair_fold(hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch
     with a contiguous bf16 ``hi`` and int8 ``lo`` of the product's shape."""
     shape = (a.shape[0], b.shape[1])
     return (hi.dtype == torch.bfloat16 and lo.dtype == torch.int8 and hi.is_contiguous() and lo.is_contiguous()
-            and tuple(hi.shape) == tuple(lo.shape) == shape and a.dtype == b.dtype == torch.bfloat16
-            and a.is_cuda and b.shape[1] % 8 == 0 and b.stride(1) == 1 and tma_operand(a) is None
-            and tma_operand(b) is None and capability(a.device)[0] == 9)
+            and tuple(hi.shape) == tuple(lo.shape) == shape and _reads_product(a, b))
 
 
 def scaled_exp_row_stats_(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, stats: tuple,
