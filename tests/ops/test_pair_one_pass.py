@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from references import INTERPRETER_AND_GPU as DEVICES, bf16_cuda_head, make_head_inputs, rel_err  # noqa: E402
 from hf_fused.ops import linear_cross_entropy, linear_logprobs, linear_token_loss  # noqa: E402
-from hf_fused.ops.backends.triton_cublas import compensated, one_pass, one_pass_rule  # noqa: E402
+from hf_fused.ops.backends.triton_cublas import one_pass, one_pass_rule  # noqa: E402
 from hf_fused.ops.backends.triton_cublas.one_pass_rule import OnePassPlan  # noqa: E402
 
 
@@ -52,21 +52,11 @@ def _forced(monkeypatch, accumulator):
             return real(out, *args, **kwargs)
         return accumulate
 
-    def quack_fold(real):  # QuACK's fold where it runs (a GPU with QuACK), else compensated_addmm_ after it
-        record = spy(lambda *args, **kwargs: None, True)
-
-        def fold(hi, lo, a, b):
-            ran = real(hi, lo, a, b)
-            if ran:
-                record(hi, lo, a, b)
-            return ran
-        return fold
-
     monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.plan.one_pass_plan", plan)
-    # dW's products: folded into the pair, or added into the fp32 accumulator (quack_bridge.matmul_f32_, which the
-    # one pass alone calls here: the hidden gradient's dz @ W is written whole by mm_f32_)
-    monkeypatch.setattr(one_pass, "compensated_addmm_", spy(one_pass.compensated_addmm_, True))
-    monkeypatch.setattr(one_pass.quack_bridge, "pair_addmm_", quack_fold(one_pass.quack_bridge.pair_addmm_))
+    # dW's products: folded into the pair (quack_bridge.pair_addmm_: QuACK's fold where it runs, else the Triton
+    # one), or added into the fp32 accumulator (quack_bridge.matmul_f32_, which the one pass alone calls here: the
+    # hidden gradient's dz @ W is written whole by mm_f32_)
+    monkeypatch.setattr(one_pass.quack_bridge, "pair_addmm_", spy(one_pass.quack_bridge.pair_addmm_, True))
     monkeypatch.setattr(one_pass.quack_bridge, "matmul_f32_", spy(one_pass.quack_bridge.matmul_f32_, False))
     return plans, folds, abs_sum
 
@@ -172,11 +162,8 @@ def test_default_rule_takes_the_pair_when_only_it_fits(monkeypatch, device):
     assert one_pass_rule.one_pass_plan(V, H, 2, ("fp32", "pair"), budget, hidden.device, extra, gather) == \
         OnePassPlan(ROWS, "pair", budget)
     folds = []
-    real_addmm, real_quack = compensated.compensated_addmm_, one_pass.quack_bridge.pair_addmm_
-    monkeypatch.setattr("hf_fused.ops.backends.triton_cublas.one_pass.compensated_addmm_",
-                        lambda *a, **k: folds.append(1) or real_addmm(*a, **k))
-    monkeypatch.setattr(one_pass.quack_bridge, "pair_addmm_",  # QuACK's fold, where it runs
-                        lambda *a: real_quack(*a) and (folds.append(1) or True))
+    real_fold = one_pass.quack_bridge.pair_addmm_
+    monkeypatch.setattr(one_pass.quack_bridge, "pair_addmm_", lambda *a, **k: folds.append(1) or real_fold(*a, **k))
     loss = linear_cross_entropy(hidden, weight, labels, b, backend="triton", tile_budget_bytes=budget,
                                 reduction="sum") * 0.37
     assert len(folds) == -(-kept // ROWS)  # gradients in the forward: the one pass

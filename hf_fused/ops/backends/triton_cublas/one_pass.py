@@ -27,7 +27,7 @@ from ...grads import HeadGrads, split_accumulator
 from ...head_inputs import HeadInputs, NeededGrads
 from ..protocol import HeadPass, TileGrads
 from . import fp32_logits_rule, fused_matmul, logits_epilogues, quack_bridge, shifted_tile
-from .compensated import RESIDUAL_DTYPE, compensated_addmm_, one_pass_config
+from .compensated import RESIDUAL_DTYPE, one_pass_config
 from .compensated_pair import compensated_scale_
 from .one_pass_hidden import HiddenGradient
 from .one_pass_rule import OnePassPlan
@@ -90,9 +90,7 @@ class PairWeightAccumulator:
         self.config = one_pass_config(weight.shape[0], weight.shape[1], weight.device)
 
     def add(self, r0: int, dz: torch.Tensor, h: torch.Tensor) -> None:
-        hi, lo = self.grads.weight, self.grads.weight_residual
-        if not quack_bridge.pair_addmm_(hi, lo, dz.t(), h):
-            compensated_addmm_(hi, lo, dz.t(), h, config=self.config)
+        quack_bridge.pair_addmm_(self.grads.weight, self.grads.weight_residual, dz.t(), h, config=self.config)
 
     def finish(self, grads: HeadGrads) -> None:
         pass

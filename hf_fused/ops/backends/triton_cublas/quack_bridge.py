@@ -6,8 +6,8 @@ log-sum-exp (:func:`fuses_statistics`), the gradient pass's ``dz`` only where th
 alone (:func:`fuses_softmax_grad`); the one pass's fp32-faithful tile and the two passes' statistics where the
 vocabulary splits into QuACK's column tiles, the logits are a multiple of the matmul's (a logit scale or temperature:
 :func:`logits_scale`) and the fp32 statistics are asked for (:func:`scaled_exp_tile_n`); the fp32 accumulations of
-bf16 products (:func:`matmul_f32_`) and the compensated pair's folds (:func:`pair_addmm_`). A tile whose operands are not 16-byte
-aligned runs without it; a QuACK that cannot be imported or run is turned off for the process with one warning, and
+bf16 products (:func:`matmul_f32_`) and the compensated pair's folds (:func:`pair_addmm_`). A tile whose operands
+are not 16-byte aligned runs without it; a QuACK that cannot be imported or run is turned off for the process with one warning, and
 the caller does the work itself; ``HF_FUSED_QUACK=0`` keeps it off where it is installed (:data:`ENV`).
 """
 
@@ -25,7 +25,8 @@ import torch
 from ...devices import capability
 from ...head_inputs import HeadInputs
 from . import fp32_logits_rule
-from .matmul import addmm_f32_, mm_f32_, tma_operand
+from .compensated import PAIR_DTYPE, RESIDUAL_DTYPE, compensated_addmm_
+from .matmul import GemmConfig, addmm_f32_, mm_f32_, tma_operand
 
 #: The scaled-exp matmul's column tiles (the granularity of its power-of-two shifts), in QuACK's own order of
 #: preference (``_pick_tile_n1`` in quack/linear_cross_entropy.py, 0.6.4: 192 measured best at Llama's vocabulary).
@@ -180,11 +181,14 @@ def _reads_product(a: torch.Tensor, b: torch.Tensor) -> bool:
 PAIR_FOLD = True
 
 
-def pair_addmm_(hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``hi + lo·ulp(hi)/254 += a @ b`` (:func:`~.compensated.compensated_addmm_`'s pair, no gathered rows) through
-    QuACK's matmul with the fold in its epilogue (:func:`.quack_epilogues.pair_addmm`) where :func:`runs_pair_fold`;
-    ``False``: it did not run (the caller folds with the Triton kernel)."""
-    return PAIR_FOLD and runs_pair_fold(hi, lo, a, b) and _run(lambda q: q.pair_addmm(a, b, hi, lo), a, b, hi, lo)
+def pair_addmm_(hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+                config: Optional[GemmConfig] = None) -> None:
+    """``hi + lo·ulp(hi)/254 += a @ b`` (:func:`~.compensated.compensated_addmm_`'s pair, no gathered rows): QuACK's
+    matmul with the fold in its epilogue (:func:`.quack_epilogues.pair_addmm`) where :func:`runs_pair_fold`, else the
+    Triton fold (:func:`~.compensated.compensated_addmm_` with ``config``)."""
+    if not (PAIR_FOLD and runs_pair_fold(hi, lo, a, b)
+            and _run(lambda q: q.pair_addmm(a, b, hi, lo), a, b, hi, lo)):
+        compensated_addmm_(hi, lo, a, b, config=config)
 
 
 def folds_pairs(device: torch.device) -> bool:
@@ -197,7 +201,7 @@ def runs_pair_fold(hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch
     """Whether QuACK's matmul can fold ``a @ b`` into the pair: what :func:`runs_matmul_f32` asks of the operands,
     with a contiguous bf16 ``hi`` and int8 ``lo`` of the product's shape."""
     shape = (a.shape[0], b.shape[1])
-    return (hi.dtype == torch.bfloat16 and lo.dtype == torch.int8 and hi.is_contiguous() and lo.is_contiguous()
+    return (hi.dtype == PAIR_DTYPE and lo.dtype == RESIDUAL_DTYPE and hi.is_contiguous() and lo.is_contiguous()
             and tuple(hi.shape) == tuple(lo.shape) == shape and _reads_product(a, b))
 
 

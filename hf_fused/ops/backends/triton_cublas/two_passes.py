@@ -113,8 +113,8 @@ class PairHiddenAccumulator:
     def add(self, v0: int, r0: int, r1: int, dz: torch.Tensor, w_chunk: torch.Tensor) -> None:
         if not self.compact:
             compensated_addmm_(self.hi, self.lo[r0:r1], dz, w_chunk, hi_rows=self.rows[r0:r1])
-        elif not quack_bridge.pair_addmm_(self.hi[r0:r1], self.lo[r0:r1], dz, w_chunk):
-            compensated_addmm_(self.hi[r0:r1], self.lo[r0:r1], dz, w_chunk)
+        else:
+            quack_bridge.pair_addmm_(self.hi[r0:r1], self.lo[r0:r1], dz, w_chunk)
 
     def finish(self, grads: HeadGrads) -> None:
         if self.compact and self.rows is not None:
