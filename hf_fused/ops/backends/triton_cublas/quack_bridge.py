@@ -7,8 +7,9 @@ alone (:func:`fuses_softmax_grad`); the one pass's fp32-faithful tile and the tw
 vocabulary splits into QuACK's column tiles, the logits are a multiple of the matmul's (a logit scale or temperature:
 :func:`logits_scale`) and the fp32 statistics are asked for (:func:`scaled_exp_tile_n`); the fp32 accumulations of
 bf16 products (:func:`matmul_f32_`) and the compensated pair's folds (:func:`pair_addmm_`). A tile whose operands
-are not 16-byte aligned runs without it; a QuACK that cannot be imported or run is turned off for the process with one warning, and
-the caller does the work itself; ``HF_FUSED_QUACK=0`` keeps it off where it is installed (:data:`ENV`).
+are not 16-byte aligned runs without it; a QuACK that cannot be imported or run is turned off for the process with
+one warning, and the caller does the work itself; ``HF_FUSED_QUACK=0`` keeps it off where it is installed
+(:data:`ENV`).
 """
 
 from __future__ import annotations
