@@ -1,0 +1,57 @@
+"""``python -m benchmarks.sustained``: the device readings' window and reason shares, the sampler thread, one case's
+step times and rates, and a CPU smoke run of the whole tool."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+
+from benchmarks.sustained import REASONS, Sample, Sampler, device_summary, main, run_case
+
+
+def test_device_summary_reads_only_the_window():
+    samples = [Sample(0.0, 1980, 300.0, 40, 0), Sample(1.0, 1700, 700.0, 60, REASONS["power cap"]),
+               Sample(2.0, 1600, 690.0, 62, REASONS["power cap"] | REASONS["hw thermal"]),
+               Sample(3.0, 1650, 695.0, 61, 0x1)]  # 0x1: idle, not a reason this tool reports
+    got = device_summary(samples, 1.0, 3.0)
+    assert got["sm_mhz"] == 1650 and got["watts"] == 695.0 and got["celsius"] == 61
+    assert got["power cap"] == pytest.approx(2 / 3) and got["hw thermal"] == pytest.approx(1 / 3)
+    assert got["hw slowdown"] == got["sw thermal"] == got["power brake"] == 0
+    assert device_summary(samples, 5.0, 6.0) == {}
+
+
+def test_sampler_reads_until_closed():
+    counter = itertools.count()
+    with Sampler(lambda: Sample(time.perf_counter(), next(counter), 0.0, 0, 0), 0.001) as sampler:
+        time.sleep(0.05)
+    n = len(sampler.samples)
+    time.sleep(0.01)
+    assert n >= 2 and len(sampler.samples) == n  # stopped at exit
+    assert [s.sm_mhz for s in sampler.samples] == list(range(n))
+
+
+def test_run_case_rates_from_step_times(monkeypatch):
+    # a step of known duration: first steps slower than the rest, as a clock that drops would not (the tool must
+    # tell the two ends apart, not average them)
+    durations = iter([0.02] * 3 + [0.01] * 1000)
+    calls = []
+
+    def step():
+        calls.append(1)
+        time.sleep(next(durations))
+
+    row = run_case(step, flops=1e9, device=torch.device("cpu"), seconds=0.3, read=None, interval=0.01)
+    assert row["steps"] == len(calls) - 1  # the first call is the warm-up, untimed
+    assert row["first_tflops"] < row["last_tflops"]
+    assert row["last_tflops"] == pytest.approx(1e9 / (row["last_ms"] * 1e-3) / 1e12)
+    assert "sm_mhz" not in row  # no readings without a reader
+
+
+def test_cpu_smoke(capsys):
+    assert main(["--device", "cpu", "--quick", "--shapes", "ce-128-h64-v1k", "--peers", "hf_fused,trl",
+                 "--seconds", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert "matmul 256³" in out and "ce-128-h64-v1k" in out and "hf_fused" in out and "power cap" in out
