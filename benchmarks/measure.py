@@ -132,7 +132,9 @@ def _matmul_ms(device: torch.device, dtype: torch.dtype, n: int, repeats: int) -
 
 
 def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, repeats: int) -> dict:
-    """The dense-matmul ceiling: median TFLOP/s of an ``n×n @ n×n`` product in ``dtype``."""
+    """The dense-matmul ceiling: median TFLOP/s of an ``n×n @ n×n`` product in ``dtype``. On CUDA a burst of 50
+    products (about 70 ms at 8192 on an H200): the rate before the power limit lowers the clock, which a step held
+    for seconds does not keep (:mod:`benchmarks.sustained` measures the rate held)."""
     ms, timer = _matmul_ms(device, dtype, n, repeats)
     free_memory(device)  # the operands died with _matmul_ms's frame
     return {"n": n, "dtype": str(dtype).replace("torch.", ""), "ms": ms, "tflops": 2 * n**3 / (ms * 1e-3) / 1e12,

@@ -181,7 +181,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     read, interval = nvml_reader(device), args.interval_ms / 1e3
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    print(f"{measure.device_name(device)}: {args.seconds:g} s per case, NVML every {args.interval_ms:g} ms")
+    print(f"{measure.device_name(device)}: {args.seconds:g} s per case, NVML every {args.interval_ms:g} ms; "
+          + ", ".join(f"{name} {version}" for name, version in measure.versions().items() if version))
     rows = []
     n = args.matmul_n or (256 if args.quick else 8192)
     step, flops = matmul_step(device, n)
