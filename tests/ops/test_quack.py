@@ -310,6 +310,14 @@ def _hopper_inputs(n, scale_weight, ignore_every, h=1024, v=32000):
     return hidden, weight, labels, g
 
 
+def _only_the_spied_epilogue(monkeypatch):
+    """QuACK's fp32 accumulations and pair folds off, so that a spy holding one epilogue is the only QuACK kernel a
+    run asks for (another would fail on the spy and turn QuACK off mid-run) and both runs of a comparison take the
+    same cuBLAS / Triton kernels for everything else."""
+    monkeypatch.setattr(quack_bridge, "MATMUL_F32", False)
+    monkeypatch.setattr(quack_bridge, "PAIR_FOLD", False)
+
+
 @pytest.mark.gpu
 def test_quack_gradient_epilogue_on_gpu_is_the_triton_kernels_bits():
     """On a Hopper GPU with QuACK, the two passes' gradient pass with QuACK's ``dz`` epilogue gives the same bits
@@ -334,8 +342,9 @@ def test_quack_gradient_epilogue_on_gpu_is_the_triton_kernels_bits():
     try:
         monkeypatch.setenv("HF_FUSED_FP32_LOGITS", "0")  # the stored tiles' statistics, whose dz QuACK's epilogue takes
         monkeypatch.setattr(quack_bridge, "_QUACK", {"module": spy})
+        _only_the_spied_epilogue(monkeypatch)
         fused = run()
-        assert calls
+        assert calls and quack_bridge.load() is spy, quack_bridge.last_error()  # not turned off mid-run
         monkeypatch.setattr(quack_bridge, "_QUACK", {"module": None})
         plain = run()
     finally:
@@ -381,8 +390,9 @@ def test_quack_statistics_on_gpu_match_cublas_and_the_statistics_kernel(monkeypa
     spy = type("Spy", (), {"logits_with_statistics": staticmethod(
         lambda *a, **k: calls.append(1) or quack.logits_with_statistics(*a, **k))})()
     monkeypatch.setattr(quack_bridge, "_QUACK", {"module": spy})
+    _only_the_spied_epilogue(monkeypatch)
     fused = run()
-    assert calls
+    assert calls and quack_bridge.load() is spy, quack_bridge.last_error()  # not turned off mid-run
     monkeypatch.setattr(quack_bridge, "_QUACK", {"module": None})
     plain = run()
     for got, want in zip(fused, plain):
