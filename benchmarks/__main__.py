@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep DIR/bench.json and run only the (shape, peer) pairs it does not have yet")
     parser.add_argument("--matmul-n", type=int, default=None,
                         help="size of the ceiling matmul (default 8192, 256 with --quick)")
+    parser.add_argument("--ceiling-hold", type=float, default=0.0, metavar="SECONDS",
+                        help="measure the ceiling with its product held this long (the rate at the GPU's power limit, "
+                             "what a step held for seconds gets; median of the last half) instead of a burst of 50")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--list", action="store_true", help="list shapes and peers and exit")
@@ -85,7 +88,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         device=device, dtype=dtype, problems=problems, peers=peers, repeats=args.repeats, out_dir=args.out,
         reference=not args.no_reference, resume=args.resume, seed=args.seed,
         matmul_n=args.matmul_n or (256 if args.quick else 8192), progress=not args.no_progress, argv=argv,
-        autocast=DTYPES[args.autocast] if args.autocast else None,
+        autocast=DTYPES[args.autocast] if args.autocast else None, ceiling_hold_s=args.ceiling_hold,
     )
     publish(run(cfg), args.out)
     return 0

@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peers", default="hf_fused,quack", help="peer keys, as python -m benchmarks")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per case (median; default 5)")
     parser.add_argument("--top", type=int, default=8, help="kernels listed per case (default 8)")
+    parser.add_argument("--ceiling-hold", type=float, default=0.0, metavar="SECONDS",
+                        help="the ceiling's product held this long (its rate at the power limit) instead of a burst")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke test)")
     return parser
 
@@ -156,8 +158,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     peers = select_peers(args.peers)
     ceiling = None
     if device.type == "cuda":
-        ceiling = measure.matmul_tflops(device, torch.bfloat16, 8192, args.repeats)["tflops"]
-        print(f"{measure.device_name(device)}: bf16 matmul {ceiling:.0f} TFLOP/s (8192³)")
+        ceiling = measure.matmul_tflops(device, torch.bfloat16, 8192, args.repeats, args.ceiling_hold)["tflops"]
+        how = f"held {args.ceiling_hold:g} s" if args.ceiling_hold else "a burst"
+        print(f"{measure.device_name(device)}: bf16 matmul {ceiling:.0f} TFLOP/s (8192³, {how})")
     own = hf_fused_kernel_names()
     summary = []
     for problem in problems:

@@ -122,23 +122,49 @@ def median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> t
     return statistics.median(time_once_ms(fn, device) for _ in range(repeats)), timer
 
 
-def _matmul_ms(device: torch.device, dtype: torch.dtype, n: int, repeats: int) -> tuple[float, str]:
+def held_ms(fn: Callable[[], object], device: torch.device, seconds: float) -> list[float]:
+    """``fn()`` called back to back for ``seconds`` of host time, with no host synchronization between calls (on
+    CUDA the host queues ahead; the device runs on until every call is done): each call's time in milliseconds
+    (CUDA events; on CPU the wall time of each). Call ``fn`` at least once before (warm-up)."""
+    times: list[float] = []
+    pairs = []
+    synchronize(device)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            pairs.append((start, end))
+        else:
+            times.append(time_once_ms(fn, device))
+    synchronize(device)
+    return times or [start.elapsed_time(end) for start, end in pairs]
+
+
+def _matmul_ms(device: torch.device, dtype: torch.dtype, n: int, repeats: int, hold_s: float) -> tuple[float, str]:
     a = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
     b = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
     fn = lambda: torch.mm(a, b, out=out)  # noqa: E731
     fn()
+    if hold_s > 0:
+        times = held_ms(fn, device, hold_s)
+        return statistics.median(times[len(times) // 2:]), "held: median of the last half"
     return median_ms(fn, device, 50 if device.type == "cuda" else max(repeats, 3))
 
 
-def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, repeats: int) -> dict:
-    """The dense-matmul ceiling: median TFLOP/s of an ``n×n @ n×n`` product in ``dtype``. On CUDA a burst of 50
-    products (about 70 ms at 8192 on an H200): the rate before the power limit lowers the clock, which a step held
-    for seconds does not keep (:mod:`benchmarks.sustained` measures the rate held)."""
-    ms, timer = _matmul_ms(device, dtype, n, repeats)
+def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, repeats: int, hold_s: float = 0.0) -> dict:
+    """The dense-matmul ceiling: median TFLOP/s of an ``n×n @ n×n`` product in ``dtype``. By default (``hold_s``
+    0) on CUDA a burst of 50 products (about 70 ms at 8192 on an H200): the rate before the power limit lowers the
+    clock, which a step held for seconds does not keep. ``hold_s > 0``: the products back to back for that many
+    seconds (:func:`held_ms`), the median of the last half: the rate held (on an H200 at its 700 W limit, 671
+    against the burst's 790 TFLOP/s: docs/performance.md, H200, 2026-11-30)."""
+    ms, timer = _matmul_ms(device, dtype, n, repeats, hold_s)
     free_memory(device)  # the operands died with _matmul_ms's frame
     return {"n": n, "dtype": str(dtype).replace("torch.", ""), "ms": ms, "tflops": 2 * n**3 / (ms * 1e-3) / 1e12,
-            "timer": timer}
+            "timer": timer, "hold_s": hold_s}
 
 
 # ---------------------------------------------------------------------------------------------- memory

@@ -67,7 +67,8 @@ def _header(doc: dict, with_ceiling: bool) -> list[str]:
             f"{tag}device: {run['device']}   dtype: {run['dtype']}"
             + (f"   autocast: {run['autocast']}" if run.get("autocast") else "")
             + f"   timer: {run['timer']}   repeats: {run['repeats']}",
-            f"{tag}matmul ceiling: " + (f"{c['tflops']:.4g} TFLOP/s ({c['dtype']} {c['n']}³ median {c['ms']:.3f} ms)"
+            f"{tag}matmul ceiling: " + (f"{c['tflops']:.4g} TFLOP/s ({c['dtype']} {c['n']}³ median {c['ms']:.3f} ms"
+                                        + (f", held {c['hold_s']:g} s)" if c.get("hold_s") else ", a burst)")
                                         if c else "none (measured on CUDA only; CPU times are not compared to one)"),
             f"{tag}versions: " + ", ".join(f"{k} {v}" for k, v in run["versions"].items() if v),
         ]

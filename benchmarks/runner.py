@@ -55,6 +55,8 @@ class RunConfig:
     resume: bool = False
     seed: int = 0
     matmul_n: int = 8192
+    # The ceiling's product held for this many seconds (its rate at the power limit); 0: a burst of 50 products.
+    ceiling_hold_s: float = 0.0
     progress: bool = True
     argv: Optional[list[str]] = None
     # Each step under torch.autocast in this dtype (None: no autocast). With fp32 inputs that is mixed precision:
@@ -176,7 +178,7 @@ def run(cfg: RunConfig) -> dict:
 
     # A matmul ceiling is a GPU's (tensor-core peak); on CPU a small probe matmul is no ceiling for a tiled loss
     # whose tiles are larger, so fractions of it would mislead: none is measured.
-    ceiling = (measure.matmul_tflops(cfg.device, matmul_dtype(cfg), cfg.matmul_n, cfg.repeats)
+    ceiling = (measure.matmul_tflops(cfg.device, matmul_dtype(cfg), cfg.matmul_n, cfg.repeats, cfg.ceiling_hold_s)
                if cfg.device.type == "cuda" else None)
     doc["runs"].append({
         "started": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -118,27 +118,14 @@ def device_summary(samples: list[Sample], start: float, end: float) -> dict:
 
 def run_case(step: Callable[[], object], flops: float, device: torch.device, seconds: float,
              read: Optional[Callable[[], Sample]], interval: float) -> dict:
-    """``step`` back to back for ``seconds`` of host time (then until the device has run them all): the steps'
-    device times (CUDA events; host timer on CPU), TFLOP/s over the first tenth and the last half of the steps, and
-    :func:`device_summary` over the last half of the case's time."""
+    """``step`` back to back for ``seconds`` of host time (:func:`benchmarks.measure.held_ms`): TFLOP/s over the
+    first tenth and the last half of the steps, and :func:`device_summary` over the last half of the case's time."""
     step()  # compiled and cached before the clock starts
     measure.synchronize(device)
-    cuda = device.type == "cuda"
-    pairs, times = [], []
     with Sampler(read, interval) if read else contextlib.nullcontext() as sampler:
         t0 = time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                step()
-                end.record()
-                pairs.append((start, end))
-            else:
-                times.append(measure.time_once_ms(step, device))
-        measure.synchronize(device)
+        times = measure.held_ms(step, device, seconds)
         t1 = time.perf_counter()
-    times = times or [start.elapsed_time(end) for start, end in pairs]
     first = times[:max(1, len(times) // 10)]
     last = times[len(times) // 2:] or times
 

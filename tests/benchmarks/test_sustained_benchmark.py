@@ -55,3 +55,29 @@ def test_cpu_smoke(capsys):
                  "--seconds", "0.2"]) == 0
     out = capsys.readouterr().out
     assert "matmul 256³" in out and "ce-128-h64-v1k" in out and "hf_fused" in out and "power cap" in out
+
+
+def test_held_calls_are_timed_one_by_one():
+    from benchmarks.measure import held_ms
+
+    durations = iter([0.02, 0.02] + [0.005] * 1000)
+    times = held_ms(lambda: time.sleep(next(durations)), torch.device("cpu"), 0.2)
+    assert 10 < len(times) < 60
+    assert min(times[:2]) >= 20 and max(times[2:]) < 20  # each call's own time, in order
+
+
+def test_the_ceiling_held_is_the_median_of_its_last_half(monkeypatch):
+    """``matmul_tflops(hold_s=...)`` (``python -m benchmarks --ceiling-hold``): the product's calls back to back for
+    that long, the median of the last half; the default is the burst, and the report says which."""
+    from benchmarks import measure
+    from benchmarks.report import _header
+
+    monkeypatch.setattr(measure, "held_ms", lambda fn, device, seconds: [1.0] * 5 + [2.0, 2.0, 4.0, 4.0, 4.0])
+    held = measure.matmul_tflops(torch.device("cpu"), torch.float32, 32, 1, hold_s=3.0)
+    assert held["ms"] == 4.0 and held["hold_s"] == 3.0 and held["tflops"] == pytest.approx(2 * 32**3 / 4e-3 / 1e12)
+    burst = measure.matmul_tflops(torch.device("cpu"), torch.float32, 32, 1)
+    assert burst["hold_s"] == 0.0 and burst["ms"] > 0
+    run = {"device": "cpu", "dtype": "float32", "timer": "t", "repeats": 1, "versions": {}, "flop_convention": ""}
+    held_line, burst_line = (next(line for line in _header({"runs": [{**run, "matmul_ceiling": c}], "results": []},
+                                                           True) if "ceiling" in line) for c in (held, burst))
+    assert "held 3 s" in held_line and "a burst" in burst_line
