@@ -165,15 +165,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     summary = []
     for problem in problems:
         for peer in peers:
-            try:
-                peer.load()
-            except Exception as err:  # not installed: said and skipped, as python -m benchmarks does
-                print(f"{problem.name} · {peer.key}: skipped ({measure.short_error(err)})")
-                continue
-            why = peer.unsupported(problem.kind, device) or peer.unsupported_problem(problem) or peer.unavailable(
-                problem.kind)
+            why = peer.cannot_run(problem, device)
             if why:
-                print(f"{problem.name} · {peer.key}: n/a ({why})")
+                print(f"{problem.name} · {peer.key}: {why}")
                 continue
             row = measure_case(peer, problem, device, args.repeats, own)
             measure.free_memory(device)  # the case's inputs died with its frame

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import measure
 from .losses import (
     CISPO_EPSILON_HIGH, EPSILON_HIGH, EPSILON_LOW, IGNORE_INDEX, distillation_divergence, grpo_loss,
     normalizer_weights, sparse_divergence, token_weights_at_ratio_one, trl_per_token_loss,
@@ -74,6 +75,17 @@ class Peer:
     def unavailable(self, kind: str) -> Optional[str]:
         """Why this installed peer has no entry point for ``kind`` in its version (recorded as ``skipped``)."""
         return None
+
+    def cannot_run(self, problem: Problem, device: torch.device) -> Optional[str]:
+        """Why this peer cannot run ``problem`` on ``device``, as the one-off tools print it (``"skipped (…)"``: it
+        did not import; ``"n/a (…)"``: no entry point for it there), or ``None`` once loaded and able to."""
+        try:
+            self.load()
+        except Exception as err:  # not installed, or a broken install raising something else on import
+            return f"skipped ({measure.short_error(err)})"
+        why = self.unsupported(problem.kind, device) or self.unsupported_problem(problem) or self.unavailable(
+            problem.kind)
+        return f"n/a ({why})" if why else None
 
     def unsupported(self, kind: str, device: torch.device) -> Optional[str]:
         if self.needs_cuda and device.type != "cuda":

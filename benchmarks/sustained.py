@@ -178,15 +178,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     measure.free_memory(device)
     for problem in select_problems(args.shapes, args.quick):
         for peer in select_peers(args.peers):
-            try:
-                peer.load()
-            except Exception as err:  # not installed: said and skipped, as python -m benchmarks does
-                print(f"{problem.name} · {peer.key}: skipped ({measure.short_error(err)})")
-                continue
-            why = peer.unsupported(problem.kind, device) or peer.unsupported_problem(problem) or peer.unavailable(
-                problem.kind)
+            why = peer.cannot_run(problem, device)
             if why:
-                print(f"{problem.name} · {peer.key}: n/a ({why})")
+                print(f"{problem.name} · {peer.key}: {why}")
                 continue
             inp = make_inputs(problem, device, dtype)
 

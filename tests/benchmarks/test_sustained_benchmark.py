@@ -51,10 +51,12 @@ def test_run_case_rates_from_step_times(monkeypatch):
 
 
 def test_cpu_smoke(capsys):
-    assert main(["--device", "cpu", "--quick", "--shapes", "ce-128-h64-v1k", "--peers", "hf_fused,trl",
+    assert main(["--device", "cpu", "--quick", "--shapes", "ce-128-h64-v1k", "--peers", "hf_fused,trl,quack",
                  "--seconds", "0.2"]) == 0
     out = capsys.readouterr().out
     assert "matmul 256³" in out and "ce-128-h64-v1k" in out and "hf_fused" in out and "power cap" in out
+    # QuACK needs CUDA: said, not run (skipped where it is not installed)
+    assert "ce-128-h64-v1k · quack: n/a (needs a CUDA device)" in out or "ce-128-h64-v1k · quack: skipped (" in out
 
 
 def test_held_calls_are_timed_one_by_one():
