@@ -83,3 +83,32 @@ def test_the_ceiling_held_is_the_median_of_its_last_half(monkeypatch):
     held_line, burst_line = (next(line for line in _header({"runs": [{**run, "matmul_ceiling": c}], "results": []},
                                                            True) if "ceiling" in line) for c in (held, burst))
     assert "held 3 s" in held_line and "a burst" in burst_line
+
+
+@pytest.mark.parametrize("event_reasons", [True, False])
+def test_nvml_reader_reads_clock_power_temperature_and_reasons(monkeypatch, event_reasons):
+    """The reader against a stand-in ``pynvml``: milliwatts to watts, the SM clock, the GPU temperature, and the
+    clock-event reasons from ``nvmlDeviceGetCurrentClocksEventReasons`` (NVML 12.5+) or, in older bindings, its
+    former name ``...ThrottleReasons``."""
+    import sys
+    from types import SimpleNamespace
+
+    from benchmarks.sustained import nvml_reader
+
+    asked = {}
+    fake = SimpleNamespace(
+        NVML_CLOCK_SM=1, NVML_TEMPERATURE_GPU=0, nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: asked.update(index=i) or "handle",
+        nvmlDeviceGetClockInfo=lambda h, clock: 1485 if clock == 1 else 0,
+        nvmlDeviceGetPowerUsage=lambda h: 691_500, nvmlDeviceGetTemperature=lambda h, sensor: 58,
+        nvmlDeviceGetCurrentClocksThrottleReasons=lambda h: REASONS["power cap"])
+    if event_reasons:
+        fake.nvmlDeviceGetCurrentClocksEventReasons = lambda h: REASONS["power cap"] | REASONS["hw thermal"]
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "_get_nvml_device_index", lambda i: i + 2, raising=False)
+    read = nvml_reader(torch.device("cuda", 1))
+    sample = read()
+    assert asked["index"] == 3  # CUDA's device 1 is NVML's 3 under CUDA_VISIBLE_DEVICES
+    assert (sample.sm_mhz, sample.watts, sample.celsius) == (1485, 691.5, 58)
+    assert sample.reasons == (REASONS["power cap"] | (REASONS["hw thermal"] if event_reasons else 0))
+    assert nvml_reader(torch.device("cpu")) is None
