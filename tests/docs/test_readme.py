@@ -11,7 +11,8 @@
   ``make`` a target of the Makefile, ``accelerate launch`` an accelerate config and a script of the repository
   and only options the script's ``--help`` lists.
 * Every relative link resolves; a link into ``docs/reference/`` names an anchor that the page's
-  ``::: identifier`` directives generate; every public entry point (``hf_fused.__all__``) is linked to its
+  ``::: identifier`` directives generate, a link into another page an anchor of one of its headings (the docs
+  pages' own links are the strict site build's: ``validation: anchors``); every public entry point (``hf_fused.__all__``) is linked to its
   reference page.
 """
 
@@ -133,6 +134,17 @@ def _reference_anchors(page: str) -> set[str]:
     return set(re.findall(r"^:::\s+(\S+)", (ROOT / page).read_text(), flags=re.M))
 
 
+def _heading_anchors(page: str) -> set[str]:
+    """The anchors of a page's headings as the site's table of contents makes them (Python-Markdown's ``slugify`` of
+    the heading's text without its inline markup; GitHub's agree for these headings), code blocks left out."""
+    from markdown.extensions.toc import slugify
+
+    text = re.sub(r"^```.*?^```", "", (ROOT / page).read_text(), flags=re.S | re.M)
+    headings = re.findall(r"^#{1,6}\s+(.+?)\s*$", text, flags=re.M)
+    return {slugify(re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", h).replace("`", "").replace("*", ""), "-")
+            for h in headings}
+
+
 def test_every_relative_link_resolves():
     for link in _links():
         if re.match(r"[a-z]+://", link):
@@ -141,6 +153,8 @@ def test_every_relative_link_resolves():
         assert (ROOT / path).exists(), link
         if path.startswith("docs/reference/") and anchor:
             assert anchor in _reference_anchors(path), f"{link}: no '::: {anchor}' on {path}"
+        elif path.endswith(".md") and anchor:
+            assert anchor in _heading_anchors(path), f"{link}: no heading with that anchor on {path}"
 
 
 def test_every_public_entry_point_links_to_its_reference():
