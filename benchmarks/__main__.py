@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from . import measure
 from .peers import ALL_PEERS, DEFAULT_PEERS, select_peers
 from .problems import KINDS, PROBLEM_GROUPS, all_problems, select_problems
 
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep DIR/bench.json and run only the (shape, peer) pairs it does not have yet")
     parser.add_argument("--matmul-n", type=int, default=None,
                         help="size of the ceiling matmul (default 8192, 256 with --quick)")
-    parser.add_argument("--ceiling-hold", type=float, default=0.0, metavar="SECONDS",
+    parser.add_argument("--ceiling-hold", type=measure.duration_arg(False), default=0.0, metavar="SECONDS",
                         help="measure the ceiling with its product held this long (the rate at the GPU's power limit, "
                              "what a step held for seconds gets; median of the last half) instead of a burst of 50")
     parser.add_argument("--seed", type=int, default=0)

@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peers", default="hf_fused,quack", help="peer keys, as python -m benchmarks")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per case (median; default 5)")
     parser.add_argument("--top", type=int, default=8, help="kernels listed per case (default 8)")
-    parser.add_argument("--ceiling-hold", type=float, default=0.0, metavar="SECONDS",
+    parser.add_argument("--ceiling-hold", type=measure.duration_arg(False), default=0.0, metavar="SECONDS",
                         help="the ceiling's product held this long (its rate at the power limit) instead of a burst")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke test)")
     return parser

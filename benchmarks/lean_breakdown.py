@@ -76,6 +76,21 @@ def forced_plan(key: Optional[tuple[int, int, bool]], seen: list):
         yield
 
 
+def _fold_and_mm_ms(m: int, k: int, n: int, device: torch.device, repeats: int) -> tuple[float, float]:
+    """Median ms of one ``[m, k] @ [k, n]`` fold into a pair (``quack_bridge.pair_addmm_``: QuACK's where it runs)
+    and of cuBLAS's bf16 product of the same operands (its buffers freed on return)."""
+    a = (torch.randn(m, k, device=device) * 1e-3).to(torch.bfloat16)
+    b = (torch.randn(k, n, device=device) * 0.03).to(torch.bfloat16)
+    hi = torch.zeros(m, n, dtype=torch.bfloat16, device=device)
+    lo = torch.zeros(m, n, dtype=two_passes.RESIDUAL_DTYPE, device=device)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+    timings = []
+    for fn in (lambda: quack_bridge.pair_addmm_(hi, lo, a, b), lambda: torch.mm(a, b, out=out)):
+        fn()
+        timings.append(median_ms(fn, device, repeats)[0])
+    return timings[0], timings[1]
+
+
 def measure(device: torch.device, shape: tuple[int, int, int], budget: int, repeats: int) -> dict:
     """One shape: ``{"folds": [(M, K, H, calls, fold ms, torch.mm ms)], "plans": [(plan, moved, ms, chosen)]}``."""
     hidden, weight, labels = inputs(device, *shape)
@@ -91,17 +106,7 @@ def measure(device: torch.device, shape: tuple[int, int, int], budget: int, repe
         step()
     row = {"shape": "x".join(map(str, shape)), "folds": [], "plans": []}
     for (m, k, n), calls in sorted(folds.items(), key=lambda item: -item[1]):
-        a = (torch.randn(m, k, device=device) * 1e-3).to(torch.bfloat16)
-        b = (torch.randn(k, n, device=device) * 0.03).to(torch.bfloat16)
-        hi = torch.zeros(m, n, dtype=torch.bfloat16, device=device)
-        lo = torch.zeros(m, n, dtype=two_passes.RESIDUAL_DTYPE, device=device)
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
-        timings = []
-        for fn in (lambda: quack_bridge.pair_addmm_(hi, lo, a, b), lambda: torch.mm(a, b, out=out)):
-            fn()
-            timings.append(median_ms(fn, device, repeats)[0])
-        row["folds"].append((m, k, n, calls, *timings))
-        del a, b, hi, lo, out
+        row["folds"].append((m, k, n, calls, *_fold_and_mm_ms(m, k, n, device, repeats)))
     if not seen:
         return row  # the step took no lean plan (the budget holds the default one)
     options, choice = seen[-1]  # the gradient pass's (the statistics pass weighs the same rule first)

@@ -18,6 +18,7 @@ and the output (JSON, text table, plot, progress bar).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import json
@@ -141,6 +142,19 @@ def held_ms(fn: Callable[[], object], device: torch.device, seconds: float) -> l
             times.append(time_once_ms(fn, device))
     synchronize(device)
     return times or [start.elapsed_time(end) for start, end in pairs]
+
+
+def duration_arg(positive: bool):
+    """An argparse ``type`` for a duration (seconds or milliseconds, as the option says): a float ``> 0``
+    (``positive``) or ``>= 0``, else an error naming what was given."""
+    bound = "> 0" if positive else ">= 0"
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if value < 0 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(f"{text!r}: give a duration {bound}")
+        return value
+    return parse
 
 
 def _matmul_ms(device: torch.device, dtype: torch.dtype, n: int, repeats: int, hold_s: float) -> tuple[float, str]:

@@ -155,8 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shapes", default="ce-32k-h2048-v152k", help="shape names, kinds or groups, as python -m "
                         "benchmarks")
     parser.add_argument("--peers", default="hf_fused,trl", help="peer keys, as python -m benchmarks")
-    parser.add_argument("--seconds", type=float, default=10.0, help="host seconds of steps per case (default 10)")
-    parser.add_argument("--interval-ms", type=float, default=50.0, help="between NVML readings (default 50)")
+    parser.add_argument("--seconds", type=measure.duration_arg(True), default=10.0,
+                        help="host seconds of steps per case (default 10)")
+    parser.add_argument("--interval-ms", type=measure.duration_arg(True), default=50.0,
+                        help="between NVML readings (default 50)")
     parser.add_argument("--matmul-n", type=int, default=None, help="the product's size (default 8192; 256 with "
                         "--quick)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke test)")

@@ -112,3 +112,18 @@ def test_nvml_reader_reads_clock_power_temperature_and_reasons(monkeypatch, even
     assert (sample.sm_mhz, sample.watts, sample.celsius) == (1485, 691.5, 58)
     assert sample.reasons == (REASONS["power cap"] | (REASONS["hw thermal"] if event_reasons else 0))
     assert nvml_reader(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("argv", [["--seconds", "0"], ["--seconds", "-1"], ["--interval-ms", "0"]])
+def test_a_duration_that_cannot_be_is_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--quick", *argv])
+    assert "give a duration > 0" in capsys.readouterr().err
+
+
+def test_a_negative_ceiling_hold_is_refused(capsys):
+    from benchmarks.__main__ import main as bench_main
+
+    with pytest.raises(SystemExit):
+        bench_main(["--device", "cpu", "--quick", "--ceiling-hold", "-2"])
+    assert "give a duration >= 0" in capsys.readouterr().err

@@ -12,8 +12,8 @@
   and only options the script's ``--help`` lists.
 * Every relative link resolves; a link into ``docs/reference/`` names an anchor that the page's
   ``::: identifier`` directives generate, a link into another page an anchor of one of its headings (the docs
-  pages' own links are the strict site build's: ``validation: anchors``); every public entry point (``hf_fused.__all__``) is linked to its
-  reference page.
+  pages' own links are the strict site build's: ``validation: anchors``); every public entry point
+  (``hf_fused.__all__``) is linked to its reference page.
 """
 
 from __future__ import annotations
