@@ -53,8 +53,10 @@ def apply_fused_loss(
         verify: before returning, run a short probe (``[2, 8]`` random tokens, eval mode, no grad): read the
             logit transform from the forward itself (lm_head answers with known logits from ``±2**-6`` to
             ``±2**14``; a config attribute the forward ignores changes nothing, a soft-cap is exercised), then
-            check that the fused per-token log-probabilities equal those of the original forward's logits.
-            With ``verify=False`` the transform is read from the config unchecked.
+            check that the fused per-token log-probabilities equal those of the original forward's logits. An
+            attention implementation registered by another library (TRL's ``tree_fa3``) runs as transformers'
+            ``eager`` for the probe and is kept afterwards. With ``verify=False`` the transform is read from the
+            config unchecked.
         tile_budget_bytes: memory bound of one tile (see :func:`hf_fused.ops.linear_cross_entropy`).
         backend: force an ops backend by name.
 

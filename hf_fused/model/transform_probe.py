@@ -79,11 +79,41 @@ def probe_inputs(causal_lm: nn.Module) -> Iterator[torch.Tensor]:
     try:
         # Forwards go through the module call (a patched model without labels runs its original forward), so
         # the hooks of a wrapper such as FSDP2's fully_shard or ZeRO-3 gather the parameters.
-        with gathered_per_module(causal_lm):
+        with gathered_per_module(causal_lm), own_attention(causal_lm):
             yield input_ids
     finally:
         for module, training in modes.items():
             module.training = training
+
+
+#: transformers' own attention implementations: a forward with only the probe's arguments runs with any of them.
+_OWN_ATTENTION = ("eager", "sdpa", "flex_attention")
+_OWN_ATTENTION_PREFIXES = ("flash_attention_", "paged|")
+
+
+@contextmanager
+def own_attention(causal_lm: nn.Module) -> Iterator[None]:
+    """Within the block, a model whose config names an attention implementation registered by another library runs
+    transformers' ``eager`` attention instead; restored on exit, every config as it was. Such an implementation
+    may need arguments of its own on every call: TRL's ``AsyncGRPOTrainer`` loads its model with ``tree_fa3``, whose
+    attention reads the packed batch's tree indices (``tree_kv_index``, ``tree_cu_seqlens_q``...), which a probe
+    does not have. The probe measures lm_head's transform and compares the fused log-probabilities with the
+    original forward's through the same attention, so which attention runs does not change what it checks."""
+    configs = {id(m.config): m.config for m in causal_lm.modules() if hasattr(getattr(m, "config", None), "to_dict")}
+    saved = {}
+    for config in list(configs.values()):
+        for sub in [config, *(getattr(config, key, None) for key in getattr(config, "sub_configs", {}) or {})]:
+            if sub is not None and id(sub) not in saved and "_attn_implementation_internal" in vars(sub):
+                saved[id(sub)] = (sub, sub._attn_implementation_internal)
+    foreign = [(config, name) for config, name in saved.values()
+               if isinstance(name, str) and name not in _OWN_ATTENTION and not name.startswith(_OWN_ATTENTION_PREFIXES)]
+    for config, _ in foreign:
+        config._attn_implementation_internal = "eager"  # this config alone: its sub-configs are in ``saved`` too
+    try:
+        yield
+    finally:
+        for config, name in foreign:
+            config._attn_implementation_internal = name
 
 
 @torch.no_grad()

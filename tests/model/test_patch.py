@@ -515,3 +515,30 @@ def test_verify_probe_passes_and_restores_train_mode():
     apply_fused_loss(model)
     assert {n: m.training for n, m in model.named_modules()} == modes
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_attention_that_needs_arguments_of_its_own_is_probed_with_eager_and_kept():
+    """An attention implementation registered by another library may need arguments on every call (TRL's
+    ``AsyncGRPOTrainer`` loads its model with ``tree_fa3``, which reads the packed batch's tree indices): the patch's
+    probes run transformers' eager attention instead (the fused and the original forward through the same one), and
+    the model keeps its own afterwards, in every config that named it. Training calls then pass its arguments."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def needs_a_tag(module, query, key, value, attention_mask, *, tag, **kwargs):
+        assert tag == "ok"
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("needs_a_tag", needs_a_tag)
+    model = make_model()
+    model.config._attn_implementation = "needs_a_tag"
+    with pytest.raises(TypeError, match="tag"):
+        model(input_ids=torch.tensor([[1, 2, 3]]))  # what the probe would have run into
+    apply_fused_loss(model)
+    assert is_fused(model) and model.config._attn_implementation == "needs_a_tag"
+    assert all(m.config._attn_implementation == "needs_a_tag" for m in model.modules() if hasattr(m, "config"))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    out = model(input_ids=ids, labels=ids, tag="ok")
+    model.config._attn_implementation = "sdpa"
+    ref = remove_fused_loss(copy.deepcopy(model))(input_ids=ids, labels=ids)
+    assert_close(out.loss, ref.loss, "loss under the model's own attention against sdpa's")

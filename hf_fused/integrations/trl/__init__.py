@@ -1,6 +1,7 @@
 """TRL's fused-LM-head protocol, served by hf_fused's ops on models patched by :func:`hf_fused.apply_fused_loss`.
 
-TRL ≥ 1.16's ``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer``, ``RLOOTrainer`` and ``GRPOTrainer`` install their own
+TRL ≥ 1.16's ``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer``, ``RLOOTrainer``, ``GRPOTrainer`` and the experimental
+``AsyncGRPOTrainer`` (its packed-tree rows as ``shift_labels``; patched after it is built) install their own
 chunked head with ``trl.trainer.utils.add_fused_lm_head(model, temperature, cast_lm_head_to_fp32, outputs)`` and
 then call ``model(..., labels=labels, fused_lm_head=True)``, which returns a ``FusedCausalLMOutput``
 (``loss``, ``log_probs``, ``entropy``, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``, ``label_mask``,

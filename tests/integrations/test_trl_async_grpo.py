@@ -1,0 +1,196 @@
+"""TRL's ``AsyncGRPOTrainer`` (``trl.experimental.async_grpo``) on hf_fused: the trainer loads its own model (with
+TRL's tree attention, ``tree_fa3``) and adds TRL's fused head to it, so hf_fused patches the built trainer's model
+(``apply_fused_loss(trainer.model)``); every fused call of its packed-tree batches (``shift_labels``, one row of
+shared prefixes) then comes from hf_fused's op, with the stock trainer's objective.
+
+The trainer gets its rollouts from a vLLM server and its attention from a FlashAttention-3 kernel downloaded from the
+Hub; here, as TRL's own tests do, an in-process rollout worker hands it fixed scored samples (shared prompts, so the
+packed trees branch) and a weight sync that does nothing, and the kernel's ``flash_attn_varlen_func`` is a PyTorch
+stand-in (causal attention per segment over the segment's root path, keys aligned to the end as FlashAttention's
+``causal=True`` does). The stock run and the patched run use the same stand-ins: two optimizer steps through
+``trainer.train()``, the loss, every gradient and every logged metric compared in fp32 to ``1e-5``, and the calls
+counted (hf_fused's op on every fused call of the patched run, TRL's chunked head never).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+
+import hf_fused
+import hf_fused.integrations.trl.head as trl_head
+import trl.trainer.utils as trl_utils
+from models import GradRecorder, WORD_VOCAB, assert_same_gradients, is_timing_metric, make_tokenizer
+from models import make_word_model
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+async_grpo = pytest.importorskip("trl.experimental.async_grpo")
+packing = pytest.importorskip("trl.experimental.async_grpo.packing")
+trainer_module = pytest.importorskip("trl.experimental.async_grpo.async_grpo_trainer")
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample  # noqa: E402
+
+RTOL = 1e-5
+
+
+def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=True, window_size=(-1, -1),
+                     **unused):
+    """FlashAttention's ``flash_attn_varlen_func`` as TRL's tree attention calls it, in PyTorch: ``q [Nq, H, D]``,
+    ``k``/``v [Nk, H_kv, D]`` (grouped heads), segment ``i`` the queries ``cu_q[i]:cu_q[i+1]`` against the keys
+    ``cu_k[i]:cu_k[i+1]``, causal with the last query aligned to the last key."""
+    assert causal and window_size == (-1, -1)
+    out = torch.empty_like(q)
+    groups = q.shape[1] // k.shape[1]
+    for i in range(len(cu_q) - 1):
+        qs = q[cu_q[i]:cu_q[i + 1]].transpose(0, 1)
+        ks, vs = (x[cu_k[i]:cu_k[i + 1]].repeat_interleave(groups, 1).transpose(0, 1) for x in (k, v))
+        mask = torch.ones(qs.shape[1], ks.shape[1], dtype=torch.bool).tril(ks.shape[1] - qs.shape[1])
+        out[cu_q[i]:cu_q[i + 1]] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
+                                                                  scale=softmax_scale).transpose(0, 1)
+    return out
+
+
+class FixedRollouts:
+    """TRL's ``RolloutWorkerProtocol`` in-process: a queue of scored samples made up front."""
+
+    def __init__(self, samples):
+        self.rollout_buffer = queue.Queue()
+        self.metrics_queue = queue.Queue()
+        for sample in samples:
+            self.rollout_buffer.put(sample)
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def update_model_version(self, model_version):
+        pass
+
+    def check_health(self, stale_after_s):
+        raise RuntimeError("the test's rollouts ran out")
+
+
+class NoWeightSync:
+    """TRL's ``WeightTransferProtocol`` that sends nowhere (no server)."""
+
+    def init_weight_transfer(self):
+        pass
+
+    def pause(self):
+        pass
+
+    def send_weights(self, iterator):
+        for _ in iterator:
+            pass
+
+    def resume(self):
+        pass
+
+    def destroy(self):
+        pass
+
+
+def rollouts(n=24, seed=0):
+    """Scored samples in groups of two completions of one prompt (the packed rows then share prefixes), with the
+    sampler's log-probs off the policy's and advantages of both signs."""
+    g = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        prompt_len, completion_len = 5 + i % 3, 6 + i % 4
+        ids = g.integers(3, WORD_VOCAB, prompt_len + completion_len)
+        if i % 2:
+            ids[:prompt_len] = out[-1].input_ids[:prompt_len]
+            prompt_len = min(prompt_len, len(out[-1].input_ids))
+        mask = np.r_[np.zeros(prompt_len), np.ones(len(ids) - prompt_len)].astype(np.int64)
+        out.append(RolloutSample(prompt=[], completion=[], input_ids=ids, completion_mask=mask,
+                                 old_log_probs=np.where(mask, -g.random(len(ids)) * 5, 0.0),
+                                 advantage=float(g.normal()), model_version=0, group_id=i // 2,
+                                 metrics={"reward": float(i % 3)}))
+    return out
+
+
+@pytest.fixture
+def model_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(packing, "_flash_attn", lambda: types.SimpleNamespace(flash_attn_varlen_func=varlen_attention))
+    monkeypatch.setattr(trainer_module, "get_peak_flops_per_device", lambda *a, **k: 1e12)  # reads a CUDA device
+    path = tmp_path / "policy"
+    make_word_model("qwen3").save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+def _train(model_dir, tmp_path, name, patch, monkeypatch, **config):
+    calls = {"hf_fused": 0, "trl": 0}
+    fused, chunked = trl_head.linear_logprobs, trl_utils._ChunkedLogProbFunction
+
+    def linear_logprobs(*args, **kwargs):
+        calls["hf_fused"] += 1
+        return fused(*args, **kwargs)
+
+    class Chunked(chunked):
+        @staticmethod
+        def forward(*args, **kwargs):
+            calls["trl"] += 1
+            return chunked.forward(*args, **kwargs)
+
+    monkeypatch.setattr(trl_head, "linear_logprobs", linear_logprobs)
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Chunked)
+    args = async_grpo.AsyncGRPOConfig(
+        output_dir=str(tmp_path / name), max_steps=2, per_device_train_batch_size=1, gradient_accumulation_steps=1,
+        token_budget=64, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", learning_rate=1e-2,
+        optim="sgd", seed=0, disable_tqdm=True, **{"bf16": False, "dtype": "float32", **config})
+    recorder = GradRecorder()
+    trainer = async_grpo.AsyncGRPOTrainer(
+        str(model_dir), args=args, processing_class=make_tokenizer(), train_dataset=Dataset.from_dict({"prompt": ["a"] * 8}),
+        callbacks=[recorder], rollout_worker=FixedRollouts(rollouts()), weight_transfer=NoWeightSync())
+    if patch:
+        hf_fused.apply_fused_loss(trainer.model)
+    trainer.train()
+    logs = [{k: v for k, v in entry.items() if not (is_timing_metric(k) or k.startswith("perf/")
+                                                    or k == "sample/time_in_queue_s")}
+            for entry in trainer.state.log_history]
+    return trainer, logs, recorder.steps, calls
+
+
+def test_async_grpo_on_a_patched_model_matches_trl(model_dir, tmp_path, monkeypatch):
+    _, stock_logs, stock_grads, stock_calls = _train(model_dir, tmp_path, "stock", False, monkeypatch)
+    assert stock_calls["trl"] > 0 and stock_calls["hf_fused"] == 0
+    trainer, logs, grads, calls = _train(model_dir, tmp_path, "fused", True, monkeypatch)
+    assert calls["hf_fused"] > 0 and calls["trl"] == 0, calls
+    assert hf_fused.is_fused(trainer.model)
+    assert trainer.model.config._attn_implementation == packing.TREE_ATTENTION  # the probe's attention undone
+    assert len(logs) == len(stock_logs) == 3 and len(grads) == len(stock_grads) == 2
+    for got, want in zip(logs, stock_logs):
+        assert got.keys() == want.keys(), set(got) ^ set(want)
+        for key, value in want.items():
+            # the clipped-ratio loss sums ±A·ratio terms: fp32 rounding leaves ~1e-7 absolute (as for GRPO)
+            assert math.isclose(got[key], value, rel_tol=RTOL, abs_tol=2e-6 if "loss" in key else 1e-7), (key,)
+    assert {"loss", "ratio", "kl", "entropy", "clip_ratio/low_mean"} <= stock_logs[0].keys()
+    assert_same_gradients(grads, stock_grads, RTOL)
+
+
+def test_async_grpo_default_precision_close_to_trl(model_dir, tmp_path, monkeypatch):
+    """``AsyncGRPOConfig``'s defaults: fp32 weights (``dtype="float32"``) under bf16 autocast (``bf16=True``). Both
+    heads read bf16 operands; TRL's CPU head rounds each logit to bf16 before its fp32 statistics, hf_fused keeps them
+    in fp32 (as in tests/integrations/test_trl_trainers.py's bf16 twins: a log-prob moves by up to ~0.04 at this
+    model's logits, the loss and metrics by ~1e-2 relative), so the twins agree to 3e-2 relative and the gradients in
+    direction (cosine ≥ 0.999)."""
+    _, stock_logs, stock_grads, _ = _train(model_dir, tmp_path, "stock", False, monkeypatch, bf16=True)
+    _, logs, grads, calls = _train(model_dir, tmp_path, "fused", True, monkeypatch, bf16=True)
+    assert calls["hf_fused"] > 0 and calls["trl"] == 0, calls
+    for got, want in zip(logs, stock_logs):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert math.isclose(got[key], value, rel_tol=3e-2, abs_tol=2e-2), (key, got[key], value)
+    for got, want in zip(grads, stock_grads):
+        flat_got, flat_want = (torch.cat([g.flatten() for g in step.values()]) for step in (got, want))
+        assert F.cosine_similarity(flat_got, flat_want, dim=0) >= 0.999
