@@ -149,9 +149,11 @@ def _train(model_dir, tmp_path, name, patch, monkeypatch, **config):
         token_budget=64, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", learning_rate=1e-2,
         optim="sgd", seed=0, disable_tqdm=True, **{"bf16": False, "dtype": "float32", **config})
     recorder = GradRecorder()
+    # the prompts feed only the rollout worker TRL would start; the fixed one ignores them
+    prompts = Dataset.from_dict({"prompt": ["a"] * 8})
     trainer = async_grpo.AsyncGRPOTrainer(
-        str(model_dir), args=args, processing_class=make_tokenizer(), train_dataset=Dataset.from_dict({"prompt": ["a"] * 8}),
-        callbacks=[recorder], rollout_worker=FixedRollouts(rollouts()), weight_transfer=NoWeightSync())
+        str(model_dir), args=args, processing_class=make_tokenizer(), train_dataset=prompts, callbacks=[recorder],
+        rollout_worker=FixedRollouts(rollouts()), weight_transfer=NoWeightSync())
     if patch:
         hf_fused.apply_fused_loss(trainer.model)
     trainer.train()
