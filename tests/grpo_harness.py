@@ -365,3 +365,24 @@ def count_heads(monkeypatch) -> dict:
     monkeypatch.setattr(integration, "linear_logprobs", counted_op)
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Counted)
     return counts
+
+
+class NoWeightTransfer:
+    """TRL's ``WeightTransferProtocol`` (its experimental trainers that sync weights to a vLLM server) with nothing
+    to send to: what tests pass as ``weight_transfer`` where no server runs."""
+
+    def init_weight_transfer(self):
+        pass
+
+    def pause(self):
+        pass
+
+    def send_weights(self, iterator):
+        for _ in iterator:
+            pass
+
+    def resume(self):
+        pass
+
+    def destroy(self):
+        pass

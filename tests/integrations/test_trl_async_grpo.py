@@ -26,8 +26,7 @@ import torch.nn.functional as F
 from datasets import Dataset
 
 import hf_fused
-import hf_fused.integrations.trl.head as trl_head
-import trl.trainer.utils as trl_utils
+from grpo_harness import NoWeightTransfer, count_heads
 from models import GradRecorder, WORD_VOCAB, assert_same_gradients, is_timing_metric, make_tokenizer
 from models import make_word_model
 
@@ -79,26 +78,6 @@ class FixedRollouts:
         raise RuntimeError("the test's rollouts ran out")
 
 
-class NoWeightSync:
-    """TRL's ``WeightTransferProtocol`` that sends nowhere (no server)."""
-
-    def init_weight_transfer(self):
-        pass
-
-    def pause(self):
-        pass
-
-    def send_weights(self, iterator):
-        for _ in iterator:
-            pass
-
-    def resume(self):
-        pass
-
-    def destroy(self):
-        pass
-
-
 def rollouts(n=24, seed=0):
     """Scored samples in groups of two completions of one prompt (the packed rows then share prefixes), with the
     sampler's log-probs off the policy's and advantages of both signs."""
@@ -129,21 +108,7 @@ def model_dir(tmp_path, monkeypatch):
 
 
 def _train(model_dir, tmp_path, name, patch, monkeypatch, **config):
-    calls = {"hf_fused": 0, "trl": 0}
-    fused, chunked = trl_head.linear_logprobs, trl_utils._ChunkedLogProbFunction
-
-    def linear_logprobs(*args, **kwargs):
-        calls["hf_fused"] += 1
-        return fused(*args, **kwargs)
-
-    class Chunked(chunked):
-        @staticmethod
-        def forward(*args, **kwargs):
-            calls["trl"] += 1
-            return chunked.forward(*args, **kwargs)
-
-    monkeypatch.setattr(trl_head, "linear_logprobs", linear_logprobs)
-    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Chunked)
+    calls = count_heads(monkeypatch)
     args = async_grpo.AsyncGRPOConfig(
         output_dir=str(tmp_path / name), max_steps=2, per_device_train_batch_size=1, gradient_accumulation_steps=1,
         token_budget=64, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", learning_rate=1e-2,
@@ -153,7 +118,7 @@ def _train(model_dir, tmp_path, name, patch, monkeypatch, **config):
     prompts = Dataset.from_dict({"prompt": ["a"] * 8})
     trainer = async_grpo.AsyncGRPOTrainer(
         str(model_dir), args=args, processing_class=make_tokenizer(), train_dataset=prompts, callbacks=[recorder],
-        rollout_worker=FixedRollouts(rollouts()), weight_transfer=NoWeightSync())
+        rollout_worker=FixedRollouts(rollouts()), weight_transfer=NoWeightTransfer())
     if patch:
         hf_fused.apply_fused_loss(trainer.model)
     trainer.train()

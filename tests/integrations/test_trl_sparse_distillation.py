@@ -37,6 +37,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_fused
 import hf_fused.integrations.trl.async_distillation as async_integration
+from grpo_harness import NoWeightTransfer
 from models import EOS_ID, GradRecorder, assert_same_training, PAD_ID, WORDS, WORD_VOCAB, make_tokenizer, make_word_model
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -135,26 +136,6 @@ class _Worker:
         pass
 
 
-class _NoWeightTransfer:
-    """TRL's ``WeightTransferProtocol`` with nothing to send to (no student server)."""
-
-    def init_weight_transfer(self):
-        pass
-
-    def pause(self):
-        pass
-
-    def send_weights(self, iterator):
-        for _ in iterator:
-            pass
-
-    def resume(self):
-        pass
-
-    def destroy(self):
-        pass
-
-
 def _prompts(n=12, teacher_ids=None) -> Dataset:
     """``n`` one-turn prompts of three words (a run consumes 8 samples; the data loader reads one batch ahead)."""
     g = torch.Generator().manual_seed(7)
@@ -222,7 +203,7 @@ def _train(student_dir, tmp_path, samples, monkeypatch, *, patch, teacher_ids=("
     recorder = GradRecorder()
     trainer = AsyncDistillationTrainer(model=student_dir, args=args, train_dataset=_prompts(len(samples)),
                                        processing_class=tokenizer, callbacks=[recorder],
-                                       rollout_worker=_Worker(samples), weight_transfer=_NoWeightTransfer())
+                                       rollout_worker=_Worker(samples), weight_transfer=NoWeightTransfer())
     if patch:
         hf_fused.apply_fused_loss(trainer.model)
     counting = _Counting(monkeypatch)
