@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import queue
 from dataclasses import dataclass, field
 
 import torch
@@ -365,6 +366,29 @@ def count_heads(monkeypatch) -> dict:
     monkeypatch.setattr(integration, "linear_logprobs", counted_op)
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Counted)
     return counts
+
+
+class FixedRollouts:
+    """TRL's ``RolloutWorkerProtocol`` (its experimental trainers fed by a rollout worker) in-process: a queue already
+    holding the scored samples (copies). Running out is an error, not a wait: the trainer polls an empty queue
+    every few seconds and asks the worker's health, which raises here."""
+
+    def __init__(self, samples):
+        self.rollout_buffer, self.metrics_queue = queue.Queue(), queue.Queue()
+        for sample in samples:
+            self.rollout_buffer.put(copy.deepcopy(sample))
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def update_model_version(self, model_version):
+        pass
+
+    def check_health(self, stale_after_s):
+        raise RuntimeError("the test's rollouts ran out: give the worker more samples")
 
 
 class NoWeightTransfer:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import queue
 import types
 
 import numpy as np
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from datasets import Dataset
 
 import hf_fused
-from grpo_harness import NoWeightTransfer, count_heads
+from grpo_harness import FixedRollouts, NoWeightTransfer, count_heads
 from models import GradRecorder, WORD_VOCAB, assert_same_gradients, is_timing_metric, make_tokenizer
 from models import make_word_model
 
@@ -54,28 +53,6 @@ def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, caus
         out[cu_q[i]:cu_q[i + 1]] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
                                                                   scale=softmax_scale).transpose(0, 1)
     return out
-
-
-class FixedRollouts:
-    """TRL's ``RolloutWorkerProtocol`` in-process: a queue of scored samples made up front."""
-
-    def __init__(self, samples):
-        self.rollout_buffer = queue.Queue()
-        self.metrics_queue = queue.Queue()
-        for sample in samples:
-            self.rollout_buffer.put(sample)
-
-    def start(self):
-        pass
-
-    def stop(self):
-        pass
-
-    def update_model_version(self, model_version):
-        pass
-
-    def check_health(self, stale_after_s):
-        raise RuntimeError("the test's rollouts ran out")
 
 
 def rollouts(n=24, seed=0):

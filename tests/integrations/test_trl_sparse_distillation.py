@@ -24,7 +24,6 @@ the bf16 twins' rule: the patched run no further from the fp32 run than the stoc
 from __future__ import annotations
 
 import asyncio
-import copy
 import os
 import queue
 import types
@@ -37,7 +36,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_fused
 import hf_fused.integrations.trl.async_distillation as async_integration
-from grpo_harness import NoWeightTransfer
+from grpo_harness import FixedRollouts, NoWeightTransfer
 from models import EOS_ID, GradRecorder, assert_same_training, PAD_ID, WORDS, WORD_VOCAB, make_tokenizer, make_word_model
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -115,27 +114,6 @@ def _scored_samples(prompts: Dataset, teachers: dict, *, top_k=TOP_K, temperatur
     return [asyncio.run(loop._generate_and_score_one(i, row)) for i, row in enumerate(prompts)]
 
 
-class _Worker:
-    """The trainer's rollout worker (TRL's ``RolloutWorkerProtocol``): a queue already holding the scored samples."""
-
-    def __init__(self, samples):
-        self.rollout_buffer, self.metrics_queue = queue.Queue(), queue.Queue()
-        for sample in samples:
-            self.rollout_buffer.put(copy.deepcopy(sample))
-
-    def start(self):
-        pass
-
-    def stop(self):
-        pass
-
-    def update_model_version(self, model_version):
-        pass
-
-    def check_health(self, stale_after_s):
-        pass
-
-
 def _prompts(n=12, teacher_ids=None) -> Dataset:
     """``n`` one-turn prompts of three words (a run consumes 8 samples; the data loader reads one batch ahead)."""
     g = torch.Generator().manual_seed(7)
@@ -203,7 +181,7 @@ def _train(student_dir, tmp_path, samples, monkeypatch, *, patch, teacher_ids=("
     recorder = GradRecorder()
     trainer = AsyncDistillationTrainer(model=student_dir, args=args, train_dataset=_prompts(len(samples)),
                                        processing_class=tokenizer, callbacks=[recorder],
-                                       rollout_worker=_Worker(samples), weight_transfer=NoWeightTransfer())
+                                       rollout_worker=FixedRollouts(samples), weight_transfer=NoWeightTransfer())
     if patch:
         hf_fused.apply_fused_loss(trainer.model)
     counting = _Counting(monkeypatch)
