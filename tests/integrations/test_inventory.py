@@ -39,12 +39,15 @@ def _targets() -> list[tuple[object, str]]:
     from trl.experimental.server_distillation.server_distillation_trainer import ServerDistillationTrainer
     from trl.experimental.gkd.gkd_trainer import GKDTrainer
     from trl.trainer.distillation_trainer import DistillationTrainer
+    # imports add_fused_lm_head by name, as the trainers below do; imported here so that the list does not depend on
+    # whether another test loaded it first (a module loaded by then is rebound too)
+    import trl.experimental.async_grpo.async_grpo_trainer as async_grpo_module
 
     targets = [(transformers.Trainer, "prediction_step"), (trainer_module, "apply_liger_kernel"),
                (trl_utils, "add_fused_lm_head"), (DistillationTrainer, "__init__"),
                (distillation_module, "_chunked_divergence_loss"), (GKDTrainer, "compute_loss"), (GKDTrainer, "__init__"),
                (async_module, "_chunked_jsd_loss"), (async_module.AsyncDistillationTrainer, "_compute_loss"),
-               (ServerDistillationTrainer, "compute_loss")]
+               (ServerDistillationTrainer, "compute_loss"), (async_grpo_module, "add_fused_lm_head")]
     for module_name, cls in _TRAINER_CLASSES().items():
         module = importlib.import_module(module_name)
         targets += [(module, "add_fused_lm_head"), (cls, "__init__")]
