@@ -37,22 +37,16 @@ from .measure import median_ms, text_table
 def recorded_folds():
     """A dict ``{(M, K, H): calls}`` filled by the folds run inside the block (the calls still run)."""
     folds: dict[tuple[int, int, int], int] = {}
-    real, real_quack = two_passes.compensated_addmm_, quack_bridge.pair_addmm_
 
-    def count(a, b):
-        key = (a.shape[0], a.shape[1], b.shape[1])
-        folds[key] = folds.get(key, 0) + 1
+    def recording(real):
+        def record(hi, lo, a, b, **kwargs):
+            key = (a.shape[0], a.shape[1], b.shape[1])
+            folds[key] = folds.get(key, 0) + 1
+            return real(hi, lo, a, b, **kwargs)
+        return record
 
-    def record(hi, lo, a, b, **kwargs):
-        count(a, b)
-        return real(hi, lo, a, b, **kwargs)
-
-    def record_quack(hi, lo, a, b, **kwargs):
-        count(a, b)
-        return real_quack(hi, lo, a, b, **kwargs)
-
-    with mock.patch.object(two_passes, "compensated_addmm_", record), \
-            mock.patch.object(quack_bridge, "pair_addmm_", record_quack):
+    with mock.patch.object(two_passes, "compensated_addmm_", recording(two_passes.compensated_addmm_)), \
+            mock.patch.object(quack_bridge, "pair_addmm_", recording(quack_bridge.pair_addmm_)):
         yield folds
 
 

@@ -157,11 +157,16 @@ def duration_arg(positive: bool):
     return parse
 
 
-def _matmul_ms(device: torch.device, dtype: torch.dtype, n: int, repeats: int, hold_s: float) -> tuple[float, str]:
+def matmul_product(device: torch.device, dtype: torch.dtype, n: int) -> Callable[[], object]:
+    """The ceiling's product: a call of ``torch.mm`` on ``n×n`` random operands in ``dtype`` (``2·n³`` FLOPs)."""
     a = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
     b = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    fn = lambda: torch.mm(a, b, out=out)  # noqa: E731
+    return lambda: torch.mm(a, b, out=out)
+
+
+def _matmul_ms(device: torch.device, dtype: torch.dtype, n: int, repeats: int, hold_s: float) -> tuple[float, str]:
+    fn = matmul_product(device, dtype, n)
     fn()
     if hold_s > 0:
         times = held_ms(fn, device, hold_s)

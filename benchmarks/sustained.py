@@ -120,8 +120,7 @@ def run_case(step: Callable[[], object], flops: float, device: torch.device, sec
              read: Optional[Callable[[], Sample]], interval: float) -> dict:
     """``step`` back to back for ``seconds`` of host time (:func:`benchmarks.measure.held_ms`): TFLOP/s over the
     first tenth and the last half of the steps, and :func:`device_summary` over the last half of the case's time."""
-    step()  # compiled and cached before the clock starts
-    measure.synchronize(device)
+    step()  # compiled and cached before the clock starts (held_ms synchronizes first)
     with Sampler(read, interval) if read else contextlib.nullcontext() as sampler:
         t0 = time.perf_counter()
         times = measure.held_ms(step, device, seconds)
@@ -136,14 +135,6 @@ def run_case(step: Callable[[], object], flops: float, device: torch.device, sec
            "last_ms": statistics.median(last)}
     row.update(device_summary(sampler.samples if sampler else [], t0 + (t1 - t0) / 2, t1))
     return row
-
-
-def matmul_step(device: torch.device, n: int) -> tuple[Callable[[], object], float]:
-    """The floor's product (``n×n @ n×n`` bf16 on CUDA, fp32 on CPU) and its FLOPs."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-    out = torch.empty(n, n, device=device, dtype=dtype)
-    return (lambda: torch.mm(a, b, out=out)), 2.0 * n**3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,8 +165,8 @@ def main(argv: Optional[list[str]] = None) -> int:
           + ", ".join(f"{name} {version}" for name, version in measure.versions().items() if version))
     rows = []
     n = args.matmul_n or (256 if args.quick else 8192)
-    step, flops = matmul_step(device, n)
-    rows.append((f"matmul {n}³", "torch.mm", run_case(step, flops, device, args.seconds, read, interval)))
+    step = measure.matmul_product(device, dtype, n)
+    rows.append((f"matmul {n}³", "torch.mm", run_case(step, 2.0 * n**3, device, args.seconds, read, interval)))
     del step
     measure.free_memory(device)
     for problem in select_problems(args.shapes, args.quick):

@@ -99,10 +99,11 @@ def own_attention(causal_lm: nn.Module) -> Iterator[None]:
     attention reads the packed batch's tree indices (``tree_kv_index``, ``tree_cu_seqlens_q``...), which a probe
     does not have. The probe measures lm_head's transform and compares the fused log-probabilities with the
     original forward's through the same attention, so which attention runs does not change what it checks."""
-    configs = {id(m.config): m.config for m in causal_lm.modules() if hasattr(getattr(m, "config", None), "to_dict")}
     saved = {}
-    for config in list(configs.values()):
-        for sub in [config, *(getattr(config, key, None) for key in getattr(config, "sub_configs", {}) or {})]:
+    for config in (getattr(m, "config", None) for m in causal_lm.modules()):
+        if not hasattr(config, "to_dict"):
+            continue
+        for sub in [config, *(getattr(config, key, None) for key in getattr(config, "sub_configs", None) or {})]:
             if sub is not None and id(sub) not in saved and "_attn_implementation_internal" in vars(sub):
                 saved[id(sub)] = (sub, sub._attn_implementation_internal)
     foreign = [(config, name) for config, name in saved.values()
