@@ -11,8 +11,9 @@ What users call, all importable from here:
   :func:`sparse_distillation_loss` (from a teacher's top-k log-probs) on :func:`linear_support_loss` (any loss of
   the log-probs at K candidate ids), and :func:`linear_topk_logprobs` (a teacher's top-k);
 * a loss module that owns the output layer (pipeline schedules, custom loops): :class:`LinearCrossEntropyLoss`;
-* the trainers: :class:`FusedTrainer` (``transformers.Trainer``) and :class:`FusedGRPOTrainer`
-  (``trl.GRPOTrainer``), imported on first use so ``import hf_fused`` needs neither trl nor a Trainer;
+* the trainers: :class:`FusedTrainer` (``transformers.Trainer``), :class:`FusedGRPOTrainer`
+  (``trl.GRPOTrainer``) and :class:`FusedAsyncGRPOTrainer` (TRL's experimental ``AsyncGRPOTrainer``), imported on
+  first use so ``import hf_fused`` needs neither trl nor a Trainer;
 * what they raise or warn, for ``except`` and ``warnings.filterwarnings``: :class:`FusedLossVerificationError`
   (the patch-time check against the original forward failed), :class:`FusedLossBypassedWarning` (a call
   ran without the fused loss), :class:`HintMissedWarning` (a ``grad_hint`` did not match the upstream
@@ -40,7 +41,7 @@ from .ops import linear_distillation_loss, linear_support_loss, linear_topk_logp
 
 __version__ = "0.1.0"
 
-_TRAINERS = {"FusedTrainer": "sft", "FusedGRPOTrainer": "grpo"}
+_TRAINERS = {"FusedTrainer": "sft", "FusedGRPOTrainer": "grpo", "FusedAsyncGRPOTrainer": "async_grpo"}
 
 
 def __getattr__(name):
@@ -52,6 +53,7 @@ def __getattr__(name):
 
 
 __all__ = [
+    "FusedAsyncGRPOTrainer",
     "FusedGRPOTrainer",
     "FusedLossBypassedWarning",
     "FusedLossVerificationError",

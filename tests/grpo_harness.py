@@ -344,6 +344,29 @@ def train_and_log(cls, case: "Case", tmp_path):
     return logs, {n: p.detach() - start[n] for n, p in trainer.model.named_parameters()}
 
 
+def count_backend_calls(monkeypatch):
+    """Counts, from now on, the torch backend's one-pass forwards that compute gradients (``"one_pass"``: a token
+    loss's or a hinted log-prob call's) and its recompute backwards (``"logprobs_backward"``); ``(counts, the dtypes
+    the counted calls' matmul operands were in)``."""
+    from hf_fused.ops import get_backend
+
+    backend = get_backend(torch.device("cpu"), "torch")
+    calls = {"one_pass": 0, "logprobs_backward": 0}
+    dtypes = set()  # the dtype each call's matmul operands are in (backends take the head as given, HeadInputs)
+    for name, key in (("token_loss_with_grads", "one_pass"), ("logprobs_with_grads", "one_pass"),
+                      ("logprobs_backward", "logprobs_backward")):
+        original = getattr(backend, name)
+
+        def counted(*args, _key=key, _original=original, **kwargs):
+            if _key == "logprobs_backward" or kwargs["need"].any:  # one-pass calls that compute gradients
+                calls[_key] += 1
+                dtypes.add(args[0].operand_dtype)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(backend, name, counted)
+    return calls, dtypes
+
+
 def count_heads(monkeypatch) -> dict:
     """Counts, from now on, the calls of hf_fused's log-prob op as the TRL integration makes them (``"hf_fused"``)
     and of TRL's chunked head (``"trl"``)."""

@@ -5,6 +5,7 @@ import hf_fused
 
 def test_every_public_name_resolves_to_the_layer_object():
     from hf_fused import model, ops
+    from hf_fused.trainers.async_grpo import FusedAsyncGRPOTrainer
     from hf_fused.trainers.grpo import FusedGRPOTrainer
     from hf_fused.trainers.sft import FusedTrainer
 
@@ -13,6 +14,7 @@ def test_every_public_name_resolves_to_the_layer_object():
     assert hf_fused.apply_fused_loss is model.apply_fused_loss
     assert hf_fused.linear_logprobs is ops.linear_logprobs
     assert hf_fused.FusedTrainer is FusedTrainer and hf_fused.FusedGRPOTrainer is FusedGRPOTrainer
+    assert hf_fused.FusedAsyncGRPOTrainer is FusedAsyncGRPOTrainer
     for warning in ("FusedLossBypassedWarning", "HintMissedWarning"):
         assert issubclass(getattr(hf_fused, warning), Warning)
 

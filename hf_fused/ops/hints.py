@@ -34,15 +34,21 @@ class TokenLossHint:
     token_loss: as in :func:`~hf_fused.ops.linear_token_loss`.
     per_token: tensors shaped like the labels of the call, constants (rows whose label is ignored are never used).
     need_entropy: ``token_loss`` uses the entropy (it is then computed even if the call does not return it).
+    terms: every ``per_token`` tensor has one trailing dimension more than the labels (``labels.shape + (K,)``):
+        ``K`` loss terms per token, padded where a token has fewer (give those terms a zero weight). ``token_loss``
+        then gets ``[r, K]`` constants beside the ``[r]`` log-probs and returns ``[r]`` (its terms summed). For
+        packed rows where one position serves several sequences, each with its own constants (TRL's
+        ``AsyncGRPOTrainer`` packs samples that share a prefix into one tree: :mod:`hf_fused.trainers.async_grpo`).
 
     Raises:
         TypeError: ``token_loss`` not callable; ``per_token`` empty or not all tensors.
-        ValueError: ``per_token`` tensors of different shapes.
+        ValueError: ``per_token`` tensors of different shapes; with ``terms``, one without a trailing dimension.
     """
 
     token_loss: TokenLossFn
     per_token: dict
     need_entropy: bool = False
+    terms: bool = False
 
     def __post_init__(self) -> None:
         if not callable(self.token_loss):
@@ -54,16 +60,22 @@ class TokenLossHint:
         shapes = {tuple(v.shape) for v in self.per_token.values()}
         if len(shapes) != 1:
             raise ValueError(f"TokenLossHint.per_token tensors must share one shape (labels'), got {sorted(shapes)}")
+        if self.terms and len(next(iter(shapes))) < 2:
+            raise ValueError("TokenLossHint(terms=True): per_token tensors must be shaped like the labels plus a "
+                             f"trailing dimension of terms, got {next(iter(shapes))}")
 
     @property
     def shape(self) -> torch.Size:
-        return next(iter(self.per_token.values())).shape
+        """The labels' shape (without the trailing dimension of ``terms``)."""
+        shape = next(iter(self.per_token.values())).shape
+        return shape[:-1] if self.terms else shape
 
     def size(self, dim: int) -> int:
         return self.shape[dim]
 
     def _map(self, fn) -> "TokenLossHint":
-        return TokenLossHint(self.token_loss, {k: fn(v) for k, v in self.per_token.items()}, self.need_entropy)
+        return TokenLossHint(self.token_loss, {k: fn(v) for k, v in self.per_token.items()}, self.need_entropy,
+                             self.terms)
 
     def to(self, device) -> "TokenLossHint":
         return self._map(lambda v: v.to(device))
@@ -72,8 +84,8 @@ class TokenLossHint:
         return self._map(lambda v: v[index])
 
     def pad(self, left: int, right: int) -> "TokenLossHint":
-        """Zeros added on the last dimension (positions the call ignores: their values are never used)."""
-        return self._map(lambda v: F.pad(v, (left, right)))
+        """Zeros added on the labels' last dimension (positions the call ignores: their values are never used)."""
+        return self._map(lambda v: F.pad(v, (0, 0, left, right) if self.terms else (left, right)))
 
 
 def pad_hint(hint, left: int, right: int):
@@ -154,7 +166,7 @@ class TokenLossHintRows:
     tile by tile (:class:`~hf_fused.ops.tile_loss.TileLoss`), keeping each row's gradients for the check."""
 
     def __init__(self, hint: TokenLossHint, prepared: PreparedHead):
-        consts = prepared.per_token_constants(hint.per_token)
+        consts = prepared.per_token_constants(hint.per_token, terms=hint.terms)
         # the kept rows read at the first tile's gradients, after the pass has launched that tile
         self.tile_loss = TileLoss(hint.token_loss, consts, prepared.head.kept_rows, differentiate=True,
                                   keep_row_grads=True)

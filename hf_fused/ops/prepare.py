@@ -119,14 +119,17 @@ class PreparedHead:
         values = check_per_token(values, self.labels, name, detach=not differentiable)
         return values.reshape(-1).index_select(0, self.rows)
 
-    def per_token_constants(self, per_token: Optional[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def per_token_constants(self, per_token: Optional[Mapping[str, torch.Tensor]], *,
+                            terms: bool = False) -> dict[str, torch.Tensor]:
         """Named per-token constants passed to a per-token function by keyword (``linear_token_loss``'s
-        ``per_token``), each flattened to ``[N]`` (dtype kept).
+        ``per_token``), each flattened to ``[N]`` (dtype kept); with ``terms`` (a ``TokenLossHint``'s), shaped like
+        the labels plus one trailing dimension of terms, each flattened to ``[N, K]``.
 
         Raises:
             TypeError: not a mapping of names to tensors.
-            ValueError: a value not shaped like the labels, on another device or requiring grad; a key named
-                ``logprobs`` or ``entropy`` (the function's own arguments).
+            ValueError: a value not shaped like the labels (with ``terms``: the labels plus a trailing dimension), on
+                another device or requiring grad; a key named ``logprobs`` or ``entropy`` (the function's own
+                arguments).
         """
         if per_token is None:
             return {}
@@ -141,17 +144,17 @@ class PreparedHead:
                     f"per_token[{name!r}] must be a tensor shaped like labels, got {type(values).__name__}; "
                     "close over scalars in token_loss (e.g. functools.partial) instead"
                 )
-            if values.shape != labels.shape or values.device != labels.device:
-                raise ValueError(
-                    f"per_token[{name!r}] must have labels' shape {tuple(labels.shape)} on {labels.device}, got "
-                    f"{tuple(values.shape)} on {values.device}"
-                )
+            token_shape = values.shape[:-1] if terms and values.dim() else values.shape
+            if token_shape != labels.shape or values.device != labels.device or (terms and values.dim() < 1):
+                shape = f"labels' shape {tuple(labels.shape)}" + (" plus a trailing dimension of terms" if terms else "")
+                raise ValueError(f"per_token[{name!r}] must have {shape} on {labels.device}, got "
+                                 f"{tuple(values.shape)} on {values.device}")
             if values.requires_grad:
                 raise ValueError(
                     f"per_token[{name!r}] requires grad, but per-token inputs are constants the op does not "
                     "differentiate; pass values.detach() (or compute them under torch.no_grad())"
                 )
-            flat[name] = values.reshape(-1)
+            flat[name] = values.reshape(labels.numel(), -1) if terms else values.reshape(-1)
         return flat
 
     def scatter(self, row_values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

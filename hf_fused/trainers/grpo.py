@@ -40,7 +40,7 @@ from typing import Any, Optional
 import torch
 from trl import GRPOTrainer
 
-from ..integrations.trl.head import pad_grad_hint
+from ..ops.hints import pad_hint
 from ..integrations.trl.tensor_parallel import serve_tensor_parallel_rollouts
 from .grpo_objective import trl_token_loss_hint
 
@@ -152,7 +152,7 @@ class _HintedCall:
         rows = slice(self.row, self.row + labels.size(0))
         self.row = rows.stop
         hint = self.grad_hint[rows].to(labels.device)
-        hint = pad_grad_hint(hint, labels.size(1) - 1 - hint.size(1), 0)
+        hint = pad_hint(hint, labels.size(1) - 1 - hint.size(1), 0)
         return self.model(*args, labels=labels, fused_lm_head=fused_lm_head, grad_hint=hint, **model_inputs)
 
 

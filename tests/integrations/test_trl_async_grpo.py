@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from datasets import Dataset
 
 import hf_fused
-from grpo_harness import FixedRollouts, NoWeightTransfer, count_heads
+from grpo_harness import FixedRollouts, NoWeightTransfer, count_backend_calls, count_heads
 from models import GradRecorder, WORD_VOCAB, assert_same_gradients, is_timing_metric, make_tokenizer
 from models import make_word_model
 
@@ -56,16 +56,17 @@ def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, caus
 
 
 def rollouts(n=24, seed=0):
-    """Scored samples in groups of two completions of one prompt (the packed rows then share prefixes), with the
-    sampler's log-probs off the policy's and advantages of both signs."""
+    """Scored samples in groups of two completions of one prompt that begin alike (the packed rows then share the
+    prompt and the completions' first tokens: a trained position serves both samples, with each one's sampler
+    log-prob and advantage), with the sampler's log-probs off the policy's and advantages of both signs."""
     g = np.random.default_rng(seed)
     out = []
     for i in range(n):
         prompt_len, completion_len = 5 + i % 3, 6 + i % 4
         ids = g.integers(3, WORD_VOCAB, prompt_len + completion_len)
         if i % 2:
-            ids[:prompt_len] = out[-1].input_ids[:prompt_len]
-            prompt_len = min(prompt_len, len(out[-1].input_ids))
+            prompt_len = out[-1].completion_mask.argmax()  # the previous sample's prompt and 3 completion tokens
+            ids[: prompt_len + 3] = out[-1].input_ids[: prompt_len + 3]
         mask = np.r_[np.zeros(prompt_len), np.ones(len(ids) - prompt_len)].astype(np.int64)
         out.append(RolloutSample(prompt=[], completion=[], input_ids=ids, completion_mask=mask,
                                  old_log_probs=np.where(mask, -g.random(len(ids)) * 5, 0.0),
@@ -84,7 +85,7 @@ def model_dir(tmp_path, monkeypatch):
     return path
 
 
-def _train(model_dir, tmp_path, name, patch, monkeypatch, **config):
+def _train(model_dir, tmp_path, name, patch, monkeypatch, trainer_class=None, **config):
     calls = count_heads(monkeypatch)
     args = async_grpo.AsyncGRPOConfig(
         output_dir=str(tmp_path / name), max_steps=2, per_device_train_batch_size=1, gradient_accumulation_steps=1,
@@ -93,7 +94,7 @@ def _train(model_dir, tmp_path, name, patch, monkeypatch, **config):
     recorder = GradRecorder()
     # the prompts feed only the rollout worker TRL would start; the fixed one ignores them
     prompts = Dataset.from_dict({"prompt": ["a"] * 8})
-    trainer = async_grpo.AsyncGRPOTrainer(
+    trainer = (trainer_class or async_grpo.AsyncGRPOTrainer)(
         str(model_dir), args=args, processing_class=make_tokenizer(), train_dataset=prompts, callbacks=[recorder],
         rollout_worker=FixedRollouts(rollouts()), weight_transfer=NoWeightTransfer())
     if patch:
@@ -138,3 +139,73 @@ def test_async_grpo_default_precision_close_to_trl(model_dir, tmp_path, monkeypa
     for got, want in zip(grads, stock_grads):
         flat_got, flat_want = (torch.cat([g.flatten() for g in step.values()]) for step in (got, want))
         assert F.cosine_similarity(flat_got, flat_want, dim=0) >= 0.999
+
+
+# -- FusedAsyncGRPOTrainer: the loss as a hint, the head's gradients in the forward's one pass ---------------------
+
+
+def _spy_hints(monkeypatch):
+    """The terms per position (``K``) of every hint ``FusedAsyncGRPOTrainer`` builds."""
+    import hf_fused.trainers.async_grpo as module
+
+    terms, build = [], module.packed_token_loss_hint
+
+    def spied(trainer, inputs):
+        hint = build(trainer, inputs)
+        terms.append(next(iter(hint.per_token.values())).shape[-1])
+        return hint
+
+    monkeypatch.setattr(module, "packed_token_loss_hint", spied)
+    return terms
+
+
+def test_fused_async_grpo_trainer_takes_one_pass_and_matches_trl(model_dir, tmp_path, monkeypatch):
+    """Stock ``AsyncGRPOTrainer`` against ``FusedAsyncGRPOTrainer``: every micro-batch's head gradients come from
+    the forward's one pass (no recompute in backward; a hint that missed would warn, an error here), positions
+    shared by several samples included, and the loss, every gradient and every logged metric are TRL's (fp32)."""
+    from hf_fused import FusedAsyncGRPOTrainer
+
+    _, stock_logs, stock_grads, _ = _train(model_dir, tmp_path, "stock", False, monkeypatch)
+    terms = _spy_hints(monkeypatch)
+    backend, _ = count_backend_calls(monkeypatch)
+    trainer, logs, grads, calls = _train(model_dir, tmp_path, "fused", False, monkeypatch,
+                                         trainer_class=FusedAsyncGRPOTrainer)
+    assert hf_fused.is_fused(trainer.model) and calls["hf_fused"] > 0 and calls["trl"] == 0, calls
+    assert backend == {"one_pass": len(terms), "logprobs_backward": 0} and len(terms) >= 2, (backend, terms)
+    assert max(terms) >= 2  # some position serves two samples (a shared prompt's last token)
+    # both sides of the clip range are exercised (the sampler's log-probs are far from the policy's)
+    assert any(0 < entry.get("clip_ratio/region_mean", 0) < 1 for entry in stock_logs)
+    assert len(logs) == len(stock_logs) == 3 and len(grads) == len(stock_grads) == 2
+    for got, want in zip(logs, stock_logs):
+        assert got.keys() == want.keys(), set(got) ^ set(want)
+        for key, value in want.items():
+            assert math.isclose(got[key], value, rel_tol=RTOL, abs_tol=2e-6 if "loss" in key else 1e-7), (key,)
+    assert_same_gradients(grads, stock_grads, RTOL)
+
+
+# One pass against the recompute, both from the same bf16 operands under autocast: the head's gradients are formed
+# in fp32 from the same statistics and rounded once to bf16 either way; they can differ by one bf16 rounding (2^-8
+# relative) carried linearly into the body's gradients (tests/trainers/test_grpo_one_pass.py's bound).
+BF16_TWIN_TOL = 2**-8
+
+
+def test_fused_async_grpo_default_precision_one_pass_matches_the_recompute(model_dir, tmp_path, monkeypatch):
+    """``AsyncGRPOConfig``'s defaults (fp32 weights under bf16 autocast): ``FusedAsyncGRPOTrainer``'s one pass
+    against the same trainer with the hint withheld (``apply_fused_loss`` alone: statistics in the forward, the
+    gradients recomputed in backward)."""
+    from hf_fused import FusedAsyncGRPOTrainer
+    import hf_fused.trainers.async_grpo as module
+
+    backend, dtypes = count_backend_calls(monkeypatch)
+    _, logs, grads, _ = _train(model_dir, tmp_path, "one_pass", False, monkeypatch,
+                               trainer_class=FusedAsyncGRPOTrainer, bf16=True)
+    assert backend["one_pass"] >= 2 and backend["logprobs_backward"] == 0 and dtypes == {torch.bfloat16}
+    monkeypatch.setattr(module.FusedAsyncGRPOTrainer, "compute_loss", async_grpo.AsyncGRPOTrainer.compute_loss)
+    _, ref_logs, ref_grads, _ = _train(model_dir, tmp_path, "recompute", False, monkeypatch,
+                                       trainer_class=FusedAsyncGRPOTrainer, bf16=True)
+    assert backend["logprobs_backward"] == len(ref_grads)  # the withheld hint: every backward recomputed
+    for got, want in zip(logs, ref_logs):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert math.isclose(got[key], value, rel_tol=BF16_TWIN_TOL, abs_tol=1e-6), (key, got[key], value)
+    assert_same_gradients(grads, ref_grads, BF16_TWIN_TOL)

@@ -419,6 +419,66 @@ def test_token_loss_hint_pads_and_slices_like_a_tensor_hint():
         TokenLossHint(nll, dict(a=torch.ones(2), b=torch.ones(3)))
 
 
+def clipped_terms(logprobs, entropy, *, advantages, old, weight):
+    """Several clipped-ratio terms per token (``[r, K]`` constants, padded terms of zero weight), summed."""
+    ratio = torch.exp(logprobs.unsqueeze(-1) - old)
+    return (-torch.min(ratio * advantages, ratio.clamp(0.8, 1.28) * advantages) * weight).sum(-1)
+
+
+def _terms_inputs(shape, terms, seed):
+    """``clipped_terms``' constants: each token has 1 to ``terms`` terms (the rest zero-weight padding)."""
+    g = torch.Generator().manual_seed(seed)
+    full = (*shape, terms)
+    count = torch.randint(1, terms + 1, (*shape, 1), generator=g)
+    weight = (torch.arange(terms) < count).float() * (torch.rand(full, generator=g) + 0.5)
+    return dict(advantages=torch.randn(full, generator=g), old=-4.0 + 0.5 * torch.randn(full, generator=g),
+                weight=weight)
+
+
+@pytest.mark.parametrize("backend, budget", [("torch", None), pytest.param("triton", 97 * H * 4 + 512 * 97 * 4 + 1024 * H * 8, marks=pytest.mark.skipif(not _HAS_TRITON, reason="triton not installed"))], ids=["torch", "triton"])
+def test_token_loss_hint_with_several_terms_per_token(backend, budget, monkeypatch):
+    """``TokenLossHint(terms=True)``: ``[B, T, K]`` constants (a position scoring several sequences' terms, as in
+    TRL's packed trees): the forward's gradients are handed over and equal float64 dense autograd of the caller's
+    loss, which gathers each term's log-prob as TRL does (``logp.flatten()[token_index]``)."""
+    monkeypatch.setattr(get_backend(torch.device("cpu"), backend), "logprobs_backward",
+                        lambda *a, **k: pytest.fail("recomputed in backward"))
+    hidden, weight, bias, labels = make_head_inputs((2, 7), H, 97, ignore="some", seed=23)
+    consts = _terms_inputs(labels.shape, 3, seed=24)
+    consts["weight"] = consts["weight"] * (labels != -100).unsqueeze(-1)  # terms only where a label is kept
+    h64, w64, b64 = leaf64(hidden), leaf64(weight), leaf64(bias)
+    logp, _ = linear_logprobs(hidden, weight, labels, bias, backend=backend, tile_budget_bytes=budget,
+                              grad_hint=TokenLossHint(clipped_terms, consts, terms=True))
+    ref_logp, _ = dense_logprobs(h64, w64, labels, b64)
+    # the caller's loss: one entry per (token, term) with a weight, each term reading its token's log-prob
+    token, term = (consts["weight"] != 0).reshape(-1, 3).nonzero(as_tuple=True)
+    assert (token.bincount() > 1).any()  # some token carries several terms
+
+    def caller_loss(lp, cast):
+        rows = {k: cast(v.reshape(-1, 3)[token, term]) for k, v in consts.items()}
+        ratio = torch.exp(lp.flatten()[token] - rows["old"])
+        adv = rows["advantages"]
+        return (-torch.min(ratio * adv, ratio.clamp(0.8, 1.28) * adv) * rows["weight"]).sum()
+
+    assert rel_err(logp, ref_logp) <= RTOL
+    caller_loss(logp, lambda v: v).backward()
+    caller_loss(ref_logp, torch.Tensor.double).backward()
+    assert_head_grads((hidden, weight, bias), (h64, w64, b64), RTOL)
+
+
+def test_token_loss_hint_with_terms_pads_the_tokens_dimension():
+    hint = TokenLossHint(clipped_terms, dict(a=torch.ones(2, 3, 4)), terms=True)
+    padded = hint[1:].pad(2, 1)
+    assert padded.shape == (1, 6) and padded.size(1) == 6 and padded.per_token["a"].shape == (1, 6, 4)
+    torch.testing.assert_close(padded.per_token["a"][0, :, 0], torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0, 0.0]))
+    with pytest.raises(ValueError, match="trailing dimension of terms"):
+        TokenLossHint(clipped_terms, dict(a=torch.ones(3)), terms=True)
+    hidden, weight, _, labels = make_head_inputs((2, 3), H, 50, bias=False, seed=25)
+    for bad in (torch.ones(2, 3), torch.ones(2, 4, 2)):  # no terms dimension; another token shape
+        with pytest.raises(ValueError, match=r"labels' shape \(2, 3\) plus a trailing dimension of terms"):
+            linear_logprobs(hidden, weight, labels, grad_hint=TokenLossHint(clipped_terms, dict(
+                advantages=bad, old=bad, weight=bad), terms=True))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("budget", [None, 8 * 2**20], ids=["default_rule", "two_passes"])
 @pytest.mark.parametrize("loss_name", ["ppo_clip", "kl_and_entropy"])

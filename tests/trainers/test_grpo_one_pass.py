@@ -17,11 +17,10 @@ import pytest
 import torch
 
 from grpo_harness import (  # noqa: E402
-    DEVICE, Case, assert_same_step, build_trainer, max_grad_relerr, run_step, train_and_log,
+    DEVICE, Case, assert_same_step, build_trainer, count_backend_calls, max_grad_relerr, run_step, train_and_log,
 )
 from trl import GRPOTrainer  # noqa: E402
 
-from hf_fused.ops import get_backend  # noqa: E402
 from hf_fused.trainers.grpo import FusedGRPOTrainer  # noqa: E402
 from hf_fused.trainers.grpo_objective import not_separable_reason  # noqa: E402
 
@@ -76,30 +75,11 @@ TWO_PASSES = {
 }
 
 
-def _count_backend_calls(monkeypatch):
-    """Count the torch backend's one-pass forwards that compute gradients and its recompute backwards."""
-    backend = get_backend(torch.device("cpu"), "torch")
-    calls = {"one_pass": 0, "logprobs_backward": 0}
-    dtypes = set()  # the dtype each call's matmul operands are in (backends take the head as given, HeadInputs)
-    for name, key in (("token_loss_with_grads", "one_pass"), ("logprobs_with_grads", "one_pass"),
-                      ("logprobs_backward", "logprobs_backward")):
-        original = getattr(backend, name)
-
-        def counted(*args, _key=key, _original=original, **kwargs):
-            if _key == "logprobs_backward" or kwargs["need"].any:  # one-pass calls that compute gradients
-                calls[_key] += 1
-                dtypes.add(args[0].operand_dtype)
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(backend, name, counted)
-    return calls, dtypes
-
-
 def _run_pair(case, tmp_path, monkeypatch):
     if DEVICE != "cpu":
         pytest.skip("counts the CPU backend's calls")
     ref = run_step(build_trainer(GRPOTrainer, case, tmp_path), case)
-    calls, _ = _count_backend_calls(monkeypatch)
+    calls, _ = count_backend_calls(monkeypatch)
     trainer = build_trainer(FusedGRPOTrainer, case, tmp_path)
     fused = run_step(trainer, case)
     return ref, fused, calls, trainer
@@ -146,7 +126,7 @@ def test_bf16_one_pass_matches_the_recompute(tmp_path, monkeypatch):
     case = Case(config=dict(bf16=True, beta=0.1, loss_type="dapo", entropy_coef=0.05), off_policy_noise=OFF)
     if DEVICE != "cpu":
         pytest.skip("counts the CPU backend's calls")
-    calls, dtypes = _count_backend_calls(monkeypatch)
+    calls, dtypes = count_backend_calls(monkeypatch)
     one_pass = run_step(build_trainer(FusedGRPOTrainer, case, tmp_path), case)
     assert calls == {"one_pass": 1, "logprobs_backward": 0}
     assert dtypes == {torch.bfloat16}  # the head really ran under autocast
@@ -174,7 +154,7 @@ def test_train_end_to_end_in_one_pass_matches_trl(tmp_path, monkeypatch):
     if DEVICE != "cpu":
         pytest.skip("counts the CPU backend's calls")
     ref_logs, ref_updates = _train(GRPOTrainer, tmp_path)
-    calls, _ = _count_backend_calls(monkeypatch)
+    calls, _ = count_backend_calls(monkeypatch)
     logs, updates = _train(FusedGRPOTrainer, tmp_path)
     assert calls == {"one_pass": 3 * 2, "logprobs_backward": 0}  # steps × accumulation micro-batches
     assert len(logs) == len(ref_logs) == E2E.config["max_steps"] + 1

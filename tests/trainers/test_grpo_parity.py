@@ -22,6 +22,7 @@ from grpo_harness import (  # noqa: E402
     assert_same_step,
     build_trainer,
     copy_weights,
+    count_backend_calls,
     dense_trainer_class,
     run_step,
     train_and_log,
@@ -146,27 +147,10 @@ def _step_counting_backend_calls(case, tmp_path, monkeypatch):
     gradients and its recompute backwards."""
     if DEVICE != "cpu":
         pytest.skip("counts the CPU backend's calls")
-    calls = _backend_calls(monkeypatch)
+    calls, _ = count_backend_calls(monkeypatch)
     trainer = build_trainer(FusedGRPOTrainer, case, tmp_path)
     run_step(trainer, case)
     return calls, trainer
-
-
-def _backend_calls(monkeypatch):
-    from hf_fused.ops import get_backend
-
-    backend = get_backend(torch.device("cpu"), "torch")
-    calls = {"logprobs_with_grads": 0, "logprobs_backward": 0}
-    for name in calls:
-        original = getattr(backend, name)
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            if _name == "logprobs_backward" or kwargs["need"].any:  # one-pass calls that compute gradients
-                calls[_name] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(backend, name, counted)
-    return calls
 
 
 @pytest.mark.parametrize("name", ["grpo-onpolicy-qwen3", "dapo-onpolicy", "cispo-onpolicy", "sapo-onpolicy",
@@ -175,8 +159,7 @@ def test_grad_hint_gives_the_head_gradients_in_the_forward(name, tmp_path, monke
     """On-policy without KL/entropy terms: every policy forward takes the hinted one pass and no backward
     recomputes (a wrong hint would warn, which the test configuration turns into an error)."""
     calls, trainer = _step_counting_backend_calls(CASES[name], tmp_path, monkeypatch)
-    assert calls["logprobs_with_grads"] == trainer.args.steps_per_generation
-    assert calls["logprobs_backward"] == 0
+    assert calls == {"one_pass": trainer.args.steps_per_generation, "logprobs_backward": 0}
 
 
 # Off-policy, KL, entropy-bonus and IS-corrected losses take the one pass through a TokenLossHint instead
@@ -185,8 +168,7 @@ def test_grad_hint_gives_the_head_gradients_in_the_forward(name, tmp_path, monke
                                   "grpo-sequence"])
 def test_no_grad_hint_where_the_loss_gradient_is_not_known_before_the_forward(name, tmp_path, monkeypatch):
     calls, trainer = _step_counting_backend_calls(CASES[name], tmp_path, monkeypatch)
-    assert calls["logprobs_with_grads"] == 0
-    assert calls["logprobs_backward"] == trainer.args.steps_per_generation
+    assert calls == {"one_pass": 0, "logprobs_backward": trainer.args.steps_per_generation}
 
 
 def test_generation_logprobs_match_dense_float64(tmp_path):

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from ...model import FusedRequest, as_kwargs, head_operands, op_options, run_intercepted
 from ...model.tensor_parallel import check_tensor_parallel_head, vocab_parallel_head
 from ...ops import TokenLossHint, linear_logprobs
+from ...ops.hints import pad_hint
 from .hooks import refused_reason
 from .protocol import OPTIONS_ATTR, STATISTICS_FIELDS, TrlHeadOptions, TrlProtocolError
 
@@ -66,7 +67,7 @@ def trl_fused_forward(model: nn.Module, *args, **kwargs):
     else:
         raise ValueError("model(..., fused_lm_head=True) needs `labels` or `shift_labels` (TRL's fused-head protocol)")
     if grad_hint is not None and trim:
-        grad_hint = pad_grad_hint(grad_hint, 0, 1)
+        grad_hint = pad_hint(grad_hint, 0, 1)
 
     request = FusedRequest(mode="logprobs", state=state, labels=aligned)
     request.head = functools.partial(_head, labels=aligned, options=options, state=state, grad_hint=grad_hint)
@@ -105,9 +106,3 @@ def _head(lm_head: nn.Module, hidden: torch.Tensor, *, labels, options: TrlHeadO
             vocab_parallel=shard, **op_options(state), temperature=options.temperature,
         )
     return {"log_probs": log_probs, "entropy": entropy, **{name: stats.get(name) for name in STATISTICS_FIELDS}}
-
-
-def pad_grad_hint(hint, left: int, right: int):
-    """A ``grad_hint`` (a tensor or a :class:`~hf_fused.ops.TokenLossHint`) padded with zeros on its last dimension,
-    to the positions of a fused call (those it pads are ignored by the call: their values are never used)."""
-    return hint.pad(left, right) if isinstance(hint, TokenLossHint) else F.pad(hint, (left, right))
