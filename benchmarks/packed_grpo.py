@@ -4,8 +4,10 @@
 
 The row is packed by TRL's own code (``trl.experimental.async_grpo.packing``): ``--groups`` prompts of ``--prompt``
 tokens, each with ``--group`` completions of ``--completion`` tokens whose first ``--shared`` tokens agree (so those
-positions serve every completion of the group, as the first tokens of sampled completions often do), the sampler's
-log-probs a few tenths off and advantages of both signs. Each variant computes the row's per-position log-probs and
+positions serve every completion of the group, as the first tokens of sampled completions often do), advantages of
+both signs, and the sampler's log-probs the policy's own plus Gaussian noise of ``--noise`` nats (its ratios mostly
+inside the clip range, as a sampler's are: where a term is clipped its gradient is zero, and a backward that
+recomputes skips such rows). Each variant computes the row's per-position log-probs and
 entropies, then TRL 1.16's ``AsyncGRPOTrainer.compute_loss`` loss on them (the terms gathered by ``token_index``),
 then backward, in bf16:
 
@@ -35,7 +37,8 @@ from . import measure
 
 
 def packed_row(args, generator: torch.Generator) -> dict:
-    """TRL's packed batch of ``--groups × --group`` samples (``TreeRow.pack``), with ``global_n_tokens``."""
+    """TRL's packed batch of ``--groups × --group`` samples (``TreeRow.pack``), with ``global_n_tokens``; the
+    sampler's log-probs are set by :func:`run` from the policy's."""
     from trl.experimental.async_grpo.packing import TreeRow
 
     row = TreeRow()
@@ -47,8 +50,7 @@ def packed_row(args, generator: torch.Generator) -> dict:
             rest = torch.randint(0, vocab, (args.completion - args.shared,), generator=generator)
             ids = torch.cat([prompt, shared, rest])
             mask = torch.cat([torch.zeros(args.prompt, dtype=torch.long), torch.ones(args.completion, dtype=torch.long)])
-            old = torch.where(mask.bool(), -12.0 + 0.3 * torch.randn(ids.shape, generator=generator), 0.0)
-            row.add({"input_ids": ids, "completion_mask": mask, "old_log_probs": old, "group_id": g,
+            row.add({"input_ids": ids, "completion_mask": mask, "old_log_probs": torch.zeros(ids.shape), "group_id": g,
                      "advantage": float(torch.randn((), generator=generator))})
     packed = row.pack()
     packed["global_n_tokens"] = torch.tensor([float(packed["token_index"].numel())])
@@ -105,9 +107,18 @@ def run(args) -> list[dict]:
     weight = (torch.randn(args.vocab, args.hidden, generator=generator) * 8 / args.hidden**0.5).to(
         device, torch.bfloat16)
     hidden.requires_grad_(), weight.requires_grad_()
+    with torch.no_grad():
+        from hf_fused.ops import linear_logprobs
+
+        policy = linear_logprobs(hidden, weight, packed["shift_labels"].unsqueeze(0))[0].flatten()
+        noise = torch.randn(packed["token_index"].shape, generator=generator).to(device)
+        packed["old_log_probs"] = policy[packed["token_index"]] + args.noise * noise
     terms = int(torch.bincount(packed["token_index"]).max())
+    ratio = torch.exp(policy[packed["token_index"]] - packed["old_log_probs"])
+    clipped = float(((ratio - 1).abs() > args.epsilon).float().mean())
     print(f"packed row: {length} positions, {packed['token_index'].numel()} loss terms, at most {terms} per "
-          f"position; H {args.hidden}, V {args.vocab}, bf16, {measure.device_name(device)}")
+          f"position, {clipped:.1%} of ratios outside the clip range; H {args.hidden}, V {args.vocab}, bf16, "
+          f"{measure.device_name(device)}")
     records, baseline = [], None
     for name, fn in variants(packed, args.epsilon).items():
         def step(fn=fn):
@@ -165,6 +176,8 @@ def main(argv: Optional[list] = None) -> int:
                                 ("repeats", 5, "timed repeats (median)")):
         parser.add_argument(f"--{name}", type=int, default=default, help=f"{what} (default {default})")
     parser.add_argument("--epsilon", type=float, default=0.2, help="the clip range (AsyncGRPOConfig's default 0.2)")
+    parser.add_argument("--noise", type=float, default=0.1,
+                        help="std of the sampler's log-probs around the policy's, nats (default 0.1)")
     parser.add_argument("--out", help="write the records as JSON here")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # the packing and the hint's trainer are TRL's experimental
