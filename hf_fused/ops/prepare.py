@@ -144,8 +144,8 @@ class PreparedHead:
                     f"per_token[{name!r}] must be a tensor shaped like labels, got {type(values).__name__}; "
                     "close over scalars in token_loss (e.g. functools.partial) instead"
                 )
-            token_shape = values.shape[:-1] if terms and values.dim() else values.shape
-            if token_shape != labels.shape or values.device != labels.device or (terms and values.dim() < 1):
+            token_shape = values.shape[:-1] if terms else values.shape
+            if token_shape != labels.shape or values.device != labels.device:
                 shape = f"labels' shape {tuple(labels.shape)}" + (" plus a trailing dimension of terms" if terms else "")
                 raise ValueError(f"per_token[{name!r}] must have {shape} on {labels.device}, got "
                                  f"{tuple(values.shape)} on {values.device}")
