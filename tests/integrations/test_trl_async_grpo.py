@@ -75,28 +75,32 @@ def rollouts(n=24, seed=0):
     return out
 
 
-@pytest.fixture
-def model_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(packing, "_flash_attn", lambda: types.SimpleNamespace(flash_attn_varlen_func=varlen_attention))
-    monkeypatch.setattr(trainer_module, "get_peak_flops_per_device", lambda *a, **k: 1e12)  # reads a CUDA device
-    path = tmp_path / "policy"
-    make_word_model("qwen3").save_pretrained(path)
+def _save_model(path, arch="qwen3"):
+    make_word_model(arch).save_pretrained(path)
     make_tokenizer().save_pretrained(path)
     return path
 
 
-def _train(model_dir, tmp_path, name, patch, monkeypatch, trainer_class=None, **config):
+@pytest.fixture
+def model_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(packing, "_flash_attn", lambda: types.SimpleNamespace(flash_attn_varlen_func=varlen_attention))
+    monkeypatch.setattr(trainer_module, "get_peak_flops_per_device", lambda *a, **k: 1e12)  # reads a CUDA device
+    return _save_model(tmp_path / "policy")
+
+
+def _train(model_dir, tmp_path, name, patch, monkeypatch, trainer_class=None, peft_config=None, **config):
     calls = count_heads(monkeypatch)
     args = async_grpo.AsyncGRPOConfig(
-        output_dir=str(tmp_path / name), max_steps=2, per_device_train_batch_size=1, gradient_accumulation_steps=1,
-        token_budget=64, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", learning_rate=1e-2,
-        optim="sgd", seed=0, disable_tqdm=True, **{"bf16": False, "dtype": "float32", **config})
+        output_dir=str(tmp_path / name), per_device_train_batch_size=1, token_budget=64, use_cpu=True, report_to=[],
+        logging_steps=1, save_strategy="no", learning_rate=1e-2, optim="sgd", seed=0, disable_tqdm=True,
+        **{"max_steps": 2, "gradient_accumulation_steps": 1, "bf16": False, "dtype": "float32", **config})
     recorder = GradRecorder()
     # the prompts feed only the rollout worker TRL would start; the fixed one ignores them
     prompts = Dataset.from_dict({"prompt": ["a"] * 8})
     trainer = (trainer_class or async_grpo.AsyncGRPOTrainer)(
         str(model_dir), args=args, processing_class=make_tokenizer(), train_dataset=prompts, callbacks=[recorder],
-        rollout_worker=FixedRollouts(rollouts()), weight_transfer=NoWeightTransfer())
+        rollout_worker=FixedRollouts(rollouts(24 * args.gradient_accumulation_steps)),
+        weight_transfer=NoWeightTransfer(), peft_config=peft_config)
     if patch:
         hf_fused.apply_fused_loss(trainer.model)
     trainer.train()
@@ -159,17 +163,38 @@ def _spy_hints(monkeypatch):
     return terms
 
 
-def test_fused_async_grpo_trainer_takes_one_pass_and_matches_trl(model_dir, tmp_path, monkeypatch):
+def _lora():
+    from peft import LoraConfig
+
+    return LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                      target_modules=["q_proj", "v_proj"])
+
+
+#: name -> (the policy's architecture, AsyncGRPOConfig options, a PEFT config or None)
+FUSED_CASES = {
+    "qwen3": ("qwen3", {}, None),
+    "grad_accum": ("qwen3", {"gradient_accumulation_steps": 2}, None),
+    "lora": ("qwen3", {}, _lora),
+    "moe-aux_loss": ("qwen3moe", {}, None),  # TRL adds the router's load-balancing loss to the policy loss
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_fused_async_grpo_trainer_takes_one_pass_and_matches_trl(case, model_dir, tmp_path, monkeypatch):
     """Stock ``AsyncGRPOTrainer`` against ``FusedAsyncGRPOTrainer``: every micro-batch's head gradients come from
     the forward's one pass (no recompute in backward; a hint that missed would warn, an error here), positions
     shared by several samples included, and the loss, every gradient and every logged metric are TRL's (fp32)."""
     from hf_fused import FusedAsyncGRPOTrainer
 
-    _, stock_logs, stock_grads, _ = _train(model_dir, tmp_path, "stock", False, monkeypatch)
+    arch, config, peft = FUSED_CASES[case]
+    if arch != "qwen3":
+        model_dir = _save_model(tmp_path / arch, arch)
+    options = dict(config, peft_config=peft() if peft else None)
+    _, stock_logs, stock_grads, _ = _train(model_dir, tmp_path, "stock", False, monkeypatch, **options)
     terms = _spy_hints(monkeypatch)
     backend, _ = count_backend_calls(monkeypatch)
     trainer, logs, grads, calls = _train(model_dir, tmp_path, "fused", False, monkeypatch,
-                                         trainer_class=FusedAsyncGRPOTrainer)
+                                         trainer_class=FusedAsyncGRPOTrainer, **options)
     assert hf_fused.is_fused(trainer.model) and calls["hf_fused"] > 0 and calls["trl"] == 0, calls
     assert backend == {"one_pass": len(terms), "logprobs_backward": 0} and len(terms) >= 2, (backend, terms)
     assert max(terms) >= 2  # some position serves two samples (a shared prompt's last token)
