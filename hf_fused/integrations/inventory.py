@@ -7,6 +7,7 @@ from .import_hooks import finder_installed
 from .patching import Rebind, ThirdPartyPatch
 from .transformers_trainer import LIGER_KERNEL, PREDICTION_STEP
 from .trl.async_distillation import TRL_ASYNC_DISTILLATION
+from .trl.concatenated_forward import TRL_CPO, TRL_ORPO
 from .trl.distillation import TRL_DISTILLATION
 from .trl.gkd import TRL_GKD
 from .trl.hooks import TRL_FUSED_HEAD, TRL_HEAD_ADAPTER_CHECKS
@@ -15,7 +16,7 @@ from .trl.server_distillation import TRL_SERVER_DISTILLATION
 #: The inventory, in installation order (TRL's head first: the trainer entries skip a refused protocol).
 PATCHES: tuple[ThirdPartyPatch, ...] = (
     PREDICTION_STEP, LIGER_KERNEL, TRL_FUSED_HEAD, *TRL_HEAD_ADAPTER_CHECKS, TRL_DISTILLATION, TRL_GKD,
-    TRL_ASYNC_DISTILLATION, TRL_SERVER_DISTILLATION,
+    TRL_ASYNC_DISTILLATION, TRL_SERVER_DISTILLATION, TRL_ORPO, TRL_CPO,
 )
 
 

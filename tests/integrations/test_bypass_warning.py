@@ -75,37 +75,3 @@ def test_said_once_per_model_and_never_without_gradients():
         assert not _bypass_warnings(lambda: model(input_ids=ids))
     assert len(_bypass_warnings(lambda: [model(input_ids=ids) for _ in range(3)])) == 1
 
-
-@pytest.mark.parametrize("name", ["orpo", "cpo"])
-def test_trls_experimental_logit_trainers_run_the_original_forward_and_say_so(name, tmp_path):
-    """TRL's experimental ``ORPOTrainer`` and ``CPOTrainer`` compute their losses from the model's full logits
-    (``concatenated_forward``), which hf_fused does not serve: on a patched model a step is the unpatched model's
-    (the original forward runs), and one warning names the trainer's call."""
-    module = pytest.importorskip(f"trl.experimental.{name}")
-    from datasets import Dataset
-
-    from models import WORDS, make_tokenizer, make_word_model
-
-    trainer_class, config_class = (getattr(module, f"{name.upper()}{kind}") for kind in ("Trainer", "Config"))
-    sentence = lambda i, n: " ".join(WORDS[(7 * i + 3 * k) % len(WORDS)] for k in range(n))  # noqa: E731
-    data = Dataset.from_dict({"prompt": [sentence(i, 3) for i in range(4)],
-                              "chosen": [" " + sentence(50 + i, 2 + i % 3) for i in range(4)],
-                              "rejected": [" " + sentence(90 + i, 1 + i % 4) for i in range(4)]})
-
-    def step(patch):
-        model = make_word_model("llama")
-        if patch:
-            apply_fused_loss(model)
-        args = config_class(output_dir=str(tmp_path / name), per_device_train_batch_size=4, report_to=[],
-                            use_cpu=True, max_length=32)
-        trainer = trainer_class(model=model, args=args, train_dataset=data, processing_class=make_tokenizer())
-        batch = next(iter(trainer.get_train_dataloader()))
-        model.train()
-        caught = _bypass_warnings(lambda: trainer.compute_loss(model, batch).backward())
-        return caught, model.lm_head.weight.grad
-
-    stock_warnings, stock_grad = step(False)
-    (warning,), grad = step(True)
-    assert not stock_warnings
-    assert f"trl.experimental.{name}.{name}_trainer.{name.upper()}Trainer.concatenated_forward" in str(warning.message)
-    torch.testing.assert_close(grad, stock_grad, rtol=0, atol=0)  # the very same computation

@@ -22,6 +22,9 @@ the order:
   answers ``fused_lm_head=True``. Without ``fused_lm_head`` the call passes through TRL's head unchanged, so
   generation is the original.
 
+The experimental ``ORPOTrainer`` and ``CPOTrainer`` never install that head (they read the full logits); for a patched
+model their ``concatenated_forward`` is answered through the same call (:mod:`.concatenated_forward`).
+
 :func:`hf_fused.remove_fused_loss` takes the options off the model again and, where hf_fused had withheld TRL's
 head (patched before the trainer was built), installs TRL's own head with them (:func:`forget_trl_head`).
 
