@@ -49,7 +49,8 @@ def packed_row(args, generator: torch.Generator) -> dict:
         for _ in range(args.group):
             rest = torch.randint(0, vocab, (args.completion - args.shared,), generator=generator)
             ids = torch.cat([prompt, shared, rest])
-            mask = torch.cat([torch.zeros(args.prompt, dtype=torch.long), torch.ones(args.completion, dtype=torch.long)])
+            mask = torch.cat([torch.zeros(args.prompt, dtype=torch.long),
+                              torch.ones(args.completion, dtype=torch.long)])
             row.add({"input_ids": ids, "completion_mask": mask, "old_log_probs": torch.zeros(ids.shape), "group_id": g,
                      "advantage": float(torch.randn((), generator=generator))})
     packed = row.pack()

@@ -287,6 +287,18 @@ def make_word_model(arch: str = "llama", seed: int = 0, dtype=torch.float32, tie
 #: ``saved_models`` fixture saves each once per test session. A prime vocabulary (131) splits unevenly over 2 or 3
 #: ranks: FSDP2 shards a tied lm_head / embedding's rows 66 + 65 (44 + 44 + 43), the last shard padded (the
 #: 128k-256k vocabularies divide by 2 but not always by the world size, and GPT-2's 50,257 by none).
+def preference_dataset(rows: int = 8):
+    """Preference pairs (``prompt``, ``chosen``, ``rejected``) in :func:`make_tokenizer`'s words, of varied lengths."""
+    from datasets import Dataset
+
+    def sentence(i: int, n: int) -> str:
+        return " ".join(WORDS[(7 * i + 3 * k) % len(WORDS)] for k in range(n))
+
+    return Dataset.from_dict({"prompt": [sentence(i, 2 + i % 3) for i in range(rows)],
+                              "chosen": [" " + sentence(50 + i, 2 + i % 4) for i in range(rows)],
+                              "rejected": [" " + sentence(90 + i, 1 + i % 5) for i in range(rows)]})
+
+
 SAVED_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "llama": lambda: make_model("llama", tie_word_embeddings=False),
     "qwen3-tied": lambda: make_model("qwen3", tie_word_embeddings=True),

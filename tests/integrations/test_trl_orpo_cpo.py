@@ -17,11 +17,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from datasets import Dataset
 
 import hf_fused
 from hf_fused.model import FusedLossBypassedWarning
-from models import WORDS, GradRecorder, assert_same_gradients, is_timing_metric, make_tokenizer, make_word_model
+from models import GradRecorder, assert_same_gradients, is_timing_metric, make_tokenizer, make_word_model
+from models import preference_dataset
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 orpo = pytest.importorskip("trl.experimental.orpo")
@@ -30,13 +30,7 @@ cpo = pytest.importorskip("trl.experimental.cpo")
 RTOL = 1e-5
 
 
-def _sentence(i: int, n: int) -> str:
-    return " ".join(WORDS[(7 * i + 3 * k) % len(WORDS)] for k in range(n))
-
-
-DATA = Dataset.from_dict({"prompt": [_sentence(i, 2 + i % 3) for i in range(8)],
-                          "chosen": [" " + _sentence(50 + i, 2 + i % 4) for i in range(8)],
-                          "rejected": [" " + _sentence(90 + i, 1 + i % 5) for i in range(8)]})
+DATA = preference_dataset()
 
 
 def _lora():
