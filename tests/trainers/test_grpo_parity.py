@@ -494,3 +494,23 @@ def test_trl_default_config_bf16_no_further_from_fp32_than_trl(loss_type, beta, 
     assert e > 0, "bf16 changed nothing: autocast was not on"
     print(f"bf16 gradient error: hf_fused {f:.3g}, TRL {e:.3g}")
     assert f <= 1.25 * e, f"hf_fused bf16 gradient error {f:.3g} vs TRL's bf16 {e:.3g}"
+
+
+@pytest.mark.parametrize("name", ["grpo-offpolicy", "beta-biascorr"])
+def test_apply_fused_loss_with_trls_gmpo_trainer_matches_trl(name, tmp_path, monkeypatch):
+    """TRL's experimental ``GMPOTrainer`` (a ``GRPOTrainer`` whose ``_compute_loss`` takes the geometric mean of the
+    clipped token ratios per sequence: not token-separable, so no hint) on a patched model: its log-probs through
+    TRL's fused head are hf_fused's, with the stock trainer's loss, gradients and metrics."""
+    from hf_fused import apply_fused_loss
+
+    gmpo = pytest.importorskip("trl.experimental.gmpo")
+    case = CASES[name]
+    ref = run_step(build_trainer(gmpo.GMPOTrainer, case, tmp_path), case)
+    model = make_model(case.arch, dtype=case.dtype, tie=case.tie)
+    apply_fused_loss(model)
+    trainer = build_trainer(gmpo.GMPOTrainer, case, tmp_path, model=model)
+    counts = _count_heads(monkeypatch)
+    got = run_step(trainer, case)
+    assert_same_step(got, ref, rtol=1e-5)
+    assert counts["hf_fused"] > 0 and counts["trl"] == 0, counts
+    assert {"clip_ratio/region_mean", "entropy"} <= ref.metrics.keys()
