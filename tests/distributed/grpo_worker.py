@@ -11,15 +11,10 @@ computations. SGD at a constant learning rate, β = 0 (no reference model), on-p
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-import torch
-import transformers
-
 import grpo_harness
-from ranks import exit_rank, run_each
-from train_worker import count_fused_head_calls, full_parameters
+from train_worker import count_fused_head_calls, load_tiny_model, run_trl_worker, save_trl_run
 
 
 def train(case: dict, out: Path) -> None:
@@ -29,10 +24,7 @@ def train(case: dict, out: Path) -> None:
     # partitioned (deepspeed.zero.Init), as it would for a user.
     # (Kept referenced: transformers holds DeepSpeed's config through a weak reference to it.)
     args = grpo_harness.grpo_config(out.parent, **overrides)  # noqa: F841
-    model = transformers.AutoModelForCausalLM.from_pretrained(case["model_dir"], attn_implementation="eager",
-                                                              dtype=torch.float32)
-    lm_head_numel = model.get_output_embeddings().weight.numel()
-    initial = full_parameters(model)
+    model, lm_head_numel, initial = load_tiny_model(case["model_dir"])
     if case["trainer"] == "FusedGRPOTrainer":
         from hf_fused import FusedGRPOTrainer as trainer_cls
     else:
@@ -40,22 +32,8 @@ def train(case: dict, out: Path) -> None:
     trainer = grpo_harness.build_trainer(trainer_cls, grpo_harness.Case(config=overrides), out.parent, model=model)
     fused_calls = count_fused_head_calls()
     trainer.train()
-    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    losses = [entry["loss"] for entry in logs]
-    params = full_parameters(trainer.model)
-    if trainer.accelerator.is_main_process:
-        torch.save({"losses": losses, "logs": logs, "fused_calls": dict(fused_calls), "params": params,
-                    "initial": initial, "lm_head_numel": lm_head_numel, "world": trainer.accelerator.num_processes,
-                    "wrapper": type(trainer.model_wrapped).__name__},
-                   out)
-    trainer.accelerator.wait_for_everyone()
-
-
-def main(batch_file: str) -> None:
-    torch.set_num_threads(1)
-    run_each(batch_file, lambda case, directory: train(case, Path(directory) / "result.pt"))
+    save_trl_run(trainer, out, initial, lm_head_numel, fused_calls)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
-    exit_rank()
+    run_trl_worker(train)

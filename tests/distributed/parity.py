@@ -66,6 +66,40 @@ def update_errors(got: dict, ref: dict, same_start: bool = True) -> dict[str, fl
     return errors
 
 
+def assert_matches_stock_under_engine(fused: dict, stock: dict, config: str, steps: int = 2) -> None:
+    """A patched run against the unpatched (stock) run of the same trainer under the same engine ``config`` and 2
+    ranks (worker results with ``"logs"``, every logged entry per step, and ``"fused_calls"``): hf_fused computed the
+    head in the patched run and never in the stock one, under ZeRO-3 always with lm_head partitioned (its gather
+    path); every numeric metric of every step within :data:`LOSS_RTOL` (+ 1e-7 absolute: fp32 sums in another
+    order); every parameter within :data:`PARAM_RTOL` of stock's update (SGD: a gradient error shows in proportion),
+    both from the same start, at least half of them moved."""
+    import math
+
+    assert fused["world"] == 2 and fused["fused_calls"]["all"] > 0
+    if config == "zero3":
+        assert fused["lm_head_numel"] == 0 and fused["fused_calls"]["partitioned"] == fused["fused_calls"]["all"]
+    assert stock["fused_calls"]["all"] == 0
+
+    assert len(fused["logs"]) == len(stock["logs"]) == steps
+    for step, (f, s) in enumerate(zip(fused["logs"], stock["logs"])):
+        assert f.keys() == s.keys()
+        for key, ref in s.items():
+            if key in ("step_time",) or not isinstance(ref, (int, float)):
+                continue
+            assert math.isclose(f[key], ref, rel_tol=LOSS_RTOL, abs_tol=1e-7), f"step {step} {key}: {f[key]} vs {ref}"
+    moved = 0
+    for name, ref in stock["params"].items():
+        assert torch.equal(fused["initial"][name], stock["initial"][name])
+        update = (ref - stock["initial"][name]).norm()
+        err = (fused["params"][name] - ref).norm()
+        if update > 0:
+            moved += 1
+            assert err <= PARAM_RTOL * update, f"{name}: ‖θ−θ_stock‖/‖Δθ_stock‖ = {float(err / update):.3g}"
+        else:
+            assert err == 0, name
+    assert moved >= len(stock["params"]) // 2
+
+
 def _spacing(t: torch.Tensor) -> torch.Tensor:
     """The distance from each element of fp32 ``t`` to the next fp32 value away from zero."""
     magnitude = t.float().abs()

@@ -11,15 +11,10 @@ Argument: a JSON file listing the runs of this launch, ``[{"case": {"trainer", "
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-import torch
-import transformers
-
 from models import make_tokenizer, preference_dataset
-from ranks import exit_rank, run_each
-from train_worker import count_fused_head_calls, full_parameters
+from train_worker import count_fused_head_calls, load_tiny_model, run_trl_worker, save_trl_run
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -36,10 +31,7 @@ def train(case: dict, out: Path) -> None:
         learning_rate=1e-2, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
         report_to=[], logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True, max_length=32, bf16=False,
         use_cpu=not case.get("cuda"), dataloader_num_workers=0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(case["model_dir"], attn_implementation="eager",
-                                                              dtype=torch.float32)
-    lm_head_numel = model.get_output_embeddings().weight.numel()
-    initial = full_parameters(model)
+    model, lm_head_numel, initial = load_tiny_model(case["model_dir"])
     if case["patch"]:
         from hf_fused import apply_fused_loss
 
@@ -48,21 +40,8 @@ def train(case: dict, out: Path) -> None:
                                                  processing_class=make_tokenizer())
     fused_calls = count_fused_head_calls()
     trainer.train()
-    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    params = full_parameters(trainer.model)
-    if trainer.accelerator.is_main_process:
-        torch.save({"losses": [entry["loss"] for entry in logs], "logs": logs, "fused_calls": dict(fused_calls),
-                    "params": params, "initial": initial, "lm_head_numel": lm_head_numel,
-                    "world": trainer.accelerator.num_processes, "wrapper": type(trainer.model_wrapped).__name__},
-                   out)
-    trainer.accelerator.wait_for_everyone()
-
-
-def main(batch_file: str) -> None:
-    torch.set_num_threads(1)
-    run_each(batch_file, lambda case, directory: train(case, Path(directory) / "result.pt"))
+    save_trl_run(trainer, out, initial, lm_head_numel, fused_calls)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
-    exit_rank()
+    run_trl_worker(train)

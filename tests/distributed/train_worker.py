@@ -128,6 +128,38 @@ HEAD_CALLS = {"all": 0, "partitioned": 0, "max_positions": 0}
 _installed: set = set()
 
 
+def load_tiny_model(model_dir: str):
+    """``(model, its lm_head's local numel, every parameter as a whole fp32 tensor)``: the saved tiny model in fp32
+    with eager attention, loaded under whatever engine config is active (ZeRO-3: partitioned, numel 0)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager",
+                                                              dtype=torch.float32)
+    return model, model.get_output_embeddings().weight.numel(), full_parameters(model)
+
+
+def run_trl_worker(train) -> None:
+    """A TRL worker's entry point: ``train(case, <dir>/result.pt)`` for each run of the batch file named on the
+    command line, one thread per rank."""
+    from pathlib import Path
+
+    torch.set_num_threads(1)
+    run_each(sys.argv[1], lambda case, directory: train(case, Path(directory) / "result.pt"))
+    exit_rank()
+
+
+def save_trl_run(trainer, out, initial: dict, lm_head_numel: int, fused_calls: dict) -> None:
+    """After ``trainer.train()`` (every rank calls it: the parameters are gathered): rank 0 saves
+    ``{"losses", "logs", "fused_calls", "params", "initial", "lm_head_numel", "world", "wrapper"}`` to ``out``, every
+    logged entry with a loss per step (grpo_worker.py, preference_worker.py)."""
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    params = full_parameters(trainer.model)
+    if trainer.accelerator.is_main_process:
+        torch.save({"losses": [entry["loss"] for entry in logs], "logs": logs, "fused_calls": dict(fused_calls),
+                    "params": params, "initial": initial, "lm_head_numel": lm_head_numel,
+                    "world": trainer.accelerator.num_processes, "wrapper": type(trainer.model_wrapped).__name__},
+                   out)
+    trainer.accelerator.wait_for_everyone()
+
+
 def count_head_events() -> dict:
     """ZeRO-3 only: count, per lm_head parameter ``ds_id``, DeepSpeed's fetches of a module's parameters in
     forward, hf_fused's own all-gathers (:mod:`hf_fused.model.distributed`) and DeepSpeed's gradient
