@@ -43,13 +43,15 @@ RTOL = 1e-5
 LOGP_DIFFERENCES = {"rewards/chosen": 0.1, "rewards/rejected": 0.1, "rewards/margins": 0.1, "kl": 1.0}
 
 
-def logp_difference_tol(key: str, logged: dict, default: float = 1e-7) -> float:
-    """The absolute tolerance of a logged metric: for a difference of log-probabilities (``LOGP_DIFFERENCES``),
-    ``RTOL`` of the log-probabilities it comes from (``logged``: the reference run's row at that step, with
-    ``logps/chosen`` and ``logps/rejected``); ``default`` for every other metric."""
-    if key not in LOGP_DIFFERENCES or "logps/chosen" not in logged:
+def logp_difference_tol(key: str, logged: dict, default: float = 1e-7, factors: Optional[dict] = None) -> float:
+    """The absolute tolerance of a logged metric: for a difference of log-probabilities (``factors``, by default
+    ``LOGP_DIFFERENCES``: metric name -> the factor on the difference), ``RTOL`` of the log-probabilities it comes
+    from (``logged``: the reference run's row at that step, with ``logps/chosen`` and ``logps/rejected``); ``default``
+    for every other metric."""
+    factors = LOGP_DIFFERENCES if factors is None else factors
+    if key not in factors or "logps/chosen" not in logged:
         return default  # RLOO's and GRPO's "kl" is a mean of per-token estimates, not a difference of sums
-    return RTOL * LOGP_DIFFERENCES[key] * (abs(logged["logps/chosen"]) + abs(logged["logps/rejected"]))
+    return RTOL * factors[key] * (abs(logged["logps/chosen"]) + abs(logged["logps/rejected"]))
 
 
 # -- relative errors and the assertions built on them -----------------------------------------------------

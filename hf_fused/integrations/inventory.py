@@ -11,12 +11,13 @@ from .trl.concatenated_forward import TRL_CPO, TRL_ORPO
 from .trl.distillation import TRL_DISTILLATION
 from .trl.gkd import TRL_GKD
 from .trl.hooks import TRL_FUSED_HEAD, TRL_HEAD_ADAPTER_CHECKS
+from .trl.online_dpo import TRL_ONLINE_DPO
 from .trl.server_distillation import TRL_SERVER_DISTILLATION
 
 #: The inventory, in installation order (TRL's head first: the trainer entries skip a refused protocol).
 PATCHES: tuple[ThirdPartyPatch, ...] = (
     PREDICTION_STEP, LIGER_KERNEL, TRL_FUSED_HEAD, *TRL_HEAD_ADAPTER_CHECKS, TRL_DISTILLATION, TRL_GKD,
-    TRL_ASYNC_DISTILLATION, TRL_SERVER_DISTILLATION, TRL_ORPO, TRL_CPO,
+    TRL_ASYNC_DISTILLATION, TRL_SERVER_DISTILLATION, TRL_ORPO, TRL_CPO, TRL_ONLINE_DPO,
 )
 
 

@@ -39,6 +39,7 @@ def _targets() -> list[tuple[object, str]]:
     from trl.experimental.server_distillation.server_distillation_trainer import ServerDistillationTrainer
     from trl.experimental.cpo.cpo_trainer import CPOTrainer
     from trl.experimental.gkd.gkd_trainer import GKDTrainer
+    from trl.experimental.online_dpo.online_dpo_trainer import OnlineDPOTrainer
     from trl.experimental.orpo.orpo_trainer import ORPOTrainer
     from trl.trainer.distillation_trainer import DistillationTrainer
     # imports add_fused_lm_head by name, as the trainers below do; imported here so that the list does not depend on
@@ -50,7 +51,8 @@ def _targets() -> list[tuple[object, str]]:
                (distillation_module, "_chunked_divergence_loss"), (GKDTrainer, "compute_loss"), (GKDTrainer, "__init__"),
                (async_module, "_chunked_jsd_loss"), (async_module.AsyncDistillationTrainer, "_compute_loss"),
                (ServerDistillationTrainer, "compute_loss"), (async_grpo_module, "add_fused_lm_head"),
-               (ORPOTrainer, "concatenated_forward"), (CPOTrainer, "concatenated_forward")]
+               (ORPOTrainer, "concatenated_forward"), (CPOTrainer, "concatenated_forward"),
+               (OnlineDPOTrainer, "_forward")]
     for module_name, cls in _TRAINER_CLASSES().items():
         module = importlib.import_module(module_name)
         targets += [(module, "add_fused_lm_head"), (cls, "__init__")]
@@ -72,7 +74,7 @@ def test_every_entry_is_in_the_table_with_every_column():
         assert patch.name.split(".")[0] in integrations.__doc__, patch.name
         for column in (patch.target, patch.trigger, patch.versions, patch.why, patch.passes_through):
             assert isinstance(column, str) and column, patch.name
-    assert len({patch.name for patch in integrations.PATCHES}) == len(integrations.PATCHES) == 14
+    assert len({patch.name for patch in integrations.PATCHES}) == len(integrations.PATCHES) == 15
 
 
 def test_remove_on_the_last_patched_model_restores_every_original(only_this_tests_models):

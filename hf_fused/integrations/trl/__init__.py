@@ -23,7 +23,8 @@ the order:
   generation is the original.
 
 The experimental ``ORPOTrainer`` and ``CPOTrainer`` never install that head (they read the full logits); for a patched
-model their ``concatenated_forward`` is answered through the same call (:mod:`.concatenated_forward`).
+model their ``concatenated_forward`` is answered through the same call (:mod:`.concatenated_forward`), and
+``OnlineDPOTrainer``'s ``_forward`` by the patched forward's log-probs (:mod:`.online_dpo`).
 
 :func:`hf_fused.remove_fused_loss` takes the options off the model again and, where hf_fused had withheld TRL's
 head (patched before the trainer was built), installs TRL's own head with them (:func:`forget_trl_head`).
