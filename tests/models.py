@@ -307,6 +307,20 @@ SAVED_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
 }
 
 
+def count_calls(monkeypatch, module, name: str) -> dict:
+    """Counts, from now on, the calls of ``module.name`` (a function looked up there at call time):
+    ``{"calls": n}``."""
+    counts = {"calls": 0}
+    function = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        counts["calls"] += 1
+        return function(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return counts
+
+
 class GradRecorder(transformers.TrainerCallback):
     """A trainer callback that records every trainable parameter's gradient at each optimizer step (after
     accumulation, before clipping): what the trainer suites compare between a patched and a stock run."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import warnings
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Optional
@@ -118,6 +119,12 @@ class ThirdPartyPatch:
         """Set ``owner.name = replacement``, remembering the original for :meth:`uninstall`."""
         self.rebinds.append(Rebind(owner, name, vars(owner).get(name, _MISSING), replacement))
         setattr(owner, name, replacement)
+
+    def refuse(self, why: str, consequence: str) -> None:
+        """For ``apply``: the installed library is not the shape this entry serves (``why``): record it in
+        :attr:`state` (``"refused"``) and warn once, saying what follows (``consequence``), instead of rebinding."""
+        self.state["refused"] = why
+        warnings.warn(f"hf_fused: {why}. {consequence}", stacklevel=4)
 
     def liveness(self) -> Callable[[], bool]:
         """A check for the wrappers made now: true while this installation is in place."""

@@ -205,3 +205,28 @@ def test_remove_after_a_trl_head_leaves_that_head():
     hf_fused.remove_fused_loss(model)
     assert model.__dict__["forward"] is trl_forward and OPTIONS_ATTR not in model.__dict__
     torch.testing.assert_close(_fused_call(model).log_probs, _fused_call(stock).log_probs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("entry, class_name, method", [
+    ("TRL_ORPO", "ORPOTrainer", "concatenated_forward"), ("TRL_CPO", "CPOTrainer", "concatenated_forward"),
+    ("TRL_ONLINE_DPO", "OnlineDPOTrainer", "_forward"),
+])
+def test_a_trainer_of_another_shape_is_refused_with_a_warning(entry, class_name, method):
+    """A TRL whose trainer method takes other parameters: the entry rebinds nothing, records why and says so."""
+    import dataclasses
+    import types
+
+    from hf_fused.integrations.trl import concatenated_forward, online_dpo
+
+    patch = getattr(concatenated_forward, entry, None) or getattr(online_dpo, entry)
+    fresh = dataclasses.replace(patch, rebinds=[], state={})
+
+    def other(self, model, batch, extra):
+        return "TRL's own"
+
+    trainer_cls = type(class_name, (), {method: other, "concatenated_inputs": staticmethod(
+        lambda batch, is_encoder_decoder=False, padding_value=0, device=None: batch)})
+    with pytest.warns(UserWarning, match=rf"{class_name}\.{method} takes .* expected"):
+        fresh.apply(types.SimpleNamespace(**{class_name: trainer_cls}), fresh)
+    assert "expected" in fresh.state["refused"] and not fresh.rebinds
+    assert getattr(trainer_cls, method) is other

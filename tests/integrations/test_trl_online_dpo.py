@@ -19,7 +19,7 @@ import pytest
 import hf_fused
 from hf_fused.model import FusedLossBypassedWarning
 from models import GradRecorder, assert_same_gradients, is_timing_metric, make_tokenizer, make_word_model
-from models import preference_dataset
+from models import count_calls, preference_dataset
 from references import logp_difference_tol
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -38,20 +38,6 @@ def _lora():
 
     return LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
                       target_modules=["q_proj", "v_proj", "lm_head"])
-
-
-def _count(monkeypatch) -> dict:
-    import hf_fused.integrations.trl.online_dpo as module
-
-    counts = {"fused": 0}
-    fused = module.fused_completion_logprobs
-
-    def counted(*args, **kwargs):
-        counts["fused"] += 1
-        return fused(*args, **kwargs)
-
-    monkeypatch.setattr(module, "fused_completion_logprobs", counted)
-    return counts
 
 
 def _logp_differences(beta: float) -> dict:
@@ -86,9 +72,11 @@ def _train(tmp_path, name, patch, peft=False, **config):
                                            ("lora-on-lm_head", {"peft": True})])
 def test_patched_model_matches_trl(name, options, tmp_path, monkeypatch):
     stock_logs, stock_grads = _train(tmp_path, "stock", False, **options)
-    counts = _count(monkeypatch)
+    import hf_fused.integrations.trl.online_dpo as module
+
+    counts = count_calls(monkeypatch, module, "fused_completion_logprobs")
     logs, grads = _train(tmp_path, "fused", True, **options)
-    assert counts["fused"] == 2 * 2  # each step: the policy and the reference (or the adapter disabled)
+    assert counts["calls"] == 2 * 2  # each step: the policy and the reference (or the adapter disabled)
     assert len(logs) == len(stock_logs) == 3 and len(grads) == len(stock_grads) == 2
     factors = _logp_differences(options.get("beta", 0.1))
     for got, want in zip(logs, stock_logs):

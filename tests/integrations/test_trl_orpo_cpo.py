@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import hf_fused
 from hf_fused.model import FusedLossBypassedWarning
 from models import GradRecorder, assert_same_gradients, is_timing_metric, make_tokenizer, make_word_model
-from models import preference_dataset
+from models import count_calls, preference_dataset
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 orpo = pytest.importorskip("trl.experimental.orpo")
@@ -54,21 +54,6 @@ CASES = {
 }
 
 
-def _count_full_forwards(monkeypatch) -> dict:
-    """Counts hf_fused's TRL-head answers and the ORPO/CPO calls that fell back to TRL's full logits."""
-    import hf_fused.integrations.trl.concatenated_forward as module
-
-    counts = {"fused": 0}
-    fused = module.fused_concatenated_forward
-
-    def counted(*args, **kwargs):
-        counts["fused"] += 1
-        return fused(*args, **kwargs)
-
-    monkeypatch.setattr(module, "fused_concatenated_forward", counted)
-    return counts
-
-
 def _train(tmp_path, name, patch, monkeypatch, trainer_module, config, arch="llama", tie=False, peft=False):
     model = make_word_model(arch, tie=tie)
     if arch == "qwen3moe":
@@ -95,9 +80,11 @@ def _train(tmp_path, name, patch, monkeypatch, trainer_module, config, arch="lla
 def test_patched_model_matches_trl(name, tmp_path, monkeypatch):
     trainer_module, config, model_options = CASES[name]
     stock_logs, stock_grads = _train(tmp_path, "stock", False, monkeypatch, trainer_module, config, **model_options)
-    counts = _count_full_forwards(monkeypatch)
+    import hf_fused.integrations.trl.concatenated_forward as module
+
+    counts = count_calls(monkeypatch, module, "fused_concatenated_forward")
     logs, grads = _train(tmp_path, "fused", True, monkeypatch, trainer_module, config, **model_options)
-    assert counts["fused"] == 2  # one call a step, both hf_fused's
+    assert counts["calls"] == 2  # one call a step, both hf_fused's
     assert len(logs) == len(stock_logs) == 3 and len(grads) == len(stock_grads) == 2
     for got, want in zip(logs, stock_logs):
         assert got.keys() == want.keys(), set(got) ^ set(want)

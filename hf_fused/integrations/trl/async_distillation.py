@@ -37,7 +37,6 @@ import contextvars
 import functools
 import inspect
 import types
-import warnings
 from typing import Optional
 
 import torch
@@ -162,12 +161,8 @@ def _install(module: types.ModuleType, patch: ThirdPartyPatch) -> None:
     have another shape, record why not and warn."""
     why = signature_mismatch(module)
     if why is not None:
-        patch.state["refused"] = why
-        warnings.warn(
-            f"hf_fused: {why}. AsyncDistillationTrainer will compute its loss with TRL's own chunked function, on "
-            "patched models too. hf_fused serves TRL 1.16's AsyncDistillationTrainer.",
-            stacklevel=3,
-        )
+        patch.refuse(why, "AsyncDistillationTrainer will compute its loss with TRL's own chunked function, on patched "
+                          "models too. hf_fused serves TRL 1.16's AsyncDistillationTrainer.")
         return
     live = patch.liveness()
     original = module._chunked_jsd_loss

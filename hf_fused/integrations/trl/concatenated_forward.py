@@ -30,14 +30,14 @@ import contextlib
 import functools
 import inspect
 import types
-import warnings
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from ...model import FusedLossBypassedWarning, find_causal_lm, is_fused
+from ...model import find_causal_lm, is_fused
 from ..patching import ThirdPartyPatch
+from .bypass import warn_full_logits_once
 from .protocol import OPTIONS_ATTR, TrlHeadOptions
 
 #: ``concatenated_forward``'s parameters in TRL 1.16 and the methods :func:`fused_concatenated_forward` calls.
@@ -119,15 +119,6 @@ def _why_not_fused(trainer, trainer_cls: type, batch: dict, kind: str) -> Option
     return None
 
 
-def _warn_once(model: nn.Module, name: str, why_not: str) -> None:
-    state = find_causal_lm(model)._hf_fused
-    if state.warned_without_labels:
-        return
-    state.warned_without_labels = True
-    warnings.warn(f"hf_fused: {name}.concatenated_forward builds the model's full [tokens, vocab] logits here, not "
-                  f"hf_fused's tiles, because {why_not}.", FusedLossBypassedWarning, stacklevel=4)
-
-
 # -- the inventory's entries -------------------------------------------------------------------------------------
 
 
@@ -148,9 +139,8 @@ def _installer(kind: str, class_name: str):
         trainer_cls = getattr(module, class_name)
         why = shape_mismatch(trainer_cls)
         if why is not None:
-            patch.state["refused"] = why
-            warnings.warn(f"hf_fused: {why}. {class_name} will build the full logits, on patched models too. hf_fused "
-                          f"serves TRL 1.16's {class_name}.", stacklevel=3)
+            patch.refuse(why, f"{class_name} will build the full logits, on patched models too. hf_fused serves TRL "
+                              f"1.16's {class_name}.")
             return
         live = patch.liveness()
         original = trainer_cls.concatenated_forward
@@ -163,7 +153,8 @@ def _installer(kind: str, class_name: str):
             if why_not is None:
                 return fused_concatenated_forward(self, model, batch, kind)
             if model.training and torch.is_grad_enabled():
-                _warn_once(model, class_name, why_not)
+                warn_full_logits_once(model, f"{class_name}.concatenated_forward builds the model's full [tokens, "
+                                      f"vocab] logits here, not hf_fused's tiles, because {why_not}.")
             return original(self, model, batch)
 
         concatenated_forward.__hf_fused__ = True

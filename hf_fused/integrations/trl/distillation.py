@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-import warnings
 from typing import Optional
 
 import torch
@@ -135,12 +134,8 @@ def _install(module: types.ModuleType, patch: ThirdPartyPatch) -> None:
     another shape, record why not and warn."""
     why = divergence_signature_mismatch(module)
     if why is not None:
-        patch.state["refused"] = why
-        warnings.warn(
-            f"hf_fused: {why}. DistillationTrainer will compute its loss with TRL's own kernel, on patched models "
-            "too. hf_fused serves TRL 1.16's DistillationTrainer.",
-            stacklevel=3,
-        )
+        patch.refuse(why, "DistillationTrainer will compute its loss with TRL's own kernel, on patched models too. "
+                          "hf_fused serves TRL 1.16's DistillationTrainer.")
         return
     live = patch.liveness()
     original = module._chunked_divergence_loss

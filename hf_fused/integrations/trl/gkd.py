@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-import warnings
 import weakref
 from typing import Optional, Union
 
@@ -39,13 +38,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...model import FusedLossBypassedWarning, FusedLossVerificationError, find_causal_lm, head_tensors, is_fused
+from ...model import FusedLossVerificationError, find_causal_lm, head_tensors, is_fused
 from ...model.distributed import partitioned_head_params
 from ...model.forward import lm_head_answering
 from ...model.lm_head import check_head_supported, is_fsdp1_unit
 from ...model.transform_probe import measure_logit_transform
 from ...ops import LogitTransform
 from ..patching import ThirdPartyPatch
+from .bypass import warn_full_logits_once
 from .divergence import CALL_KEYWORD, DistillationCall, TeacherHead
 from .teacher_fsdp import prepare_teacher_under_fsdp
 
@@ -176,9 +176,8 @@ def _install(module: types.ModuleType, patch: ThirdPartyPatch) -> None:
     trainer_cls = module.GKDTrainer
     why = gkd_shape_mismatch(trainer_cls)
     if why is not None:
-        patch.state["refused"] = why
-        warnings.warn(f"hf_fused: {why}. GKDTrainer will compute its loss from the full logits, on patched models "
-                      "too. hf_fused serves TRL 1.16's GKDTrainer.", stacklevel=3)
+        patch.refuse(why, "GKDTrainer will compute its loss from the full logits, on patched models too. hf_fused "
+                          "serves TRL 1.16's GKDTrainer.")
         return
     live = patch.liveness()
     original = trainer_cls.compute_loss
@@ -192,7 +191,9 @@ def _install(module: types.ModuleType, patch: ThirdPartyPatch) -> None:
         if why_not is None:
             return fused_gkd_loss(self, model, inputs, num_items_in_batch)
         if model.training and torch.is_grad_enabled():
-            _warn_once(model, why_not)
+            warn_full_logits_once(model, "GKDTrainer.compute_loss computes its loss from the student's and the "
+                                  "teacher's full [tokens, vocab] logits here, not from hidden states, because "
+                                  f"{why_not}.")
         return original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     compute_loss.__hf_fused__ = True
@@ -208,20 +209,6 @@ def _install(module: types.ModuleType, patch: ThirdPartyPatch) -> None:
 
     __init__.__hf_fused__ = True
     patch.rebind(trainer_cls, "__init__", __init__)
-
-
-def _warn_once(model: nn.Module, why_not: str) -> None:
-    """Say once per student why GKD's loss is computed from the full logits (and keep the patched forward's own
-    "called without labels" warning from repeating it)."""
-    state = find_causal_lm(model)._hf_fused
-    if state.warned_without_labels:
-        return
-    state.warned_without_labels = True
-    warnings.warn(
-        f"hf_fused: GKDTrainer.compute_loss computes its loss from the student's and the teacher's full [tokens, "
-        f"vocab] logits here, not from hidden states, because {why_not}.",
-        FusedLossBypassedWarning, stacklevel=3,
-    )
 
 
 TRL_GKD = ThirdPartyPatch(

@@ -28,7 +28,6 @@ import functools
 import importlib.util
 import sys
 import types
-import warnings
 from typing import Any, Callable, Optional
 
 import torch.nn as nn
@@ -109,12 +108,8 @@ def _wrap_add_fused_lm_head(trl_utils: types.ModuleType, patch: ThirdPartyPatch)
     patch.state["original"] = original
     why = protocol_mismatch(trl_utils)
     if why is not None:
-        patch.state["refused"] = why
-        warnings.warn(
-            f"hf_fused: {why}. TRL's trainers will use TRL's own fused head on this model, not hf_fused's; a "
-            "fused call on a patched model raises. hf_fused serves TRL 1.16's protocol.",
-            stacklevel=3,
-        )
+        patch.refuse(why, "TRL's trainers will use TRL's own fused head on this model, not hf_fused's; a fused call "
+                          "on a patched model raises. hf_fused serves TRL 1.16's protocol.")
         return
     live = patch.liveness()
 

@@ -15,14 +15,14 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-import warnings
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from ...model import FusedLossBypassedWarning, find_causal_lm, is_fused
+from ...model import is_fused
 from ..patching import ThirdPartyPatch
+from .bypass import warn_full_logits_once
 
 #: ``OnlineDPOTrainer._forward``'s parameters in TRL 1.16.
 FORWARD_PARAMETERS = ("self", "model", "prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
@@ -34,8 +34,8 @@ IGNORED = -100
 def fused_completion_logprobs(trainer, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                               completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
     """``OnlineDPOTrainer._forward`` of TRL 1.16 for a patched model and no vision inputs: the completion tokens'
-    log-probs ``[B, C]`` fp32, position ``prompt_len − 1 + j`` scoring ``completion_ids[:, j]`` (position ``j`` without a
-    prompt, as TRL slices it), from the patched forward's ``fused_output="logprobs"``."""
+    log-probs ``[B, C]`` fp32, position ``prompt_len − 1 + j`` scoring ``completion_ids[:, j]`` (position ``j``
+    without a prompt, as TRL slices it), from the patched forward's ``fused_output="logprobs"``."""
     truncate = max(prompt_ids.size(1) + completion_ids.size(1) - trainer.max_length, 0)
     prompt_ids, prompt_mask = prompt_ids[:, truncate:], prompt_mask[:, truncate:]
     input_ids = torch.cat((prompt_ids, completion_ids), dim=1)
@@ -46,15 +46,6 @@ def fused_completion_logprobs(trainer, model: nn.Module, prompt_ids: torch.Tenso
     labels[:, start : start + width] = completion_ids
     out = model(input_ids, attention_mask=attention_mask, shift_labels=labels, fused_output="logprobs")
     return out.logprobs[:, start : start + width]
-
-
-def _warn_once(model: nn.Module, why_not: str) -> None:
-    state = find_causal_lm(model)._hf_fused
-    if state.warned_without_labels:
-        return
-    state.warned_without_labels = True
-    warnings.warn(f"hf_fused: OnlineDPOTrainer._forward builds the model's full [tokens, vocab] logits here, not "
-                  f"hf_fused's tiles, because {why_not}.", FusedLossBypassedWarning, stacklevel=4)
 
 
 # -- the inventory's entry ---------------------------------------------------------------------------------------
@@ -74,9 +65,8 @@ def _install(module: types.ModuleType, patch: ThirdPartyPatch) -> None:
     trainer_cls = module.OnlineDPOTrainer
     why = forward_shape_mismatch(trainer_cls)
     if why is not None:
-        patch.state["refused"] = why
-        warnings.warn(f"hf_fused: {why}. OnlineDPOTrainer will build the full logits, on patched models too. "
-                      "hf_fused serves TRL 1.16's OnlineDPOTrainer.", stacklevel=3)
+        patch.refuse(why, "OnlineDPOTrainer will build the full logits, on patched models too. hf_fused serves TRL "
+                          "1.16's OnlineDPOTrainer.")
         return
     live = patch.liveness()
     original = trainer_cls._forward
@@ -88,7 +78,9 @@ def _install(module: types.ModuleType, patch: ThirdPartyPatch) -> None:
         if vision_inputs is None:
             return fused_completion_logprobs(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask)
         if model.training and torch.is_grad_enabled():
-            _warn_once(model, "the batch has vision inputs, which hf_fused does not route")
+            warn_full_logits_once(model, "OnlineDPOTrainer._forward builds the model's full [tokens, vocab] logits "
+                                         "here, not hf_fused's tiles, because the batch has vision inputs, which "
+                                         "hf_fused does not route.")
         return original(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs)
 
     _forward.__hf_fused__ = True

@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,11 +34,11 @@ import torch
 import torch.nn as nn
 
 from ...model import (
-    FusedLossBypassedWarning, FusedRequest, ModelExtension, as_kwargs, find_causal_lm, head_tensors, is_fused,
-    register_extension, run_intercepted,
+    FusedRequest, ModelExtension, as_kwargs, head_tensors, is_fused, register_extension, run_intercepted,
 )
 from ...ops import sparse_distillation_loss
 from ..patching import ThirdPartyPatch
+from .bypass import warn_full_logits_once
 
 #: The keyword of the patched student's call that computes the sparse divergence (:func:`sparse_distillation_forward`).
 CALL_KEYWORD = "hf_fused_sparse_distillation"
@@ -214,18 +213,6 @@ def _subclass_defines(cls: type, trainer_cls: type, name: str) -> bool:
     return False
 
 
-def _warn_once(model: nn.Module, why_not: str) -> None:
-    """Say once per student why the loss is computed from the full logits (and keep the patched forward's own
-    "called without labels" warning from repeating it)."""
-    state = find_causal_lm(model)._hf_fused
-    if state.warned_without_labels:
-        return
-    state.warned_without_labels = True
-    warnings.warn(f"hf_fused: ServerDistillationTrainer.compute_loss computes its loss from the student's full "
-                  f"[tokens, vocab] logits here, not from hidden states, because {why_not}.",
-                  FusedLossBypassedWarning, stacklevel=3)
-
-
 # -- the inventory's entry ---------------------------------------------------------------------------------------
 
 
@@ -247,10 +234,8 @@ def _install(module: types.ModuleType, patch: ThirdPartyPatch) -> None:
     trainer_cls = module.ServerDistillationTrainer
     why = server_shape_mismatch(trainer_cls)
     if why is not None:
-        patch.state["refused"] = why
-        warnings.warn(f"hf_fused: {why}. ServerDistillationTrainer will compute its loss from the student's full "
-                      "logits, on patched models too. hf_fused serves TRL 1.16's ServerDistillationTrainer.",
-                      stacklevel=3)
+        patch.refuse(why, "ServerDistillationTrainer will compute its loss from the student's full logits, on patched "
+                          "models too. hf_fused serves TRL 1.16's ServerDistillationTrainer.")
         return
     live = patch.liveness()
     original = trainer_cls.compute_loss
@@ -264,7 +249,8 @@ def _install(module: types.ModuleType, patch: ThirdPartyPatch) -> None:
         if why_not is None:
             return fused_server_loss(self, model, inputs)
         if model.training and torch.is_grad_enabled():
-            _warn_once(model, why_not)
+            warn_full_logits_once(model, "ServerDistillationTrainer.compute_loss computes its loss from the student's "
+                                  f"full [tokens, vocab] logits here, not from hidden states, because {why_not}.")
         return original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     compute_loss.__hf_fused__ = True
