@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import torch
 
 from . import measure
+from .report import fmt_number
 
 
 def packed_row(args, generator: torch.Generator) -> dict:
@@ -155,16 +156,12 @@ def run(args) -> list[dict]:
             rec["grad_weight_diff"] = measure.relative_error(grads[1], baseline[1][1])
         if trl_ms and rec.get("ms"):
             rec["x_trl"] = rec["ms"] / trl_ms
-        rows.append([rec["variant"], _f(rec.get("ms"), 2), _f(rec.get("peak_gib"), 2), _f(rec.get("x_trl"), 3),
-                     _f(rec.get("loss_diff"), 1, "e"), _f(rec.get("grad_hidden_diff"), 1, "e"),
-                     _f(rec.get("grad_weight_diff"), 1, "e"), rec.get("note", "")])
+        rows.append([rec["variant"], *(fmt_number(rec.get(key), spec) for key, spec in (
+            ("ms", ".2f"), ("peak_gib", ".2f"), ("x_trl", ".3f"), ("loss_diff", ".1e"), ("grad_hidden_diff", ".1e"),
+            ("grad_weight_diff", ".1e"))), rec.get("note", "")])
     header = ["variant", "ms", "GiB", "× TRL", "loss vs hf_fused", "dX vs hf_fused", "dW vs hf_fused", "note"]
     print("\n".join(measure.text_table(header, rows)))
     return records
-
-
-def _f(value: Optional[float], digits: int, kind: str = "f") -> str:
-    return "" if value is None else f"{value:.{digits}{kind}}"
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -36,7 +36,8 @@ def _e(x: Optional[float]) -> str:
     return "—" if x is None else f"{x:.1e}"
 
 
-def _f(x: Optional[float], fmt: str) -> str:
+def fmt_number(x: Optional[float], fmt: str) -> str:
+    """``x`` formatted with ``fmt`` (``format``'s spec), an em dash for ``None``."""
     return "—" if x is None else format(x, fmt)
 
 
@@ -112,8 +113,8 @@ def render_table(doc: dict) -> str:
         rows_out = []
         for r in rows:
             ok = r["status"] == "ok"
-            row = [r["label"], _f(r.get("time_ms"), ".2f"), _f(r.get("tflops"), ".3g"),
-                   *([_f(None if r.get("frac_of_ceiling") is None else 100 * r["frac_of_ceiling"], ".0f")]
+            row = [r["label"], fmt_number(r.get("time_ms"), ".2f"), fmt_number(r.get("tflops"), ".3g"),
+                   *([fmt_number(None if r.get("frac_of_ceiling") is None else 100 * r["frac_of_ceiling"], ".0f")]
                      if with_ceiling else []),
                    _bytes(r.get("peak_mem_bytes")), _e(r.get("loss_rel_err")), _e(r.get("grad_hidden_rel_err")),
                    _e(r.get("grad_weight_rel_err"))]

@@ -77,18 +77,17 @@ def packed_token_loss_hint(trainer: AsyncGRPOTrainer, inputs: dict) -> TokenLoss
     """TRL 1.16's ``AsyncGRPOTrainer.compute_loss`` for one micro-batch as a :class:`~hf_fused.ops.TokenLossHint`
     on the packed row its model call scores (``[1, L, K]`` constants: ``L`` the row's positions, ``K`` the most loss
     terms any position carries, padded with zero weights), selected from ``inputs`` as ``compute_loss`` selects them.
-    One host sync (``K``)."""
-    mask = inputs["attention_mask"].bool()
-    length = int(mask.sum())
+    One host sync (the row's length and ``K``)."""
     selected = inputs["token_index"] >= 0
     token_index = inputs["token_index"][selected]
     constants = {"old": inputs["old_log_probs"][selected], "advantages": inputs["advantages"][selected]}
     tokens_per_rank = (inputs["global_n_tokens"][0] / trainer.accelerator.num_processes).clamp(min=1.0)
     weight = 1.0 / tokens_per_rank.to(torch.float32) / trainer.current_gradient_accumulation_steps
     constants["weight"] = weight.expand(token_index.shape)
-    # term j goes to (its position, its rank among the terms of that position)
-    counts = torch.bincount(token_index, minlength=length)
-    terms = max(int(counts.max()), 1) if token_index.numel() else 1
+    # term j goes to (its position, its rank among the terms of that position); the row's length and K in one read
+    counts = torch.bincount(token_index)
+    length = inputs["attention_mask"].bool().sum()
+    length, terms = torch.stack([length, counts.max()]).tolist() if token_index.numel() else (int(length), 1)
     order = torch.argsort(token_index, stable=True)
     position = token_index[order]
     slot = torch.arange(position.numel(), device=position.device) - (counts.cumsum(0) - counts)[position]

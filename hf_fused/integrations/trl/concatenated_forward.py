@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from ...model import find_causal_lm, is_fused
 from ..patching import ThirdPartyPatch
-from .bypass import warn_full_logits_once
+from .bypass import subclass_defines, warn_full_logits_once
 from .protocol import OPTIONS_ATTR, TrlHeadOptions
 
 #: ``concatenated_forward``'s parameters in TRL 1.16 and the methods :func:`fused_concatenated_forward` calls.
@@ -104,13 +104,9 @@ def _why_not_fused(trainer, trainer_cls: type, batch: dict, kind: str) -> Option
     """Why this call keeps TRL's method (full logits), or ``None``."""
     if trainer.is_encoder_decoder:
         return "the model is an encoder-decoder, which hf_fused does not patch"
-    cls = type(trainer)
-    for klass in cls.__mro__:
-        if "get_batch_loss_metrics" in vars(klass):
-            if klass is not trainer_cls and issubclass(klass, trainer_cls):
-                return (f"{cls.__qualname__} overrides get_batch_loss_metrics, which may read the full logits; keep "
-                        "TRL's method, or compute from model(..., fused_output='logprobs')")
-            break
+    if subclass_defines(type(trainer), trainer_cls, "get_batch_loss_metrics"):
+        return (f"{type(trainer).__qualname__} overrides get_batch_loss_metrics, which may read the full logits; keep "
+                "TRL's method, or compute from model(..., fused_output='logprobs')")
     for side in ("chosen", "rejected"):
         ids, labels = batch[f"{side}_input_ids"], batch[f"{side}_labels"]
         if ids.shape != labels.shape or not bool(((labels == ids) | (labels == IGNORED)).all()):

@@ -38,7 +38,7 @@ from ...model import (
 )
 from ...ops import sparse_distillation_loss
 from ..patching import ThirdPartyPatch
-from .bypass import warn_full_logits_once
+from .bypass import subclass_defines, warn_full_logits_once
 
 #: The keyword of the patched student's call that computes the sparse divergence (:func:`sparse_distillation_forward`).
 CALL_KEYWORD = "hf_fused_sparse_distillation"
@@ -197,20 +197,12 @@ def _why_not_fused(trainer, trainer_cls: type, return_outputs: bool) -> Optional
     if getattr(trainer, "reverse_kl_top_1_mode", "sampled") != "sampled":
         return ("reverse_kl_top_1_mode is not 'sampled': the student's own top-1 token is not a support the teacher "
                 "server scored; use 'sampled' (TRL's config accepts no other)")
-    overridden = [name for name in LOSS_METHODS if _subclass_defines(type(trainer), trainer_cls, name)]
+    overridden = [name for name in LOSS_METHODS if subclass_defines(type(trainer), trainer_cls, name)]
     if overridden:
         return (f"{type(trainer).__qualname__} overrides {', '.join(overridden)}, a loss of the student's full "
                 "log-probs that hf_fused cannot compute from hidden states; keep TRL's methods, or compute your loss "
                 "with hf_fused.ops.sparse_distillation_loss from model(..., fused_output='hidden_states')")
     return None
-
-
-def _subclass_defines(cls: type, trainer_cls: type, name: str) -> bool:
-    """Whether ``cls`` takes ``name`` from a subclass of ``trainer_cls`` (not from TRL's class itself)."""
-    for klass in cls.__mro__:
-        if name in vars(klass):
-            return klass is not trainer_cls and issubclass(klass, trainer_cls)
-    return False
 
 
 # -- the inventory's entry ---------------------------------------------------------------------------------------
